@@ -1,0 +1,1 @@
+"""Pomona's Prefect flows, deployments and the ``pomona`` CLI (flows -> tasks -> engine)."""

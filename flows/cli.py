@@ -1,0 +1,109 @@
+"""The ``pomona`` command line: one entry point for every stage.
+
+    pomona model init --out models/tiny          # a self-made model, no download
+    pomona data synth --task sort --n 500 --out data/sort.jsonl
+    pomona demo --out runs/demo                  # everything that exists, end to end
+
+Heavy imports (mlx, mlx-lm, tokenizers) happen inside commands so ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    name="pomona",
+    help="ORPO preference fine-tuning of mlx-lm models, swept with Ray, run by Prefect.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+model_app = typer.Typer(help="Make and inspect models.", no_args_is_help=True)
+data_app = typer.Typer(help="Make and prepare preference data.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+app.add_typer(data_app, name="data")
+console = Console()
+
+
+def fail(message: str) -> typer.Exit:
+    """Print ``message`` as an error and return the exit to raise (status 2, like typer)."""
+    console.print(f"[bold red]error:[/] {message}")
+    return typer.Exit(code=2)
+
+
+@model_app.command("init")
+def model_init(
+    out: Annotated[Path, typer.Option(help="Directory to write the model to.")],
+    arch: Annotated[str, typer.Option(help="llama (untied head, BOS) or qwen2 (tied, no BOS).")]
+    = "llama",
+    layers: Annotated[int, typer.Option(help="Transformer blocks.")] = 4,
+    hidden: Annotated[int, typer.Option(help="Model width.")] = 128,
+    heads: Annotated[int, typer.Option(help="Attention heads.")] = 4,
+    kv_heads: Annotated[int, typer.Option(help="Key/value heads (GQA).")] = 2,
+    intermediate: Annotated[int, typer.Option(help="MLP width.")] = 256,
+    vocab: Annotated[int, typer.Option(help="Vocabulary size (BPE trained locally).")] = 1024,
+    seed: Annotated[int, typer.Option(help="Weight seed; same seed, same bytes.")] = 0,
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16.")] = "float32",
+    quantize: Annotated[int | None, typer.Option(help="4 or 8: quantize via mlx_lm.convert.")]
+    = None,
+    q_group_size: Annotated[int, typer.Option(help="Quantization group size.")] = 64,
+    overwrite: Annotated[bool, typer.Option(help="Replace a non-empty --out.")] = False,
+) -> None:
+    """Write a random-init model + locally trained tokenizer that mlx_lm.load reads."""
+    from tasks.model_factory import ModelSpec, init_model
+
+    spec = ModelSpec(arch=arch, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                     intermediate=intermediate, vocab=vocab, seed=seed, dtype=dtype,
+                     quantize=quantize, q_group_size=q_group_size)
+    try:
+        path = init_model(spec, out, overwrite=overwrite)
+    except (ValueError, FileExistsError) as err:
+        raise fail(str(err)) from err
+    size = sum(f.stat().st_size for f in path.iterdir()) / 2**20
+    console.print(f"wrote {arch} model ({layers} layers, hidden {hidden}, vocab {vocab}"
+                  f"{f', {quantize}-bit' if quantize else ''}) to {path} [{size:.1f} MiB]")
+
+
+@data_app.command("synth")
+def data_synth(
+    out: Annotated[Path, typer.Option(help="Output file: .jsonl, .json or .parquet.")],
+    task: Annotated[str, typer.Option(help="sort | reverse | add | mixed.")] = "mixed",
+    n: Annotated[int, typer.Option(help="Number of preference pairs.")] = 500,
+    seed: Annotated[int, typer.Option(help="Seed; same seed, same rows.")] = 0,
+    layout: Annotated[str, typer.Option(help="explicit | conversational | implicit.")]
+    = "explicit",
+    max_shots: Annotated[int, typer.Option(help="Most worked examples in a prompt.")] = 8,
+    ids: Annotated[bool, typer.Option(help="Write the optional `id` field.")] = True,
+) -> None:
+    """Write a learnable synthetic preference task (chosen correct, rejected a near-miss)."""
+    from tasks.synthetic import synth_rows, write_rows
+
+    try:
+        rows = list(synth_rows(task, n, seed, layout, max_shots=max_shots, ids=ids))
+        write_rows(rows, out)
+    except ValueError as err:
+        raise fail(str(err)) from err
+    console.print(f"wrote {len(rows)} {task} pairs ({layout} layout, seed {seed}) to {out}")
+
+
+@app.command("demo")
+def demo(
+    out: Annotated[Path, typer.Option(help="Directory for the demo's model and data.")]
+    = Path("runs/demo"),
+) -> None:
+    """Run everything Pomona has so far on self-made fixtures and say what it did."""
+    from flows.demo import run_demo
+
+    run_demo(out, console)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

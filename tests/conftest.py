@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny self-made models built once per test session.
+
+Tests run float32 on CPU (bf16 matmuls skip BLAS there and are slow: DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tasks.model_factory import ModelSpec, init_model
+
+# Small enough to build in ~1 s and train in seconds; quantizable with group size 64.
+TINY = ModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=512)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A float32 llama-family model directory in the Hugging Face layout."""
+    return init_model(TINY, tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_q4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same model, 4-bit quantized through mlx_lm.convert."""
+    out = tmp_path_factory.mktemp("models") / "tiny-llama-q4"
+    return init_model(replace(TINY, quantize=4), out)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A qwen2 model: tied head, q/k/v biases, no BOS token."""
+    return init_model(replace(TINY, arch="qwen2"), tmp_path_factory.mktemp("models") / "tiny-qwen2")

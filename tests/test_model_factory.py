@@ -1,0 +1,123 @@
+"""`pomona model init`: self-made models load and run through mlx-lm's own code paths."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx.utils import tree_flatten
+
+from tasks.model_factory import IM_END, ModelSpec, init_model, train_tokenizer
+from tests.conftest import TINY
+
+pytestmark = pytest.mark.integration
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def test_loads_and_generates(tiny_model: Path) -> None:
+    model, tokenizer = mlx_lm.load(str(tiny_model))
+    names = {k for k, _ in tree_flatten(model.parameters())}
+    assert "lm_head.weight" in names  # llama default: untied head
+    assert len(model.layers) == TINY.layers
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Sort these numbers: 3 1 2"}], add_generation_prompt=True
+    )
+    text = mlx_lm.generate(model, tokenizer, prompt=prompt, max_tokens=8)
+    assert isinstance(text, str) and text  # a random model still emits tokens
+    logits = model(mx.array([prompt]))
+    assert logits.shape == (1, len(prompt), TINY.vocab)
+    assert logits.dtype == mx.float32 and bool(mx.all(mx.isfinite(logits)))
+
+
+def test_tokenizer_special_tokens_and_template(tiny_model: Path) -> None:
+    _, tokenizer = mlx_lm.load(str(tiny_model))
+    assert tokenizer.eos_token == IM_END
+    assert tokenizer.eos_token_ids == {tokenizer.convert_tokens_to_ids(IM_END)}
+    ids = tokenizer.encode("hello")
+    assert ids[0] == tokenizer.bos_token_id  # llama-style tokenizers prepend BOS
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert text == "<|bos|><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(max_size=200))
+def test_any_text_round_trips(text: str) -> None:
+    tok = _tokenizer()
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+_TOKENIZER = None
+
+
+def _tokenizer():
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        _TOKENIZER = train_tokenizer(TINY)
+    return _TOKENIZER
+
+
+def test_same_seed_same_bytes_other_seed_other_weights(tmp_path: Path, tiny_model: Path) -> None:
+    again = init_model(TINY, tmp_path / "again")
+    assert _files(again) == _files(tiny_model)
+    other = init_model(replace(TINY, seed=1), tmp_path / "other")
+    a = mx.load(str(tiny_model / "model.safetensors"))
+    b = mx.load(str(other / "model.safetensors"))
+    assert a.keys() == b.keys()
+    w = "model.layers.0.self_attn.q_proj.weight"
+    assert not np.array_equal(np.array(a[w]), np.array(b[w]))
+    assert (other / "tokenizer.json").read_bytes() == (tiny_model / "tokenizer.json").read_bytes()
+
+
+def test_quantized_variant_loads_and_generates(tiny_model_q4: Path, tmp_path: Path) -> None:
+    model, tokenizer = mlx_lm.load(str(tiny_model_q4))
+    q_proj = model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, nn.QuantizedLinear) and q_proj.bits == 4
+    assert mlx_lm.generate(model, tokenizer, prompt="Add the two numbers:", max_tokens=4)
+    again = init_model(replace(TINY, quantize=4), tmp_path / "q4")
+    assert _files(again) == _files(tiny_model_q4)
+
+
+def test_qwen2_variant(tiny_qwen2: Path) -> None:
+    model, tokenizer = mlx_lm.load(str(tiny_qwen2))
+    names = {k for k, _ in tree_flatten(model.parameters())}
+    assert "lm_head.weight" not in names  # tied head
+    assert "model.layers.0.self_attn.q_proj.bias" in names
+    assert tokenizer.bos_token is None
+    assert tokenizer.encode("hello") == tokenizer.encode("hello", add_special_tokens=False)
+    assert mlx_lm.generate(model, tokenizer, prompt="hello", max_tokens=4)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"arch": "gpt2"}, "arch"),
+        ({"hidden": 60}, "hidden"),
+        ({"kv_heads": 3}, "heads"),
+        ({"vocab": 100}, "vocab"),
+        ({"quantize": 3}, "quantize"),
+        ({"quantize": 4, "hidden": 96}, "hidden"),
+        ({"layers": 0}, "layers"),
+    ],
+)
+def test_bad_spec_names_the_field(change: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        replace(ModelSpec(), **change).validate()
+
+
+def test_refuses_to_overwrite(tiny_model: Path) -> None:
+    with pytest.raises(FileExistsError, match="overwrite"):
+        init_model(TINY, tiny_model)
