@@ -1,0 +1,145 @@
+"""Models: load any mlx-lm model, freeze it, attach LoRA, and expose its layer stack.
+
+The segmented backward needs the model as embed → layers → final norm → head. mlx-lm
+models differ in small ways (tied heads, embedding scales, softcaps), so ``Stack`` is
+checked against the model's own forward once at load (``check_stack``) and refuses a
+model whose decomposition does not reproduce its logits, rather than train it wrongly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """LoRA settings, in mlx-lm's adapter_config vocabulary (``scale`` = α/r)."""
+
+    rank: int = 8
+    scale: float = 20.0
+    dropout: float = 0.0
+    keys: tuple[str, ...] | None = None  # None: every linear in the block (mlx-lm default)
+    num_layers: int = -1  # last N blocks; -1 = all
+
+
+class KeyedDropout(nn.Module):
+    """Dropout whose mask is a pure function of (``seed``, call site).
+
+    The segmented backward replays each segment's forward; a dropout that drew fresh
+    randomness would train on a mask the forward never used. The trainer sets ``seed``
+    per micro-step, so the forward and its replay draw the same mask.
+    """
+
+    def __init__(self, p: float, site: int):
+        super().__init__()
+        self.p, self.site, self.seed = p, site, 0
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not self.training or self.p == 0:
+            return x
+        key = mx.random.key((self.seed * 1_000_003 + self.site) % (2**63))
+        keep = mx.random.bernoulli(1 - self.p, x.shape, key=key)
+        return mx.where(keep, x / (1 - self.p), mx.zeros_like(x))
+
+
+def lora_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every LoRA layer, in a stable order."""
+    return [(n, m) for n, m in model.named_modules() if hasattr(m, "lora_a")]
+
+
+def attach_lora(model: nn.Module, spec: LoraSpec, seed: int) -> int:
+    """Freeze ``model`` and add LoRA layers; return the trainable parameter count.
+
+    lora_a is re-drawn from ``seed`` (mlx-lm draws it from the global RNG), lora_b is 0,
+    so the adapted model starts equal to the base and the same seed gives the same run.
+    """
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model.freeze()
+    config = {"rank": spec.rank, "scale": spec.scale, "dropout": spec.dropout}
+    if spec.keys is not None:
+        config["keys"] = list(spec.keys)
+    n = len(model.layers) if spec.num_layers < 0 else spec.num_layers
+    linear_to_lora_layers(model, n, config)
+    modules = lora_modules(model)
+    if not modules:
+        raise ValueError(f"no LoRA layers attached: keys={spec.keys} matched nothing in "
+                         f"the last {n} layers")
+    rng = np.random.default_rng(seed)
+    for site, (_, m) in enumerate(modules):
+        fan_in = m.lora_a.shape[0]
+        bound = 1.0 / np.sqrt(fan_in)
+        m.lora_a = mx.array(rng.uniform(-bound, bound, m.lora_a.shape).astype(np.float32))
+        m.lora_b = mx.zeros_like(m.lora_b)
+        m.dropout = KeyedDropout(spec.dropout, site)
+    return sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+
+
+def set_dropout_seed(model: nn.Module, seed: int) -> None:
+    """Give every KeyedDropout the micro-step's ``seed``."""
+    for _, m in model.named_modules():
+        if isinstance(m, KeyedDropout):
+            m.seed = seed
+
+
+@dataclass
+class Stack:
+    """A decoder as embed → layers → norm → project (→ softcap)."""
+
+    embed: Callable[[mx.array], mx.array]
+    layers: list[nn.Module]
+    norm: Callable[[mx.array], mx.array]
+    project: Callable[[mx.array], mx.array]
+    layers_prefix: str  # parameter-name prefix of layer i: f"{layers_prefix}.{i}."
+
+    def head(self, h: mx.array) -> mx.array:
+        """Logits from the last layer's output h [..., H] → [..., V]."""
+        return self.project(self.norm(h))
+
+    def forward(self, tokens: mx.array, mask: str | mx.array = "causal") -> mx.array:
+        """Plain forward tokens [N, T] → logits [N, T, V]."""
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h, mask, None)
+        return self.head(h)
+
+
+def _softcap(model: nn.Module) -> float | None:
+    args = getattr(model, "args", None)
+    return getattr(args, "final_logit_softcapping", None) if args is not None else None
+
+
+def make_stack(model: nn.Module) -> Stack:
+    """Decompose an mlx-lm model (llama family: model.model.{embed_tokens,layers,norm})."""
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")):
+        raise ValueError(f"{type(model).__module__}: not a llama-family layout "
+                         "(model.model.embed_tokens/layers/norm); the engine cannot segment it")
+    tied = not hasattr(model, "lm_head")
+    project = inner.embed_tokens.as_linear if tied else model.lm_head
+    cap = _softcap(model)
+    if cap:
+        base = project
+
+        def project(x: mx.array) -> mx.array:
+            return mx.tanh(base(x) / cap) * cap
+
+    prefix = next(n for n, m in model.named_modules() if m is inner.layers[0]).rsplit(".", 1)[0]
+    return Stack(inner.embed_tokens, list(inner.layers), inner.norm, project, prefix)
+
+
+def check_stack(model: nn.Module, stack: Stack, atol: float = 1e-4) -> None:
+    """Raise if ``stack.forward`` does not reproduce ``model``'s own logits."""
+    tokens = mx.array([[1, 5, 9, 2, 7, 3, 8, 4]])
+    ours = stack.forward(tokens).astype(mx.float32)
+    theirs = model(tokens).astype(mx.float32)
+    err = float(mx.abs(ours - theirs).max())
+    if not err <= atol * max(1.0, float(mx.abs(theirs).max())):
+        raise ValueError(f"{type(model).__module__}: layer-stack forward differs from the "
+                         f"model's own by {err:.3g}; this architecture is not supported")

@@ -1,0 +1,159 @@
+"""Value and LoRA gradients of one micro-batch: plain autograd, or segment by segment.
+
+Plain (``segment_size`` 0, dense head): ``nn.value_and_grad`` over the whole model — the
+reference every other path is tested against.
+
+Segmented (``segment_size`` k): the forward keeps only the hidden state at each segment
+boundary, evaluated (so it is a leaf: MLX frees a graph once it is evaluated); the head
+runs as its own vjp (dense, or bounded by ``head_chunk``); then segments run in reverse,
+each an ``mx.vjp`` with respect to (boundary input, that segment's LoRA parameters) with
+the incoming cotangent, evaluated in one barrier before the next. Peak memory is one
+segment's activations plus the boundaries, and the gradients are exactly the plain ones.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from engine.batch import PairBatch
+from engine.head import bounded_head_grad, dense_logps, token_logps
+from engine.model import Stack
+
+LossOfLogps = Callable[[mx.array], tuple[mx.array, dict[str, mx.array]]]
+Grads = dict[str, mx.array]
+Result = tuple[mx.array, dict[str, mx.array], Grads]
+
+
+def segment_ranges(n_layers: int, k: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) layer ranges of at most ``k`` layers (the last may be short)."""
+    if k <= 0:
+        raise ValueError(f"segment_size must be positive here, got {k}")
+    return [(s, min(s + k, n_layers)) for s in range(0, n_layers, k)]
+
+
+def _mem_log(phase: str) -> None:
+    # POMONA_SEG_MEM_LOG=1: the phase where the monotone peak jumps is where memory lives.
+    if os.environ.get("POMONA_SEG_MEM_LOG") == "1":
+        print(f"[seg-mem] {phase}: peak {mx.get_peak_memory() / 2**20:.1f} MiB, "
+              f"active {mx.get_active_memory() / 2**20:.1f} MiB", file=sys.stderr)
+
+
+def plain_value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch,
+                         loss_of_logps: LossOfLogps) -> Result:
+    """One ``nn.value_and_grad`` over the model's own forward with the dense head."""
+    inputs, targets = mx.array(batch.inputs), mx.array(batch.targets)
+
+    def fn(tokens: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
+        return loss_of_logps(token_logps(model(tokens), targets))
+
+    (loss, metrics), grads = nn.value_and_grad(model, fn)(inputs)
+    return loss, metrics, dict(tree_flatten(grads))
+
+
+def _segment_params(stack: Stack, start: int, end: int) -> list[tuple[int, str, mx.array]]:
+    """(layer index, path inside the layer, array) of the trainable params in a segment."""
+    return [(i, path, value) for i in range(start, end)
+            for path, value in tree_flatten(stack.layers[i].trainable_parameters())]
+
+
+def _run_segment(stack: Stack, start: int, end: int, h: mx.array) -> mx.array:
+    for layer in stack.layers[start:end]:
+        h = layer(h, "causal", None)
+    return h
+
+
+def _segment_vjp(stack: Stack, start: int, end: int, h_in: mx.array,
+                 cotangent: mx.array) -> tuple[mx.array, Grads]:
+    """dL/dh_in and the segment's LoRA grads; params go in as primals, then are restored."""
+    params = _segment_params(stack, start, end)
+
+    def write(values: list[mx.array]) -> None:
+        by_layer: dict[int, list[tuple[str, mx.array]]] = {}
+        for (i, path, _), v in zip(params, values, strict=True):
+            by_layer.setdefault(i, []).append((path, v))
+        for i, items in by_layer.items():
+            stack.layers[i].update(tree_unflatten(items))
+
+    def fn(h: mx.array, *values: mx.array) -> mx.array:
+        write(list(values))
+        return _run_segment(stack, start, end, h)
+
+    try:
+        _, vjps = mx.vjp(fn, [h_in, *[p[2] for p in params]], [cotangent])
+    finally:
+        write([p[2] for p in params])  # the layers hold the real params again
+    grads = {f"{stack.layers_prefix}.{i}.{path}": g
+             for (i, path, _), g in zip(params, vjps[1:], strict=True)}
+    mx.eval(vjps[0], grads)
+    return vjps[0], grads
+
+
+def segmented_value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch,
+                             loss_of_logps: LossOfLogps, segment_size: int,
+                             head_chunk: int = 0) -> Result:
+    """Loss, metrics and LoRA grads via the segmented backward (module docstring)."""
+    ranges = segment_ranges(len(stack.layers), segment_size or len(stack.layers))
+    h = stack.embed(mx.array(batch.inputs))
+    mx.eval(h)
+    boundaries = [h]
+    for s, e in ranges:  # forward: keep only boundary states, each evaluated
+        h = _run_segment(stack, s, e, h)
+        mx.eval(h)
+        boundaries.append(h)
+        _mem_log(f"forward {s}-{e}")
+
+    h_last = boundaries.pop()
+    if head_chunk > 0:
+        active = (batch.resp_mask > 0) | (batch.nll_mask > 0)
+        loss, metrics, cot = bounded_head_grad(stack, h_last, batch.targets, active,
+                                               loss_of_logps, head_chunk)
+    else:
+        targets = mx.array(batch.targets)
+        (loss, metrics), cot = mx.value_and_grad(
+            lambda x: loss_of_logps(dense_logps(stack, x, targets)))(h_last)
+        mx.eval(loss, metrics, cot)
+    del h_last
+    _mem_log("head")
+
+    grads: Grads = {}
+    for s, e in reversed(ranges):  # backward: one segment at a time, in reverse
+        cot, seg_grads = _segment_vjp(stack, s, e, boundaries.pop(), cot)
+        grads.update(seg_grads)
+        _mem_log(f"backward {s}-{e}")
+    return loss, metrics, grads
+
+
+def value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch,
+                   loss_of_logps: LossOfLogps, segment_size: int = 0,
+                   head_chunk: int = 0) -> Result:
+    """Dispatch: plain autograd when both levers are off, else the staged path.
+
+    ``head_chunk`` > 0 with ``segment_size`` 0 runs all layers as one segment, since the
+    bounded head needs its own stage.
+    """
+    if segment_size <= 0 and head_chunk <= 0:
+        return plain_value_and_grad(model, stack, batch, loss_of_logps)
+    return segmented_value_and_grad(model, stack, batch, loss_of_logps, segment_size,
+                                    head_chunk)
+
+
+def trainable_names(model: nn.Module) -> list[str]:
+    """Names of the trainable parameters, as the grads dicts key them."""
+    return [k for k, _ in tree_flatten(model.trainable_parameters())]
+
+
+def grads_to_tree(grads: Grads) -> dict:
+    """Flat name → array dict as the nested tree optimizers expect."""
+    return tree_unflatten(list(grads.items()))
+
+
+def global_norm(grads: Grads) -> float:
+    """L2 norm over all gradient arrays."""
+    return float(np.sqrt(sum(float((g.astype(mx.float32) ** 2).sum()) for g in grads.values())))

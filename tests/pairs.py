@@ -1,0 +1,25 @@
+"""Test helper: synthetic rows → tokenized pairs with a model's own tokenizer (raw text)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.batch import Pair
+from tasks.synthetic import synth_rows
+
+
+def tokenized_pairs(model_dir: Path, n: int, seed: int = 0, task: str = "mixed",
+                    max_shots: int = 2) -> list[Pair]:
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(Path(model_dir))
+    eos = tok.eos_token_id
+    pairs = []
+    for row in synth_rows(task, n, seed=seed, max_shots=max_shots):
+        pairs.append(Pair(
+            id=row["id"],
+            prompt=tok.encode(row["prompt"]),
+            chosen=tok.encode(row["chosen"], add_special_tokens=False) + [eos],
+            rejected=tok.encode(row["rejected"], add_special_tokens=False) + [eos],
+        ))
+    return pairs
