@@ -70,7 +70,8 @@ def model_init(
 @data_app.command("synth")
 def data_synth(
     out: Annotated[Path, typer.Option(help="Output file: .jsonl, .json or .parquet.")],
-    task: Annotated[str, typer.Option(help="sort | reverse | add | mixed.")] = "mixed",
+    task: Annotated[str, typer.Option(help="sort (learned fastest) | reverse | add | mixed.")]
+    = "sort",
     n: Annotated[int, typer.Option(help="Number of preference pairs.")] = 500,
     seed: Annotated[int, typer.Option(help="Seed; same seed, same rows.")] = 0,
     layout: Annotated[str, typer.Option(help="explicit | conversational | implicit.")]

@@ -166,8 +166,10 @@ def model_config(spec: ModelSpec) -> dict:
 def init_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     """Seeded float32 weights for every parameter of the mlx-lm model ``config`` describes.
 
-    N(0, 0.02) for matrices (GPT-2's init), output projections scaled by 1/sqrt(2·layers)
-    so the residual stream stays O(1) at init; norms at 1, biases at 0.
+    N(0, 0.02) for block matrices (GPT-2's init), output projections scaled by
+    1/sqrt(2·layers) so the residual stream stays O(1); embeddings and the head N(0, 1/H),
+    so a frozen head can still express confident predictions (with 0.02 its logits are
+    capped near ±2.5 at H=128, and LoRA on top cannot push the NLL down); norms 1, biases 0.
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -188,6 +190,8 @@ def init_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
             weights[name] = np.zeros(shape, np.float32)
         else:
             std = 0.02 * (out_scale if name.endswith(("o_proj.weight", "down_proj.weight")) else 1)
+            if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                std = 1.0 / np.sqrt(config["hidden_size"])
             weights[name] = rng.normal(0.0, std, size=shape).astype(np.float32)
     return weights
 

@@ -1,0 +1,105 @@
+"""LoRA adapters on disk in mlx-lm's format, and training checkpoints.
+
+``adapters.safetensors`` + ``adapter_config.json`` (``fine_tune_type``, ``num_layers``,
+``lora_parameters{rank, scale, dropout, keys}``) so ``mlx_lm.load(model, adapter_path=DIR)``,
+``mlx_lm.generate`` and ``mlx_lm.fuse`` take them as they are. Every file is written to a
+temporary name and renamed, so a crash never leaves a half file under the real name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from engine.model import LoraSpec
+
+ADAPTER_FILE, CONFIG_FILE = "adapters.safetensors", "adapter_config.json"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def atomic_save_arrays(path: Path, arrays: dict[str, mx.array],
+                       metadata: dict[str, str] | None = None) -> None:
+    tmp = path.with_name(f".{path.name}.tmp.safetensors")  # mlx appends the suffix otherwise
+    mx.save_safetensors(str(tmp), arrays, metadata=metadata or {})
+    os.replace(tmp, path)
+
+
+def adapter_config(spec: LoraSpec, num_layers: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """mlx-lm's adapter_config.json (plus Pomona's own keys, which mlx-lm ignores)."""
+    params: dict[str, Any] = {"rank": spec.rank, "scale": spec.scale, "dropout": spec.dropout}
+    if spec.keys is not None:
+        params["keys"] = list(spec.keys)
+    return {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": params,
+            **extra}
+
+
+def save_adapters(model: nn.Module, out: Path, spec: LoraSpec, num_layers: int,
+                  extra: dict[str, Any] | None = None) -> Path:
+    """Write the model's LoRA weights and config to ``out``; return ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(model.trainable_parameters()))
+    atomic_save_arrays(out / ADAPTER_FILE, weights)
+    config = adapter_config(spec, num_layers, extra or {})
+    atomic_write_text(out / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def load_adapter_weights(model: nn.Module, adapter_dir: Path) -> None:
+    """Load adapter weights into a model that already has matching LoRA layers."""
+    path = Path(adapter_dir) / ADAPTER_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"no {ADAPTER_FILE} in {adapter_dir}")
+    weights = mx.load(str(path))
+    ours = dict(tree_flatten(model.trainable_parameters()))
+    problems = [f"{k}: not a LoRA parameter of this model" for k in weights if k not in ours]
+    problems += [f"{k}: shape {tuple(v.shape)} != {tuple(ours[k].shape)}"
+                 for k, v in weights.items() if k in ours and v.shape != ours[k].shape]
+    problems += [f"{k}: missing from the adapter" for k in ours if k not in weights]
+    if problems:
+        raise ValueError(f"{path} does not fit this model/LoRA config:\n  "
+                         + "\n  ".join(problems[:10]))
+    model.update(tree_unflatten(list(weights.items())))
+
+
+def save_checkpoint(model: nn.Module, optimizer: Any, out: Path, step: int,
+                    state: dict[str, Any], spec: LoraSpec, num_layers: int) -> Path:
+    """Adapters + optimizer state + step/seed into ``out/checkpoints/step_NNNNNNN``."""
+    final = out / "checkpoints" / f"step_{step:07d}"
+    tmp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_adapters(model, tmp, spec, num_layers)
+    atomic_save_arrays(tmp / "optimizer.safetensors", dict(tree_flatten(optimizer.state)))
+    atomic_write_text(tmp / "state.json", json.dumps({"step": step, **state}, indent=2) + "\n")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)  # the checkpoint appears complete or not at all
+    return final
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    ckpts = sorted((out / "checkpoints").glob("step_*"))
+    return ckpts[-1] if ckpts else None
+
+
+def prune_checkpoints(out: Path, keep: int) -> None:
+    for old in sorted((out / "checkpoints").glob("step_*"))[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(model: nn.Module, optimizer: Any, ckpt: Path) -> dict[str, Any]:
+    """Restore adapters and optimizer state; return state.json (step, seed, ...)."""
+    load_adapter_weights(model, ckpt)
+    opt_state = mx.load(str(ckpt / "optimizer.safetensors"))
+    optimizer.state = tree_unflatten(list(opt_state.items()))
+    return json.loads((ckpt / "state.json").read_text())

@@ -1,0 +1,124 @@
+"""Argument parsing for ``python -m engine`` (and ``pomona train``/``pomona score``).
+
+Options are generated from TrainConfig's fields, so the CLI, YAML and the dataclass can
+never disagree. Precedence: CLI > YAML (--config) > defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import types
+from pathlib import Path
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+from engine.config import TrainConfig
+
+
+def _arg_type(hint: Any) -> tuple[Any, dict[str, Any]]:
+    if get_origin(hint) in (Union, types.UnionType):
+        hint = next(a for a in get_args(hint) if a is not type(None))
+    if hint is bool:
+        return None, {"action": argparse.BooleanOptionalAction}
+    if get_origin(hint) is tuple:
+        return None, {"nargs": "+"}
+    return None, {"type": hint}
+
+
+def train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m engine train",
+                                description="Train one LoRA adapter with ORPO (or SFT).")
+    p.add_argument("--config", help="YAML file of TrainConfig fields (CLI flags override).")
+    hints = get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        _, kwargs = _arg_type(hints[f.name])
+        p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None,
+                       help=f"{f.metadata['help']} (default: {f.default})", **kwargs)
+    return p
+
+
+def config_from_args(argv: list[str]) -> TrainConfig:
+    args = vars(train_parser().parse_args(argv))
+    yaml_path = args.pop("config")
+    overrides = {k: v for k, v in args.items() if v is not None}
+    if yaml_path:
+        return TrainConfig.from_yaml(yaml_path, **overrides)
+    return TrainConfig().replace(**overrides)
+
+
+class PrintMetrics:
+    """Plain one-line-per-record progress on stderr (the engine has no terminal UI)."""
+
+    KEYS = ("loss", "nll_loss", "rewards/accuracies", "rewards/margins", "grad_norm",
+            "learning_rate", "tokens_per_sec", "peak_memory_gb", "val/loss",
+            "val/rewards/accuracies")
+
+    def on_metrics(self, record: dict[str, Any]) -> None:
+        parts = [f"{k}={record[k]:.4g}" for k in self.KEYS if k in record]
+        print(f"[{record['split']} step {record['step']}] " + " ".join(parts), file=sys.stderr)
+
+
+def run_train(argv: list[str]) -> int:
+    from engine.trainer import train
+
+    try:
+        cfg = config_from_args(argv)
+        result = train(cfg, [PrintMetrics()])
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.__dict__, indent=2))
+    return 0
+
+
+def score_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m engine score",
+                                description="Score preference pairs under a model (+ adapter).")
+    p.add_argument("--model", required=True, help="Model directory or repo id.")
+    p.add_argument("--adapter", help="Adapter directory (mlx-lm format).")
+    p.add_argument("--data", required=True, help="Tokenized pairs (dataset dir/.parquet/.jsonl).")
+    p.add_argument("--out", required=True, help="Output JSONL, one object per pair.")
+    p.add_argument("--orpo-lambda", type=float, default=0.1, help="λ for the orpo_loss column.")
+    p.add_argument("--split", default="all", choices=["all", "train", "valid"])
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--head-chunk", type=int, default=0, help="Bounded head chunk (0 = dense).")
+    return p
+
+
+def run_score(argv: list[str]) -> int:
+    import mlx_lm
+
+    from engine.adapters import atomic_write_text
+    from engine.data import load_pairs
+    from engine.model import make_stack
+    from engine.scoring import preference_accuracy, score_pairs
+
+    a = score_parser().parse_args(argv)
+    try:
+        model, _ = mlx_lm.load(a.model, adapter_path=a.adapter)
+        data = load_pairs(a.data)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    pairs = {"all": data.train + data.valid, "train": data.train, "valid": data.valid}[a.split]
+    rows = score_pairs(model, make_stack(model), pairs, a.orpo_lambda, a.batch_size,
+                       a.head_chunk)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in rows))
+    print(f"scored {len(rows)} pairs → {out} (preference accuracy "
+          f"{preference_accuracy(rows):.3f}; rows skipped: {dict(data.rejected)})",
+          file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"train": run_train, "score": run_score}
+    if not argv or argv[0] not in commands:
+        print(__doc__ or "", "usage: python -m engine {train,score} ...", sep="\n",
+              file=sys.stderr)
+        return 2
+    return commands[argv[0]](argv[1:])

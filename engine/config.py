@@ -1,0 +1,111 @@
+"""TrainConfig: every knob of one training run, with its help text. CLI > YAML > defaults.
+
+Names follow mlx-lm where it has one (``lora_scale`` = α/r as in its adapter_config) and
+TRL otherwise; λ is ``orpo_lambda`` (TRL's ``beta``, the paper's λ, the official code's
+``alpha``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def _f(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run (one adapter)."""
+
+    model: str = _f("", "Base model: a local directory or a Hugging Face repo id (mlx_lm.load).")
+    data: str = _f("", "Tokenized pairs: a dataset directory, .parquet or .jsonl with "
+                       "prompt_ids/chosen_ids/rejected_ids (and optional id, split).")
+    out: str = _f("runs/train", "Output directory: adapters, metrics.jsonl, checkpoints.")
+    loss: str = _f("orpo", "orpo, or sft (NLL on the chosen sequence only).")
+    orpo_lambda: float = _f(0.1, "λ weighting the odds-ratio term (TRL's beta).")
+    nll_span: str = _f("full", "NLL over prompt+response (full) or the response only.")
+    lora_rank: int = _f(8, "LoRA rank r.")
+    lora_scale: float = _f(20.0, "LoRA scale (α/r), as in mlx-lm's adapter_config.")
+    lora_dropout: float = _f(0.0, "Dropout on the LoRA input.")
+    lora_keys: tuple[str, ...] | None = _f(None, "Module paths inside a block to adapt "
+                                                 "(e.g. self_attn.q_proj); default: all linears.")
+    lora_layers: int = _f(-1, "Adapt the last N blocks; -1 = all.")
+    segment_size: int = _f(0, "Layers per backward segment; 0 = plain value_and_grad.")
+    head_chunk: int = _f(0, "Tokens per LM-head chunk; 0 = dense logits.")
+    pad_multiple: int = _f(-1, "Pad sequence length to a multiple of this; -1 = auto "
+                               "(128 on CUDA, where fused attention needs it; else 1).")
+    steps: int = _f(100, "Optimizer steps.")
+    batch_size: int = _f(4, "Pairs per micro-batch.")
+    grad_accum: int = _f(1, "Micro-batches per optimizer step.")
+    learning_rate: float = _f(1e-5, "Peak learning rate.")
+    warmup_steps: int = _f(0, "Linear warmup steps from 0.")
+    lr_schedule: str = _f("cosine", "cosine (to min_lr_ratio·lr) or constant after warmup.")
+    min_lr_ratio: float = _f(0.0, "Final learning rate as a fraction of the peak (cosine).")
+    weight_decay: float = _f(0.0, "AdamW decoupled weight decay.")
+    adam_beta1: float = _f(0.9, "AdamW β1.")
+    adam_beta2: float = _f(0.999, "AdamW β2.")
+    adam_eps: float = _f(1e-8, "AdamW ε.")
+    bias_correction: bool = _f(True, "Adam bias correction (torch/TRL: on; MLX's default: off).")
+    grad_clip: float = _f(1.0, "Clip the global gradient norm to this; 0 = off.")
+    seed: int = _f(0, "Seed for LoRA init, batch order and dropout (0 is a seed).")
+    report_every: int = _f(10, "Steps per training-metrics window.")
+    val_every: int = _f(50, "Validate every N steps (and at the end); 0 = only at the end.")
+    val_batches: int = _f(0, "Validation micro-batches per evaluation; 0 = the whole split.")
+    checkpoint_every: int = _f(0, "Checkpoint every N steps (adapters + optimizer); 0 = off.")
+    keep_checkpoints: int = _f(2, "Newest checkpoints to keep.")
+    resume: str | None = _f(None, "Checkpoint directory to resume from, or 'auto' (latest).")
+    warm_start: str | None = _f(None, "Adapter directory to start the LoRA weights from.")
+    verify: bool = _f(False, "Before training, check this path's loss and gradients "
+                             "against the plain dense path on the first batch.")
+    memory_limit_gb: float = _f(0.0, "MLX memory limit in GB; 0 = MLX's default.")
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        choices = {"loss": ("orpo", "sft"), "nll_span": ("full", "response"),
+                   "lr_schedule": ("cosine", "constant")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {allowed}")
+        for name in ("steps", "batch_size", "grad_accum", "lora_rank", "report_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
+        for name in ("segment_size", "head_chunk", "warmup_steps", "val_every",
+                     "checkpoint_every", "val_batches"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"lora_dropout={self.lora_dropout}: must be in [0, 1)")
+        if not self.model:
+            raise ValueError("model is required (a model directory or repo id)")
+        if not self.data:
+            raise ValueError("data is required (a tokenized dataset)")
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with ``changes`` (unknown names raise, naming them)."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ValueError(f"unknown config field(s): {', '.join(unknown)}")
+        if changes.get("lora_keys") is not None:
+            changes["lora_keys"] = tuple(changes["lora_keys"])
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> TrainConfig:
+        """Defaults ← YAML file ← ``overrides`` (CLI)."""
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of config fields, got {type(data)}")
+        try:
+            config = cls().replace(**data)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from err
+        return config.replace(**overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

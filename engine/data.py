@@ -1,0 +1,132 @@
+"""Reading tokenized pairs (pyarrow alone) and ordering them into batches.
+
+Reads the data contract of DESIGN.md — a dataset directory of Parquet/Arrow shards with a
+``manifest.json``, a single ``.parquet``/``.arrow`` file, or ``.jsonl`` with the same
+columns: ``prompt_ids``, ``chosen_ids``, ``rejected_ids`` (and optional ``id``, ``split``).
+Unusable rows are counted by reason, never silently dropped or trained on as NaN.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from engine.batch import Pair
+
+COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+
+
+def stable_split(row_id: str, valid_fraction: float = 0.1) -> str:
+    """train/valid by a hash of the id: adding rows never moves old rows across splits."""
+    h = int.from_bytes(hashlib.blake2b(row_id.encode(), digest_size=8).digest(), "big")
+    return "valid" if h / 2**64 < valid_fraction else "train"
+
+
+@dataclass
+class PairSet:
+    """Pairs of one dataset, by split, with the reasons rows were left out."""
+
+    train: list[Pair] = field(default_factory=list)
+    valid: list[Pair] = field(default_factory=list)
+    rejected: Counter = field(default_factory=Counter)
+
+
+def _read_table(path: Path):
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+    import pyarrow.json as pj
+
+    if path.is_dir():
+        files = sorted([*path.glob("*.parquet"), *path.glob("*.arrow")])
+        if not files:
+            raise FileNotFoundError(f"{path}: no .parquet or .arrow shards in the directory")
+        fmt = "parquet" if files[0].suffix == ".parquet" else "ipc"
+        return ds.dataset([str(f) for f in files], format=fmt).to_table()
+    if path.suffix == ".jsonl":
+        return pj.read_json(path)
+    if path.suffix == ".parquet":
+        return ds.dataset(str(path), format="parquet").to_table()
+    if path.suffix == ".arrow":
+        with pa.memory_map(str(path)) as source:
+            return pa.ipc.open_file(source).read_all()
+    raise ValueError(f"{path}: unsupported data file; expected a dataset directory, "
+                     ".parquet, .arrow or .jsonl")
+
+
+def load_pairs(path: str | Path, valid_fraction: float = 0.1) -> PairSet:
+    """All usable pairs of ``path`` by split (``split`` column, else a stable id hash)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"data not found: {path}")
+    table = _read_table(path)
+    missing = [c for c in COLUMNS if c not in table.column_names]
+    if missing:
+        raise ValueError(f"{path}: missing column(s) {', '.join(missing)}; "
+                         f"found {', '.join(table.column_names)}")
+    cols = {c: table.column(c).to_pylist() for c in COLUMNS}
+    ids = (table.column("id").to_pylist() if "id" in table.column_names
+           else [f"row-{i}" for i in range(table.num_rows)])
+    splits = table.column("split").to_pylist() if "split" in table.column_names else None
+    out = PairSet()
+    for i in range(table.num_rows):
+        pair = Pair(str(ids[i]), cols["prompt_ids"][i] or [], cols["chosen_ids"][i] or [],
+                    cols["rejected_ids"][i] or [])
+        if (reason := pair.problem()) is not None:
+            out.rejected[reason] += 1
+            continue
+        split = splits[i] if splits else stable_split(pair.id, valid_fraction)
+        (out.valid if split == "valid" else out.train).append(pair)
+    return out
+
+
+def pair_length(p: Pair) -> int:
+    return len(p.prompt) + max(len(p.chosen), len(p.rejected))
+
+
+def epoch_batches(pairs: list[Pair], batch_size: int, seed: int, epoch: int,
+                  bucket: int = 64) -> list[list[int]]:
+    """Batch indices for one epoch: shuffled, then length-sorted within buckets of
+    ``bucket`` batches so rows of a batch have similar length (less padding).
+    A pure function of (seed, epoch): resuming needs no saved RNG state."""
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(pairs))
+    batches: list[list[int]] = []
+    span = batch_size * bucket
+    for s in range(0, len(order), span):
+        chunk = sorted(order[s : s + span].tolist(), key=lambda i: pair_length(pairs[i]))
+        batches += [chunk[j : j + batch_size] for j in range(0, len(chunk), batch_size)]
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def micro_batches(pairs: list[Pair], batch_size: int, seed: int,
+                  start: int = 0) -> Iterator[list[Pair]]:
+    """Endless micro-batches over epochs, from the ``start``-th micro-batch on."""
+    if not pairs:
+        raise ValueError("no training pairs: the dataset's train split is empty")
+    epoch, index = 0, 0
+    while True:
+        batches = epoch_batches(pairs, batch_size, seed, epoch)
+        for b in batches:
+            if index >= start:
+                yield [pairs[i] for i in b]
+            index += 1
+        epoch += 1
+
+
+def write_pairs_jsonl(pairs: list[Pair], path: Path, split: str | None = None) -> Path:
+    """Write pairs in the engine's JSONL form (tests and tools)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for p in pairs:
+            row = {"id": p.id, "prompt_ids": list(p.prompt), "chosen_ids": list(p.chosen),
+                   "rejected_ids": list(p.rejected)}
+            if split:
+                row["split"] = split
+            f.write(json.dumps(row) + "\n")
+    return path
