@@ -53,7 +53,8 @@ class TrainConfig:
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this; 0 = off.")
     seed: int = _f(0, "Seed for LoRA init, batch order and dropout (0 is a seed).")
     report_every: int = _f(10, "Steps per training-metrics window.")
-    val_every: int = _f(50, "Validate every N steps (and at the end); 0 = only at the end.")
+    val_every: int = _f(50, "Validate before training, every N steps and at the end; "
+                            "0 = only at the end.")
     val_batches: int = _f(0, "Validation micro-batches per evaluation; 0 = the whole split.")
     checkpoint_every: int = _f(0, "Checkpoint every N steps (adapters + optimizer); 0 = off.")
     keep_checkpoints: int = _f(2, "Newest checkpoints to keep.")

@@ -225,6 +225,8 @@ def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
         return rec
 
     model.train()
+    if data.valid and cfg.val_every and start == 0:
+        validate(0)  # the "before" numbers every later evaluation is read against
     window, result = Window(), TrainResult(out=str(out), steps=start, trainable_params=trainable,
                                            rejected_rows=dict(data.rejected))
     total_tokens, total_seconds = 0, 0.0

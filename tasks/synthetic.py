@@ -5,9 +5,10 @@ Each task has a deterministic correct answer (``chosen``) and a plausible near-m
 neighbours transposed. A model that learns the task prefers chosen, so held-out preference
 accuracy rising above 50% proves a pipeline really trains. ``sort`` is the default: most
 of its near-misses break ascending order or repeat a value, which even a tiny model picks
-up in a few hundred steps (measured: validation accuracy 0.50 → 0.79 in 300 ORPO steps,
-90 s on 2 CPU cores); ``add`` and ``reverse`` need real arithmetic or copying. Prompts vary in length: up to
-``max_shots`` worked examples precede the query (long prompts are where prefix sharing pays).
+up in a few hundred steps (measured: validation accuracy 0.51 → 0.79 in 300 ORPO steps,
+90 s on 2 CPU cores); ``add`` and ``reverse`` need real arithmetic or copying. Prompts
+vary in length: up to ``max_shots`` worked examples precede the query (long prompts are
+where prefix sharing pays).
 
     pomona data synth --task sort --n 500 --seed 0 --out data.jsonl --layout explicit
 """

@@ -13,7 +13,7 @@ import pytest
 from tasks.model_factory import ModelSpec, init_model
 
 # Small enough to build in ~1 s and train in seconds; quantizable with group size 64.
-TINY = ModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=512)
+TINY = ModelSpec(layers=4, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=512)
 
 
 @pytest.fixture(scope="session")
@@ -33,3 +33,18 @@ def tiny_model_q4(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A qwen2 model: tied head, q/k/v biases, no BOS token."""
     return init_model(replace(TINY, arch="qwen2"), tmp_path_factory.mktemp("models") / "tiny-qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tokenized sort pairs for the tiny model: 64 train + 16 valid rows (engine JSONL)."""
+    from engine.data import write_pairs_jsonl
+    from tests.pairs import tokenized_pairs
+
+    out = tmp_path_factory.mktemp("data") / "pairs.jsonl"
+    train = tokenized_pairs(tiny_model, 64, seed=0, task="sort")
+    valid = tokenized_pairs(tiny_model, 16, seed=1, task="sort")
+    write_pairs_jsonl(train, out, split="train")
+    with out.open("a") as f:
+        f.write(write_pairs_jsonl(valid, out.with_name("v.jsonl"), split="valid").read_text())
+    return out
