@@ -116,9 +116,18 @@ def run_score(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": run_train, "score": run_score}
+    commands = {"train": run_train, "score": run_score, "bench": run_bench}
     if not argv or argv[0] not in commands:
-        print(__doc__ or "", "usage: python -m engine {train,score} ...", sep="\n",
+        print(__doc__ or "", "usage: python -m engine {train,score,bench} ...", sep="\n",
               file=sys.stderr)
         return 2
     return commands[argv[0]](argv[1:])
+
+
+def run_bench(argv: list[str]) -> int:
+    from engine import bench
+
+    if not argv or argv[0] != "memory":
+        print("usage: python -m engine bench memory [--help]", file=sys.stderr)
+        return 2
+    return bench.main(argv[1:])

@@ -90,6 +90,34 @@ def data_synth(
     console.print(f"wrote {len(rows)} {task} pairs ({layout} layout, seed {seed}) to {out}")
 
 
+_PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
+                "help_option_names": []}
+
+
+@app.command("train", context_settings=_PASSTHROUGH, add_help_option=False)
+def train_cmd(ctx: typer.Context) -> None:
+    """Train one adapter: `pomona train --model DIR --data PATH --out DIR` (--help: all)."""
+    from engine.cli import run_train
+
+    raise typer.Exit(code=run_train(list(ctx.args)))
+
+
+@app.command("score", context_settings=_PASSTHROUGH, add_help_option=False)
+def score_cmd(ctx: typer.Context) -> None:
+    """Score pairs: `pomona score --model DIR [--adapter DIR] --data PATH --out FILE.jsonl`."""
+    from engine.cli import run_score
+
+    raise typer.Exit(code=run_score(list(ctx.args)))
+
+
+@app.command("bench", context_settings=_PASSTHROUGH, add_help_option=False)
+def bench_cmd(ctx: typer.Context) -> None:
+    """Benchmarks that print ratios side by side: `pomona bench memory [--json]`."""
+    from engine.cli import run_bench
+
+    raise typer.Exit(code=run_bench(list(ctx.args)))
+
+
 @app.command("demo")
 def demo(
     out: Annotated[Path, typer.Option(help="Directory for the demo's model and data.")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -106,6 +107,36 @@ def test_adapter_loads_in_mlx_lm_with_matching_logits(tiny_model, tiny_data, tmp
     base, _ = mlx_lm.load(str(tiny_model))
     assert float(mx.abs(base(tokens) - a).max()) > 1e-4  # the adapter changed something
     assert mlx_lm.generate(theirs, tokenizer, prompt="Sort: 3 1 2", max_tokens=4)
+    fused = tmp_path / "fused"
+    proc = subprocess.run([sys.executable, "-m", "mlx_lm", "fuse", "--model", str(tiny_model),
+                           "--adapter-path", str(out), "--save-path", str(fused)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    fused_model, _ = mlx_lm.load(str(fused))
+    assert float(mx.abs(fused_model(tokens) - a).max()) <= 1e-4
+
+
+def test_warm_start_continues_from_an_adapter(tiny_model, tiny_data, tmp_path) -> None:
+    first = train(cfg(tiny_model, tiny_data, tmp_path / "first", steps=3))
+    warm = cfg(tiny_model, tiny_data, tmp_path / "warm", steps=1, learning_rate=1e-12,
+               warm_start=str(tmp_path / "first"))
+    train(warm)
+    a, b = adapters(tmp_path / "first"), adapters(tmp_path / "warm")
+    assert all(np.allclose(a[k], b[k], atol=1e-9) for k in a)  # ~zero lr: weights carried
+    assert first.steps == 3
+    with pytest.raises(ValueError, match="does not fit"):
+        train(warm.replace(out=str(tmp_path / "bad"), lora_rank=8))
+
+
+def test_segment_memory_log(tiny_model, tiny_data, tmp_path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine", "train", "--model", str(tiny_model), "--data",
+         str(tiny_data), "--out", str(tmp_path / "m"), "--steps", "1", "--segment-size", "2"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "POMONA_SEG_MEM_LOG": "1"})
+    assert proc.returncode == 0, proc.stderr
+    phases = [line.split(":")[0] for line in proc.stderr.splitlines() if "[seg-mem]" in line]
+    assert phases == ["[seg-mem] forward 0-2", "[seg-mem] forward 2-4", "[seg-mem] head",
+                      "[seg-mem] backward 2-4", "[seg-mem] backward 0-2"]
 
 
 def test_verify_passes_for_segmented_path(tiny_model, tiny_data, tmp_path) -> None:

@@ -1,0 +1,180 @@
+"""Memory benchmark: the engine's levers side by side with the plain path, in one run.
+
+    python -m engine bench memory --layers 16 --hidden 512 --seq 2048 [--json]
+    pomona bench memory ...                                    (the same, from the CLI)
+
+Each row runs in a fresh process (MLX's peak and the process RSS are per process; mlx-lm's
+checkpointing patches the layer class), on a random-init llama with LoRA r=16 on q/k/v/o,
+one ORPO pair per step (prompt:response 4:1, both sequences ``--seq`` tokens).
+Rows: ``plain`` (nn.value_and_grad), ``checkpoint`` (mlx-lm's per-layer mx.checkpoint),
+``segK`` (segment_size K with the bounded head, ``--head-chunk``), and
+``head_dense``/``head_bounded`` (the LM head alone: loss and dL/dh over all tokens at
+``--vocab``). ``act_mb`` = peak − memory held before the step (weights, inputs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+
+def _model(a: argparse.Namespace):
+    from mlx_lm.models import llama
+
+    from engine.model import LoraSpec, attach_lora, make_stack
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=a.hidden, num_hidden_layers=a.layers,
+                           intermediate_size=a.intermediate or a.hidden * 11 // 4,
+                           num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                           rms_norm_eps=1e-5, vocab_size=a.vocab, tie_word_embeddings=False)
+    model = llama.Model(args)
+    model.set_dtype(getattr(mx, a.dtype))
+    keys = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+    attach_lora(model, LoraSpec(rank=16, scale=2.0, keys=keys), seed=0)
+    mx.eval(model.parameters())
+    return model, make_stack(model)
+
+
+def _pair_batch(a: argparse.Namespace):
+    from engine.batch import Pair, make_batch
+
+    rng = np.random.default_rng(0)
+    p = a.seq * 4 // 5 + 1
+    r = a.seq + 1 - p
+    ids = lambda n: rng.integers(10, a.vocab, n).tolist()  # noqa: E731
+    return make_batch([Pair("bench", ids(p), ids(r), ids(r))], "full")
+
+
+def _step_fn(name: str, model, stack, batch, head_chunk: int):
+    from engine.batch import batch_norms
+    from engine.losses import LossSpec, pair_loss
+    from engine.segmented import value_and_grad
+
+    norms, spec = batch_norms([batch]), LossSpec()
+    resp, nll = mx.array(batch.resp_mask), mx.array(batch.nll_mask)
+
+    def loss_fn(lp):
+        return pair_loss(lp, resp, nll, spec, norms)
+
+    if name == "checkpoint":
+        from mlx_lm.tuner.trainer import grad_checkpoint
+
+        grad_checkpoint(stack.layers[0])
+    k = int(name[3:]) if name.startswith("seg") else 0
+    # Segmented rows bound the head too: its dense logits would otherwise set their peak.
+    chunk = head_chunk if k else 0
+    return lambda: value_and_grad(model, stack, batch, loss_fn, k, chunk)
+
+
+def _head_fn(name: str, stack, a: argparse.Namespace):
+    from engine.head import bounded_head_grad, dense_logps
+
+    n, t = 2, a.seq
+    h = mx.random.normal((n, t, a.hidden), key=mx.random.key(0)).astype(getattr(mx, a.dtype))
+    targets = np.random.default_rng(1).integers(0, a.vocab, (n, t)).astype(np.int32)
+    mx.eval(h)
+
+    def loss_fn(lp):
+        return -lp.mean(), {}
+
+    if name == "head_dense":
+        tg = mx.array(targets)
+        return lambda: mx.value_and_grad(lambda x: loss_fn(dense_logps(stack, x, tg)))(h)
+    active = np.ones((n, t), bool)
+    return lambda: bounded_head_grad(stack, h, targets, active, loss_fn, a.head_chunk)
+
+
+def run_row(name: str, a: argparse.Namespace) -> dict[str, Any]:
+    """Measure one row in this process."""
+    model, stack = _model(a)
+    weights = mx.get_active_memory()
+    if name.startswith("head_"):
+        fn = _head_fn(name, stack, a)
+    else:
+        fn = _step_fn(name, model, stack, _pair_batch(a), a.head_chunk)
+    mx.eval(fn())  # warm-up (kernel compilation, allocator)
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    times = []
+    for _ in range(a.repeats):
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t0)
+    peak = mx.get_peak_memory()
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_mb = rss / 2**20 if sys.platform == "darwin" else rss / 1024  # bytes on macOS, KiB here
+    return {"name": name, "peak_mb": peak / 2**20, "rss_mb": rss_mb,
+            "weights_mb": weights / 2**20, "act_mb": (peak - base) / 2**20,
+            "step_s": float(np.median(times))}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m engine bench memory", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--intermediate", type=int, default=0, help="0 = 11/4 × hidden")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=2048, help="Tokens per sequence (pair = 2).")
+    p.add_argument("--dtype", default="float32", help="float32 on CPU; bfloat16 on GPUs.")
+    p.add_argument("--segments", default="1,2,4", help="Segment sizes to measure.")
+    p.add_argument("--head-chunk", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--rows", default="", help="Only these rows (comma-separated names).")
+    p.add_argument("--json", action="store_true", help="Print one JSON object {rows: [...]}.")
+    p.add_argument("--row", help=argparse.SUPPRESS)  # internal: measure one row, print JSON
+    return p
+
+
+def _ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
+    by = {r["name"]: r for r in rows}
+    out: dict[str, float] = {}
+    if "plain" in by:
+        for r in rows:
+            if r["name"] != "plain" and not r["name"].startswith("head_"):
+                out[f"{r['name']}_act_vs_plain"] = r["act_mb"] / by["plain"]["act_mb"]
+                out[f"{r['name']}_time_vs_plain"] = r["step_s"] / by["plain"]["step_s"]
+    if "head_dense" in by and "head_bounded" in by:
+        out["head_bounded_act_vs_dense"] = by["head_bounded"]["act_mb"] / by["head_dense"]["act_mb"]
+    return out
+
+
+def main(argv: list[str]) -> int:
+    a = parser().parse_args(argv)
+    if a.row:
+        print(json.dumps(run_row(a.row, a)))
+        return 0
+    names = ["plain", "checkpoint", *[f"seg{k}" for k in a.segments.split(",") if k],
+             "head_dense", "head_bounded"]
+    if a.rows:
+        names = [n for n in names if n in a.rows.split(",")]
+    rows = []
+    for name in names:
+        proc = subprocess.run([sys.executable, "-m", "engine", "bench", "memory", *argv,
+                               "--row", name], capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"row {name} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+            return 1
+        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        if not a.json:
+            r = rows[-1]
+            print(f"{name:>13}  peak {r['peak_mb']:9.1f} MB  act {r['act_mb']:9.1f} MB  "
+                  f"rss {r['rss_mb']:9.1f} MB  step {r['step_s']:7.3f} s", flush=True)
+    ratios = _ratios(rows)
+    if a.json:
+        print(json.dumps({"config": {k: v for k, v in vars(a).items() if k != "row"},
+                          "device": str(mx.default_device()), "rows": rows, "ratios": ratios}))
+    else:
+        for k, v in ratios.items():
+            print(f"{k:>32}  {v:.3f}")
+    return 0
