@@ -43,10 +43,13 @@ def _read_table(path: Path):
     import pyarrow.json as pj
 
     if path.is_dir():
-        files = sorted([*path.glob("*.parquet"), *path.glob("*.arrow")])
-        if not files:
-            raise FileNotFoundError(f"{path}: no .parquet or .arrow shards in the directory")
-        fmt = "parquet" if files[0].suffix == ".parquet" else "ipc"
+        try:  # only a complete dataset has its manifest (written last, atomically)
+            shards = json.loads((path / "manifest.json").read_text())["shards"]
+        except (FileNotFoundError, KeyError, json.JSONDecodeError) as err:
+            raise FileNotFoundError(f"{path}: not a complete dataset directory (no valid "
+                                    "manifest.json); run `pomona data tokenize` first") from err
+        files = [path / s for s in shards]
+        fmt = "parquet" if not files or files[0].suffix == ".parquet" else "ipc"
         return ds.dataset([str(f) for f in files], format=fmt).to_table()
     if path.suffix == ".jsonl":
         return pj.read_json(path)

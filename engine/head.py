@@ -3,8 +3,13 @@
 Dense: logits [N, T, V] exist at once (the plain path, and the reference).
 Bounded (``head_chunk`` c): logits exist only for c tokens at a time, and only for the
 tokens that carry loss; the backward is analytic, d log p(y)/d logits = onehot(y) − softmax,
-times the incoming cotangent, evaluated chunk by chunk (lazy chunks inside one autograd
-graph were measured to stay alive together in MLX, so each chunk is forced).
+evaluated chunk by chunk (lazy chunks inside one autograd graph were measured to stay alive
+together in MLX, so each chunk is forced).
+
+One pass suffices: token t's log-prob depends on h_t alone, so J_t = d log p_t / d h_t is
+computed with the logits ([A, H], the size of the gradient itself) and the loss's cotangent
+g_t, known only once every log-prob is, scales it afterwards: dL/dh_t = g_t · J_t. The head
+then costs one forward and one backward matmul, like the dense path, never a recompute.
 """
 
 from __future__ import annotations
@@ -45,34 +50,31 @@ def bounded_head_grad(
     head work and zero gradient.
     """
     n, t, width = h.shape
-    flat_h = h.reshape(n * t, width)
-    idx = np.flatnonzero(active.reshape(-1)).astype(np.int32)
-    flat_targets = mx.array(targets.reshape(-1)[idx])
-    spans = [(s, min(s + chunk, len(idx))) for s in range(0, len(idx), chunk)]
+    idx = mx.array(np.flatnonzero(active.reshape(-1)).astype(np.int32))
+    h_act = h.reshape(n * t, width)[idx]  # [A, H]: only tokens the loss reads
+    flat_targets = mx.array(targets.reshape(-1))[idx]
+    mx.eval(h_act, flat_targets)
+    spans = [(s, min(s + chunk, idx.size)) for s in range(0, idx.size, chunk)]
 
-    pieces = []
-    for s, e in spans:  # pass 1: log-probs, one chunk of logits alive at a time
-        lp = token_logps(stack.head(flat_h[mx.array(idx[s:e])]), flat_targets[s:e])
-        mx.eval(lp)
-        pieces.append(lp)
-    lp_active = mx.concatenate(pieces) if pieces else mx.zeros((0,), mx.float32)
-    lp_full = mx.zeros((n * t,), mx.float32).at[mx.array(idx)].add(lp_active).reshape(n, t)
+    lps, jacs = [], []
+    for s, e in spans:  # one chunk of logits alive at a time
+        h_c, y = h_act[s:e], flat_targets[s:e]
+        logits = stack.head(h_c).astype(mx.float32)
+        lse = mx.logsumexp(logits, axis=-1, keepdims=True)
+        lp = mx.take_along_axis(logits, y[:, None], axis=-1)[:, 0] - lse[:, 0]
+        onehot = (mx.arange(logits.shape[-1])[None, :] == y[:, None]).astype(mx.float32)
+        cot = onehot - mx.exp(logits - lse)  # d log p(y) / d logits
+        _, (jac,) = mx.vjp(lambda x: stack.head(x).astype(mx.float32), [h_c], [cot])
+        mx.eval(lp, jac)
+        lps.append(lp)
+        jacs.append(jac)
+    lp_active = mx.concatenate(lps) if lps else mx.zeros((0,), mx.float32)
+    lp_full = mx.zeros((n * t,), mx.float32).at[idx].add(lp_active).reshape(n, t)
 
     (loss, metrics), g_full = mx.value_and_grad(loss_of_logps)(lp_full)
-    g_active = g_full.reshape(-1)[mx.array(idx)]
-    mx.eval(loss, metrics, g_active)
-
-    grad_pieces = []
-    for s, e in spans:  # pass 2: analytic softmax − onehot, then back through norm + project
-        rows = mx.array(idx[s:e])
-        h_c = flat_h[rows]
-        logits = stack.head(h_c).astype(mx.float32)
-        onehot = mx.arange(logits.shape[-1])[None, :] == flat_targets[s:e][:, None]
-        g_logits = g_active[s:e][:, None] * (onehot.astype(mx.float32) - mx.softmax(logits, -1))
-        _, (g_h,) = mx.vjp(lambda x: stack.head(x).astype(mx.float32), [h_c], [g_logits])
-        mx.eval(g_h)
-        grad_pieces.append(g_h)
-    grad = mx.zeros_like(flat_h)
-    if grad_pieces:
-        grad = grad.at[mx.array(idx)].add(mx.concatenate(grad_pieces).astype(h.dtype))
+    grad = mx.zeros((n * t, width), h.dtype)
+    if jacs:
+        g_active = g_full.reshape(-1)[idx][:, None]
+        grad = grad.at[idx].add((g_active * mx.concatenate(jacs)).astype(h.dtype))
+    mx.eval(loss, metrics, grad)
     return loss, metrics, grad.reshape(n, t, width)

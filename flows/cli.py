@@ -25,7 +25,7 @@ model_app = typer.Typer(help="Make and inspect models.", no_args_is_help=True)
 data_app = typer.Typer(help="Make and prepare preference data.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 app.add_typer(data_app, name="data")
-console = Console()
+console = Console(soft_wrap=True)  # long paths in messages stay whole, copyable
 
 
 def fail(message: str) -> typer.Exit:
@@ -88,6 +88,50 @@ def data_synth(
     except ValueError as err:
         raise fail(str(err)) from err
     console.print(f"wrote {len(rows)} {task} pairs ({layout} layout, seed {seed}) to {out}")
+
+
+@data_app.command("tokenize")
+def data_tokenize(
+    input: Annotated[Path, typer.Option("--input", help="A preference file or a directory.")],
+    model: Annotated[str, typer.Option(help="Model directory or repo id (its tokenizer).")],
+    out: Annotated[Path, typer.Option(help="Dataset directory to write.")],
+    layout: Annotated[str | None, typer.Option(help="explicit | conversational | implicit "
+                                                    "(default: detect per file).")] = None,
+    chat_template: Annotated[str, typer.Option(help="auto | on | off.")] = "auto",
+    max_length: Annotated[int, typer.Option(help="Max prompt+response tokens; 0 = none.")] = 0,
+    max_prompt_length: Annotated[int, typer.Option(help="Max prompt tokens; 0 = none.")] = 0,
+    valid_fraction: Annotated[float, typer.Option(help="Share of ids in valid.")] = 0.1,
+    max_bad_fraction: Annotated[float, typer.Option(help="Fail above this share of bad "
+                                                         "rows.")] = 0.05,
+    preprocess: Annotated[bool, typer.Option(help="Run preprocess after.")] = True,
+) -> None:
+    """Tokenize preference files into an Arrow dataset (cached by content fingerprint)."""
+    from flows.data_cli import run_tokenize
+
+    run_tokenize(console, input, model, out, layout, chat_template, max_length,
+                 max_prompt_length, valid_fraction, max_bad_fraction, preprocess)
+
+
+@data_app.command("preprocess")
+def data_preprocess(
+    path: Annotated[Path, typer.Argument(help="A tokenized dataset directory.")],
+    out: Annotated[Path | None, typer.Option(help="Write here (default: in place).")] = None,
+    valid_fraction: Annotated[float | None, typer.Option(help="Re-split with this share.")]
+    = None,
+) -> None:
+    """split_prefix, de-duplication and the stable train/valid split."""
+    from flows.data_cli import run_preprocess
+
+    run_preprocess(console, path, out, valid_fraction)
+
+
+@data_app.command("stats")
+def data_stats(path: Annotated[Path, typer.Argument(help="A tokenized dataset directory.")]
+               ) -> None:
+    """A table: rows, rejects by reason, length percentiles, prefix share rate."""
+    from flows.data_cli import run_stats
+
+    run_stats(console, path)
 
 
 _PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,

@@ -1,0 +1,88 @@
+"""The ``pomona data tokenize|preprocess|stats`` commands: progress, tables, errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from tasks.dataset_dir import read_manifest
+from tasks.preprocess import preprocess_dataset
+from tasks.tokenize import TokenizeOptions, tokenize_dataset
+
+
+def _exit(console: Console, message: str) -> typer.Exit:
+    console.print(f"[bold red]error:[/] {message}")
+    return typer.Exit(code=2)
+
+
+def run_tokenize(console: Console, input: Path, model: str, out: Path, layout: str | None,
+                 chat_template: str, max_length: int, max_prompt_length: int,
+                 valid_fraction: float, max_bad_fraction: float, preprocess: bool) -> None:
+    options = TokenizeOptions(layout, chat_template, max_length, max_prompt_length,
+                              valid_fraction, max_bad_fraction)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    try:
+        with Progress(*columns, console=console, transient=True) as bar:
+            task = bar.add_task("tokenizing", total=None)
+
+            def progress(rows: int, tokens: int) -> None:
+                bar.update(task, description=f"tokenizing: {rows:,} rows read, "
+                                             f"{tokens:,} tokens")
+
+            report = tokenize_dataset(input, model, out, options, progress)
+    except (FileNotFoundError, ValueError) as err:
+        raise _exit(console, str(err)) from err
+    if report.cache_hit:
+        console.print(f"cache hit: {out} already holds this input "
+                      f"(fingerprint {report.fingerprint[:12]}); nothing to do")
+    else:
+        bad = sum(report.rejects.values())
+        console.print(f"tokenized {report.rows:,} pairs ({report.tokens:,} tokens) in "
+                      f"{report.seconds:.1f} s, {report.tokens_per_sec:,.0f} tokens/s; "
+                      f"{bad} rejected (see {out.name}.rejects.jsonl)")
+    if preprocess and not (report.cache_hit and (read_manifest(out) or {}).get("preprocessed")):
+        run_preprocess(console, out, None, None)
+    run_stats(console, out)
+
+
+def run_preprocess(console: Console, path: Path, out: Path | None,
+                   valid_fraction: float | None) -> None:
+    try:
+        r = preprocess_dataset(path, out, valid_fraction)
+    except (FileNotFoundError, ValueError) as err:
+        raise _exit(console, str(err)) from err
+    console.print(f"preprocessed {r.rows:,} pairs: {r.duplicates_removed} duplicates removed, "
+                  f"prefix share rate {r.prefix_share_rate:.1%}, sharing saves "
+                  f"{r.tokens_saved:,} of {r.tokens_two_forward:,} tokens "
+                  f"({r.saved_fraction:.1%})")
+
+
+def run_stats(console: Console, path: Path) -> None:
+    m = read_manifest(path)
+    if m is None:
+        raise _exit(console, f"{path}: not a complete Pomona dataset (no valid manifest.json)")
+    table = Table(title=f"dataset {path}")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    rows = m["rows"]
+    table.add_row("rows (train / valid)", f"{rows['total']:,} ({rows['train']:,} / "
+                                          f"{rows['valid']:,})")
+    table.add_row("rows read", f"{rows.get('read', rows['total']):,}")
+    for reason, n in sorted(m.get("rejects", {}).items(), key=lambda kv: -kv[1]):
+        table.add_row(f"rejected: {reason}", f"{n:,}")
+    for reason, n in sorted(m.get("truncation", {}).items()):
+        table.add_row(reason.replace("_", " "), f"{n:,}")
+    for k, s in m.get("token_lengths", {}).items():
+        if s:
+            table.add_row(f"{k} tokens p50 / p95 / max",
+                          f"{s['p50']:.0f} / {s['p95']:.0f} / {s['max']}")
+    if m.get("preprocessed"):
+        table.add_row("duplicates removed", f"{m['duplicates_removed']:,}")
+        table.add_row("prefix share rate", f"{m['prefix_share_rate']:.1%}")
+        saved = m["tokens_saved"] / max(m["tokens_two_forward"], 1)
+        table.add_row("tokens saved by sharing", f"{m['tokens_saved']:,} ({saved:.1%})")
+    console.print(table)
