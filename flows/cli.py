@@ -156,10 +156,15 @@ def score_cmd(ctx: typer.Context) -> None:
 
 @app.command("bench", context_settings=_PASSTHROUGH, add_help_option=False)
 def bench_cmd(ctx: typer.Context) -> None:
-    """Benchmarks that print ratios side by side: `pomona bench memory [--json]`."""
+    """Benchmarks printing ratios side by side: `pomona bench memory|tokenize [--json]`."""
+    args = list(ctx.args)
+    if args[:1] == ["tokenize"]:
+        from tasks.tokenize_bench import main as tokenize_bench
+
+        raise typer.Exit(code=tokenize_bench(args[1:]))
     from engine.cli import run_bench
 
-    raise typer.Exit(code=run_bench(list(ctx.args)))
+    raise typer.Exit(code=run_bench(args))
 
 
 @app.command("demo")

@@ -21,18 +21,9 @@ import numpy as np
 
 from engine.data import stable_split
 from tasks.dataset_dir import read_manifest, write_dataset
+from tasks.pair_encoder import PairEncoder
 from tasks.preference_rows import Conversation, Reject, list_files, read_conversations
-from tasks.render import (
-    ChatTemplate,
-    Rendered,
-    Tokenized,
-    Truncation,
-    common_prefix,
-    finish_split,
-    render,
-    split_tokens,
-    truncate,
-)
+from tasks.render import ChatTemplate, Truncation, render, truncate
 
 DATA_CODE_VERSION = "1"  # bump when rendering/tokenization changes what gets written
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -106,46 +97,7 @@ def _resolve_model_dir(model: str) -> Path:
     return Path(hf_repo_to_path(model))
 
 
-class _Encoder:
-    """Batched, multi-threaded encoding with BOS-if-missing."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tok = tokenizer
-        self.fast = getattr(tokenizer, "backend_tokenizer", None)
-        bos = tokenizer.bos_token_id
-        adds_bos = bos is not None and tokenizer.encode("a")[:1] == [bos]
-        self.bos = bos if adds_bos else None
-        self.eos = tokenizer.eos_token_id
-
-    def _bos(self, ids: list[int]) -> list[int]:
-        return ids if self.bos is None or ids[:1] == [self.bos] else [self.bos, *ids]
-
-    def pairs(self, rendered: list[Rendered]) -> list[Tokenized]:
-        """Tokenize both full sequences of each pair (threads in Rust) and split each at
-        the prompt: the tokens that end inside the prompt text, shared by both branches."""
-        if self.fast is None:  # slow tokenizer: encode the prompt on its own too
-            enc = [self._bos(self.tok.encode(t, add_special_tokens=False))
-                   for r in rendered for t in (r.prompt, r.chosen_full, r.rejected_full)]
-            return [split_tokens(enc[3 * i], enc[3 * i + 1], enc[3 * i + 2], self.eos)
-                    for i in range(len(rendered))]
-        texts = [t for r in rendered for t in (r.chosen_full, r.rejected_full)]
-        encs = self.fast.encode_batch(texts, add_special_tokens=False)
-        out = []
-        for i, r in enumerate(rendered):
-            seqs, inside, straddles = [], [], False
-            for e in encs[2 * i : 2 * i + 2]:
-                end = len(r.prompt)
-                n = sum(1 for _, b in e.offsets if b <= end)  # offsets ascend
-                straddles |= any(a < end < b for a, b in e.offsets)
-                ids = self._bos(e.ids)
-                seqs.append(ids)
-                inside.append(n + len(ids) - len(e.ids))
-            k = min(*inside, common_prefix(seqs[0], seqs[1]))
-            out.append(finish_split(seqs[0], seqs[1], k, self.eos, straddles))
-        return out
-
-
-def _tokenize_batch(convs: list[Conversation], encoder: _Encoder,
+def _tokenize_batch(convs: list[Conversation], encoder: PairEncoder,
                     template: ChatTemplate | None, limits: Truncation, out: dict[str, list],
                     rejects: list[Reject], trunc: Counter) -> None:
     rendered, kept = [], []
@@ -215,14 +167,14 @@ def tokenize_dataset(inputs: str | Path, model: str, out: str | Path,
     hf_tok = getattr(tokenizer, "_tokenizer", tokenizer)
     use_template = (options.chat_template == "on" or
                     (options.chat_template == "auto" and bool(hf_tok.chat_template)))
-    encoder = _Encoder(hf_tok)
+    encoder = PairEncoder(hf_tok)
     template = ChatTemplate(hf_tok) if use_template else None
     limits = Truncation(options.max_length, options.max_prompt_length)
     rows: dict[str, list] = {k: [] for k in ("id", "prompt_ids", "chosen_ids", "rejected_ids")}
     rejects: list[Reject] = []
     trunc: Counter = Counter()
     pending: list[Conversation] = []
-    total = 0
+    total = counted = counted_rows = 0
     for item in read_conversations(Path(inputs), options.layout):
         total += 1
         if isinstance(item, Reject):
@@ -232,8 +184,10 @@ def tokenize_dataset(inputs: str | Path, model: str, out: str | Path,
         if len(pending) >= options.batch_rows:
             _tokenize_batch(pending, encoder, template, limits, rows, rejects, trunc)
             pending = []
-            if progress:
-                progress(total, _count_tokens(rows))
+            if progress:  # tokens of the rows written so far, counted once each
+                counted += _count_tokens({k: v[counted_rows:] for k, v in rows.items()})
+                counted_rows = len(rows["id"])
+                progress(total, counted)
     _tokenize_batch(pending, encoder, template, limits, rows, rejects, trunc)
     if progress:
         progress(total, _count_tokens(rows))
