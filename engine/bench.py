@@ -7,7 +7,8 @@ Each row runs in a fresh process (MLX's peak and the process RSS are per process
 checkpointing patches the layer class), on a random-init llama with LoRA r=16 on q/k/v/o,
 one ORPO pair per step (prompt:response 4:1, both sequences ``--seq`` tokens).
 Rows: ``plain`` (nn.value_and_grad), ``checkpoint`` (mlx-lm's per-layer mx.checkpoint),
-``segK`` (segment_size K with the bounded head, ``--head-chunk``), and
+``segK`` (segment_size K with the bounded head, ``--head-chunk``; ``segKd``, via
+``--rows``, with the dense head), and
 ``head_dense``/``head_bounded`` (the LM head alone: loss and dL/dh over all tokens at
 ``--vocab``). ``act_mb`` = peak − memory held before the step (weights, inputs).
 """
@@ -68,9 +69,10 @@ def _step_fn(name: str, model, stack, batch, head_chunk: int):
         from mlx_lm.tuner.trainer import grad_checkpoint
 
         grad_checkpoint(stack.layers[0])
-    k = int(name[3:]) if name.startswith("seg") else 0
-    # Segmented rows bound the head too: its dense logits would otherwise set their peak.
-    chunk = head_chunk if k else 0
+    k = int(name[3:].rstrip("d")) if name.startswith("seg") else 0
+    # Segmented rows bound the head too (its dense logits would otherwise set their peak);
+    # "segKd" keeps the dense head, to tell the two levers' costs apart.
+    chunk = head_chunk if k and not name.endswith("d") else 0
     return lambda: value_and_grad(model, stack, batch, loss_fn, k, chunk)
 
 
@@ -157,7 +159,7 @@ def main(argv: list[str]) -> int:
     names = ["plain", "checkpoint", *[f"seg{k}" for k in a.segments.split(",") if k],
              "head_dense", "head_bounded"]
     if a.rows:
-        names = [n for n in names if n in a.rows.split(",")]
+        names = a.rows.split(",")
     rows = []
     for name in names:
         proc = subprocess.run([sys.executable, "-m", "engine", "bench", "memory", *argv,
