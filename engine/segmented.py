@@ -103,11 +103,16 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch,
     h = stack.embed(mx.array(batch.inputs))
     mx.eval(h)
     boundaries = [h]
-    for s, e in ranges:  # forward: keep only boundary states, each evaluated
+    logging = os.environ.get("POMONA_SEG_MEM_LOG") == "1"
+    for s, e in ranges:  # forward: keep only boundary states
         h = _run_segment(stack, s, e, h)
-        mx.eval(h)
         boundaries.append(h)
-        _mem_log(f"forward {s}-{e}")
+        if logging:
+            mx.eval(h)
+            _mem_log(f"forward {s}-{e}")
+    # One evaluation for the whole forward: no gradient graph is built here, so MLX frees
+    # each layer's intermediates as it goes and only the boundaries stay (one sync, not k).
+    mx.eval(boundaries)
 
     h_last = boundaries.pop()
     if head_chunk > 0:
