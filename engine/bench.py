@@ -130,7 +130,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=2048, help="Tokens per sequence (pair = 2).")
     p.add_argument("--dtype", default="float32", help="float32 on CPU; bfloat16 on GPUs.")
     p.add_argument("--segments", default="1,2,4", help="Segment sizes to measure.")
-    p.add_argument("--head-chunk", type=int, default=256)
+    p.add_argument("--head-chunk", type=int, default=512)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--rows", default="", help="Only these rows (comma-separated names).")
     p.add_argument("--json", action="store_true", help="Print one JSON object {rows: [...]}.")
