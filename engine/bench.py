@@ -1,7 +1,11 @@
-"""Memory benchmark: the engine's levers side by side with the plain path, in one run.
+"""Benchmarks of the engine's levers, side by side with the plain path, in one run.
 
     python -m engine bench memory --layers 16 --hidden 512 --seq 2048 [--json]
-    pomona bench memory ...                                    (the same, from the CLI)
+    python -m engine bench prefix --seq 1024 [--ratios 1:1,4:1,16:1] [--json]
+    pomona bench memory|prefix ...                             (the same, from the CLI)
+
+``prefix`` rows: one ORPO step on one pair, ``two_forward`` vs ``shared`` (one forward
+over [prompt | chosen | rejected]), at each prompt:response ratio (P + R = ``--seq``).
 
 Each row runs in a fresh process (MLX's peak and the process RSS are per process; mlx-lm's
 checkpointing patches the layer class), on a random-init llama with LoRA r=16 on q/k/v/o,
@@ -94,11 +98,38 @@ def _head_fn(name: str, stack, a: argparse.Namespace):
     return lambda: bounded_head_grad(stack, h, targets, active, loss_fn, a.head_chunk)
 
 
+def _prefix_fn(path: str, ratio: str, model, stack, a: argparse.Namespace):
+    """One ORPO step, shared or two-forward, at prompt:response ``ratio`` (seq = P + R)."""
+    from engine.batch import Pair, batch_norms, make_batch
+    from engine.losses import LossSpec, pair_loss
+    from engine.prefix import split_prefix_batch
+    from engine.segmented import value_and_grad
+
+    num, den = (int(x) for x in ratio.split(":"))
+    p = a.seq * num // (num + den)
+    r = a.seq - p + 1
+    rng = np.random.default_rng(0)
+    ids = lambda n: rng.integers(10, a.vocab, n).tolist()  # noqa: E731
+    pairs = [Pair("bench", ids(p), ids(r), ids(r))]
+    two = make_batch(pairs, "full")
+    batch = split_prefix_batch(pairs, "full") if path == "shared" else two
+    norms, spec = batch_norms([two]), LossSpec()
+    resp, nll = mx.array(two.resp_mask), mx.array(two.nll_mask)
+    fn = lambda: value_and_grad(model, stack, batch,  # noqa: E731
+                                lambda lp: pair_loss(lp, resp, nll, spec, norms),
+                                a.segment_size, a.head_chunk)
+    return fn, {"ratio": ratio, "path": path, "prompt_tokens": p, "response_tokens": 2 * r}
+
+
 def run_row(name: str, a: argparse.Namespace) -> dict[str, Any]:
     """Measure one row in this process."""
     model, stack = _model(a)
     weights = mx.get_active_memory()
-    if name.startswith("head_"):
+    extra: dict[str, Any] = {}
+    if name.startswith(("shared@", "two_forward@")):
+        path, ratio = name.split("@")
+        fn, extra = _prefix_fn(path, ratio, model, stack, a)
+    elif name.startswith("head_"):
         fn = _head_fn(name, stack, a)
     else:
         fn = _step_fn(name, model, stack, _pair_batch(a), a.head_chunk)
@@ -115,7 +146,7 @@ def run_row(name: str, a: argparse.Namespace) -> dict[str, Any]:
     rss_mb = rss / 2**20 if sys.platform == "darwin" else rss / 1024  # bytes on macOS, KiB here
     return {"name": name, "peak_mb": peak / 2**20, "rss_mb": rss_mb,
             "weights_mb": weights / 2**20, "act_mb": (peak - base) / 2**20,
-            "step_s": float(np.median(times))}
+            "step_s": float(np.median(times)), **extra}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -133,6 +164,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--head-chunk", type=int, default=512)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--rows", default="", help="Only these rows (comma-separated names).")
+    p.add_argument("--ratios", default="1:1,4:1,16:1", help="prefix: prompt:response ratios.")
+    p.add_argument("--segment-size", type=int, default=0, help="prefix: engine segment size.")
     p.add_argument("--json", action="store_true", help="Print one JSON object {rows: [...]}.")
     p.add_argument("--row", help=argparse.SUPPRESS)  # internal: measure one row, print JSON
     return p
@@ -151,18 +184,34 @@ def _ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def main(argv: list[str]) -> int:
+def _prefix_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Per ratio: shared / two-forward step time, and the target it must stay under."""
+    out: dict[str, float] = {}
+    by = {(r["ratio"], r["path"]): r for r in rows}
+    for ratio in dict.fromkeys(r["ratio"] for r in rows):
+        two, shared = by.get((ratio, "two_forward")), by.get((ratio, "shared"))
+        if two and shared:
+            p, resp = shared["prompt_tokens"], shared["response_tokens"]
+            out[f"{ratio}_time_vs_two_forward"] = shared["step_s"] / two["step_s"]
+            out[f"{ratio}_target"] = (p + resp) / (2 * p + resp) + 0.10
+            out[f"{ratio}_peak_vs_two_forward"] = shared["peak_mb"] / two["peak_mb"]
+    return out
+
+
+def main(argv: list[str], kind: str = "memory") -> int:
     a = parser().parse_args(argv)
     if a.row:
         print(json.dumps(run_row(a.row, a)))
         return 0
     names = ["plain", "checkpoint", *[f"seg{k}" for k in a.segments.split(",") if k],
              "head_dense", "head_bounded"]
+    if kind == "prefix":
+        names = [f"{p}@{r}" for r in a.ratios.split(",") for p in ("two_forward", "shared")]
     if a.rows:
         names = a.rows.split(",")
     rows = []
     for name in names:
-        proc = subprocess.run([sys.executable, "-m", "engine", "bench", "memory", *argv,
+        proc = subprocess.run([sys.executable, "-m", "engine", "bench", kind, *argv,
                                "--row", name], capture_output=True, text=True)
         if proc.returncode != 0:
             print(f"row {name} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
@@ -172,7 +221,7 @@ def main(argv: list[str]) -> int:
             r = rows[-1]
             print(f"{name:>13}  peak {r['peak_mb']:9.1f} MB  act {r['act_mb']:9.1f} MB  "
                   f"rss {r['rss_mb']:9.1f} MB  step {r['step_s']:7.3f} s", flush=True)
-    ratios = _ratios(rows)
+    ratios = _prefix_ratios(rows) if kind == "prefix" else _ratios(rows)
     if a.json:
         print(json.dumps({"config": {k: v for k, v in vars(a).items() if k != "row"},
                           "device": str(mx.default_device()), "rows": rows, "ratios": ratios}))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,6 +26,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from engine.batch import PairBatch
 from engine.head import bounded_head_grad, dense_logps, token_logps
 from engine.model import Stack
+from engine.prefix import PrefixBatch, install_prefix_rope, shared_positions, to_pair_layout
 
 LossOfLogps = Callable[[mx.array], tuple[mx.array, dict[str, mx.array]]]
 Grads = dict[str, mx.array]
@@ -63,14 +65,15 @@ def _segment_params(stack: Stack, start: int, end: int) -> list[tuple[int, str, 
             for path, value in tree_flatten(stack.layers[i].trainable_parameters())]
 
 
-def _run_segment(stack: Stack, start: int, end: int, h: mx.array) -> mx.array:
+def _run_segment(stack: Stack, start: int, end: int, h: mx.array,
+                 mask: str | mx.array = "causal") -> mx.array:
     for layer in stack.layers[start:end]:
-        h = layer(h, "causal", None)
+        h = layer(h, mask, None)
     return h
 
 
 def _segment_vjp(stack: Stack, start: int, end: int, h_in: mx.array,
-                 cotangent: mx.array) -> tuple[mx.array, Grads]:
+                 cotangent: mx.array, mask: str | mx.array = "causal") -> tuple[mx.array, Grads]:
     """dL/dh_in and the segment's LoRA grads; params go in as primals, then are restored."""
     params = _segment_params(stack, start, end)
 
@@ -83,7 +86,7 @@ def _segment_vjp(stack: Stack, start: int, end: int, h_in: mx.array,
 
     def fn(h: mx.array, *values: mx.array) -> mx.array:
         write(list(values))
-        return _run_segment(stack, start, end, h)
+        return _run_segment(stack, start, end, h, mask)
 
     try:
         _, vjps = mx.vjp(fn, [h_in, *[p[2] for p in params]], [cotangent])
@@ -95,52 +98,98 @@ def _segment_vjp(stack: Stack, start: int, end: int, h_in: mx.array,
     return vjps[0], grads
 
 
-def segmented_value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch,
+def segmented_value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch,
                              loss_of_logps: LossOfLogps, segment_size: int,
                              head_chunk: int = 0) -> Result:
-    """Loss, metrics and LoRA grads via the segmented backward (module docstring)."""
-    ranges = segment_ranges(len(stack.layers), segment_size or len(stack.layers))
-    h = stack.embed(mx.array(batch.inputs))
-    mx.eval(h)
-    boundaries = [h]
-    for s, e in ranges:  # forward: keep only boundary states, each evaluated
-        h = _run_segment(stack, s, e, h)
-        # A synchronous eval per segment: one eval for the whole forward, or async_eval per
-        # segment, kept every intermediate alive on CUDA (H200: 3.7x the activation peak).
+    """Loss, metrics and LoRA grads via the segmented backward (module docstring).
+
+    A PrefixBatch runs one forward over [prompt | chosen | rejected] (engine/prefix.py);
+    its last hidden state is gathered into the two-forward layout before the head.
+    """
+    prefix = batch if isinstance(batch, PrefixBatch) else None
+    pairs = prefix.pairs if prefix else batch
+    ctx = (shared_positions(install_prefix_rope(model), prefix) if prefix
+           else nullcontext("causal"))
+    with ctx as mask:
+        ranges = segment_ranges(len(stack.layers), segment_size or len(stack.layers))
+        h = stack.embed(mx.array(prefix.inputs if prefix else pairs.inputs))
         mx.eval(h)
-        boundaries.append(h)
-        _mem_log(f"forward {s}-{e}")
+        boundaries = [h]
+        for s, e in ranges:  # forward: keep only boundary states, each evaluated
+            h = _run_segment(stack, s, e, h, mask)
+            # A synchronous eval per segment: one eval for the whole forward, or async_eval
+            # per segment, kept every intermediate alive on CUDA (H200: 3.7x the peak).
+            mx.eval(h)
+            boundaries.append(h)
+            _mem_log(f"forward {s}-{e}")
 
-    h_last = boundaries.pop()
-    if head_chunk > 0:
-        active = (batch.resp_mask > 0) | (batch.nll_mask > 0)
-        loss, metrics, cot = bounded_head_grad(stack, h_last, batch.targets, active,
-                                               loss_of_logps, head_chunk)
-    else:
-        targets = mx.array(batch.targets)
-        (loss, metrics), cot = mx.value_and_grad(
-            lambda x: loss_of_logps(dense_logps(stack, x, targets)))(h_last)
-        mx.eval(loss, metrics, cot)
-    del h_last
-    _mem_log("head")
+        h_last = boundaries.pop()
+        loss, metrics, cot = _head_grad(stack, pairs, prefix, h_last, loss_of_logps, head_chunk)
+        del h_last
+        _mem_log("head")
 
-    grads: Grads = {}
-    for s, e in reversed(ranges):  # backward: one segment at a time, in reverse
-        cot, seg_grads = _segment_vjp(stack, s, e, boundaries.pop(), cot)
-        grads.update(seg_grads)
-        _mem_log(f"backward {s}-{e}")
+        grads: Grads = {}
+        for s, e in reversed(ranges):  # backward: one segment at a time, in reverse
+            cot, seg_grads = _segment_vjp(stack, s, e, boundaries.pop(), cot, mask)
+            grads.update(seg_grads)
+            _mem_log(f"backward {s}-{e}")
     return loss, metrics, grads
 
 
-def value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch,
+def _head_grad(stack: Stack, pairs: PairBatch, prefix: PrefixBatch | None, h_last: mx.array,
+               loss_of_logps: LossOfLogps, head_chunk: int
+               ) -> tuple[mx.array, dict[str, mx.array], mx.array]:
+    """Loss, metrics and dL/d(last hidden state), dense or bounded."""
+    if head_chunk <= 0:
+        targets = mx.array(pairs.targets)
+
+        def fn(x: mx.array):
+            return loss_of_logps(dense_logps(stack, to_pair_layout(x, prefix) if prefix else x,
+                                             targets))
+
+        (loss, metrics), cot = mx.value_and_grad(fn)(h_last)
+        mx.eval(loss, metrics, cot)
+        return loss, metrics, cot
+    active = (pairs.resp_mask > 0) | (pairs.nll_mask > 0)
+    h_pairs = to_pair_layout(h_last, prefix) if prefix else h_last
+    loss, metrics, cot = bounded_head_grad(stack, h_pairs, pairs.targets, active,
+                                           loss_of_logps, head_chunk)
+    if prefix:  # the gather's vjp: prompt positions collect both branches' gradients
+        b, length, width = h_last.shape
+        flat = mx.zeros((b * length, width), cot.dtype)
+        cot = flat.at[mx.array(prefix.gather.reshape(-1))].add(cot.reshape(-1, width))
+        cot = cot.reshape(b, length, width)
+        mx.eval(cot)
+    return loss, metrics, cot
+
+
+def shared_plain_value_and_grad(model: nn.Module, stack: Stack, batch: PrefixBatch,
+                                loss_of_logps: LossOfLogps) -> Result:
+    """``nn.value_and_grad`` over the shared forward with the dense head (no segments)."""
+    targets = mx.array(batch.pairs.targets)
+    with shared_positions(install_prefix_rope(model), batch) as mask:
+        def fn(tokens: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
+            h = stack.embed(tokens)
+            for layer in stack.layers:
+                h = layer(h, mask, None)
+            return loss_of_logps(dense_logps(stack, to_pair_layout(h, batch), targets))
+
+        (loss, metrics), grads = nn.value_and_grad(model, fn)(mx.array(batch.inputs))
+        mx.eval(loss, metrics, grads)
+    return loss, metrics, dict(tree_flatten(grads))
+
+
+def value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch,
                    loss_of_logps: LossOfLogps, segment_size: int = 0,
                    head_chunk: int = 0) -> Result:
     """Dispatch: plain autograd when both levers are off, else the staged path.
 
     ``head_chunk`` > 0 with ``segment_size`` 0 runs all layers as one segment, since the
-    bounded head needs its own stage.
+    bounded head needs its own stage. A PrefixBatch takes the shared forward either way.
     """
     if segment_size <= 0 and head_chunk <= 0:
+        if isinstance(batch, PrefixBatch):
+            return shared_plain_value_and_grad(model, stack, batch, loss_of_logps)
         return plain_value_and_grad(model, stack, batch, loss_of_logps)
     return segmented_value_and_grad(model, stack, batch, loss_of_logps, segment_size,
                                     head_chunk)

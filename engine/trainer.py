@@ -34,6 +34,7 @@ from engine.config import TrainConfig
 from engine.data import load_pairs, micro_batches
 from engine.losses import LossSpec, Norms, pair_loss
 from engine.model import LoraSpec, Stack, attach_lora, check_stack, make_stack, set_dropout_seed
+from engine.prefix import PrefixBatch, split_prefix_batch
 from engine.scoring import evaluate
 from engine.segmented import Grads, grads_to_tree, value_and_grad
 
@@ -72,7 +73,7 @@ def resolve_pad_multiple(pad_multiple: int) -> int:
     """-1 = auto: 128 on CUDA (fused attention needs it: DESIGN.md), else none."""
     if pad_multiple >= 0:
         return pad_multiple
-    return 128 if mx.cuda.is_available() and mx.default_device() == mx.gpu else 1
+    return 128 if _is_cuda() else 1
 
 
 def make_optimizer(cfg: TrainConfig) -> optim.AdamW:
@@ -92,14 +93,16 @@ def make_optimizer(cfg: TrainConfig) -> optim.AdamW:
                        bias_correction=cfg.bias_correction)
 
 
-def step_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch], spec: LossSpec,
-               cfg: TrainConfig, step: int) -> tuple[float, dict[str, float], Grads]:
+def step_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | PrefixBatch],
+               spec: LossSpec, cfg: TrainConfig, step: int
+               ) -> tuple[float, dict[str, float], Grads]:
     """Summed loss, metric sums and grads of one optimizer step's micro-batches."""
-    norms: Norms = batch_norms(micro)
+    layouts = [b.pairs if isinstance(b, PrefixBatch) else b for b in micro]
+    norms: Norms = batch_norms(layouts)
     total, sums, grads = 0.0, {}, {}
-    for i, b in enumerate(micro):
+    for i, (b, pb) in enumerate(zip(micro, layouts, strict=True)):
         set_dropout_seed(model, (cfg.seed * 1_000_003 + step) * 1009 + i)
-        resp, nll = mx.array(b.resp_mask), mx.array(b.nll_mask)
+        resp, nll = mx.array(pb.resp_mask), mx.array(pb.nll_mask)
         loss, metrics, g = value_and_grad(
             model, stack, b, lambda lp, r=resp, n=nll: pair_loss(lp, r, n, spec, norms),
             cfg.segment_size, cfg.head_chunk)
@@ -109,7 +112,27 @@ def step_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch], spec:
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + float(v)
     sums["pairs"], sums["nll_tokens"] = norms.pairs, norms.nll_tokens
+    sums["micro_batches"] = len(micro)
+    sums["shared_batches"] = sum(isinstance(b, PrefixBatch) for b in micro)
     return total, sums, grads
+
+
+def choose_layout(pairs: list, cfg: TrainConfig, pad_multiple: int, pad_id: int
+                  ) -> PairBatch | PrefixBatch:
+    """The shared layout where ``cfg.prefix_share`` asks for it and it applies."""
+    two = make_batch(pairs, cfg.nll_span, pad_multiple, pad_id)
+    if cfg.prefix_share == "off" or (cfg.prefix_share == "auto" and _is_cuda()):
+        return two
+    shared = split_prefix_batch(pairs, cfg.nll_span, pad_multiple, pad_id)
+    if shared is None:
+        return two  # counted: prefix_share_rate falls
+    if cfg.prefix_share == "auto" and shared.fed > 0.75 * two.tokens:
+        return two
+    return shared
+
+
+def _is_cuda() -> bool:
+    return mx.cuda.is_available() and mx.default_device() == mx.gpu
 
 
 class Window:
@@ -137,35 +160,40 @@ class Window:
     def record(self, step: int, lr: float) -> dict[str, Any]:
         s = dict(self.sums)
         pairs, nll_tokens = s.pop("pairs"), s.pop("nll_tokens")
+        share = s.pop("shared_batches") / max(s.pop("micro_batches"), 1)
         rec: dict[str, Any] = {"step": step, "split": "train",
                                "loss": sum(self.losses) / len(self.losses),
                                "nll_loss": s.pop("nll_sum") / nll_tokens}
         rec.update({k: v / pairs for k, v in s.items()})
         rec.update({"grad_norm": sum(self.norms) / len(self.norms), "learning_rate": lr,
+                    "prefix_share_rate": share,
                     "tokens_per_sec": self.tokens / max(self.seconds, 1e-9),
                     "peak_memory_gb": mx.get_peak_memory() / 1e9})
         return rec
 
 
-def verify_paths(model: nn.Module, stack: Stack, batch: PairBatch, spec: LossSpec,
-                 cfg: TrainConfig, rtol: float = 1e-4) -> dict[str, float]:
-    """One step through the configured path and the plain dense path; raise if they differ."""
-    norms = batch_norms([batch])
-    resp, nll = mx.array(batch.resp_mask), mx.array(batch.nll_mask)
+def verify_paths(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch,
+                 spec: LossSpec, cfg: TrainConfig, rtol: float = 1e-4) -> dict[str, float]:
+    """One step through the configured path and the plain dense two-forward path; raise if
+    they differ."""
+    pairs = batch.pairs if isinstance(batch, PrefixBatch) else batch
+    norms = batch_norms([pairs])
+    resp, nll = mx.array(pairs.resp_mask), mx.array(pairs.nll_mask)
 
     def fn(lp: mx.array) -> Any:
         return pair_loss(lp, resp, nll, spec, norms)
 
     set_dropout_seed(model, 0)
-    ref_loss, _, ref = value_and_grad(model, stack, batch, fn)
+    ref_loss, _, ref = value_and_grad(model, stack, pairs, fn)
     loss, _, got = value_and_grad(model, stack, batch, fn, cfg.segment_size, cfg.head_chunk)
     scale = max(max(float(mx.abs(g).max()) for g in ref.values()), 1e-12)
     grad_err = max(float(mx.abs(got[k] - ref[k]).max()) for k in ref) / scale
     loss_err = abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-12)
     if set(got) != set(ref) or grad_err > rtol or loss_err > rtol:
         raise RuntimeError(f"--verify failed: segment_size={cfg.segment_size}, head_chunk="
-                           f"{cfg.head_chunk} differs from the plain path (loss rel err "
-                           f"{loss_err:.2e}, grad rel err {grad_err:.2e}, tolerance {rtol})")
+                           f"{cfg.head_chunk}, shared={pairs is not batch} differs from the "
+                           f"plain path (loss rel err {loss_err:.2e}, grad rel err "
+                           f"{grad_err:.2e}, tolerance {rtol})")
     return {"loss_rel_err": loss_err, "grad_rel_err": grad_err}
 
 
@@ -208,8 +236,8 @@ def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
     elif (out / "metrics.jsonl").exists():
         (out / "metrics.jsonl").unlink()  # a fresh run starts a fresh log
 
-    def batch_of(pairs: list) -> PairBatch:
-        return make_batch(pairs, cfg.nll_span, pad_multiple, pad_id)
+    def batch_of(pairs: list) -> PairBatch | PrefixBatch:
+        return choose_layout(pairs, cfg, pad_multiple, pad_id)
 
     batches = micro_batches(data.train, cfg.batch_size, cfg.seed, start * cfg.grad_accum)
     if cfg.verify:
@@ -247,7 +275,7 @@ def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
         mx.eval(model.trainable_parameters(), optimizer.state)
         lr = float(optimizer.learning_rate)  # the rate this update used
         seconds = time.perf_counter() - t0
-        tokens = sum(b.tokens for b in micro)
+        tokens = sum((b.pairs if isinstance(b, PrefixBatch) else b).tokens for b in micro)
         window.add(loss, sums, grad_norm, tokens, seconds)
         total_tokens, total_seconds = total_tokens + tokens, total_seconds + seconds
         result.steps = step

@@ -291,3 +291,36 @@ def test_data_cli_tokenize_and_stats(tiny_model, tmp_path) -> None:
     assert stats.exit_code == 0 and "rows (train / valid)" in stats.output
     bad = CliRunner().invoke(app, ["data", "stats", str(tmp_path)])
     assert bad.exit_code == 2 and "not a complete Pomona dataset" in bad.output
+
+
+def test_over_long_row_identical_after_truncation_is_rejected(tiny_model, tmp_path) -> None:
+    rows = [{"id": "a", "prompt": "Sort: 1 2 3 9", "chosen": " 1 2 3 9", "rejected": " 1 2 9 3"},
+            {"id": "b", "prompt": "Sort: 2 1", "chosen": " 1 2", "rejected": " 2 1"}]
+    opts = TokenizeOptions(chat_template="off", max_length=8, max_bad_fraction=0.5)
+    report = tokenize_dataset(jsonl(tmp_path / "l.jsonl", rows), str(tiny_model),
+                              tmp_path / "l", opts)
+    assert report.rejects == {"identical_after_truncation": 1} and report.rows == 1
+    line = json.loads((tmp_path / "l.rejects.jsonl").read_text())
+    assert line["reason"] == "identical_after_truncation" and line["line"] == 1
+
+
+@pytest.mark.unit
+def test_length_bucketed_batches_cut_padding_and_are_seeded() -> None:
+    import numpy as np
+
+    from engine.batch import Pair
+    from engine.data import epoch_batches
+
+    rng = np.random.default_rng(0)
+    pairs = [Pair(str(i), [1] * int(n), [2], [3]) for i, n in enumerate(rng.integers(1, 400, 512))]
+
+    def padding(batches) -> int:
+        return sum(max(len(pairs[i].prompt) for i in b) * len(b) -
+                   sum(len(pairs[i].prompt) for i in b) for b in batches)
+
+    bucketed = epoch_batches(pairs, 8, seed=3, epoch=0)
+    shuffled = [list(range(i, i + 8)) for i in range(0, 512, 8)]
+    assert padding(bucketed) < padding(shuffled) / 4
+    assert bucketed == epoch_batches(pairs, 8, seed=3, epoch=0)
+    assert bucketed != epoch_batches(pairs, 8, seed=3, epoch=1)
+    assert sorted(i for b in bucketed for i in b) == list(range(512))  # every row once
