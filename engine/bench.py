@@ -5,7 +5,9 @@
     pomona bench memory|prefix ...                             (the same, from the CLI)
 
 ``prefix`` rows: one ORPO step on one pair, ``two_forward`` vs ``shared`` (one forward
-over [prompt | chosen | rejected]), at each prompt:response ratio (P + R = ``--seq``).
+over [prompt | chosen | rejected] with two fused causal attention calls per layer) vs
+``shared_mask`` (the same with one block-sparse array mask), at each prompt:response
+ratio (P + R = ``--seq``).
 
 Each row runs in a fresh process (MLX's peak and the process RSS are per process; mlx-lm's
 checkpointing patches the layer class), on a random-init llama with LoRA r=16 on q/k/v/o,
@@ -112,7 +114,9 @@ def _prefix_fn(path: str, ratio: str, model, stack, a: argparse.Namespace):
     ids = lambda n: rng.integers(10, a.vocab, n).tolist()  # noqa: E731
     pairs = [Pair("bench", ids(p), ids(r), ids(r))]
     two = make_batch(pairs, "full")
-    batch = split_prefix_batch(pairs, "full") if path == "shared" else two
+    attention = "mask" if path == "shared_mask" else "split"
+    batch = two if path == "two_forward" else split_prefix_batch(pairs, "full",
+                                                                 attention=attention)
     norms, spec = batch_norms([two]), LossSpec()
     resp, nll = mx.array(two.resp_mask), mx.array(two.nll_mask)
     fn = lambda: value_and_grad(model, stack, batch,  # noqa: E731
@@ -126,7 +130,7 @@ def run_row(name: str, a: argparse.Namespace) -> dict[str, Any]:
     model, stack = _model(a)
     weights = mx.get_active_memory()
     extra: dict[str, Any] = {}
-    if name.startswith(("shared@", "two_forward@")):
+    if name.startswith(("shared@", "shared_mask@", "two_forward@")):
         path, ratio = name.split("@")
         fn, extra = _prefix_fn(path, ratio, model, stack, a)
     elif name.startswith("head_"):
@@ -189,12 +193,14 @@ def _prefix_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     out: dict[str, float] = {}
     by = {(r["ratio"], r["path"]): r for r in rows}
     for ratio in dict.fromkeys(r["ratio"] for r in rows):
-        two, shared = by.get((ratio, "two_forward")), by.get((ratio, "shared"))
-        if two and shared:
-            p, resp = shared["prompt_tokens"], shared["response_tokens"]
-            out[f"{ratio}_time_vs_two_forward"] = shared["step_s"] / two["step_s"]
-            out[f"{ratio}_target"] = (p + resp) / (2 * p + resp) + 0.10
-            out[f"{ratio}_peak_vs_two_forward"] = shared["peak_mb"] / two["peak_mb"]
+        two = by.get((ratio, "two_forward"))
+        for path in ("shared", "shared_mask"):
+            shared = by.get((ratio, path))
+            if two and shared:
+                p, resp = shared["prompt_tokens"], shared["response_tokens"]
+                out[f"{ratio}_{path}_time_vs_two_forward"] = shared["step_s"] / two["step_s"]
+                out[f"{ratio}_target"] = (p + resp) / (2 * p + resp) + 0.10
+                out[f"{ratio}_{path}_peak_vs_two_forward"] = shared["peak_mb"] / two["peak_mb"]
     return out
 
 
@@ -206,7 +212,8 @@ def main(argv: list[str], kind: str = "memory") -> int:
     names = ["plain", "checkpoint", *[f"seg{k}" for k in a.segments.split(",") if k],
              "head_dense", "head_bounded"]
     if kind == "prefix":
-        names = [f"{p}@{r}" for r in a.ratios.split(",") for p in ("two_forward", "shared")]
+        names = [f"{p}@{r}" for r in a.ratios.split(",")
+                 for p in ("two_forward", "shared", "shared_mask")]
     if a.rows:
         names = a.rows.split(",")
     rows = []

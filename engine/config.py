@@ -39,6 +39,9 @@ class TrainConfig:
     prefix_share: str = _f("auto", "One forward over [prompt | chosen | rejected]: on, off, or "
                                    "auto (on where the batch saves >= 25% of tokens; off on "
                                    "CUDA, whose fused attention the array mask leaves).")
+    prefix_attention: str = _f("auto", "Shared forward's attention: mask (block-sparse array), "
+                                       "split (two fused causal calls; batch_size 1) or auto "
+                                       "(split for one-row micro-batches).")
     pad_multiple: int = _f(-1, "Pad sequence length to a multiple of this; -1 = auto "
                                "(128 on CUDA, where fused attention needs it; else 1).")
     steps: int = _f(100, "Optimizer steps.")
@@ -70,7 +73,8 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
         choices = {"loss": ("orpo", "sft"), "nll_span": ("full", "response"),
-                   "lr_schedule": ("cosine", "constant"), "prefix_share": ("auto", "on", "off")}
+                   "lr_schedule": ("cosine", "constant"), "prefix_share": ("auto", "on", "off"),
+                   "prefix_attention": ("auto", "mask", "split")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {allowed}")

@@ -16,6 +16,7 @@ predicted from the last prompt position, so the loss and head code are shared an
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,6 +46,8 @@ class PrefixBatch:
     shift: np.ndarray
     gather: np.ndarray
     fed: int
+    spans: tuple[tuple[int, int, int], ...] = ()  # (P, Rc, Rr) per row
+    attention: str = "auto"  # mask | split | auto (split for one row): shared_positions
 
     @property
     def ids(self) -> list[str]:
@@ -64,8 +67,8 @@ def _row_mask(p: int, rc: int, rr: int, width: int) -> np.ndarray:
 
 def split_prefix_batch(pairs: Sequence[Pair], nll_span: str = "full",
                        pad_multiple: int = 0, pad_id: int = 0,
-                       prompts: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None
-                       ) -> PrefixBatch | None:
+                       prompts: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+                       attention: str = "auto") -> PrefixBatch | None:
     """The shared layout of ``pairs``, or None when any row's two prompts differ.
 
     ``prompts`` optionally gives each row's (chosen-branch, rejected-branch) prompt tokens
@@ -97,7 +100,63 @@ def split_prefix_batch(pairs: Sequence[Pair], nll_span: str = "full",
         gather[b + i, :p] = base + np.arange(p)
         gather[b + i, p : p + rr - 1] = base + p + rc + np.arange(rr - 1)
     shift = np.array([-len(pr.chosen) for pr in pairs], np.int32)
-    return PrefixBatch(two, tokens, mask, rejected, shift, gather, fed=sum(lengths))
+    spans = tuple((len(p.prompt), len(p.chosen), len(p.rejected)) for p in pairs)
+    return PrefixBatch(two, tokens, mask, rejected, shift, gather, fed=sum(lengths),
+                       spans=spans, attention=attention)
+
+
+@dataclass(frozen=True)
+class SplitAttention:
+    """The mask for a one-row shared forward, as two fused causal attention calls.
+
+    Queries [P|Rc] over keys [P|Rc], and queries [Rr] over keys [P|Rr] (causal, aligned
+    bottom-right); trailing pads attend to themselves. No masked block is computed and
+    no array mask is passed, so MLX's fused attention stays on.
+    """
+
+    p: int
+    rc: int
+    rr: int
+
+
+def split_attention(sdpa, queries: mx.array, keys: mx.array, values: mx.array, cache,
+                    scale: float, mask: SplitAttention, *args, **kwargs) -> mx.array:
+    """``scaled_dot_product_attention`` for a SplitAttention mask ([1, H, L, D] inputs)."""
+    p, rc, rr = mask.p, mask.rc, mask.rr
+    a, b = p + rc, p + rc + rr
+    first = sdpa(queries[:, :, :a], keys[:, :, :a], values[:, :, :a], cache, scale,
+                 "causal", *args, **kwargs)
+    k2 = mx.concatenate([keys[:, :, :p], keys[:, :, a:b]], axis=2)
+    v2 = mx.concatenate([values[:, :, :p], values[:, :, a:b]], axis=2)
+    second = sdpa(queries[:, :, a:b], k2, v2, cache, scale, "causal", *args, **kwargs)
+    if values.shape[2] == b:
+        return mx.concatenate([first, second], axis=2)
+    pads = values[:, :, b:]  # a pad attends to itself only: its output is its value
+    if values.shape[1] != queries.shape[1]:  # GQA: each query head reads its kv head
+        pads = mx.repeat(pads, queries.shape[1] // values.shape[1], axis=1)
+    return mx.concatenate([first, second, pads.astype(first.dtype)], axis=2)
+
+
+def install_split_attention(model: nn.Module) -> None:
+    """Route SplitAttention masks in the model's attention code (others pass through).
+
+    mlx-lm's attention modules call their module's ``scaled_dot_product_attention``; it
+    is wrapped once per module, so no model code is forked.
+    """
+    for _, m in model.named_modules():
+        module = sys.modules.get(type(m).__module__)
+        sdpa = getattr(module, "scaled_dot_product_attention", None)
+        if sdpa is None or getattr(sdpa, "_pomona_split", False):
+            continue
+
+        def routed(queries, keys, values, cache, scale, mask, *args, _sdpa=sdpa, **kwargs):
+            if isinstance(mask, SplitAttention):
+                return split_attention(_sdpa, queries, keys, values, cache, scale, mask,
+                                       *args, **kwargs)
+            return _sdpa(queries, keys, values, cache, scale, mask, *args, **kwargs)
+
+        routed._pomona_split = True
+        module.scaled_dot_product_attention = routed
 
 
 class _RopeState:
@@ -136,17 +195,27 @@ def install_prefix_rope(model: nn.Module) -> _RopeState:
     if not wrapped:
         raise ValueError(f"{type(model).__module__}: no attention `rope` module to wrap; "
                          "prefix sharing is not supported for this architecture")
+    install_split_attention(model)
     model._pomona_rope_state = state
     return state
 
 
 @contextmanager
-def shared_positions(state: _RopeState, batch: PrefixBatch) -> Iterator[mx.array]:
-    """Inside: ropes give rejected tokens prompt-relative positions; yields the mask."""
+def shared_positions(state: _RopeState, batch: PrefixBatch
+                     ) -> Iterator[mx.array | SplitAttention]:
+    """Inside: ropes give rejected tokens prompt-relative positions; yields the mask.
+
+    ``batch.attention``: "mask" (block-sparse array), "split" (two fused calls, one row
+    only) or "auto" (split for a single row, else the mask).
+    """
+    attention = batch.attention
     state.shift = mx.array(batch.shift)
     state.select = mx.array(batch.rejected)[:, None, :, None]
+    use_split = attention == "split" or (attention == "auto" and len(batch.spans) == 1)
+    if use_split and len(batch.spans) != 1:
+        raise ValueError("split attention needs a one-row micro-batch (batch_size 1)")
     try:
-        yield mx.array(batch.mask)
+        yield SplitAttention(*batch.spans[0]) if use_split else mx.array(batch.mask)
     finally:
         state.shift = state.select = None
 

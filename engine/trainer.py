@@ -123,7 +123,8 @@ def choose_layout(pairs: list, cfg: TrainConfig, pad_multiple: int, pad_id: int
     two = make_batch(pairs, cfg.nll_span, pad_multiple, pad_id)
     if cfg.prefix_share == "off" or (cfg.prefix_share == "auto" and _is_cuda()):
         return two
-    shared = split_prefix_batch(pairs, cfg.nll_span, pad_multiple, pad_id)
+    shared = split_prefix_batch(pairs, cfg.nll_span, pad_multiple, pad_id,
+                                attention=cfg.prefix_attention)
     if shared is None:
         return two  # counted: prefix_share_rate falls
     if cfg.prefix_share == "auto" and shared.fed > 0.75 * two.tokens:

@@ -73,3 +73,25 @@ def test_mismatched_prompts_fall_back() -> None:
     pairs = [Pair("a", [1, 2], [3], [4]), Pair("b", [1, 5], [6], [7])]
     assert split_prefix_batch(pairs, prompts=[([1, 2], [1, 2]), ([1, 5], [1, 5])]) is not None
     assert split_prefix_batch(pairs, prompts=[([1, 2], [1, 2]), ([1, 5], [1, 9])]) is None
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model", "tiny_qwen2"])
+@pytest.mark.parametrize("pad", [1, 16])
+def test_split_attention_equals_two_forwards(fixture: str, pad: int, request) -> None:
+    """Two fused causal calls per layer (one row) give the two-forward loss and grads."""
+    from dataclasses import replace
+
+    path = request.getfixturevalue(fixture)
+    model, stack = lora_model(path)
+    pairs = tokenized_pairs(path, 1, seed=11)
+    two = make_batch(pairs, "full")
+    spec = LossSpec()
+    ref = run(model, stack, two, two, spec)
+    shared = split_prefix_batch(pairs, "full", pad_multiple=pad, attention="split")
+    for k, chunk in ((0, 0), (1, 16), (2, 0)):
+        assert_same(run(model, stack, shared, shared.pairs, spec, k, chunk), ref)
+    masked = replace(shared, attention="mask")
+    assert_same(run(model, stack, masked, masked.pairs, spec), ref)
+    with pytest.raises(ValueError, match="one-row"):
+        bad = split_prefix_batch(tokenized_pairs(path, 2, seed=1), attention="split")
+        run(model, stack, bad, bad.pairs, spec)
