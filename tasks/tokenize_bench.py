@@ -73,7 +73,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument("--json", action="store_true", help="Print one JSON object {rows: [...]}.")
     a = p.parse_args(argv)
-    import datasets
+    import datasets  # without the package this finds the repo's data folder instead
+
+    if not hasattr(datasets, "load_dataset"):
+        print("pomona bench tokenize compares against Hugging Face datasets, which is not "
+              "installed: pip install -e '.[bench]'")
+        return 2
     import mlx_lm.utils  # noqa: F401
     import transformers  # noqa: F401
 

@@ -324,3 +324,21 @@ def test_length_bucketed_batches_cut_padding_and_are_seeded() -> None:
     assert bucketed == epoch_batches(pairs, 8, seed=3, epoch=0)
     assert bucketed != epoch_batches(pairs, 8, seed=3, epoch=1)
     assert sorted(i for b in bucketed for i in b) == list(range(512))  # every row once
+
+
+@pytest.mark.slow
+def test_tokenize_benchmark_runs_both_sides() -> None:
+    import io
+    from contextlib import redirect_stdout
+
+    from tasks.tokenize_bench import main
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["--rows", "300", "--json"]) == 0
+    result = json.loads(out.getvalue().strip().splitlines()[-1])
+    names = [r["name"] for r in result["rows"]]
+    assert names == ["pomona", "hf_datasets"]
+    assert all(r["rows"] == 300 and r["rows_per_s"] > 0 and r["tokens_per_s"] > 0
+               for r in result["rows"])
+    assert result["rows"][0]["tokens"] == result["rows"][1]["tokens"]  # same work counted
