@@ -37,8 +37,8 @@ class TrainConfig:
     segment_size: int = _f(0, "Layers per backward segment; 0 = plain value_and_grad.")
     head_chunk: int = _f(0, "Tokens per LM-head chunk; 0 = dense logits.")
     prefix_share: str = _f("auto", "One forward over [prompt | chosen | rejected]: on, off, or "
-                                   "auto (on where the batch saves >= 25% of tokens; off on "
-                                   "CUDA, whose fused attention the array mask leaves).")
+                                   "auto (on where the batch saves >= 25% of tokens with split "
+                                   "attention, 1/3 with the mask; off on CUDA until measured).")
     prefix_attention: str = _f("auto", "Shared forward's attention: mask (block-sparse array), "
                                        "split (two fused causal calls; batch_size 1) or auto "
                                        "(split for one-row micro-batches).")
