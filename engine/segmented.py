@@ -20,7 +20,6 @@ from contextlib import nullcontext
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from engine.batch import PairBatch
@@ -195,16 +194,6 @@ def value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatc
                                     head_chunk)
 
 
-def trainable_names(model: nn.Module) -> list[str]:
-    """Names of the trainable parameters, as the grads dicts key them."""
-    return [k for k, _ in tree_flatten(model.trainable_parameters())]
-
-
 def grads_to_tree(grads: Grads) -> dict:
     """Flat name → array dict as the nested tree optimizers expect."""
     return tree_unflatten(list(grads.items()))
-
-
-def global_norm(grads: Grads) -> float:
-    """L2 norm over all gradient arrays."""
-    return float(np.sqrt(sum(float((g.astype(mx.float32) ** 2).sum()) for g in grads.values())))
