@@ -217,3 +217,19 @@ def test_orpo_raises_held_out_preference_accuracy(tmp_path) -> None:
     assert len(val) == 3 and val[0] <= 0.6, val  # untrained: near chance
     assert val[-1] >= 0.65 and val[-1] >= val[0] + 0.1, val
     assert result.best_val["val/rewards/accuracies"] >= 0.65
+
+
+def test_prefix_share_rate_counts_shared_and_fallen_back_batches(tiny_model, tmp_path) -> None:
+    long_prompt = [Pair(f"l{i}", [1, *range(20, 60)], [70 + i, 4], [80 + i, 4]) for i in range(4)]
+    short_prompt = [Pair(f"s{i}", [1], list(range(20, 40)) + [4], list(range(40, 60)) + [4])
+                    for i in range(4)]
+    rates = {}
+    for name, pairs, mode in (("long", long_prompt, "auto"), ("short", short_prompt, "auto"),
+                              ("forced", short_prompt, "on"), ("off", long_prompt, "off")):
+        data = write_pairs_jsonl(pairs, tmp_path / f"{name}.jsonl", split="train")
+        train(cfg(tiny_model, data, tmp_path / name, steps=2, batch_size=2, grad_accum=2,
+                  prefix_share=mode))
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        rates[name] = [r["prefix_share_rate"] for r in rows if r["split"] == "train"]
+    assert rates == {"long": [1.0, 1.0], "short": [0.0, 0.0], "forced": [1.0, 1.0],
+                     "off": [0.0, 0.0]}
