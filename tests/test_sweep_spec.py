@@ -1,0 +1,71 @@
+"""Sweep specs: validation names the bad key; trials expand deterministically."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tasks.sweep_spec import SpecError, load_spec, parse_spec, trial_id
+
+pytestmark = pytest.mark.unit
+BASE = {"name": "s", "model": "m", "data": "d"}
+
+
+def test_grid_expands_to_the_cartesian_product_with_fixed_params() -> None:
+    spec = parse_spec({**BASE, "fixed": {"steps": 5},
+                       "grid": {"segment_size": [1, 2], "lora_rank": [4, 8, 16]}})
+    trials = spec.trials()
+    assert len(trials) == 6 and spec.search == "grid"
+    assert {(t.params["segment_size"], t.params["lora_rank"]) for t in trials} == {
+        (s, r) for s in (1, 2) for r in (4, 8, 16)}
+    assert all(t.params["steps"] == 5 for t in trials)
+    assert len({t.id for t in trials}) == 6
+
+
+def test_random_search_is_seeded_and_within_bounds() -> None:
+    raw = {**BASE, "search": "random", "num_samples": 20, "seed": 3,
+           "space": {"learning_rate": {"loguniform": [1e-5, 1e-3]},
+                     "lora_rank": {"choice": [4, 8]}, "warmup_steps": {"int": [0, 3]},
+                     "orpo_lambda": {"uniform": [0.05, 0.5]}}}
+    a, b = parse_spec(raw).trials(), parse_spec(raw).trials()
+    assert [t.params for t in a] == [t.params for t in b]
+    assert a != parse_spec({**raw, "seed": 4}).trials()
+    for t in a:
+        assert 1e-5 <= t.params["learning_rate"] <= 1e-3
+        assert t.params["lora_rank"] in (4, 8) and t.params["warmup_steps"] in range(4)
+        assert 0.05 <= t.params["orpo_lambda"] <= 0.5
+
+
+def test_trial_ids_are_stable_and_order_free() -> None:
+    assert trial_id({"a": 1, "b": 2}) == trial_id({"b": 2, "a": 1})
+    assert trial_id({"a": 1}) != trial_id({"a": 2})
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ({**BASE, "bogus": 1}, "unknown key.*bogus"),
+    ({"name": "s", "data": "d"}, "model: required"),
+    ({**BASE, "grid": {"learnin_rate": [1e-4]}}, "grid.learnin_rate: not a training param"),
+    ({**BASE, "fixed": {"batch_size": 0}}, r"fixed.batch_size=0"),
+    ({**BASE, "grid": {"loss": ["dpo"]}}, r"grid.loss='dpo'"),
+    ({**BASE, "fixed": {"out": "x"}}, "fixed.out: set by the sweep"),
+    ({**BASE, "search": "random", "space": {"lora_rank": {"normal": [1, 2]}}},
+     "space.lora_rank: expected one of"),
+    ({**BASE, "search": "random", "space": {"learning_rate": {"loguniform": [0, 1]}}},
+     "space.learning_rate.loguniform"),
+    ({**BASE, "search": "grid", "space": {"lora_rank": {"choice": [4]}}}, "grid search has no"),
+    ({**BASE, "fixed": {"steps": 3}, "grid": {"steps": [1]}}, "steps: given in more than one"),
+    ({**BASE, "mode": "biggest"}, "mode='biggest'"),
+])
+def test_errors_name_the_bad_key(raw: dict, message: str) -> None:
+    with pytest.raises(SpecError, match=message):
+        parse_spec(raw, "sweep.yaml")
+
+
+def test_segment_size_auto_is_allowed(tmp_path: Path) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\nmodel: m\ndata: d\ngrid:\n  segment_size: [auto, 2]\n")
+    assert [t.params["segment_size"] for t in load_spec(path).trials()] == ["auto", 2]
+    path.write_text("name: [unclosed\n")
+    with pytest.raises(SpecError, match=r"s\.yaml: not valid YAML"):
+        load_spec(path)
