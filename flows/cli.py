@@ -134,6 +134,22 @@ def data_stats(path: Annotated[Path, typer.Argument(help="A tokenized dataset di
     run_stats(console, path)
 
 
+@app.command("sweep")
+def sweep(
+    spec: Annotated[Path, typer.Argument(help="Sweep spec YAML (see flows/configs/).")],
+    out: Annotated[Path | None, typer.Option(help="Output dir (default runs/<name>).")] = None,
+    address: Annotated[str | None, typer.Option(help="Ray address (auto | HOST:PORT); "
+                                                     "default: a private local Ray.")] = None,
+    gpus: Annotated[bool, typer.Option(help="One GPU per trial (Macs, CUDA).")] = False,
+    resource: Annotated[str | None, typer.Option(help="Custom resource per trial "
+                                                      "(e.g. mlx_gpu).")] = None,
+) -> None:
+    """Run a hyperparameter sweep on Ray: one trial per GPU or slot, cached re-runs."""
+    from flows.sweep_cli import run_sweep_cli
+
+    run_sweep_cli(console, spec, out, address, gpus, resource)
+
+
 _PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
                 "help_option_names": []}
 

@@ -67,10 +67,10 @@ def run_trial(trial_id: str, config: dict[str, Any]) -> dict[str, Any]:
             "peak_memory_gb": result.peak_memory_gb, "tokens_per_sec": result.tokens_per_sec}
 
 
-def run_trials(trials: list[tuple[str, dict[str, Any]]], out: Path, placement: Placement,
-               max_concurrent: int) -> list[dict[str, Any]]:
+def run_trials(trials: list[tuple[str, dict[str, Any]]], placement: Placement,
+               max_concurrent: int, results: Path | None = None) -> list[dict[str, Any]]:
     """Run ``trials`` on the connected Ray cluster, at most ``max_concurrent`` at a time;
-    write ``out/results.parquet`` and return the summaries (in submission order)."""
+    return the summaries in submission order (and write them to ``results`` if given)."""
     import ray
 
     remote = ray.remote(max_calls=1)(run_trial).options(**placement.options())
@@ -85,7 +85,8 @@ def run_trials(trials: list[tuple[str, dict[str, Any]]], out: Path, placement: P
         for ref in ready:
             done[running.pop(ref)] = ray.get(ref)
     summaries = [done[t] for t, _ in trials]
-    write_results(summaries, out / "results.parquet")
+    if results is not None:
+        write_results(summaries, results)
     return summaries
 
 

@@ -44,8 +44,8 @@ def _max_overlap(rows: list[dict]) -> int:
 
 
 def test_four_trials_on_two_slots(ray_cluster, tiny_model, tiny_data, tmp_path) -> None:
-    rows = run_trials(_trials(tiny_model, tiny_data, tmp_path, 4), tmp_path, Placement(),
-                      max_concurrent=4)
+    rows = run_trials(_trials(tiny_model, tiny_data, tmp_path, 4), Placement(),
+                      max_concurrent=4, results=tmp_path / "results.parquet")
     assert [r["status"] for r in rows] == ["completed"] * 4, [r.get("reason") for r in rows]
     assert _max_overlap(rows) <= 2  # 2 CPU slots, even with 4 allowed by the sweep
     assert len({r["pid"] for r in rows}) == 4  # a fresh process per trial
@@ -56,7 +56,7 @@ def test_four_trials_on_two_slots(ray_cluster, tiny_model, tiny_data, tmp_path) 
 
 def test_gpu_placement_pins_one_device_each(ray_cluster, tiny_model, tiny_data,
                                             tmp_path) -> None:
-    rows = run_trials(_trials(tiny_model, tiny_data, tmp_path, 2), tmp_path, Placement(gpus=1),
+    rows = run_trials(_trials(tiny_model, tiny_data, tmp_path, 2), Placement(gpus=1),
                       max_concurrent=2)
     assert all(r["status"] == "completed" for r in rows)
     assert all(r["cuda_visible_devices"] in ("0", "1") for r in rows)
@@ -67,6 +67,60 @@ def test_a_failing_trial_is_reported_and_the_rest_complete(ray_cluster, tiny_mod
     trials = _trials(tiny_model, tiny_data, tmp_path, 2)
     trials.append(("bad", {**trials[0][1], "data": str(tmp_path / "missing.jsonl"),
                            "out": str(tmp_path / "bad")}))
-    rows = run_trials(trials, tmp_path, Placement(), max_concurrent=2)
+    rows = run_trials(trials, Placement(), max_concurrent=2)
     assert [r["status"] for r in rows] == ["completed", "completed", "failed"]
     assert "missing.jsonl" in rows[2]["reason"]
+
+
+def test_sweep_reruns_exactly_what_changed(ray_cluster, tiny_model, tiny_data,
+                                           tmp_path) -> None:
+    from tasks.sweep import run_sweep
+    from tasks.sweep_spec import parse_spec
+
+    raw = {"name": "s", "model": str(tiny_model), "data": str(tiny_data), "max_concurrent": 2,
+           "fixed": {"steps": 2, "batch_size": 2, "lora_rank": 4, "val_every": 0},
+           "grid": {"segment_size": [0, 2]}}
+    first = run_sweep(parse_spec(raw), tmp_path)
+    assert [r["status"] for r in first] == ["completed"] * 2
+    assert not any(r["skipped"] for r in first)
+    table = pq.read_table(tmp_path / "results.parquet").to_pylist()
+    assert {r["param/segment_size"] for r in table} == {0, 2}
+    again = run_sweep(parse_spec(raw), tmp_path)
+    assert all(r["skipped"] for r in again)
+    changed = run_sweep(parse_spec({**raw, "grid": {"segment_size": [0, 1]}}), tmp_path)
+    assert [r["skipped"] for r in changed] == [True, False]  # only the new point runs
+
+
+def test_sweep_refuses_a_cluster_without_the_gpus_it_needs(tiny_model, tiny_data) -> None:
+    from tasks.sweep import check_cluster
+    from tasks.trials import Placement
+
+    with pytest.raises(RuntimeError, match="no GPUs"):
+        check_cluster(Placement(gpus=1), {"CPU": 8.0})
+    with pytest.raises(RuntimeError, match="'mlx_gpu' resources"):
+        check_cluster(Placement(resource="mlx_gpu"), {"CPU": 8.0, "GPU": 1.0})
+    assert check_cluster(Placement(), {"CPU": 2.0}) == 2
+
+
+def test_pomona_sweep_cli(tiny_model, tiny_data, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"name: cli\nmodel: {tiny_model}\ndata: {tiny_data}\nmax_concurrent: 2\n"
+                    "fixed: {steps: 2, batch_size: 2, lora_rank: 4, val_every: 0}\n"
+                    "grid: {seed: [0, 1]}\n")
+    import tempfile
+
+    ray_tmp = tempfile.mkdtemp(prefix="pr", dir="/tmp")  # AF_UNIX paths: 107 bytes at most
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "sweep", str(spec), "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 trials: 0 cached, 2 to run" in proc.stdout
+    rows = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()
+    assert [r["status"] for r in rows] == ["completed", "completed"]
+    bad = subprocess.run([sys.executable, "-m", "flows.cli", "sweep", str(tmp_path / "no.yaml")],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 2 and "no.yaml" in bad.stdout
