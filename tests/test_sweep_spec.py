@@ -69,3 +69,10 @@ def test_segment_size_auto_is_allowed(tmp_path: Path) -> None:
     path.write_text("name: [unclosed\n")
     with pytest.raises(SpecError, match=r"s\.yaml: not valid YAML"):
         load_spec(path)
+
+
+def test_shipped_configs_parse() -> None:
+    configs = sorted((Path(__file__).resolve().parents[1] / "flows" / "configs").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        assert load_spec(path).trials()
