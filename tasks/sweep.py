@@ -93,7 +93,8 @@ def run_sweep(spec: SweepSpec, out: Path, placement: Placement | None = None,
         progress(f"{len(trials)} trials: {len(done)} cached, {len(todo)} to run on "
                  f"{min(slots, spec.max_concurrent)} slot(s)")
     fresh = run_trials([(t, c) for t, c, _ in todo], placement,
-                       min(slots, spec.max_concurrent)) if todo else []
+                       min(slots, spec.max_concurrent),
+                       time_limit_s=spec.time_limit_s) if todo else []
     keys = {t: k for t, _, k in todo}
     rows = {r["trial_id"]: r for r in done}
     rows.update({r["trial_id"]: {**r, "cache_key": keys[r["trial_id"]], "skipped": False}

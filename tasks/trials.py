@@ -68,22 +68,32 @@ def run_trial(trial_id: str, config: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_trials(trials: list[tuple[str, dict[str, Any]]], placement: Placement,
-               max_concurrent: int, results: Path | None = None) -> list[dict[str, Any]]:
+               max_concurrent: int, results: Path | None = None,
+               time_limit_s: float = 0.0) -> list[dict[str, Any]]:
     """Run ``trials`` on the connected Ray cluster, at most ``max_concurrent`` at a time;
-    return the summaries in submission order (and write them to ``results`` if given)."""
+    return the summaries in submission order (and write them to ``results`` if given).
+    A trial past ``time_limit_s`` (0 = none) is killed and reported as ``time_limit``."""
     import ray
 
     remote = ray.remote(max_calls=1)(run_trial).options(**placement.options())
     queue = list(trials)
-    running: dict[Any, str] = {}
+    running: dict[Any, tuple[str, float]] = {}
     done: dict[str, dict[str, Any]] = {}
     while queue or running:
         while queue and len(running) < max_concurrent:
             trial_id, config = queue.pop(0)
-            running[remote.remote(trial_id, config)] = trial_id
-        ready, _ = ray.wait(list(running), num_returns=1)
+            running[remote.remote(trial_id, config)] = (trial_id, time.time())
+        ready, _ = ray.wait(list(running), num_returns=1, timeout=1.0 if time_limit_s else None)
         for ref in ready:
-            done[running.pop(ref)] = ray.get(ref)
+            trial_id, _ = running.pop(ref)
+            done[trial_id] = ray.get(ref)
+        for ref, (trial_id, started) in list(running.items()):
+            if time_limit_s and time.time() - started > time_limit_s:
+                ray.cancel(ref, force=True)  # kills the worker process: memory comes back
+                running.pop(ref)
+                done[trial_id] = {"trial_id": trial_id, "status": "failed",
+                                  "reason": f"time_limit: over {time_limit_s:g} s",
+                                  "started": started, "ended": time.time()}
     summaries = [done[t] for t, _ in trials]
     if results is not None:
         write_results(summaries, results)

@@ -124,3 +124,17 @@ def test_pomona_sweep_cli(tiny_model, tiny_data, tmp_path) -> None:
     bad = subprocess.run([sys.executable, "-m", "flows.cli", "sweep", str(tmp_path / "no.yaml")],
                          capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 2 and "no.yaml" in bad.stdout
+
+
+def test_non_finite_and_time_limited_trials_are_reported(ray_cluster, tiny_model, tiny_data,
+                                                         tmp_path) -> None:
+    base = _trials(tiny_model, tiny_data, tmp_path, 1)[0][1]
+    trials = [("ok", base),
+              ("nan", {**base, "out": str(tmp_path / "nan"), "learning_rate": 1e30,
+                       "steps": 4, "grad_clip": 0.0}),
+              ("slow", {**base, "out": str(tmp_path / "slow"), "steps": 100000})]
+    rows = run_trials(trials, Placement(), max_concurrent=2, time_limit_s=20)
+    by = {r["trial_id"]: r for r in rows}
+    assert by["ok"]["status"] == "completed"
+    assert by["nan"]["status"] == "failed" and by["nan"]["reason"].startswith("non_finite")
+    assert by["slow"]["status"] == "failed" and by["slow"]["reason"].startswith("time_limit")
