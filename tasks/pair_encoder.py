@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 
-from tasks.render import Rendered, Tokenized, common_prefix, finish_split, split_tokens
+from tasks.preference_rows import common_prefix
+from tasks.render import Rendered, Tokenized, finish_split, split_tokens
 
 # Chars each side of the prompt end the boundary check reads: pre-tokenizer pieces start
 # at character-class changes, so a few chars decide whether the end is a split; checks are

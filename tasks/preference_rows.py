@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,14 +145,8 @@ def _messages(row: dict, name: str, min_items: int = 1) -> Messages:
     return out
 
 
-def _common_messages(a: Messages, b: Messages) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
-def _common_text(a: str, b: str) -> int:
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """Length of the longest common prefix of two sequences (text, messages, token ids)."""
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
@@ -189,7 +183,7 @@ def _implicit(row: dict) -> tuple[str | Messages, str | Messages, str | Messages
     c, r = row.get("chosen"), row.get("rejected")
     if isinstance(c, list) and isinstance(r, list):
         c, r = _messages(row, "chosen", 2), _messages(row, "rejected", 2)
-        n = _common_messages(c, r)
+        n = common_prefix(c, r)
         if n == 0:
             raise BadRow("no_common_prompt")
         if n >= min(len(c), len(r)):
@@ -198,7 +192,7 @@ def _implicit(row: dict) -> tuple[str | Messages, str | Messages, str | Messages
             raise BadRow("response_not_assistant")
         return c[:n], c[n:], r[n:]
     c, r = _text(row, "chosen"), _text(row, "rejected")
-    n = _common_text(c, r)
+    n = common_prefix(c, r)
     if n == 0:
         raise BadRow("no_common_prompt")
     if n >= min(len(c), len(r)):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tasks.preference_rows import Conversation, Messages
+from tasks.preference_rows import Conversation, Messages, common_prefix
 
 
 @dataclass(frozen=True)
@@ -102,13 +102,6 @@ def render(conv: Conversation, template: ChatTemplate | None) -> Rendered:
     prompt = prefix + _text(conv.prompt)
     sep = "" if isinstance(conv.prompt, str) else "\n\n"
     return Rendered(prompt, prompt + sep + _text(conv.chosen), prompt + sep + _text(conv.rejected))
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def split_tokens(prompt: list[int], chosen_full: list[int], rejected_full: list[int],
