@@ -41,7 +41,7 @@ class PrefixBatch:
 
     pairs: PairBatch
     inputs: np.ndarray
-    mask: np.ndarray
+    mask: np.ndarray | None  # None when split attention needs no array mask
     rejected: np.ndarray
     shift: np.ndarray
     gather: np.ndarray
@@ -52,6 +52,10 @@ class PrefixBatch:
     @property
     def ids(self) -> list[str]:
         return self.pairs.ids
+
+
+def _uses_split(attention: str, rows: int) -> bool:
+    return attention == "split" or (attention == "auto" and rows == 1)
 
 
 def _row_mask(p: int, rc: int, rr: int, width: int) -> np.ndarray:
@@ -68,29 +72,33 @@ def _row_mask(p: int, rc: int, rr: int, width: int) -> np.ndarray:
 def split_prefix_batch(pairs: Sequence[Pair], nll_span: str = "full",
                        pad_multiple: int = 0, pad_id: int = 0,
                        prompts: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
-                       attention: str = "auto") -> PrefixBatch | None:
+                       attention: str = "auto", two: PairBatch | None = None
+                       ) -> PrefixBatch | None:
     """The shared layout of ``pairs``, or None when any row's two prompts differ.
 
     ``prompts`` optionally gives each row's (chosen-branch, rejected-branch) prompt tokens
     when they were tokenized apart; Pomona's datasets share ``prompt_ids`` by
-    construction, so only foreign data can fall back.
+    construction, so only foreign data can fall back. ``two``: the pairs' two-forward
+    batch when the caller has built it already.
     """
     if prompts is not None and any(list(a) != list(b) for a, b in prompts):
         return None
     if any(len(p.prompt) == 0 for p in pairs):
         return None
-    two = make_batch(pairs, nll_span, pad_multiple, pad_id)
+    two = two or make_batch(pairs, nll_span, pad_multiple, pad_id)
     lengths = [len(p.prompt) + len(p.chosen) + len(p.rejected) for p in pairs]
     width = round_up(max(lengths), pad_multiple)
     b, t = len(pairs), two.inputs.shape[1]
     tokens = np.full((b, width), pad_id, np.int32)
-    mask = np.zeros((b, 1, width, width), bool)
+    # The [B, 1, L, L] array mask is only built when attention will read it.
+    mask = None if _uses_split(attention, b) else np.zeros((b, 1, width, width), bool)
     rejected = np.zeros((b, width), bool)
     gather = np.zeros((2 * b, t), np.int32)
     for i, pr in enumerate(pairs):
         p, rc, rr = len(pr.prompt), len(pr.chosen), len(pr.rejected)
         tokens[i, : p + rc + rr] = [*pr.prompt, *pr.chosen, *pr.rejected]
-        mask[i, 0] = _row_mask(p, rc, rr, width)
+        if mask is not None:
+            mask[i, 0] = _row_mask(p, rc, rr, width)
         rejected[i, p + rc : p + rc + rr] = True
         base = i * width
         # chosen branch: input j of prompt+chosen is concat position j
@@ -208,10 +216,9 @@ def shared_positions(state: _RopeState, batch: PrefixBatch
     ``batch.attention``: "mask" (block-sparse array), "split" (two fused calls, one row
     only) or "auto" (split for a single row, else the mask).
     """
-    attention = batch.attention
     state.shift = mx.array(batch.shift)
     state.select = mx.array(batch.rejected)[:, None, :, None]
-    use_split = attention == "split" or (attention == "auto" and len(batch.spans) == 1)
+    use_split = _uses_split(batch.attention, len(batch.spans))
     if use_split and len(batch.spans) != 1:
         raise ValueError("split attention needs a one-row micro-batch (batch_size 1)")
     try:

@@ -124,7 +124,7 @@ def choose_layout(pairs: list, cfg: TrainConfig, pad_multiple: int, pad_id: int
     if cfg.prefix_share == "off" or (cfg.prefix_share == "auto" and _is_cuda()):
         return two
     shared = split_prefix_batch(pairs, cfg.nll_span, pad_multiple, pad_id,
-                                attention=cfg.prefix_attention)
+                                attention=cfg.prefix_attention, two=two)
     if shared is None:
         return two  # counted: prefix_share_rate falls
     # auto: worth it where the prompt is a large share of the work (CPU bench: split attention

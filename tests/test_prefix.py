@@ -79,8 +79,6 @@ def test_mismatched_prompts_fall_back() -> None:
 @pytest.mark.parametrize("pad", [1, 16])
 def test_split_attention_equals_two_forwards(fixture: str, pad: int, request) -> None:
     """Two fused causal calls per layer (one row) give the two-forward loss and grads."""
-    from dataclasses import replace
-
     path = request.getfixturevalue(fixture)
     model, stack = lora_model(path)
     pairs = tokenized_pairs(path, 1, seed=11)
@@ -90,7 +88,9 @@ def test_split_attention_equals_two_forwards(fixture: str, pad: int, request) ->
     shared = split_prefix_batch(pairs, "full", pad_multiple=pad, attention="split")
     for k, chunk in ((0, 0), (1, 16), (2, 0)):
         assert_same(run(model, stack, shared, shared.pairs, spec, k, chunk), ref)
-    masked = replace(shared, attention="mask")
+    assert shared.mask is None  # split attention never builds the [L, L] array
+    masked = split_prefix_batch(pairs, "full", pad_multiple=pad, attention="mask")
+    assert masked.mask is not None
     assert_same(run(model, stack, masked, masked.pairs, spec), ref)
     with pytest.raises(ValueError, match="one-row"):
         bad = split_prefix_batch(tokenized_pairs(path, 2, seed=1), attention="split")
