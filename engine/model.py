@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -102,12 +103,16 @@ class Stack:
         """Logits from the last layer's output h [..., H] → [..., V]."""
         return self.project(self.norm(h))
 
-    def forward(self, tokens: mx.array, mask: str | mx.array = "causal") -> mx.array:
-        """Plain forward tokens [N, T] → logits [N, T, V]."""
+    def hidden(self, tokens: mx.array, mask: Any = "causal") -> mx.array:
+        """Last layer's output [N, T, H] for tokens [N, T] (``mask``: what layers take)."""
         h = self.embed(tokens)
         for layer in self.layers:
             h = layer(h, mask, None)
-        return self.head(h)
+        return h
+
+    def forward(self, tokens: mx.array, mask: Any = "causal") -> mx.array:
+        """Plain forward tokens [N, T] → logits [N, T, V]."""
+        return self.head(self.hidden(tokens, mask))
 
 
 def _softcap(model: nn.Module) -> float | None:

@@ -24,9 +24,7 @@ def forward_logps(model: nn.Module, stack: Stack, batch: PairBatch,
     inputs, targets = mx.array(batch.inputs), mx.array(batch.targets)
     if head_chunk <= 0:
         return token_logps(model(inputs), targets)
-    h = stack.embed(inputs)
-    for layer in stack.layers:
-        h = layer(h, "causal", None)
+    h = stack.hidden(inputs)
     n, t, width = h.shape
     flat_h, flat_t = h.reshape(n * t, width), targets.reshape(-1)
     pieces = []

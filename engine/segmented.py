@@ -168,10 +168,8 @@ def shared_plain_value_and_grad(model: nn.Module, stack: Stack, batch: PrefixBat
     targets = mx.array(batch.pairs.targets)
     with shared_positions(install_prefix_rope(model), batch) as mask:
         def fn(tokens: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
-            h = stack.embed(tokens)
-            for layer in stack.layers:
-                h = layer(h, mask, None)
-            return loss_of_logps(dense_logps(stack, to_pair_layout(h, batch), targets))
+            h = to_pair_layout(stack.hidden(tokens, mask), batch)
+            return loss_of_logps(dense_logps(stack, h, targets))
 
         (loss, metrics), grads = nn.value_and_grad(model, fn)(mx.array(batch.inputs))
         mx.eval(loss, metrics, grads)
