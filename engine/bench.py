@@ -2,6 +2,7 @@
 
     python -m engine bench memory --layers 16 --hidden 512 --seq 2048 [--json]
     python -m engine bench prefix --seq 1024 [--ratios 1:1,4:1,16:1] [--json]
+    python -m engine bench attention --shapes 2048:2048,2047:2047 [--json]
     pomona bench memory|prefix ...                             (the same, from the CLI)
 
 ``prefix`` rows: one ORPO step on one pair, ``two_forward`` vs ``shared`` (one forward
@@ -9,12 +10,18 @@ over [prompt | chosen | rejected] with two fused causal attention calls per laye
 ``shared_mask`` (the same with one block-sparse array mask), at each prompt:response
 ratio (P + R = ``--seq``).
 
+``attention`` rows: one causal ``mx.fast.scaled_dot_product_attention`` call at query:key
+lengths ``--shapes``, forward alone and forward + backward — where MLX's fused kernels
+apply on this device (what ``pad_multiple`` is chosen by). A row that crashes is reported
+as such: the shapes that abort the process are the finding.
+
 Each row runs in a fresh process (MLX's peak and the process RSS are per process; mlx-lm's
 checkpointing patches the layer class), on a random-init llama with LoRA r=16 on q/k/v/o,
 one ORPO pair per step (prompt:response 4:1, both sequences ``--seq`` tokens).
 Rows: ``plain`` (nn.value_and_grad), ``checkpoint`` (mlx-lm's per-layer mx.checkpoint),
 ``segK`` (segment_size K with the bounded head, ``--head-chunk``; ``segKd``, via
-``--rows``, with the dense head), and
+``--rows``, with the dense head; a suffix ``:N``, as in ``seg1:1``, sets that row's
+``inflight``), and
 ``head_dense``/``head_bounded`` (the LM head alone: loss and dL/dh over all tokens at
 ``--vocab``). ``act_mb`` = peak − memory held before the step (weights, inputs).
 """
@@ -60,7 +67,7 @@ def _pair_batch(a: argparse.Namespace):
     return make_batch([Pair("bench", ids(p), ids(r), ids(r))], "full")
 
 
-def _step_fn(name: str, model, stack, batch, head_chunk: int):
+def _step_fn(name: str, model, stack, batch, head_chunk: int, inflight: int):
     from engine.batch import batch_norms
     from engine.losses import LossSpec, pair_loss
     from engine.segmented import value_and_grad
@@ -79,7 +86,7 @@ def _step_fn(name: str, model, stack, batch, head_chunk: int):
     # Segmented rows bound the head too (its dense logits would otherwise set their peak);
     # "segKd" keeps the dense head, to tell the two levers' costs apart.
     chunk = head_chunk if k and not name.endswith("d") else 0
-    return lambda: value_and_grad(model, stack, batch, loss_fn, k, chunk)
+    return lambda: value_and_grad(model, stack, batch, loss_fn, k, chunk, inflight)
 
 
 def _head_fn(name: str, stack, a: argparse.Namespace):
@@ -97,7 +104,8 @@ def _head_fn(name: str, stack, a: argparse.Namespace):
         tg = mx.array(targets)
         return lambda: mx.value_and_grad(lambda x: loss_fn(dense_logps(stack, x, tg)))(h)
     active = np.ones((n, t), bool)
-    return lambda: bounded_head_grad(stack, h, targets, active, loss_fn, a.head_chunk)
+    return lambda: bounded_head_grad(stack, h, targets, active, loss_fn, a.head_chunk,
+                                     a.inflight)
 
 
 def _prefix_fn(path: str, ratio: str, model, stack, a: argparse.Namespace):
@@ -106,6 +114,7 @@ def _prefix_fn(path: str, ratio: str, model, stack, a: argparse.Namespace):
     from engine.losses import LossSpec, pair_loss
     from engine.prefix import split_prefix_batch
     from engine.segmented import value_and_grad
+    from engine.trainer import resolve_pad_multiple
 
     num, den = (int(x) for x in ratio.split(":"))
     p = a.seq * num // (num + den)
@@ -113,20 +122,52 @@ def _prefix_fn(path: str, ratio: str, model, stack, a: argparse.Namespace):
     rng = np.random.default_rng(0)
     ids = lambda n: rng.integers(10, a.vocab, n).tolist()  # noqa: E731
     pairs = [Pair("bench", ids(p), ids(r), ids(r))]
-    two = make_batch(pairs, "full")
+    pad = resolve_pad_multiple(a.pad_multiple)
+    two = make_batch(pairs, "full", pad)
     attention = "mask" if path == "shared_mask" else "split"
-    batch = two if path == "two_forward" else split_prefix_batch(pairs, "full",
-                                                                 attention=attention)
+    batch = two if path == "two_forward" else split_prefix_batch(pairs, "full", pad,
+                                                                 attention=attention, two=two)
     norms, spec = batch_norms([two]), LossSpec()
     resp, nll = mx.array(two.resp_mask), mx.array(two.nll_mask)
     fn = lambda: value_and_grad(model, stack, batch,  # noqa: E731
                                 lambda lp: pair_loss(lp, resp, nll, spec, norms),
-                                a.segment_size, a.head_chunk)
+                                a.segment_size, a.head_chunk, a.inflight)
     return fn, {"ratio": ratio, "path": path, "prompt_tokens": p, "response_tokens": 2 * r}
 
 
-def run_row(name: str, a: argparse.Namespace) -> dict[str, Any]:
+def _attention_row(shape: str, a: argparse.Namespace) -> dict[str, Any]:
+    """Forward and forward+backward time of one causal attention call, q:k = ``shape``."""
+    lq, lk = (int(x) for x in shape.split(":"))
+    dtype, d = getattr(mx, a.dtype), a.hidden // a.heads
+    key = mx.random.key(0)
+    q = mx.random.normal((1, a.heads, lq, d), key=key).astype(dtype)
+    k, v = (mx.random.normal((1, a.kv_heads, lk, d), key=key).astype(dtype) for _ in "kv")
+
+    def attend(q, k, v):
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=d**-0.5, mask="causal")
+        return out.astype(mx.float32).sum()
+
+    out: dict[str, Any] = {"name": shape, "q": lq, "k": lk}
+    for label, fn in (("fwd", attend), ("fwd_bwd", mx.grad(attend, argnums=(0, 1, 2)))):
+        mx.eval(fn(q, k, v))
+        mx.reset_peak_memory()
+        t0 = time.perf_counter()
+        for _ in range(a.repeats):
+            mx.eval(fn(q, k, v))
+        out[f"{label}_ms"] = (time.perf_counter() - t0) / a.repeats * 1e3
+        out[f"{label}_peak_mb"] = mx.get_peak_memory() / 2**20
+    return out
+
+
+def run_row(row: str, a: argparse.Namespace) -> dict[str, Any]:
     """Measure one row in this process."""
+    if a.shapes:
+        return _attention_row(row, a)
+    name, depth = row, ""
+    if "@" not in row:  # "seg1:1": this row at inflight 1 (prefix rows are "path@P:R")
+        name, _, depth = row.partition(":")
+    if depth:
+        a = argparse.Namespace(**{**vars(a), "inflight": int(depth)})
     model, stack = _model(a)
     weights = mx.get_active_memory()
     extra: dict[str, Any] = {}
@@ -136,9 +177,9 @@ def run_row(name: str, a: argparse.Namespace) -> dict[str, Any]:
     elif name.startswith("head_"):
         fn = _head_fn(name, stack, a)
     else:
-        fn = _step_fn(name, model, stack, _pair_batch(a), a.head_chunk)
+        fn = _step_fn(name, model, stack, _pair_batch(a), a.head_chunk, a.inflight)
+    base = mx.get_active_memory()  # weights and inputs: what the step itself does not add
     mx.eval(fn())  # warm-up (kernel compilation, allocator)
-    base = mx.get_active_memory()
     mx.reset_peak_memory()
     times = []
     for _ in range(a.repeats):
@@ -148,7 +189,7 @@ def run_row(name: str, a: argparse.Namespace) -> dict[str, Any]:
     peak = mx.get_peak_memory()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rss_mb = rss / 2**20 if sys.platform == "darwin" else rss / 1024  # bytes on macOS, KiB here
-    return {"name": name, "peak_mb": peak / 2**20, "rss_mb": rss_mb,
+    return {"name": row, "peak_mb": peak / 2**20, "rss_mb": rss_mb,
             "weights_mb": weights / 2**20, "act_mb": (peak - base) / 2**20,
             "step_s": float(np.median(times)), **extra}
 
@@ -167,9 +208,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--segments", default="1,2,4", help="Segment sizes to measure.")
     p.add_argument("--head-chunk", type=int, default=512)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--inflight", type=int, default=2,
+                   help="Segments / head pieces evaluated at once (the engine's inflight).")
     p.add_argument("--rows", default="", help="Only these rows (comma-separated names).")
     p.add_argument("--ratios", default="1:1,4:1,16:1", help="prefix: prompt:response ratios.")
     p.add_argument("--segment-size", type=int, default=0, help="prefix: engine segment size.")
+    p.add_argument("--pad-multiple", type=int, default=-1,
+                   help="prefix: pad lengths to a multiple of this (-1: the engine's default, "
+                        "128 on CUDA, none elsewhere).")
+    p.add_argument("--shapes", default="", help="attention: query:key lengths, comma-separated.")
     p.add_argument("--json", action="store_true", help="Print one JSON object {rows: [...]}.")
     p.add_argument("--row", help=argparse.SUPPRESS)  # internal: measure one row, print JSON
     return p
@@ -204,6 +251,28 @@ def _prefix_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def _attention_table(argv: list[str], a: argparse.Namespace) -> int:
+    """Every shape in its own process; one that dies is a row saying so."""
+    rows = []
+    for shape in (a.shapes or "2048:2048,2047:2047,1920:2048,2048:2125").split(","):
+        proc = subprocess.run([sys.executable, "-m", "engine", "bench", "attention", *argv,
+                               "--shapes", shape, "--row", shape], capture_output=True, text=True)
+        if proc.returncode == 0:
+            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        else:
+            last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:200]
+            rows.append({"name": shape, "error": f"exit {proc.returncode}: {last}"})
+        if not a.json:
+            r = rows[-1]
+            print(f"{shape:>11}  " + (r.get("error") or
+                  f"fwd {r['fwd_ms']:7.2f} ms  fwd+bwd {r['fwd_bwd_ms']:7.2f} ms  "
+                  f"peak {r['fwd_bwd_peak_mb']:8.1f} MB"), flush=True)
+    if a.json:
+        print(json.dumps({"config": {k: v for k, v in vars(a).items() if k != "row"},
+                          "device": str(mx.default_device()), "rows": rows}))
+    return 0
+
+
 def main(argv: list[str], kind: str = "memory") -> int:
     a = parser().parse_args(argv)
     if a.row:
@@ -214,6 +283,8 @@ def main(argv: list[str], kind: str = "memory") -> int:
     if kind == "prefix":
         names = [f"{p}@{r}" for r in a.ratios.split(",")
                  for p in ("two_forward", "shared", "shared_mask")]
+    if kind == "attention":
+        return _attention_table(argv, a)
     if a.rows:
         names = a.rows.split(",")
     rows = []

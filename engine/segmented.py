@@ -24,6 +24,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from engine.batch import PairBatch
 from engine.head import bounded_head_grad, dense_logps, token_logps
+from engine.inflight import InFlight
 from engine.model import Stack
 from engine.prefix import PrefixBatch, install_prefix_rope, shared_positions, to_pair_layout
 
@@ -71,9 +72,14 @@ def _run_segment(stack: Stack, start: int, end: int, h: mx.array,
     return h
 
 
-def _segment_vjp(stack: Stack, start: int, end: int, h_in: mx.array,
-                 cotangent: mx.array, mask: str | mx.array = "causal") -> tuple[mx.array, Grads]:
-    """dL/dh_in and the segment's LoRA grads; params go in as primals, then are restored."""
+def _segment_vjp(stack: Stack, start: int, end: int, h_in: mx.array, cotangent: mx.array,
+                 mask: str | mx.array = "causal", input_grad: bool = True
+                 ) -> tuple[mx.array | None, Grads]:
+    """dL/dh_in (None without ``input_grad``) and the segment's LoRA grads, unevaluated.
+
+    Params go in as primals, then are restored. The first segment's input is the
+    embedding output, which trains nothing: skipping its gradient saves its matmuls.
+    """
     params = _segment_params(stack, start, end)
 
     def write(values: list[mx.array]) -> None:
@@ -83,27 +89,30 @@ def _segment_vjp(stack: Stack, start: int, end: int, h_in: mx.array,
         for i, items in by_layer.items():
             stack.layers[i].update(tree_unflatten(items))
 
-    def fn(h: mx.array, *values: mx.array) -> mx.array:
+    def fn(*primals: mx.array) -> mx.array:
+        h, values = (primals[0], primals[1:]) if input_grad else (h_in, primals)
         write(list(values))
         return _run_segment(stack, start, end, h, mask)
 
+    primals = [p[2] for p in params]
     try:
-        _, vjps = mx.vjp(fn, [h_in, *[p[2] for p in params]], [cotangent])
+        _, vjps = mx.vjp(fn, [h_in, *primals] if input_grad else primals, [cotangent])
     finally:
-        write([p[2] for p in params])  # the layers hold the real params again
+        write(primals)  # the layers hold the real params again
+    h_grad, param_grads = (vjps[0], vjps[1:]) if input_grad else (None, vjps)
     grads = {f"{stack.layers_prefix}.{i}.{path}": g
-             for (i, path, _), g in zip(params, vjps[1:], strict=True)}
-    mx.eval(vjps[0], grads)
-    return vjps[0], grads
+             for (i, path, _), g in zip(params, param_grads, strict=True)}
+    return h_grad, grads
 
 
 def segmented_value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch,
                              loss_of_logps: LossOfLogps, segment_size: int,
-                             head_chunk: int = 0) -> Result:
+                             head_chunk: int = 0, inflight: int = 2) -> Result:
     """Loss, metrics and LoRA grads via the segmented backward (module docstring).
 
     A PrefixBatch runs one forward over [prompt | chosen | rejected] (engine/prefix.py);
     its last hidden state is gathered into the two-forward layout before the head.
+    ``inflight``: segments (and head chunks) being evaluated at once (engine/inflight.py).
     """
     prefix = batch if isinstance(batch, PrefixBatch) else None
     pairs = prefix.pairs if prefix else batch
@@ -112,31 +121,40 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch | 
     with ctx as mask:
         ranges = segment_ranges(len(stack.layers), segment_size or len(stack.layers))
         h = stack.embed(mx.array(prefix.inputs if prefix else pairs.inputs))
-        mx.eval(h)
+        flight = InFlight(inflight)
+        flight.push(h)
         boundaries = [h]
         for s, e in ranges:  # forward: keep only boundary states, each evaluated
             h = _run_segment(stack, s, e, h, mask)
-            # A synchronous eval per segment: one eval for the whole forward, or async_eval
-            # per segment, kept every intermediate alive on CUDA (H200: 3.7x the peak).
-            mx.eval(h)
+            # Bounded in-flight evaluation: one eval for the whole forward, or async_eval
+            # alone, kept every intermediate alive on CUDA (H200: 3.7x the peak).
+            flight.push(h)
             boundaries.append(h)
             _mem_log(f"forward {s}-{e}")
+        flight.drain()
 
         h_last = boundaries.pop()
-        loss, metrics, cot = _head_grad(stack, pairs, prefix, h_last, loss_of_logps, head_chunk)
+        loss, metrics, cot = _head_grad(stack, pairs, prefix, h_last, loss_of_logps, head_chunk,
+                                        inflight)
         del h_last
         _mem_log("head")
 
         grads: Grads = {}
-        for s, e in reversed(ranges):  # backward: one segment at a time, in reverse
-            cot, seg_grads = _segment_vjp(stack, s, e, boundaries.pop(), cot, mask)
+        # Segments below the lowest LoRA layer train nothing: the backward stops there.
+        first = next(j for j, (s, e) in enumerate(ranges) if _segment_params(stack, s, e))
+        for j in range(len(ranges) - 1, first - 1, -1):  # backward: one segment at a time
+            s, e = ranges[j]
+            cot, seg_grads = _segment_vjp(stack, s, e, boundaries.pop(), cot, mask,
+                                          input_grad=j > first)
+            flight.push(*([cot] if cot is not None else []), seg_grads)
             grads.update(seg_grads)
             _mem_log(f"backward {s}-{e}")
+        flight.drain()
     return loss, metrics, grads
 
 
 def _head_grad(stack: Stack, pairs: PairBatch, prefix: PrefixBatch | None, h_last: mx.array,
-               loss_of_logps: LossOfLogps, head_chunk: int
+               loss_of_logps: LossOfLogps, head_chunk: int, inflight: int
                ) -> tuple[mx.array, dict[str, mx.array], mx.array]:
     """Loss, metrics and dL/d(last hidden state), dense or bounded."""
     if head_chunk <= 0:
@@ -152,7 +170,7 @@ def _head_grad(stack: Stack, pairs: PairBatch, prefix: PrefixBatch | None, h_las
     active = (pairs.resp_mask > 0) | (pairs.nll_mask > 0)
     h_pairs = to_pair_layout(h_last, prefix) if prefix else h_last
     loss, metrics, cot = bounded_head_grad(stack, h_pairs, pairs.targets, active,
-                                           loss_of_logps, head_chunk)
+                                           loss_of_logps, head_chunk, inflight)
     if prefix:  # the gather's vjp: prompt positions collect both branches' gradients
         b, length, width = h_last.shape
         flat = mx.zeros((b * length, width), cot.dtype)
@@ -178,7 +196,7 @@ def shared_plain_value_and_grad(model: nn.Module, stack: Stack, batch: PrefixBat
 
 def value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch,
                    loss_of_logps: LossOfLogps, segment_size: int = 0,
-                   head_chunk: int = 0) -> Result:
+                   head_chunk: int = 0, inflight: int = 2) -> Result:
     """Dispatch: plain autograd when both levers are off, else the staged path.
 
     ``head_chunk`` > 0 with ``segment_size`` 0 runs all layers as one segment, since the
@@ -189,7 +207,7 @@ def value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatc
             return shared_plain_value_and_grad(model, stack, batch, loss_of_logps)
         return plain_value_and_grad(model, stack, batch, loss_of_logps)
     return segmented_value_and_grad(model, stack, batch, loss_of_logps, segment_size,
-                                    head_chunk)
+                                    head_chunk, inflight)
 
 
 def grads_to_tree(grads: Grads) -> dict:

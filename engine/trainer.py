@@ -105,7 +105,7 @@ def step_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | Prefi
         resp, nll = mx.array(pb.resp_mask), mx.array(pb.nll_mask)
         loss, metrics, g = value_and_grad(
             model, stack, b, lambda lp, r=resp, n=nll: pair_loss(lp, r, n, spec, norms),
-            cfg.segment_size, cfg.head_chunk)
+            cfg.segment_size, cfg.head_chunk, cfg.inflight)
         grads = g if not grads else {k: grads[k] + g[k] for k in grads}
         mx.eval(loss, metrics, grads)
         total += float(loss)
@@ -117,14 +117,37 @@ def step_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | Prefi
     return total, sums, grads
 
 
+def resolve_prefix_attention(attention: str) -> str:
+    """The shared forward's attention on this device (``prefix_attention``).
+
+    On CUDA (MLX 0.32.4, H200) the backward of a causal fused attention call aborted the
+    process with heap corruption when the query length was a multiple of 128 and the
+    longer key length was not, a shape split attention makes (its second call): there
+    the array mask is used, and asking for split is refused.
+    """
+    if not _is_cuda():
+        return attention
+    if attention == "split":
+        raise ValueError("prefix_attention=split is not safe on CUDA with MLX 0.32.4 (the "
+                         "fused attention backward crashes on some of its shapes); use "
+                         "auto or mask")
+    return "mask"
+
+
 def choose_layout(pairs: list, cfg: TrainConfig, pad_multiple: int, pad_id: int
                   ) -> PairBatch | PrefixBatch:
-    """The shared layout where ``cfg.prefix_share`` asks for it and it applies."""
+    """The shared layout where ``cfg.prefix_share`` asks for it and it applies.
+
+    auto is off on CUDA: on the H200 both shared layouts measured slower than two
+    forwards padded to 128 (docs/performance.md), since their lengths leave MLX's fused
+    attention.
+    """
     two = make_batch(pairs, cfg.nll_span, pad_multiple, pad_id)
     if cfg.prefix_share == "off" or (cfg.prefix_share == "auto" and _is_cuda()):
         return two
     shared = split_prefix_batch(pairs, cfg.nll_span, pad_multiple, pad_id,
-                                attention=cfg.prefix_attention, two=two)
+                                attention=resolve_prefix_attention(cfg.prefix_attention),
+                                two=two)
     if shared is None:
         return two  # counted: prefix_share_rate falls
     # auto: worth it where the prompt is a large share of the work (CPU bench: split attention
@@ -189,7 +212,8 @@ def verify_paths(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch,
 
     set_dropout_seed(model, 0)
     ref_loss, _, ref = value_and_grad(model, stack, pairs, fn)
-    loss, _, got = value_and_grad(model, stack, batch, fn, cfg.segment_size, cfg.head_chunk)
+    loss, _, got = value_and_grad(model, stack, batch, fn, cfg.segment_size, cfg.head_chunk,
+                                  cfg.inflight)
     scale = max(max(float(mx.abs(g).max()) for g in ref.values()), 1e-12)
     grad_err = max(float(mx.abs(got[k] - ref[k]).max()) for k in ref) / scale
     loss_err = abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-12)
@@ -229,6 +253,7 @@ def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
     data = load_pairs(cfg.data)
     loss_spec = LossSpec(cfg.loss, cfg.orpo_lambda, cfg.nll_span)
     pad_multiple = resolve_pad_multiple(cfg.pad_multiple)
+    resolve_prefix_attention(cfg.prefix_attention)  # refuse an unsafe choice before any work
     pad_id = tokenizer.pad_token_id or 0
     optimizer = make_optimizer(cfg)
 

@@ -143,11 +143,17 @@ def sweep(
     gpus: Annotated[bool, typer.Option(help="One GPU per trial (Macs, CUDA).")] = False,
     resource: Annotated[str | None, typer.Option(help="Custom resource per trial "
                                                       "(e.g. mlx_gpu).")] = None,
+    prefect: Annotated[bool | None, typer.Option(
+        "--prefect/--no-prefect", help="Run as a Prefect flow (each trial a task run); "
+        "default: when PREFECT_API_URL names a server.")] = None,
 ) -> None:
     """Run a hyperparameter sweep on Ray: one trial per GPU or slot, cached re-runs."""
+    import os
+
     from flows.sweep_cli import run_sweep_cli
 
-    run_sweep_cli(console, spec, out, address, gpus, resource)
+    use_prefect = bool(os.environ.get("PREFECT_API_URL")) if prefect is None else prefect
+    run_sweep_cli(console, spec, out, address, gpus, resource, use_prefect)
 
 
 _PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
@@ -172,7 +178,7 @@ def score_cmd(ctx: typer.Context) -> None:
 
 @app.command("bench", context_settings=_PASSTHROUGH, add_help_option=False)
 def bench_cmd(ctx: typer.Context) -> None:
-    """Benchmarks printing ratios side by side: `pomona bench memory|tokenize [--json]`."""
+    """Side-by-side benchmarks: `pomona bench memory|prefix|attention|tokenize [--json]`."""
     args = list(ctx.args)
     if args[:1] == ["tokenize"]:
         from tasks.tokenize_bench import main as tokenize_bench

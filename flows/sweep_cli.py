@@ -1,49 +1,143 @@
-"""``pomona sweep SPEC``: connect to (or start) Ray, run the sweep, print the results."""
+"""``pomona sweep SPEC``: connect to (or start) Ray, run the sweep with a live progress
+display (trials done / running / failed, best so far), print the results table."""
 
 from __future__ import annotations
 
-import os
+import threading
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tasks.sweep import run_sweep
-from tasks.sweep_spec import SpecError, load_spec
-from tasks.trials import Placement
+from flows.ray_session import ray_session
+from tasks.memory_sweep import run_memory_sweep
+from tasks.sweep import metric_value, run_sweep
+from tasks.sweep_spec import SpecError, SweepSpec, load_spec
+from tasks.trials import Placement, TrialsInterrupted
+
+
+class SweepProgress:
+    """Turns the sweep's events into one rich progress bar and log lines."""
+
+    def __init__(self, console: Console, spec: SweepSpec):
+        self.console, self.spec = console, spec
+        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                                 MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+                                 TimeElapsedColumn(), console=console, transient=False)
+        self.task = self.progress.add_task(f"sweep {spec.name}", total=None, status="")
+        self.counts = {"running": 0, "completed": 0, "failed": 0, "pruned": 0, "cached": 0}
+        self.best: float | None = None
+        self.lock = threading.Lock()
+
+    def __call__(self, kind: str, summary: dict[str, Any]) -> None:
+        with self.lock:
+            if kind == "plan":
+                self.progress.update(self.task, total=summary["trials"])
+                cached = summary.get("cached", 0)
+                self.counts["cached"] = cached
+                self.progress.advance(self.task, cached)
+                self.console.print(
+                    f"{summary['trials']} trials: {cached} cached, "
+                    f"{summary.get('to_run', summary['trials'])} to run on "
+                    f"{summary['slots']} slot(s)")
+            elif kind == "started":
+                self.counts["running"] += 1
+            elif kind in ("lost", "retry"):
+                if kind == "lost":
+                    self.counts["running"] -= 1
+                    self.console.print(f"[yellow]{summary['trial_id']}: process lost "
+                                       f"({summary.get('reason', '')}); retrying")
+            elif kind == "finished":
+                self._finished(summary)
+            self.progress.update(self.task, status=self._status())
+
+    def _finished(self, summary: dict[str, Any]) -> None:
+        self.counts["running"] = max(0, self.counts["running"] - 1)
+        status = summary["status"]
+        self.counts[status if status in self.counts else "failed"] += 1
+        self.progress.advance(self.task)
+        value = metric_value(summary, self.spec.metric)
+        if status == "completed" and value is not None:
+            better = self.best is None or (value < self.best if self.spec.mode == "min"
+                                           else value > self.best)
+            self.best = value if better else self.best
+        note = f" {summary.get('reason')}" if summary.get("reason") else ""
+        self.console.print(f"{summary['trial_id']}: {status}{note}")
+
+    def _status(self) -> str:
+        c = self.counts
+        best = f" best {self.spec.metric} {self.best:.4f}" if self.best is not None else ""
+        return (f"running {c['running']} · done {c['completed']} · pruned {c['pruned']} · "
+                f"failed {c['failed']}{best}")
 
 
 def run_sweep_cli(console: Console, spec_path: Path, out: Path | None, address: str | None,
-                  gpus: bool, resource: str | None) -> None:
-    import ray
-
+                  gpus: bool, resource: str | None, use_prefect: bool = False) -> None:
     try:
         spec = load_spec(spec_path)
     except (SpecError, FileNotFoundError) as err:
         console.print(f"[bold red]error:[/] {err}")
         raise typer.Exit(code=2) from err
     out = out or Path("runs") / spec.name
-    if address:
-        ray.init(address=address, log_to_driver=False)
-    else:  # a private local cluster; never join whatever else runs on this machine
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    placement = Placement(gpus=int(gpus), resource=resource)
     try:
-        rows = run_sweep(spec, out, Placement(gpus=int(gpus), resource=resource),
-                         progress=console.print)
+        if spec.kind == "memory":
+            with ray_session(address):
+                rows = run_memory_sweep(spec, out, placement)
+            console.print(memory_table(rows, out))
+            return
+        if use_prefect:
+            from flows.sweep_flow import sweep_flow
+
+            sweep_flow(str(spec_path), str(out), address, gpus, resource)
+            rows = run_results(out)
+        else:
+            display = SweepProgress(console, spec)
+            with ray_session(address), display.progress:
+                rows = run_sweep(spec, out, placement, progress=display)
+    except TrialsInterrupted:
+        console.print(f"[bold yellow]interrupted:[/] running trials cancelled; results so far "
+                      f"in {out / 'results.parquet'}")
+        raise typer.Exit(code=130) from None
     except (SpecError, RuntimeError, FileNotFoundError) as err:
         console.print(f"[bold red]error:[/] {err}")
         raise typer.Exit(code=2) from err
-    finally:
-        ray.shutdown()
+    console.print(results_table(spec, rows, out))
+
+
+def run_results(out: Path) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(out / "results.parquet").to_pylist()
+
+
+def results_table(spec: SweepSpec, rows: list[dict[str, Any]], out: Path) -> Table:
+    """One line per trial: status, the spec's metric, accuracy, speed, memory, note."""
     table = Table(title=f"sweep {spec.name}: {out / 'results.parquet'}")
-    for col in ("trial", "status", spec.metric, "accuracy", "tokens/s", "note"):
+    for col in ("trial", "status", spec.metric, "accuracy", "tokens/s", "peak GB", "note"):
         table.add_column(col)
     for r in rows:
-        metric = r.get("best_val_loss") if spec.metric == "val/loss" else None
-        table.add_row(r["trial_id"], r["status"], f"{metric:.4f}" if metric else "-",
+        metric = metric_value(r, spec.metric)
+        table.add_row(r["trial_id"], r["status"], f"{metric:.4f}" if metric is not None else "-",
                       f"{r['best_val_accuracy']:.3f}" if r.get("best_val_accuracy") else "-",
                       f"{r['tokens_per_sec']:,.0f}" if r.get("tokens_per_sec") else "-",
+                      f"{r['peak_memory_gb']:.2f}" if r.get("peak_memory_gb") else "-",
                       "cached" if r.get("skipped") else (r.get("reason") or "")[:60])
-    console.print(table)
+    return table
+
+
+def memory_table(rows: list[dict[str, Any]], out: Path) -> Table:
+    """The memory sweep's settings by peak memory, Pareto-optimal ones starred."""
+    table = Table(title=f"memory sweep: {out / 'memory.md'}, {out / 'memory.png'}")
+    for col in ("setting", "peak GB", "tokens/s", "step s", "pareto"):
+        table.add_column(col)
+    for r in sorted(rows, key=lambda r: r.get("peak_gb", float("inf"))):
+        if "error" in r:
+            table.add_row(r["setting"], "-", "-", "-", r["error"][:60])
+        else:
+            table.add_row(r["setting"], f"{r['peak_gb']:.3f}", f"{r['tokens_per_sec']:,.0f}",
+                          f"{r['step_s']:.3f}", "★" if r["pareto"] else "")
+    return table

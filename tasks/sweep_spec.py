@@ -9,15 +9,20 @@
       learning_rate: {loguniform: [1.0e-4, 1.0e-3]}
       lora_rank: {choice: [8, 16]}
     search: random          # grid | random | optuna
-    num_samples: 4          # random/optuna draws (per grid point)
-    metric: val/loss
+    num_samples: 4          # random draws per grid point; optuna: trials in all
+    metric: val/loss        # a validation metric (val/...), as in metrics.jsonl
     mode: min
+    pruning: true           # optuna only: true, or {startup_trials: 2, warmup_steps: 0}
     max_concurrent: 2
-    time_limit_s: 600
+    time_limit_s: 600       # per trial; 0 = none
+    retries: 2              # re-runs of a trial whose process or node died
+    retry_delay_s: 5
+    memory_budget_gb: 0     # per trial: MLX's memory limit, and what segment_size: auto fits
     seed: 0
 
 Every error names the key and file that is wrong. Parameter names are TrainConfig fields;
-``segment_size: auto`` is allowed (resolved per trial from a memory probe).
+``segment_size: auto`` is allowed with a ``memory_budget_gb`` (resolved per trial from a
+memory probe: tasks/memory_probe.py).
 Distributions: ``choice: [..]``, ``uniform: [lo, hi]``, ``loguniform: [lo, hi]``,
 ``int: [lo, hi]`` (inclusive).
 """
@@ -41,7 +46,8 @@ KINDS = ("choice", "uniform", "loguniform", "int")
 SEARCHES = ("grid", "random", "optuna")
 TOP_KEYS = {"name", "model", "data", "fixed", "grid", "space", "search", "num_samples",
             "metric", "mode", "max_concurrent", "time_limit_s", "seed", "pruning",
-            "memory_budget_gb"}
+            "memory_budget_gb", "retries", "retry_delay_s", "kind", "probe_batches"}
+PRUNING_DEFAULTS = {"startup_trials": 2, "warmup_steps": 0}
 CONFIG_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 NOT_SWEPT = {"model", "data", "out", "resume"}  # set by the sweep itself
 
@@ -93,8 +99,12 @@ class SweepSpec:
     max_concurrent: int = 1
     time_limit_s: float = 0.0
     seed: int = 0
-    pruning: bool = False
+    pruning: dict[str, int] = field(default_factory=dict)  # empty: no pruning
     memory_budget_gb: float = 0.0
+    retries: int = 2
+    retry_delay_s: float = 5.0
+    kind: str = "train"  # train | memory
+    probe_batches: int = 8
 
     def trials(self) -> list[Trial]:
         """Grid points × ``num_samples`` draws from ``space`` (random search), in order.
@@ -201,14 +211,58 @@ def _parse(data: Any) -> SweepSpec:
     for key in ("num_samples", "max_concurrent"):
         if not isinstance(data.get(key, 1), int) or data.get(key, 1) < 1:
             raise SpecError(f"{key}={data.get(key)!r}: expected an integer >= 1")
+    if search == "optuna" and (grid or not space):
+        raise SpecError("search: optuna samples a space (put grid values in space as "
+                        "{choice: [...]}) and needs a non-empty one")
+    metric = data.get("metric", "val/loss")
+    if not isinstance(metric, str) or not metric.startswith("val/"):
+        raise SpecError(f"metric={metric!r}: expected a validation metric such as val/loss "
+                        "or val/rewards/accuracies")
+    pruning = _pruning(data.get("pruning", False), search)
+    budget = float(data.get("memory_budget_gb", 0))
+    autos = [w for w, sec in (("fixed", fixed), ("grid", grid))
+             for k, v in sec.items() if k == "segment_size" and "auto" in _listed(v)]
+    if autos and budget <= 0:
+        raise SpecError(f"{autos[0]}.segment_size: auto needs memory_budget_gb > 0 (what the "
+                        "segment size must fit in)")
+    if not isinstance(data.get("retries", 2), int) or data.get("retries", 2) < 0:
+        raise SpecError(f"retries={data.get('retries')!r}: expected an integer >= 0")
+    kind = data.get("kind", "train")
+    if kind not in ("train", "memory"):
+        raise SpecError(f"kind={kind!r}: expected train or memory")
+    if kind == "memory" and (search != "grid" or autos):
+        raise SpecError("kind: memory measures grid points (search: grid, explicit segment "
+                        "sizes)")
+    if not isinstance(data.get("probe_batches", 8), int) or data.get("probe_batches", 8) < 1:
+        raise SpecError(f"probe_batches={data.get('probe_batches')!r}: expected an integer >= 1")
     return SweepSpec(
         name=data["name"], model=data["model"], data=data["data"], fixed=fixed, grid=grid,
         space={k: _dist(k, v) for k, v in space.items()}, search=search,
-        num_samples=data.get("num_samples", 1), metric=data.get("metric", "val/loss"),
+        num_samples=data.get("num_samples", 1), metric=metric,
         mode=mode, max_concurrent=data.get("max_concurrent", 1),
         time_limit_s=float(data.get("time_limit_s", 0)), seed=int(data.get("seed", 0)),
-        pruning=bool(data.get("pruning", False)),
-        memory_budget_gb=float(data.get("memory_budget_gb", 0)))
+        pruning=pruning, memory_budget_gb=budget, retries=data.get("retries", 2),
+        retry_delay_s=float(data.get("retry_delay_s", 5)), kind=kind,
+        probe_batches=data.get("probe_batches", 8))
+
+
+def _listed(value: Any) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+def _pruning(raw: Any, search: str) -> dict[str, int]:
+    if raw is False or raw is None:
+        return {}
+    if search != "optuna":
+        raise SpecError("pruning: needs search: optuna (the pruner is Optuna's)")
+    if raw is True:
+        return dict(PRUNING_DEFAULTS)
+    if not isinstance(raw, dict) or set(raw) - set(PRUNING_DEFAULTS):
+        raise SpecError(f"pruning: expected true or a mapping with keys "
+                        f"{sorted(PRUNING_DEFAULTS)}, got {raw!r}")
+    if not all(isinstance(v, int) and v >= 0 for v in raw.values()):
+        raise SpecError(f"pruning: values must be integers >= 0, got {raw!r}")
+    return {**PRUNING_DEFAULTS, **raw}
 
 
 def load_spec(path: str | Path) -> SweepSpec:

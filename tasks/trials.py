@@ -1,26 +1,42 @@
-"""Running trials on Ray: one fresh worker process per trial, pinned to one GPU or slot.
+"""Running trials on Ray: one fresh actor per trial, pinned to one GPU or slot.
 
-Each trial is a TrainConfig (a small dict crosses Ray, never arrays or models). The task
+Each trial is a TrainConfig as a small dict (never arrays or models cross Ray). Its actor
 asks Ray for exactly one GPU (``num_gpus=1``: Ray >= 2.60 reports an Apple-Silicon GPU as
 GPU 1, and sets CUDA_VISIBLE_DEVICES on CUDA hosts), or one unit of a custom resource a
 cluster declares (``ray start --resources '{"mlx_gpu": 1}'``), or one CPU slot when there
-is no GPU. ``max_calls=1`` gives every trial a fresh process, so MLX's memory and the
-engine's state never leak from one trial into the next. Failures come back as a status
-with a reason; the sweep goes on.
+is no GPU. The actor is killed when its trial ends, so every trial gets a fresh process
+and MLX's memory never leaks into the next.
+
+``max_concurrent`` driver threads each take a trial from a source (a list, or an Optuna
+study asked trial by trial), start its actor and wait. A trial that raises, goes
+non-finite, is pruned or exceeds its time limit comes back as a status with a reason; the
+sweep goes on. A trial whose actor dies (its node left, the process was killed) is
+retried on a fresh actor after ``retry_delay_s``, up to ``retries`` times: Ray takes ~20 s
+to declare a node dead, so the budget must outlast that. Ctrl-C kills the running actors
+and marks their trials ``cancelled``.
 """
 
 from __future__ import annotations
 
+import contextvars
 import os
 import socket
+import threading
 import time
 import traceback
-from dataclasses import dataclass
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+Summary = dict[str, Any]
+EventHook = Callable[[str, Summary], None]  # ("started" | "retry" | "finished", summary)
+# Runs one trial's work (the callable) as the caller likes, e.g. as a Prefect task run.
+Wrap = Callable[["TrialRun", Callable[[], Summary]], Summary]
 
 
 @dataclass(frozen=True)
@@ -32,7 +48,7 @@ class Placement:
     cpus: float = 1.0  # slot size when there is no GPU
 
     def options(self) -> dict[str, Any]:
-        # A trial that asks for a GPU or custom resource but not num_cpus would also hold
+        # An actor that asks for a GPU or custom resource but not num_cpus would also hold
         # a CPU for life (DESIGN.md, Ray facts): ask for none.
         if self.resource:
             return {"num_cpus": 0, "resources": {self.resource: 1}}
@@ -41,17 +57,83 @@ class Placement:
         return {"num_cpus": self.cpus}
 
 
-def run_trial(trial_id: str, config: dict[str, Any]) -> dict[str, Any]:
-    """Train one adapter (in the worker); return a small summary, never raise."""
+@dataclass(frozen=True)
+class TrialRun:
+    """One trial to run: id, TrainConfig fields, and its Optuna number when it has one."""
+
+    id: str
+    config: dict[str, Any]
+    number: int | None = None
+
+
+class TrialSource(Protocol):
+    """Where trials come from; ``ask`` and ``tell`` are called from several threads."""
+
+    def ask(self) -> TrialRun | None: ...
+
+    def tell(self, trial: TrialRun, summary: Summary) -> None: ...
+
+
+@dataclass
+class ListSource:
+    """A fixed list of trials (grid and random search)."""
+
+    trials: list[TrialRun]
+    _next: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def ask(self) -> TrialRun | None:
+        with self._lock:
+            if self._next >= len(self.trials):
+                return None
+            self._next += 1
+            return self.trials[self._next - 1]
+
+    def tell(self, trial: TrialRun, summary: Summary) -> None:
+        return None
+
+
+class TrialsInterrupted(KeyboardInterrupt):
+    """Ctrl-C during ``run_trials``; ``rows`` holds every summary so far (cancelled too)."""
+
+    def __init__(self, rows: list[Summary]):
+        super().__init__("sweep interrupted")
+        self.rows = rows
+
+
+class TrialPruned(Exception):
+    """Raised inside a trial when the study says its validation metric is not promising."""
+
+
+class PruneCallback:
+    """Engine callback: report each validation ``metric`` to the study; stop if pruned."""
+
+    def __init__(self, study: Any, number: int, metric: str):
+        self.study, self.number, self.metric = study, number, metric
+
+    def on_metrics(self, record: dict[str, Any]) -> None:
+        import ray
+
+        if record.get("split") != "valid" or self.metric not in record:
+            return
+        step, value = int(record["step"]), float(record[self.metric])
+        if ray.get(self.study.report.remote(self.number, step, value)):
+            raise TrialPruned(f"pruned at step {step}: {self.metric}={value:.4g}")
+
+
+def run_trial(trial_id: str, config: dict[str, Any], study: Any = None,
+              number: int | None = None, metric: str = "val/loss") -> Summary:
+    """Train one adapter (in the trial's process); return a small summary, never raise."""
     from engine.config import TrainConfig
     from engine.trainer import NonFiniteLoss, train
 
     started = time.time()
-    base = {"trial_id": trial_id, "node": socket.gethostname(), "pid": os.getpid(),
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "started": started}
+    base = {"trial_id": trial_id, **where(), "started": started}
+    callbacks = [PruneCallback(study, number, metric)] if study is not None else []
     try:
-        result = train(TrainConfig().replace(**config))
+        result = train(TrainConfig().replace(**config), callbacks)
+    except TrialPruned as err:
+        return {**base, "status": "pruned", "reason": str(err), "ended": time.time()}
     except NonFiniteLoss as err:
         return {**base, "status": "failed", "reason": f"non_finite: {err}",
                 "ended": time.time()}
@@ -64,40 +146,172 @@ def run_trial(trial_id: str, config: dict[str, Any]) -> dict[str, Any]:
             "adapter": result.out, "steps": result.steps,
             "final_loss": result.final.get("loss"), "best_val_loss": best.get("val/loss"),
             "best_val_accuracy": best.get("val/rewards/accuracies"),
+            **{f"best/{k}": v for k, v in best.items() if k.startswith("val/")},
             "peak_memory_gb": result.peak_memory_gb, "tokens_per_sec": result.tokens_per_sec}
 
 
-def run_trials(trials: list[tuple[str, dict[str, Any]]], placement: Placement,
-               max_concurrent: int, results: Path | None = None,
-               time_limit_s: float = 0.0) -> list[dict[str, Any]]:
-    """Run ``trials`` on the connected Ray cluster, at most ``max_concurrent`` at a time;
-    return the summaries in submission order (and write them to ``results`` if given).
-    A trial past ``time_limit_s`` (0 = none) is killed and reported as ``time_limit``."""
-    import ray
+def where() -> dict[str, Any]:
+    """Where this process runs: host, Ray node id, pid, the GPU it was given."""
+    try:
+        import ray
 
-    remote = ray.remote(max_calls=1)(run_trial).options(**placement.options())
-    queue = list(trials)
-    running: dict[Any, tuple[str, float]] = {}
-    done: dict[str, dict[str, Any]] = {}
-    while queue or running:
-        while queue and len(running) < max_concurrent:
-            trial_id, config = queue.pop(0)
-            running[remote.remote(trial_id, config)] = (trial_id, time.time())
-        ready, _ = ray.wait(list(running), num_returns=1, timeout=1.0 if time_limit_s else None)
-        for ref in ready:
-            trial_id, _ = running.pop(ref)
-            done[trial_id] = ray.get(ref)
-        for ref, (trial_id, started) in list(running.items()):
-            if time_limit_s and time.time() - started > time_limit_s:
-                ray.cancel(ref, force=True)  # kills the worker process: memory comes back
-                running.pop(ref)
-                done[trial_id] = {"trial_id": trial_id, "status": "failed",
-                                  "reason": f"time_limit: over {time_limit_s:g} s",
-                                  "started": started, "ended": time.time()}
-    summaries = [done[t] for t, _ in trials]
+        node_id = ray.get_runtime_context().get_node_id()
+    except Exception:  # not inside Ray (a plain call of run_trial)
+        node_id = None
+    return {"node": socket.gethostname(), "node_id": node_id, "pid": os.getpid(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+class TrialActor:
+    """The process one trial runs in (made a Ray actor by ``run_trials``)."""
+
+    def run(self, trial_id: str, config: dict[str, Any], study: Any = None,
+            number: int | None = None, metric: str = "val/loss") -> Summary:
+        return run_trial(trial_id, config, study, number, metric)
+
+    def where(self) -> dict[str, Any]:
+        return where()
+
+
+@dataclass
+class _Runner:
+    """Runs one trial at a time per thread; shared state for cancellation."""
+
+    placement: Placement
+    time_limit_s: float
+    retries: int
+    retry_delay_s: float
+    study: Any
+    metric: str
+    on_event: EventHook | None
+    stopping: threading.Event = field(default_factory=threading.Event)
+    live: dict[str, Any] = field(default_factory=dict)  # trial id -> actor
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def event(self, kind: str, summary: Summary) -> None:
+        if self.on_event:
+            self.on_event(kind, summary)
+
+    def run(self, trial: TrialRun) -> Summary:
+        """The trial's summary after at most ``retries`` retries of a lost actor."""
+        first = time.time()
+        for attempt in range(self.retries + 1):
+            if self.stopping.is_set():
+                return _summary(trial, "cancelled", "sweep interrupted", first, attempt)
+            self.event("started", {"trial_id": trial.id, "attempt": attempt})
+            summary = self._attempt(trial, attempt, first)
+            if summary is not None:
+                return {**summary, "attempts": attempt + 1}
+            if attempt < self.retries:
+                self.event("retry", {"trial_id": trial.id, "attempt": attempt})
+                self.stopping.wait(self.retry_delay_s)
+        return _summary(trial, "failed", f"lost: its process died {self.retries + 1} times "
+                        "(node gone or killed)", first, self.retries + 1)
+
+    def _attempt(self, trial: TrialRun, attempt: int, first: float) -> Summary | None:
+        """One actor's run; None when the actor died and the trial may be retried."""
+        import ray
+
+        actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(TrialActor)
+        actor = actor_cls.options(**self.placement.options()).remote()
+        with self.lock:
+            self.live[trial.id] = actor
+        try:
+            placed = actor.where.remote()
+            ref = actor.run.remote(trial.id, trial.config, self.study, trial.number,
+                                   self.metric)
+            # Once the actor is up (the time limit counts from here): where it runs.
+            self.event("running", {"trial_id": trial.id, "attempt": attempt,
+                                   **ray.get(placed)})
+            ready, _ = ray.wait([ref], timeout=self.time_limit_s or None)
+            if not ready:
+                return _summary(trial, "failed", f"time_limit: over {self.time_limit_s:g} s",
+                                first, attempt + 1)
+            return ray.get(ref)
+        except ray.exceptions.RayActorError as err:
+            if self.stopping.is_set():
+                return _summary(trial, "cancelled", "sweep interrupted", first, attempt + 1)
+            self.event("lost", {"trial_id": trial.id, "attempt": attempt,
+                                "reason": str(err).splitlines()[0][:200]})
+            return None
+        except ray.exceptions.RayError as err:  # e.g. an argument that would not unpickle
+            return _summary(trial, "failed", f"{type(err).__name__}: {err}"[:500], first,
+                            attempt + 1)
+        finally:
+            with self.lock:
+                self.live.pop(trial.id, None)
+            ray.kill(actor)  # the process and its memory go; the next trial starts fresh
+
+    def cancel_all(self) -> None:
+        import ray
+
+        self.stopping.set()
+        with self.lock:
+            actors = list(self.live.values())
+        for actor in actors:
+            ray.kill(actor)
+
+
+def _summary(trial: TrialRun, status: str, reason: str, started: float,
+             attempts: int) -> Summary:
+    return {"trial_id": trial.id, "status": status, "reason": reason, "started": started,
+            "ended": time.time(), "attempts": attempts}
+
+
+def run_trials(source: TrialSource | list[TrialRun] | list[tuple[str, dict[str, Any]]],
+               placement: Placement, max_concurrent: int, results: Path | None = None,
+               time_limit_s: float = 0.0, retries: int = 2, retry_delay_s: float = 5.0,
+               study: Any = None, metric: str = "val/loss",
+               on_event: EventHook | None = None, wrap: Wrap | None = None) -> list[Summary]:
+    """Run the source's trials on the connected Ray cluster, ``max_concurrent`` at a time.
+
+    Returns the summaries in the order trials were asked (written to ``results`` if
+    given). Ctrl-C: running trials are killed and reported ``cancelled``, the rest of the
+    source is not started, ``results`` is written, and TrialsInterrupted (a
+    KeyboardInterrupt carrying the summaries so far) is raised. ``wrap(trial, run)``
+    runs each trial's ``run()`` (the flow makes it a Prefect task run); worker threads
+    run in a copy of the caller's context, so such task runs nest in the caller's flow run.
+    """
+    if isinstance(source, list):
+        source = ListSource([t if isinstance(t, TrialRun) else TrialRun(*t) for t in source])
+    runner = _Runner(placement, time_limit_s, retries, retry_delay_s, study, metric, on_event)
+    summaries: dict[str, Summary] = {}
+    order: list[str] = []
+    order_lock = threading.Lock()
+
+    def worker() -> None:
+        while not runner.stopping.is_set():
+            trial = source.ask()
+            if trial is None:
+                return
+            with order_lock:
+                order.append(trial.id)
+            summary = wrap(trial, lambda t=trial: runner.run(t)) if wrap else runner.run(trial)
+            summary["duration_s"] = summary["ended"] - summary["started"]
+            summaries[trial.id] = summary
+            source.tell(trial, summary)
+            runner.event("finished", summary)
+
+    interrupted = False
+    pool = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="trial")
+    context = contextvars.copy_context()
+    futures = [pool.submit(context.copy().run, worker) for _ in range(max_concurrent)]
+    try:
+        while not all(f.done() for f in futures):
+            time.sleep(0.2)  # the main thread stays free to take Ctrl-C
+        for f in futures:
+            f.result()  # a bug in the scheduler itself surfaces here
+    except KeyboardInterrupt:
+        interrupted = True
+        runner.cancel_all()
+    finally:
+        pool.shutdown(wait=True)
+    rows = [summaries[t] for t in order if t in summaries]
     if results is not None:
-        write_results(summaries, results)
-    return summaries
+        write_results(rows, results)
+    if interrupted:
+        raise TrialsInterrupted(rows)
+    return rows
 
 
 def write_results(rows: list[dict[str, Any]], path: Path) -> Path:

@@ -5,6 +5,8 @@ Tests run float32 on CPU (bf16 matmuls skip BLAS there and are slow: DESIGN.md).
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -48,3 +50,28 @@ def tiny_data(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     with out.open("a") as f:
         f.write(write_pairs_jsonl(valid, out.with_name("v.jsonl"), split="valid").read_text())
     return out
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A private local Ray with 2 CPU slots and 2 fake GPUs (never joins another cluster)."""
+    import ray
+
+    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # AF_UNIX socket paths: 107 bytes at most
+    os.environ["RAY_TMPDIR"] = tmp
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir=tmp,
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}},
+             log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory: pytest.TempPathFactory):
+    """A real Prefect API (a temporary server and database), shared: it takes ~20 s to start."""
+    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect"))
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield

@@ -95,3 +95,15 @@ def test_split_attention_equals_two_forwards(fixture: str, pad: int, request) ->
     with pytest.raises(ValueError, match="one-row"):
         bad = split_prefix_batch(tokenized_pairs(path, 2, seed=1), attention="split")
         run(model, stack, bad, bad.pairs, spec)
+
+
+def test_cuda_never_takes_split_attention(monkeypatch) -> None:
+    """Split attention's shapes crashed MLX's CUDA attention backward: mask there, or refuse."""
+    from engine import trainer
+
+    assert trainer.resolve_prefix_attention("split") == "split"  # CPU: as asked
+    monkeypatch.setattr(trainer, "_is_cuda", lambda: True)
+    assert trainer.resolve_prefix_attention("auto") == "mask"
+    assert trainer.resolve_prefix_attention("mask") == "mask"
+    with pytest.raises(ValueError, match="prefix_attention=split is not safe on CUDA"):
+        trainer.resolve_prefix_attention("split")

@@ -24,9 +24,10 @@ pytestmark = pytest.mark.integration
 GRAD_RTOL, LOSS_RTOL = 1e-5, 1e-6
 
 
-def lora_model(path: Path, dropout: float = 0.0):
+def lora_model(path: Path, dropout: float = 0.0, num_layers: int = -1):
     model, _ = mlx_lm.load(str(path))
-    attach_lora(model, LoraSpec(rank=4, scale=2.0, dropout=dropout), seed=0)
+    attach_lora(model, LoraSpec(rank=4, scale=2.0, dropout=dropout, num_layers=num_layers),
+                seed=0)
     rng = np.random.default_rng(7)  # non-zero B, so lora_a gets a gradient too
     for _, m in lora_modules(model):
         m.lora_b = mx.array(rng.normal(0, 0.05, m.lora_b.shape).astype(np.float32))
@@ -73,6 +74,20 @@ def test_segmented_equals_plain(fixture: str, span: str, request) -> None:
         ref = run(model, stack, batch, spec)
         for k in (1, 2, 3, len(stack.layers)):
             assert_same(run(model, stack, batch, spec, k=k), ref)
+
+
+@pytest.mark.parametrize("depth", ["1", "2", "3"])
+def test_lora_on_last_layers_only_and_any_inflight_depth(depth: str, tiny_model: Path,
+                                                         monkeypatch) -> None:
+    """The backward stops at the lowest LoRA segment; evaluation depth changes nothing."""
+    monkeypatch.setenv("POMONA_SEG_INFLIGHT", depth)
+    model, stack = lora_model(tiny_model, num_layers=2)  # LoRA on layers 2 and 3 of 4
+    batch = make_batch(tokenized_pairs(tiny_model, 2, seed=3), "full", pad_multiple=8)
+    spec = LossSpec("orpo", 0.5, "full")
+    ref = run(model, stack, batch, spec)
+    assert all(".layers.2." in n or ".layers.3." in n for n in ref[2])
+    for k, chunk in ((1, 0), (1, 16), (3, 0), (2, 5)):
+        assert_same(run(model, stack, batch, spec, k=k, chunk=chunk), ref)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_model", "tiny_model_q4", "tiny_qwen2"])

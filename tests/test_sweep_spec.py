@@ -56,6 +56,14 @@ def test_trial_ids_are_stable_and_order_free() -> None:
     ({**BASE, "search": "grid", "space": {"lora_rank": {"choice": [4]}}}, "grid search has no"),
     ({**BASE, "fixed": {"steps": 3}, "grid": {"steps": [1]}}, "steps: given in more than one"),
     ({**BASE, "mode": "biggest"}, "mode='biggest'"),
+    ({**BASE, "grid": {"segment_size": ["auto"]}}, "segment_size: auto needs memory_budget_gb"),
+    ({**BASE, "search": "optuna", "grid": {"lora_rank": [4]},
+      "space": {"learning_rate": {"loguniform": [1e-4, 1e-3]}}}, "optuna samples a space"),
+    ({**BASE, "pruning": True}, "pruning: needs search: optuna"),
+    ({**BASE, "search": "optuna", "space": {"lora_rank": {"choice": [4]}},
+      "pruning": {"patience": 3}}, "pruning: expected true or a mapping"),
+    ({**BASE, "metric": "loss"}, "metric='loss': expected a validation metric"),
+    ({**BASE, "retries": -1}, "retries=-1"),
 ])
 def test_errors_name_the_bad_key(raw: dict, message: str) -> None:
     with pytest.raises(SpecError, match=message):
@@ -64,7 +72,8 @@ def test_errors_name_the_bad_key(raw: dict, message: str) -> None:
 
 def test_segment_size_auto_is_allowed(tmp_path: Path) -> None:
     path = tmp_path / "s.yaml"
-    path.write_text("name: s\nmodel: m\ndata: d\ngrid:\n  segment_size: [auto, 2]\n")
+    path.write_text("name: s\nmodel: m\ndata: d\nmemory_budget_gb: 8\n"
+                    "grid:\n  segment_size: [auto, 2]\n")
     assert [t.params["segment_size"] for t in load_spec(path).trials()] == ["auto", 2]
     path.write_text("name: [unclosed\n")
     with pytest.raises(SpecError, match=r"s\.yaml: not valid YAML"):

@@ -13,21 +13,6 @@ from tasks.trials import Placement, run_trials
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory):
-    """A private local Ray with 2 CPU slots and 2 fake GPUs (never joins another cluster)."""
-    import ray
-
-    tmp = tmp_path_factory.mktemp("ray")
-    os.environ["RAY_TMPDIR"] = str(tmp)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir=str(tmp),
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}},
-             log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def _trials(model: Path, data: Path, out: Path, n: int, **extra) -> list[tuple[str, dict]]:
     return [(f"t{i}", {"model": str(model), "data": str(data), "out": str(out / f"t{i}"),
                        "steps": 2, "batch_size": 2, "lora_rank": 4, "val_every": 0,

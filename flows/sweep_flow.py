@@ -1,0 +1,96 @@
+"""The sweep as a Prefect flow: every trial a task run, progress and results as artifacts.
+
+Trials still run in Ray actors (tasks/trials.py); the flow wraps each one in a task run
+named after the trial, so the Prefect UI shows each trial's state, duration and log
+lines (where it ran, retries after a lost node, its result). A progress artifact moves
+as trials finish; a table artifact lists every trial at the end. Artifact keys are
+lowercase letters, digits and dashes (Prefect's rule).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import (
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.cache_policies import NO_CACHE
+
+from flows.ray_session import ray_session
+from tasks.sweep import metric_value, run_sweep
+from tasks.sweep_spec import load_spec
+from tasks.trials import Placement, Summary, TrialRun
+
+TABLE_COLUMNS = ("trial_id", "status", "reason", "node", "attempts", "duration_s",
+                 "peak_memory_gb", "tokens_per_sec")
+
+
+def artifact_key(*parts: str) -> str:
+    """A Prefect artifact key: lowercase letters, digits and dashes only."""
+    return re.sub(r"[^a-z0-9]+", "-", "-".join(parts).lower()).strip("-")
+
+
+@task(cache_policy=NO_CACHE, task_run_name="{trial.id}")
+def trial_task(trial: TrialRun, run: Callable[[], Summary]) -> Summary:
+    """One trial, run in its Ray actor by ``run``; its outcome logged on this task run."""
+    logger = get_run_logger()
+    logger.info("trial %s: %s", trial.id, {k: v for k, v in trial.config.items()
+                                            if k not in ("model", "data", "out")})
+    summary = run()
+    log = logger.info if summary["status"] in ("completed", "pruned") else logger.warning
+    log("trial %s %s%s on %s (pid %s)", trial.id, summary["status"],
+        f": {summary['reason']}" if summary.get("reason") else "", summary.get("node"),
+        summary.get("pid"))
+    return summary
+
+
+def table_rows(rows: list[Summary], metric: str) -> list[dict[str, Any]]:
+    """The trials table artifact: a few columns, the metric, every param."""
+    return [{**{k: r.get(k) for k in TABLE_COLUMNS}, metric: metric_value(r, metric),
+             **{k: r[k] for k in r if k.startswith("param/")}} for r in rows]
+
+
+@flow(name="pomona-sweep")
+def sweep_flow(spec_path: str, out: str | None = None, address: str | None = None,
+               gpus: bool = False, resource: str | None = None) -> list[dict[str, Any]]:
+    """Run a sweep spec on Ray; each trial a task run of this flow run."""
+    logger = get_run_logger()
+    spec = load_spec(spec_path)
+    out_dir = Path(out) if out else Path("runs") / spec.name
+    progress_id = create_progress_artifact(0.0, key=artifact_key(spec.name, "progress"),
+                                           description=f"sweep {spec.name}: trials finished")
+    lock, counts = threading.Lock(), {"total": 0, "done": 0}
+
+    def on_event(kind: str, summary: Summary) -> None:
+        with lock:
+            if kind == "plan":
+                counts["total"] = summary["trials"]
+                counts["done"] = summary.get("cached", 0)
+                logger.info("sweep %s: %s", spec.name, summary)
+            elif kind == "finished":
+                counts["done"] += 1
+            elif kind == "lost":
+                logger.warning("trial %s lost its process (%s); retrying",
+                               summary["trial_id"], summary.get("reason"))
+            else:
+                return
+            pct = 100.0 * counts["done"] / max(counts["total"], 1)
+        update_progress_artifact(progress_id, min(pct, 100.0))
+
+    def wrap(trial: TrialRun, run: Callable[[], Summary]) -> Summary:
+        return trial_task(trial, run)
+
+    with ray_session(address):
+        rows = run_sweep(spec, out_dir, Placement(gpus=int(gpus), resource=resource),
+                         progress=on_event, wrap=wrap)
+    update_progress_artifact(progress_id, 100.0)
+    create_table_artifact(table_rows(rows, spec.metric), key=artifact_key(spec.name, "trials"),
+                          description=f"sweep {spec.name}: {out_dir / 'results.parquet'}")
+    return [{k: r.get(k) for k in TABLE_COLUMNS} for r in rows]

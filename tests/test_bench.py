@@ -1,0 +1,45 @@
+"""The engine benchmarks run end to end at toy sizes and print what the docs promise."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+TOY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "500",
+       "--repeats", "1", "--json"]
+
+
+def bench(*args: str) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "engine", "bench", *args], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_memory_bench_rows_and_ratios() -> None:
+    out = bench("memory", *TOY, "--seq", "128", "--head-chunk", "32",
+                "--rows", "plain,seg1,seg1:1,head_dense,head_bounded")
+    assert [r["name"] for r in out["rows"]] == ["plain", "seg1", "seg1:1", "head_dense",
+                                                "head_bounded"]
+    assert all(r["peak_mb"] > 0 and r["act_mb"] > 0 and r["step_s"] > 0 and r["rss_mb"] > 0
+               for r in out["rows"])
+    assert {"seg1_act_vs_plain", "seg1:1_time_vs_plain", "head_bounded_act_vs_dense"} \
+        <= set(out["ratios"])
+
+
+def test_prefix_bench_rows() -> None:
+    out = bench("prefix", *TOY, "--seq", "96", "--ratios", "4:1")
+    assert {(r["ratio"], r["path"]) for r in out["rows"]} == {
+        ("4:1", "two_forward"), ("4:1", "shared"), ("4:1", "shared_mask")}
+    assert out["rows"][0]["prompt_tokens"] + out["rows"][0]["response_tokens"] // 2 == 97
+    assert "4:1_shared_time_vs_two_forward" in out["ratios"]
+
+
+def test_attention_bench_one_process_per_shape() -> None:
+    out = bench("attention", *TOY, "--shapes", "64:64,33:50")
+    assert [(r["q"], r["k"]) for r in out["rows"]] == [(64, 64), (33, 50)]
+    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in out["rows"])

@@ -1,0 +1,37 @@
+"""The sweep as a Prefect flow against a real Prefect API and a local Ray: each trial a
+task run, a progress artifact at 100%, a table artifact with every trial."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_sweep_flow_runs_each_trial_as_a_task_run(prefect_api, ray_cluster, tiny_model,
+                                                  tiny_data, tmp_path) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from flows.sweep_flow import sweep_flow
+
+    spec = tmp_path / "flow.yaml"
+    spec.write_text(f"name: Flow_Test\nmodel: {tiny_model}\ndata: {tiny_data}\n"
+                    "max_concurrent: 2\nfixed: {steps: 2, batch_size: 2, lora_rank: 4, "
+                    "val_every: 1, val_batches: 1}\ngrid: {seed: [0, 1, 2]}\n")
+    state = sweep_flow(str(spec), str(tmp_path / "out"), return_state=True)
+    assert state.is_completed(), state
+    rows = state.result()
+    assert [r["status"] for r in rows] == ["completed"] * 3
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_run(state.state_details.flow_run_id)
+        task_runs = client.read_task_runs()
+        names = sorted(t.name for t in task_runs if t.flow_run_id == flow_run.id)
+        assert names == sorted(r["trial_id"] for r in rows)
+        assert all(t.state.is_completed() for t in task_runs if t.flow_run_id == flow_run.id)
+        keys = ArtifactFilter(key=ArtifactFilterKey(any_=["flow-test-progress",
+                                                          "flow-test-trials"]))
+        arts = {a.key: a for a in client.read_artifacts(artifact_filter=keys)}
+    assert float(arts["flow-test-progress"].data) == 100.0
+    table = arts["flow-test-trials"].data
+    assert all(r["trial_id"] in table for r in rows)
