@@ -2,7 +2,9 @@
 
     pomona model init --out models/tiny          # a self-made model, no download
     pomona data synth --task sort --n 500 --out data/sort.jsonl
-    pomona demo --out runs/demo                  # everything that exists, end to end
+    pomona demo --out runs/demo                  # the whole pipeline on self-made fixtures
+    pomona pipeline RAW MODEL SPEC --out DIR     # tokenize → … → leaderboard, as a flow
+    pomona sweep SPEC --out DIR                  # a sweep alone (docs/sweep.md)
 
 Heavy imports (mlx, mlx-lm, tokenizers) happen inside commands so ``--help`` stays fast.
 """
@@ -191,13 +193,53 @@ def bench_cmd(ctx: typer.Context) -> None:
 
 @app.command("demo")
 def demo(
-    out: Annotated[Path, typer.Option(help="Directory for the demo's model and data.")]
-    = Path("runs/demo"),
+    out: Annotated[Path, typer.Option(help="Directory for the demo's model, data, sweep "
+                                           "and leaderboard.")] = Path("runs/demo"),
+    address: Annotated[str | None, typer.Option(help="Ray address; default: a private "
+                                                     "local Ray.")] = None,
 ) -> None:
-    """Run everything Pomona has so far on self-made fixtures and say what it did."""
+    """The whole pipeline on a tiny self-made model and synthetic data: leaderboard printed."""
     from flows.demo import run_demo
 
-    run_demo(out, console)
+    run_demo(out, console, address)
+
+
+@app.command("pipeline")
+def pipeline_cmd(
+    raw: Annotated[Path, typer.Argument(help="Preference JSONL file or directory.")],
+    model: Annotated[str, typer.Argument(help="Model directory or repo id (mlx_lm.load).")],
+    spec: Annotated[Path, typer.Argument(help="Sweep spec YAML (its model/data are "
+                                               "replaced by these).")],
+    out: Annotated[Path, typer.Option(help="Output directory.")] = Path("runs/pipeline"),
+    address: Annotated[str | None, typer.Option(help="Ray address (auto | HOST:PORT).")] = None,
+    gpus: Annotated[bool, typer.Option(help="One GPU per trial.")] = False,
+    resource: Annotated[str | None, typer.Option(help="Custom resource per trial.")] = None,
+    generations: Annotated[int, typer.Option(help="Held-out prompts to generate for, "
+                                                  "per adapter.")] = 4,
+) -> None:
+    """The Prefect pipeline: tokenize → preprocess → sweep → evaluate → leaderboard."""
+    from flows.pipeline import pipeline
+
+    summary = pipeline(str(raw), model, str(spec), str(out), address, gpus, resource,
+                       generations)
+    console.print(f"leaderboard: {summary['markdown']}; best adapter: "
+                  f"{summary['best_adapter']}")
+
+
+@app.command("ui")
+def ui(
+    host: Annotated[str, typer.Option(help="Bind address (localhost unless you mean the "
+                                           "lab network).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port.")] = 4200,
+) -> None:
+    """Start a Prefect server (UI + API); then export PREFECT_API_URL=http://HOST:PORT/api."""
+    import os
+    import sys
+
+    console.print(f"Prefect UI at http://{host}:{port}; in other shells: "
+                  f"export PREFECT_API_URL=http://{host}:{port}/api")
+    prefect = str(Path(sys.executable).with_name("prefect"))  # this environment's CLI
+    os.execv(prefect, [prefect, "server", "start", "--host", host, "--port", str(port)])
 
 
 def main() -> None:

@@ -1,88 +1,72 @@
-"""``pomona demo``: everything Pomona can do so far, on fixtures it makes itself.
+"""``pomona demo``: the whole pipeline on fixtures it makes itself, no downloads.
 
-Today: build a tiny model, write a synthetic preference task, tokenize and preprocess it
-into an Arrow dataset, train a LoRA adapter with ORPO (segmented backward + bounded head),
-and read held-out preference accuracy before and after. The Ray sweep, the leaderboard and
-the Prefect flows join this command as they land.
+Builds a tiny llama-family model (random init + a locally trained tokenizer), writes a
+synthetic preference task (sort a list; rejected = a near miss), then runs the pipeline
+flow (flows/pipeline.py): tokenize → preprocess → a two-trial Ray sweep
+(flows/configs/demo.yaml) → held-out evaluation of every adapter and of the base model →
+leaderboard and best adapter. Prints the leaderboard, and where to watch it in the Prefect
+UI when a server is running (`pomona ui` starts one).
 """
 
 from __future__ import annotations
 
-import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
-from engine.config import TrainConfig
-from engine.trainer import train
 from tasks.model_factory import ModelSpec, init_model
-from tasks.preprocess import preprocess_dataset
 from tasks.synthetic import synth_rows, write_rows
-from tasks.tokenize import tokenize_dataset
 
-# Settings measured to lift validation accuracy from ~0.5 to ~0.75 in ~1 min on 2 CPU cores.
-DEMO_TRAIN = dict(steps=150, batch_size=8, learning_rate=3e-4, lora_rank=16, warmup_steps=10,
-                  nll_span="response", orpo_lambda=1.0, val_every=75, report_every=25,
-                  segment_size=2, head_chunk=256)
+DEMO_SPEC = Path(__file__).parent / "configs" / "demo.yaml"
+DEMO_ROWS = 2200
 
 
-class _Progress:
-    def __init__(self, console: Console) -> None:
-        self.console = console
+def run_demo(out: Path, console: Console, address: str | None = None) -> dict[str, Any]:
+    """Run the demo into ``out``; print the leaderboard; return what it measured."""
+    from flows.pipeline import pipeline
 
-    def on_metrics(self, record: dict[str, Any]) -> None:
-        if record["split"] == "valid":
-            self.console.print(f"  step {record['step']:>3}: validation accuracy "
-                               f"{record['val/rewards/accuracies']:.3f}, "
-                               f"loss {record['val/loss']:.3f}")
-        else:
-            self.console.print(f"  step {record['step']:>3}: loss {record['loss']:.3f}, "
-                               f"{record['tokens_per_sec']:,.0f} tokens/s")
-
-
-def run_demo(out: Path, console: Console) -> dict[str, Any]:
-    """Run the demo into ``out``; print a table of steps; return what it measured."""
     out = Path(out)
-    steps: list[tuple[str, str, float]] = []
-
-    def step(name: str, started: float, detail: str) -> None:
-        steps.append((name, detail, time.perf_counter() - started))
-        console.print(f"[green]✓[/] {name}: {detail}")
-
-    t = time.perf_counter()
+    started = time.perf_counter()
     model_dir = init_model(ModelSpec(), out / "model", overwrite=True)
-    step("model init", t, f"random-init llama + byte-level BPE tokenizer in {model_dir}")
+    console.print(f"[green]✓[/] model: random-init llama + byte-level BPE tokenizer in "
+                  f"{model_dir}")
+    raw = write_rows(list(synth_rows("sort", DEMO_ROWS, seed=0)), out / "raw" / "sort.jsonl")
+    console.print(f"[green]✓[/] data: {DEMO_ROWS} sort pairs (chosen sorted, rejected a near "
+                  f"miss) in {raw}")
+    summary = pipeline(str(raw), str(model_dir), str(DEMO_SPEC), str(out), address=address,
+                       generations=4)
+    board = pq.read_table(out / "leaderboard.parquet").to_pylist()
+    console.print(leaderboard_table(board))
+    base = next(r for r in board if r["trial_id"] == "base")
+    best = next(r for r in board if r.get("rank") == 1)
+    console.print(f"held-out preference accuracy: base model {base['eval/accuracy']:.2f} → "
+                  f"best adapter {best['eval/accuracy']:.2f} ({best['trial_id']}); "
+                  f"exported to {summary['best_adapter']}; "
+                  f"{time.perf_counter() - started:.0f} s in all")
+    console.print(f"leaderboard: {out / 'leaderboard.md'}")
+    api = os.environ.get("PREFECT_API_URL")
+    console.print(f"Prefect UI: {api.removesuffix('/api')}" if api else
+                  "Prefect UI: start one with `pomona ui`, then run again with "
+                  "PREFECT_API_URL set to watch the flow run live.")
+    return {"model": str(model_dir), "accuracy_before": base["eval/accuracy"],
+            "accuracy_after": best["eval/accuracy"], "best_adapter": summary["best_adapter"]}
 
-    t = time.perf_counter()
-    raw = write_rows(list(synth_rows("sort", 2200, seed=0)), out / "raw" / "sort.jsonl")
-    step("data synth", t, f"2200 sort pairs (chosen sorted, rejected a near-miss) in {raw}")
 
-    t = time.perf_counter()
-    tok = tokenize_dataset(raw, str(model_dir), out / "data")
-    pre = preprocess_dataset(out / "data")
-    step("tokenize + preprocess", t,
-         f"{tok.rows} pairs, {tok.tokens:,} tokens{' (cache hit)' if tok.cache_hit else ''}; "
-         f"prefix sharing saves {pre.saved_fraction:.0%} of tokens")
-
-    t = time.perf_counter()
-    cfg = TrainConfig(model=str(model_dir), data=str(out / "data"), out=str(out / "adapter"),
-                      **DEMO_TRAIN)
-    result = train(cfg, [_Progress(console)])
-    rows = [json.loads(x) for x in (out / "adapter" / "metrics.jsonl").read_text().splitlines()]
-    acc = [r["val/rewards/accuracies"] for r in rows if r["split"] == "valid"]
-    step("ORPO training", t, f"{result.steps} steps, held-out preference accuracy "
-                             f"{acc[0]:.2f} → {acc[-1]:.2f}; adapter in {out / 'adapter'}")
-
-    table = Table(title="pomona demo")
-    for col in ("step", "seconds", "result"):
+def leaderboard_table(board: list[dict[str, Any]]) -> Table:
+    table = Table(title="pomona demo: leaderboard (held-out split)")
+    for col in ("rank", "trial", "status", "learning rate", "val accuracy (best)",
+                "eval accuracy", "eval margin", "tokens/s"):
         table.add_column(col)
-    for name, detail, secs in steps:
-        table.add_row(name, f"{secs:.1f}", detail)
-    console.print(table)
-    console.print("Not built yet: the Ray sweep, evaluation/leaderboard and the Prefect "
-                  "flows (sweep and pipeline issues). See README.md.")
-    return {"model": str(model_dir), "accuracy_before": acc[0], "accuracy_after": acc[-1],
-            "adapter": str(out / "adapter")}
+    for r in board:
+        lr = r.get("param/learning_rate")
+        best = r.get("best/val/rewards/accuracies")
+        table.add_row(str(r.get("rank") or ""), r["trial_id"], r["status"],
+                      f"{lr:g}" if lr else "-", f"{best:.3f}" if best is not None else "-",
+                      f"{r['eval/accuracy']:.3f}", f"{r['eval/margin']:+.3f}",
+                      f"{r['tokens_per_sec']:,.0f}" if r.get("tokens_per_sec") else "-")
+    return table

@@ -25,7 +25,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.ray_session import ray_session
 from tasks.sweep import metric_value, run_sweep
-from tasks.sweep_spec import load_spec
+from tasks.sweep_spec import SweepSpec, load_spec
 from tasks.trials import Placement, Summary, TrialRun
 
 TABLE_COLUMNS = ("trial_id", "status", "reason", "node", "attempts", "duration_s",
@@ -57,13 +57,11 @@ def table_rows(rows: list[Summary], metric: str) -> list[dict[str, Any]]:
              **{k: r[k] for k in r if k.startswith("param/")}} for r in rows]
 
 
-@flow(name="pomona-sweep")
-def sweep_flow(spec_path: str, out: str | None = None, address: str | None = None,
-               gpus: bool = False, resource: str | None = None) -> list[dict[str, Any]]:
-    """Run a sweep spec on Ray; each trial a task run of this flow run."""
+def sweep_stage(spec: SweepSpec, out_dir: Path, address: str | None = None,
+                gpus: bool = False, resource: str | None = None) -> list[Summary]:
+    """Run ``spec`` inside the current flow run: each trial a task run, with a progress
+    artifact that moves as trials finish and a table artifact of every trial at the end."""
     logger = get_run_logger()
-    spec = load_spec(spec_path)
-    out_dir = Path(out) if out else Path("runs") / spec.name
     progress_id = create_progress_artifact(0.0, key=artifact_key(spec.name, "progress"),
                                            description=f"sweep {spec.name}: trials finished")
     lock, counts = threading.Lock(), {"total": 0, "done": 0}
@@ -93,4 +91,14 @@ def sweep_flow(spec_path: str, out: str | None = None, address: str | None = Non
     update_progress_artifact(progress_id, 100.0)
     create_table_artifact(table_rows(rows, spec.metric), key=artifact_key(spec.name, "trials"),
                           description=f"sweep {spec.name}: {out_dir / 'results.parquet'}")
+    return rows
+
+
+@flow(name="pomona-sweep")
+def sweep_flow(spec_path: str, out: str | None = None, address: str | None = None,
+               gpus: bool = False, resource: str | None = None) -> list[dict[str, Any]]:
+    """Run a sweep spec on Ray; each trial a task run of this flow run."""
+    spec = load_spec(spec_path)
+    out_dir = Path(out) if out else Path("runs") / spec.name
+    rows = sweep_stage(spec, out_dir, address, gpus, resource)
     return [{k: r.get(k) for k in TABLE_COLUMNS} for r in rows]

@@ -69,18 +69,23 @@ def plan(spec: SweepSpec, out: Path) -> list[tuple[str, dict[str, Any]]]:
     return [(t.id, trial_config(spec, out, t.id, t.params)) for t in spec.trials()]
 
 
-def check_cluster(placement: Placement, resources: dict[str, float]) -> int:
-    """Slots the cluster offers for ``placement``; raise when it offers none."""
+def check_cluster(placement: Placement, resources: dict[str, float], expected: int = 1) -> int:
+    """Slots the cluster offers for ``placement``; raise when it offers none, or, for GPUs
+    and custom resources (a lab's Macs), fewer than the ``expected`` concurrent trials."""
     if placement.resource:
         have, what = resources.get(placement.resource, 0), f"'{placement.resource}' resources"
     elif placement.gpus:
         have, what = resources.get("GPU", 0), "GPUs"
     else:
         have, what = resources.get("CPU", 0) // max(placement.cpus, 1e-9), "CPU slots"
+    hint = ("is this the cluster you meant? address='auto' starts a private one when the "
+            "real head is unreachable")
     if have < 1:
-        raise RuntimeError(f"the Ray cluster offers no {what} (it has {resources}); is this the "
-                           "cluster you meant? address='auto' starts a private one when the "
-                           "real head is unreachable")
+        raise RuntimeError(f"the Ray cluster offers no {what} (it has {resources}); {hint}")
+    if (placement.gpus or placement.resource) and have < expected:
+        raise RuntimeError(f"the sweep expects {expected} {what} (max_concurrent) but the Ray "
+                           f"cluster offers {int(have)} (it has {resources}); {hint}, or lower "
+                           "max_concurrent")
     return int(have)
 
 
@@ -111,7 +116,7 @@ def run_sweep(spec: SweepSpec, out: Path, placement: Placement | None = None,
     placement = placement or Placement()
     out = Path(out)
     fingerprint = data_fingerprint(spec.data)
-    slots = check_cluster(placement, ray.cluster_resources())
+    slots = check_cluster(placement, ray.cluster_resources(), spec.max_concurrent)
     before = previous_results(out)
 
     def cached(trial_id: str, config: dict[str, Any]) -> Summary | None:

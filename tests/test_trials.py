@@ -59,10 +59,13 @@ def test_a_failing_trial_is_reported_and_the_rest_complete(ray_cluster, tiny_mod
 
 def test_sweep_reruns_exactly_what_changed(ray_cluster, tiny_model, tiny_data,
                                            tmp_path) -> None:
+    import shutil
+
     from tasks.sweep import run_sweep
     from tasks.sweep_spec import parse_spec
 
-    raw = {"name": "s", "model": str(tiny_model), "data": str(tiny_data), "max_concurrent": 2,
+    data = shutil.copy(tiny_data, tmp_path / "data.jsonl")
+    raw = {"name": "s", "model": str(tiny_model), "data": str(data), "max_concurrent": 2,
            "fixed": {"steps": 2, "batch_size": 2, "lora_rank": 4, "val_every": 0},
            "grid": {"segment_size": [0, 2]}}
     first = run_sweep(parse_spec(raw), tmp_path)
@@ -74,6 +77,10 @@ def test_sweep_reruns_exactly_what_changed(ray_cluster, tiny_model, tiny_data,
     assert all(r["skipped"] for r in again)
     changed = run_sweep(parse_spec({**raw, "grid": {"segment_size": [0, 1]}}), tmp_path)
     assert [r["skipped"] for r in changed] == [True, False]  # only the new point runs
+    lines = Path(data).read_text().splitlines(keepends=True)
+    Path(data).write_text("".join(lines[1:]))  # the same path, different data: all re-run
+    redone = run_sweep(parse_spec({**raw, "grid": {"segment_size": [0, 1]}}), tmp_path)
+    assert [r["skipped"] for r in redone] == [False, False]
 
 
 def test_sweep_refuses_a_cluster_without_the_gpus_it_needs(tiny_model, tiny_data) -> None:
@@ -85,6 +92,9 @@ def test_sweep_refuses_a_cluster_without_the_gpus_it_needs(tiny_model, tiny_data
     with pytest.raises(RuntimeError, match="'mlx_gpu' resources"):
         check_cluster(Placement(resource="mlx_gpu"), {"CPU": 8.0, "GPU": 1.0})
     assert check_cluster(Placement(), {"CPU": 2.0}) == 2
+    with pytest.raises(RuntimeError, match=r"expects 4 GPUs .* offers 2"):
+        check_cluster(Placement(gpus=1), {"CPU": 8.0, "GPU": 2.0}, expected=4)
+    assert check_cluster(Placement(), {"CPU": 2.0}, expected=4) == 2  # CPU slots: fewer run
 
 
 def test_pomona_sweep_cli(tiny_model, tiny_data, tmp_path) -> None:

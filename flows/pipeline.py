@@ -1,0 +1,121 @@
+"""The pipeline flow: tokenize → preprocess → sweep → evaluate → aggregate.
+
+Each stage is a task run (the sweep: one task run per trial, tasks/trials.py on Ray), so
+the Prefect UI shows the whole run: the dataset's size and rejects, every trial, every
+evaluation, and a markdown artifact with the leaderboard. The sweep spec's model and data
+are replaced by the pipeline's own. Stages are plain functions underneath
+(tasks/tokenize.py, tasks/preprocess.py, tasks/sweep.py, tasks/evaluate.py,
+tasks/leaderboard.py), each also reachable from the CLI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from flows.ray_session import ray_session
+from flows.sweep_flow import artifact_key, sweep_stage
+from tasks.evaluate import evaluate_adapter
+from tasks.leaderboard import export_best, rank_trials, write_leaderboard
+from tasks.preprocess import preprocess_dataset
+from tasks.soup import make_soup
+from tasks.sweep_spec import load_spec
+from tasks.tokenize import tokenize_dataset
+from tasks.trials import Placement
+
+
+@task(cache_policy=NO_CACHE)
+def tokenize_task(raw: str, model: str, out: str) -> dict[str, Any]:
+    """Raw preference files → an Arrow dataset directory (cached on its fingerprint)."""
+    report = tokenize_dataset(raw, model, out)
+    get_run_logger().info("tokenized %s rows (%s tokens)%s; rejects: %s", report.rows,
+                          report.tokens, " [cache hit]" if report.cache_hit else "",
+                          report.rejects)
+    return {"path": out, "rows": report.rows, "tokens": report.tokens,
+            "cache_hit": report.cache_hit}
+
+
+@task(cache_policy=NO_CACHE)
+def preprocess_task(path: str) -> dict[str, Any]:
+    """Find each pair's shared prompt prefix (split_prefix_batch's input)."""
+    report = preprocess_dataset(path)
+    get_run_logger().info("prefix sharing saves %.0f%% of tokens", 100 * report.saved_fraction)
+    return {"saved_fraction": report.saved_fraction}
+
+
+@task(cache_policy=NO_CACHE, task_run_name="evaluate-{name}")
+def evaluate_task(name: str, model: str, adapter: str | None, data: str, orpo_lambda: float,
+                  generations: int, out: str, placement: Placement) -> dict[str, Any]:
+    """Held-out metrics of one adapter (or the base), computed in a Ray task on a GPU/slot."""
+    import ray
+
+    remote = ray.remote(max_calls=1)(evaluate_adapter).options(**placement.options())
+    metrics = ray.get(remote.remote(model, adapter, data, orpo_lambda, 8, 0, generations, out))
+    get_run_logger().info("%s: %s", name, {k: round(v, 4) if isinstance(v, float) else v
+                                           for k, v in metrics.items()})
+    return metrics
+
+
+@task(cache_policy=NO_CACHE)
+def soup_task(adapters: list[str], out: str) -> str:
+    """The top adapters averaged in ΔW and re-factored to rank r (tasks/soup.py)."""
+    path = make_soup([Path(a) for a in adapters], Path(out))
+    get_run_logger().info("soup of %s → %s", adapters, path)
+    return str(path)
+
+
+@task(cache_policy=NO_CACHE)
+def aggregate_task(results: list[dict[str, Any]], evals: dict[str, dict[str, Any]],
+                   base: dict[str, Any], metric: str, mode: str, out: str, title: str,
+                   soup: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Rank, write leaderboard.parquet/.md, export the best adapter, publish the board."""
+    rows = rank_trials(results, evals, metric, mode, base, soup)
+    parquet, md = write_leaderboard(rows, Path(out), metric, title)
+    best = export_best(rows, Path(out))
+    create_markdown_artifact(md.read_text(), key=artifact_key(title, "leaderboard"),
+                             description=f"{md}; best adapter: {best}")
+    return {"leaderboard": str(parquet), "markdown": str(md),
+            "best_adapter": str(best) if best else None,
+            "best_trial": next((r["trial_id"] for r in rows if r.get("rank") == 1), None)}
+
+
+@flow(name="pomona-pipeline")
+def pipeline(raw: str, model: str, spec: str, out: str, address: str | None = None,
+             gpus: bool = False, resource: str | None = None, generations: int = 4,
+             soup_k: int = 2) -> dict[str, Any]:
+    """Raw preference data and a model → a sweep → a leaderboard and the best adapter
+    (and, with ``soup_k`` ≥ 2 completed trials, their soup, evaluated like a trial)."""
+    out_dir = Path(out)
+    data = tokenize_task(raw, model, str(out_dir / "data"))
+    preprocess_task(data["path"])
+    sweep = dataclasses.replace(load_spec(spec), model=model, data=data["path"])
+    placement = Placement(gpus=int(gpus), resource=resource)
+    with ray_session(address):
+        results = sweep_stage(sweep, out_dir / "sweep", address, gpus, resource)
+        jobs = {r["trial_id"]: evaluate_task.submit(
+                    r["trial_id"], model, r["adapter"], data["path"],
+                    float(r.get("param/orpo_lambda") or 0.1), generations,
+                    str(Path(r["adapter"])), placement)
+                for r in results if r["status"] == "completed"}
+        base = evaluate_task.submit("base", model, None, data["path"], 0.1, generations,
+                                    str(out_dir / "base"), placement)
+        evals = {name: job.result() for name, job in jobs.items()}
+        base_metrics = base.result()
+        top = [r["adapter"] for r in rank_trials(results, evals, sweep.metric, sweep.mode)
+               if r.get("rank") and r["rank"] <= soup_k]
+        soup = None
+        if soup_k >= 2 and len(top) >= 2:
+            path = soup_task(top, str(out_dir / "soup"))
+            soup = {**evaluate_task("soup", model, path, data["path"], 0.1, generations, path,
+                                    placement), "adapter": path}
+    summary = aggregate_task(results, evals, base_metrics, sweep.metric, sweep.mode, out,
+                             sweep.name, soup)
+    get_run_logger().info("leaderboard: %s; best adapter: %s", summary["markdown"],
+                          summary["best_adapter"])
+    return {**summary, "rows": data["rows"], "tokenize_cache_hit": data["cache_hit"],
+            "trials": len(results)}

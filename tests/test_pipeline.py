@@ -1,0 +1,54 @@
+"""The pipeline flow end to end against a real Prefect API and a local Ray: raw JSONL →
+tokenize → preprocess → sweep → evaluate → leaderboard; a second run hits the caches."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from flows.pipeline import pipeline
+    from tasks.synthetic import synth_rows, write_rows
+
+    raw = write_rows(list(synth_rows("sort", 160, seed=0)), tmp_path / "raw" / "sort.jsonl")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("name: pipe\nmodel: unused\ndata: unused\nmax_concurrent: 2\n"
+                    "fixed: {steps: 16, batch_size: 4, lora_rank: 4, val_every: 8, "
+                    "val_batches: 2, learning_rate: 1.0e-3}\n"
+                    "grid: {orpo_lambda: [0.1, 1.0]}\n")
+    out = tmp_path / "out"
+    state = pipeline(str(raw), str(tiny_model), str(spec), str(out), generations=2,
+                     return_state=True)
+    assert state.is_completed(), state
+    summary = state.result()
+    board = pq.read_table(out / "leaderboard.parquet").to_pylist()
+    assert [r["trial_id"] for r in board][-1] == "base"
+    assert [r["trial_id"] for r in board][-2] == "soup"  # the top-2 merged, evaluated
+    assert (out / "soup" / "adapters.safetensors").exists()
+    trials = [r for r in board if r["trial_id"] not in ("base", "soup")]
+    assert len(trials) == 2 and [r["rank"] for r in trials] == [1, 2]
+    assert all(0.0 <= r["eval/accuracy"] <= 1.0 and r["eval/rows"] > 0 for r in board)
+    assert summary["best_trial"] == trials[0]["trial_id"]
+    best = out / "best-adapter"
+    assert (best / "adapters.safetensors").exists() and (best / "adapter_config.json").exists()
+    assert (best / "SOURCE").read_text().strip() == trials[0]["trial_id"]
+    assert (out / "base" / "generations.jsonl").read_text().count("\n") == 2
+    assert "| 1 | " in (out / "leaderboard.md").read_text()
+    with get_client(sync_client=True) as client:
+        keys = ArtifactFilter(key=ArtifactFilterKey(any_=["pipe-leaderboard"]))
+        [art] = client.read_artifacts(artifact_filter=keys, limit=1)
+    assert trials[0]["trial_id"] in art.data
+
+    again = pipeline(str(raw), str(tiny_model), str(spec), str(out), generations=0,
+                     return_state=True)
+    assert again.is_completed()
+    results = pq.read_table(out / "sweep" / "results.parquet").to_pylist()
+    assert all(r["skipped"] for r in results)  # the sweep's cache
+    assert again.result()["tokenize_cache_hit"] and not summary["tokenize_cache_hit"]
+    assert again.result()["rows"] == summary["rows"]
