@@ -226,6 +226,30 @@ def pipeline_cmd(
                   f"{summary['best_adapter']}")
 
 
+@app.command("serve")
+def serve(
+    raw: Annotated[Path, typer.Argument(help="Preference JSONL file or directory.")],
+    model: Annotated[str, typer.Argument(help="Model directory or repo id.")],
+    spec: Annotated[Path, typer.Argument(help="Sweep spec YAML.")],
+    cron: Annotated[str, typer.Option(help="When to run, cron syntax.")] = "0 2 * * *",
+    timezone: Annotated[str, typer.Option(help="The cron's timezone (explicit: a lab's "
+                                               "night is local).")] = "UTC",
+    out: Annotated[Path, typer.Option(help="Output directory.")] = Path("runs/scheduled"),
+    address: Annotated[str | None, typer.Option(help="Ray address (auto | HOST:PORT).")] = None,
+    gpus: Annotated[bool, typer.Option(help="One GPU per trial.")] = False,
+    name: Annotated[str, typer.Option(help="Deployment name.")] = "scheduled",
+) -> None:
+    """Serve the pipeline on a schedule until stopped (needs PREFECT_API_URL: `pomona ui`)."""
+    from prefect import serve as prefect_serve
+
+    from flows.pipeline import pipeline_deployment
+
+    params = {"raw": str(raw.resolve()), "model": model, "spec": str(spec.resolve()),
+              "out": str(out.resolve()), "address": address, "gpus": gpus}
+    console.print(f"serving pomona-pipeline/{name}: '{cron}' ({timezone}), one run at a time")
+    prefect_serve(pipeline_deployment(name, cron, timezone, params))
+
+
 @app.command("ui")
 def ui(
     host: Annotated[str, typer.Option(help="Bind address (localhost unless you mean the "

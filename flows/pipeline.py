@@ -11,6 +11,8 @@ tasks/leaderboard.py), each also reachable from the CLI.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +20,15 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from engine.adapters import ADAPTER_FILE
 from flows.ray_session import ray_session
 from flows.sweep_flow import artifact_key, sweep_stage
 from tasks.evaluate import evaluate_adapter
-from tasks.leaderboard import export_best, rank_trials, write_leaderboard
+from tasks.leaderboard import export_best, rank_trials, swept_params, write_leaderboard
+from tasks.plots import curves_png, inline_png, metric_vs_params_png
 from tasks.preprocess import preprocess_dataset
 from tasks.soup import make_soup
+from tasks.sweep import CODE_VERSION, data_fingerprint
 from tasks.sweep_spec import load_spec
 from tasks.tokenize import tokenize_dataset
 from tasks.trials import Placement
@@ -48,7 +53,20 @@ def preprocess_task(path: str) -> dict[str, Any]:
     return {"saved_fraction": report.saved_fraction}
 
 
-@task(cache_policy=NO_CACHE, task_run_name="evaluate-{name}")
+def evaluation_key(context: Any, inputs: dict[str, Any]) -> str:
+    """An evaluation depends on the adapter's bytes, the data's fingerprint, the code and
+    its settings, never on paths alone (Prefect's INPUTS policy would hash the paths)."""
+    adapter = inputs["adapter"]
+    weights = (hashlib.sha256((Path(adapter) / ADAPTER_FILE).read_bytes()).hexdigest()
+               if adapter else "base")
+    body = json.dumps([inputs["model"], weights, data_fingerprint(inputs["data"]),
+                       inputs["orpo_lambda"], inputs["generations"], inputs["out"],
+                       CODE_VERSION])
+    return "evaluate-" + hashlib.sha256(body.encode()).hexdigest()[:24]
+
+
+@task(cache_key_fn=evaluation_key, persist_result=True, result_serializer="json", retries=2,
+      retry_delay_seconds=5, task_run_name="evaluate-{name}")
 def evaluate_task(name: str, model: str, adapter: str | None, data: str, orpo_lambda: float,
                   generations: int, out: str, placement: Placement) -> dict[str, Any]:
     """Held-out metrics of one adapter (or the base), computed in a Ray task on a GPU/slot."""
@@ -77,8 +95,16 @@ def aggregate_task(results: list[dict[str, Any]], evals: dict[str, dict[str, Any
     rows = rank_trials(results, evals, metric, mode, base, soup)
     parquet, md = write_leaderboard(rows, Path(out), metric, title)
     best = export_best(rows, Path(out))
-    create_markdown_artifact(md.read_text(), key=artifact_key(title, "leaderboard"),
-                             description=f"{md}; best adapter: {best}")
+    plots = Path(out) / "plots"
+    trials = [r for r in rows if r["status"] not in ("baseline", "soup")]
+    curves = curves_png(trials, metric, plots / "curves.png")
+    by_param = metric_vs_params_png(trials, metric, swept_params(trials), plots / "params.png")
+    memory = Path(out) / "memory.png"  # a memory sweep's Pareto plot, when one ran here
+    create_markdown_artifact(
+        md.read_text() + "\n" + inline_png(curves, "training and validation curves")
+        + inline_png(by_param, f"{metric} against each swept parameter")
+        + inline_png(memory if memory.exists() else None, "memory: peak vs throughput"),
+        key=artifact_key(title, "leaderboard"), description=f"{md}; best adapter: {best}")
     return {"leaderboard": str(parquet), "markdown": str(md),
             "best_adapter": str(best) if best else None,
             "best_trial": next((r["trial_id"] for r in rows if r.get("rank") == 1), None)}
@@ -119,3 +145,12 @@ def pipeline(raw: str, model: str, spec: str, out: str, address: str | None = No
                           summary["best_adapter"])
     return {**summary, "rows": data["rows"], "tokenize_cache_hit": data["cache_hit"],
             "trials": len(results)}
+
+
+def pipeline_deployment(name: str, cron: str, timezone: str, parameters: dict[str, Any]):
+    """The pipeline on a cron schedule (explicit timezone), one run at a time: a scheduled
+    run never overlaps the previous one (deployment concurrency limit 1)."""
+    from prefect.schedules import Cron
+
+    return pipeline.to_deployment(name=name, schedules=[Cron(cron, timezone=timezone)],
+                                  concurrency_limit=1, parameters=parameters)

@@ -34,6 +34,7 @@ import hashlib
 import itertools
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -183,6 +184,9 @@ def _parse(data: Any) -> SweepSpec:
     for key in ("name", "model", "data"):
         if not isinstance(data.get(key), str) or not data[key]:
             raise SpecError(f"{key}: required (a non-empty string)")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", data["name"]):
+        raise SpecError(f"name={data['name']!r}: letters, digits, '.', '_' and '-' only (it "
+                        "names the run directory, which must stay inside runs/)")
     fixed, grid, space = data.get("fixed") or {}, data.get("grid") or {}, data.get("space") or {}
     for where, section in (("fixed", fixed), ("grid", grid), ("space", space)):
         if not isinstance(section, dict):

@@ -44,10 +44,19 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
         keys = ArtifactFilter(key=ArtifactFilterKey(any_=["pipe-leaderboard"]))
         [art] = client.read_artifacts(artifact_filter=keys, limit=1)
     assert trials[0]["trial_id"] in art.data
+    assert art.data.count("data:image/png;base64,") == 2  # curves + metric vs parameter
+    for name in ("curves.png", "params.png"):
+        assert (out / "plots" / name).read_bytes()[:4] == b"\x89PNG"
 
-    again = pipeline(str(raw), str(tiny_model), str(spec), str(out), generations=0,
+    again = pipeline(str(raw), str(tiny_model), str(spec), str(out), generations=2,
                      return_state=True)
     assert again.is_completed()
+    with get_client(sync_client=True) as client:
+        runs = [t for t in client.read_task_runs()
+                if t.flow_run_id == again.state_details.flow_run_id]
+    evals = [t for t in runs if t.name.startswith("evaluate-")]
+    assert len(evals) == 4 and all(t.state.name == "Cached" for t in evals), \
+        [(t.name, t.state.name) for t in evals]  # 2 trials, soup, base: same bytes, same data
     results = pq.read_table(out / "sweep" / "results.parquet").to_pylist()
     assert all(r["skipped"] for r in results)  # the sweep's cache
     assert again.result()["tokenize_cache_hit"] and not summary["tokenize_cache_hit"]

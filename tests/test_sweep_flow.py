@@ -29,6 +29,12 @@ def test_sweep_flow_runs_each_trial_as_a_task_run(prefect_api, ray_cluster, tiny
         names = sorted(t.name for t in task_runs if t.flow_run_id == flow_run.id)
         assert names == sorted(r["trial_id"] for r in rows)
         assert all(t.state.is_completed() for t in task_runs if t.flow_run_id == flow_run.id)
+        from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
+
+        trial_run = next(t for t in task_runs if t.name == rows[0]["trial_id"])
+        logs = client.read_logs(LogFilter(task_run_id=LogFilterTaskRunId(any_=[trial_run.id])))
+        text = "\n".join(log.message for log in logs)
+        assert '"split": "valid"' in text and "completed" in text  # the worker's metrics
         keys = ArtifactFilter(key=ArtifactFilterKey(any_=["flow-test-progress",
                                                           "flow-test-trials"]))
         arts = {a.key: a for a in client.read_artifacts(artifact_filter=keys)}

@@ -64,6 +64,7 @@ def test_trial_ids_are_stable_and_order_free() -> None:
       "pruning": {"patience": 3}}, "pruning: expected true or a mapping"),
     ({**BASE, "metric": "loss"}, "metric='loss': expected a validation metric"),
     ({**BASE, "retries": -1}, "retries=-1"),
+    ({**BASE, "name": "../../etc"}, "name='../../etc': letters, digits"),
 ])
 def test_errors_name_the_bad_key(raw: dict, message: str) -> None:
     with pytest.raises(SpecError, match=message):

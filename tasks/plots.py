@@ -1,0 +1,87 @@
+"""Leaderboard plots (PNG, matplotlib's Agg backend): training and validation curves per
+trial, and the sweep metric against each swept parameter. Small enough to inline in a
+Prefect markdown artifact as data URIs (``inline_png``)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from tasks.sweep import metric_value
+
+
+def _figure(ncols: int):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(5 * ncols, 3.6), dpi=100, squeeze=False)
+    return plt, fig, list(axes[0])
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def read_metrics(adapter: str) -> list[dict[str, Any]]:
+    path = Path(adapter) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def curves_png(rows: list[dict[str, Any]], metric: str, path: Path) -> Path | None:
+    """Train loss and the validation ``metric`` against step, one line per trial."""
+    trials = [(r["trial_id"], read_metrics(r["adapter"])) for r in rows if r.get("adapter")]
+    trials = [(t, m) for t, m in trials if m]
+    if not trials:
+        return None
+    plt, fig, (train_ax, val_ax) = _figure(2)
+    for trial, records in trials:
+        train = [r for r in records if r.get("split") == "train" and "loss" in r]
+        val = [r for r in records if r.get("split") == "valid" and metric in r]
+        train_ax.plot([r["step"] for r in train], [r["loss"] for r in train], label=trial)
+        val_ax.plot([r["step"] for r in val], [r[metric] for r in val], "o-", label=trial)
+    train_ax.set(title="training loss", xlabel="step")
+    val_ax.set(title=metric, xlabel="step")
+    for ax in (train_ax, val_ax):
+        ax.grid(alpha=0.3)
+    val_ax.legend(fontsize=7)
+    return _save(plt, fig, path)
+
+
+def metric_vs_params_png(rows: list[dict[str, Any]], metric: str, params: list[str],
+                         path: Path) -> Path | None:
+    """The best ``metric`` of each completed trial against each swept parameter."""
+    done = [r for r in rows if r.get("status") == "completed"
+            and metric_value(r, metric) is not None]
+    if not done or not params:
+        return None
+    plt, fig, axes = _figure(len(params))
+    for ax, param in zip(axes, params, strict=True):
+        xs = [r.get(param) for r in done]
+        ys = [metric_value(r, metric) for r in done]
+        numeric = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs)
+        ax.scatter(xs if numeric else [str(x) for x in xs], ys)
+        if numeric and all(x > 0 for x in xs) and max(xs) / min(xs) > 20:
+            ax.set_xscale("log")
+        ax.set(xlabel=param.removeprefix("param/"), ylabel=metric)
+        ax.grid(alpha=0.3)
+    return _save(plt, fig, path)
+
+
+def inline_png(path: Path | None, alt: str) -> str:
+    """A markdown image with the PNG inlined (artifacts cannot link local files)."""
+    if path is None:
+        return ""
+    data = base64.b64encode(Path(path).read_bytes()).decode()
+    return f"![{alt}](data:image/png;base64,{data})\n"
+
