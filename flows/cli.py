@@ -226,6 +226,27 @@ def pipeline_cmd(
                   f"{summary['best_adapter']}")
 
 
+@app.command("leaderboard")
+def leaderboard_cmd(
+    sweep_dir: Annotated[Path, typer.Argument(help="A finished sweep's directory "
+                                                    "(results.parquet).")],
+    model: Annotated[str, typer.Option(help="The sweep's base model.")],
+    data: Annotated[Path, typer.Option(help="The sweep's tokenized dataset.")],
+    metric: Annotated[str, typer.Option(help="Rank by this validation metric.")] = "val/loss",
+    mode: Annotated[str, typer.Option(help="min or max.")] = "min",
+    address: Annotated[str | None, typer.Option(help="Ray address (auto | HOST:PORT).")] = None,
+    fuse: Annotated[bool, typer.Option(help="Also fuse the best adapter (mlx_lm fuse).")]
+    = False,
+) -> None:
+    """Evaluate and rank a finished sweep: leaderboard.md/.parquet and best-adapter/."""
+    from flows.pipeline import leaderboard_flow
+
+    summary = leaderboard_flow(str(sweep_dir), model, str(data), metric, mode,
+                               address=address, fuse=fuse)
+    console.print(f"leaderboard: {summary['markdown']}; best adapter: "
+                  f"{summary['best_adapter']}")
+
+
 @app.command("serve")
 def serve(
     raw: Annotated[Path, typer.Argument(help="Preference JSONL file or directory.")],

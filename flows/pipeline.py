@@ -113,9 +113,10 @@ def aggregate_task(results: list[dict[str, Any]], evals: dict[str, dict[str, Any
 @flow(name="pomona-pipeline")
 def pipeline(raw: str, model: str, spec: str, out: str, address: str | None = None,
              gpus: bool = False, resource: str | None = None, generations: int = 4,
-             soup_k: int = 2) -> dict[str, Any]:
+             soup_k: int = 2, fuse: bool = False) -> dict[str, Any]:
     """Raw preference data and a model → a sweep → a leaderboard and the best adapter
-    (and, with ``soup_k`` ≥ 2 completed trials, their soup, evaluated like a trial)."""
+    (and, with ``soup_k`` ≥ 2 completed trials, their soup, evaluated like a trial; with
+    ``fuse``, the best adapter fused into the base as a standalone model)."""
     out_dir = Path(out)
     data = tokenize_task(raw, model, str(out_dir / "data"))
     preprocess_task(data["path"])
@@ -123,28 +124,71 @@ def pipeline(raw: str, model: str, spec: str, out: str, address: str | None = No
     placement = Placement(gpus=int(gpus), resource=resource)
     with ray_session(address):
         results = sweep_stage(sweep, out_dir / "sweep", address, gpus, resource)
-        jobs = {r["trial_id"]: evaluate_task.submit(
-                    r["trial_id"], model, r["adapter"], data["path"],
-                    float(r.get("param/orpo_lambda") or 0.1), generations,
-                    str(Path(r["adapter"])), placement)
-                for r in results if r["status"] == "completed"}
-        base = evaluate_task.submit("base", model, None, data["path"], 0.1, generations,
-                                    str(out_dir / "base"), placement)
-        evals = {name: job.result() for name, job in jobs.items()}
-        base_metrics = base.result()
-        top = [r["adapter"] for r in rank_trials(results, evals, sweep.metric, sweep.mode)
-               if r.get("rank") and r["rank"] <= soup_k]
-        soup = None
-        if soup_k >= 2 and len(top) >= 2:
-            path = soup_task(top, str(out_dir / "soup"))
-            soup = {**evaluate_task("soup", model, path, data["path"], 0.1, generations, path,
-                                    placement), "adapter": path}
-    summary = aggregate_task(results, evals, base_metrics, sweep.metric, sweep.mode, out,
-                             sweep.name, soup)
-    get_run_logger().info("leaderboard: %s; best adapter: %s", summary["markdown"],
-                          summary["best_adapter"])
+        summary = rank_stage(results, model, data["path"], sweep.metric, sweep.mode,
+                             sweep.name, out_dir, placement, generations, soup_k, fuse)
     return {**summary, "rows": data["rows"], "tokenize_cache_hit": data["cache_hit"],
             "trials": len(results)}
+
+
+def rank_stage(results: list[dict[str, Any]], model: str, data: str, metric: str, mode: str,
+               title: str, out_dir: Path, placement: Placement, generations: int = 4,
+               soup_k: int = 2, fuse: bool = False) -> dict[str, Any]:
+    """Evaluate every completed trial and the base (in parallel, on Ray), soup the top
+    ``soup_k``, write the leaderboard, export (and optionally fuse) the best adapter."""
+    jobs = {r["trial_id"]: evaluate_task.submit(
+                r["trial_id"], model, r["adapter"], data,
+                float(r.get("param/orpo_lambda") or 0.1), generations,
+                str(Path(r["adapter"])), placement)
+            for r in results if r["status"] == "completed"}
+    base = evaluate_task.submit("base", model, None, data, 0.1, generations,
+                                str(out_dir / "base"), placement)
+    evals = {name: job.result() for name, job in jobs.items()}
+    base_metrics = base.result()
+    top = [r["adapter"] for r in rank_trials(results, evals, metric, mode)
+           if r.get("rank") and r["rank"] <= soup_k]
+    soup = None
+    if soup_k >= 2 and len(top) >= 2:
+        path = soup_task(top, str(out_dir / "soup"))
+        soup = {**evaluate_task("soup", model, path, data, 0.1, generations, path, placement),
+                "adapter": path}
+    summary = aggregate_task(results, evals, base_metrics, metric, mode, str(out_dir), title,
+                             soup)
+    if fuse and summary["best_adapter"]:
+        summary["fused"] = fuse_task(model, summary["best_adapter"], str(out_dir / "best-fused"))
+    get_run_logger().info("leaderboard: %s; best adapter: %s", summary["markdown"],
+                          summary["best_adapter"])
+    return summary
+
+
+@task(cache_policy=NO_CACHE)
+def fuse_task(model: str, adapter: str, out: str) -> str:
+    """The best adapter fused into the base weights (``mlx_lm fuse``), a standalone model."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "mlx_lm", "fuse", "--model", model, "--adapter-path",
+           adapter, "--save-path", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"mlx_lm fuse failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    get_run_logger().info("fused %s into %s", adapter, out)
+    return out
+
+
+@flow(name="pomona-leaderboard")
+def leaderboard_flow(sweep_dir: str, model: str, data: str, metric: str = "val/loss",
+                     mode: str = "min", out: str | None = None, address: str | None = None,
+                     gpus: bool = False, resource: str | None = None, generations: int = 4,
+                     soup_k: int = 2, fuse: bool = False) -> dict[str, Any]:
+    """Evaluate and rank a finished sweep (``sweep_dir/results.parquet``) on its own."""
+    import pyarrow.parquet as pq
+
+    results = pq.read_table(Path(sweep_dir) / "results.parquet").to_pylist()
+    out_dir = Path(out) if out else Path(sweep_dir)
+    with ray_session(address):
+        return rank_stage(results, model, data, metric, mode, Path(sweep_dir).name, out_dir,
+                          Placement(gpus=int(gpus), resource=resource), generations, soup_k,
+                          fuse)
 
 
 def pipeline_deployment(name: str, cron: str, timezone: str, parameters: dict[str, Any]):

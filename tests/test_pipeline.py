@@ -3,6 +3,7 @@ tokenize → preprocess → sweep → evaluate → leaderboard; a second run hit
 
 from __future__ import annotations
 
+import mlx_lm
 import pyarrow.parquet as pq
 import pytest
 
@@ -23,7 +24,7 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
                     "val_batches: 2, learning_rate: 1.0e-3}\n"
                     "grid: {orpo_lambda: [0.1, 1.0]}\n")
     out = tmp_path / "out"
-    state = pipeline(str(raw), str(tiny_model), str(spec), str(out), generations=2,
+    state = pipeline(str(raw), str(tiny_model), str(spec), str(out), generations=2, fuse=True,
                      return_state=True)
     assert state.is_completed(), state
     summary = state.result()
@@ -38,6 +39,8 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
     best = out / "best-adapter"
     assert (best / "adapters.safetensors").exists() and (best / "adapter_config.json").exists()
     assert (best / "SOURCE").read_text().strip() == trials[0]["trial_id"]
+    fused, _ = mlx_lm.load(summary["fused"])  # a standalone model with the adapter inside
+    assert fused is not None
     assert (out / "base" / "generations.jsonl").read_text().count("\n") == 2
     assert "| 1 | " in (out / "leaderboard.md").read_text()
     with get_client(sync_client=True) as client:
@@ -61,3 +64,14 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
     assert all(r["skipped"] for r in results)  # the sweep's cache
     assert again.result()["tokenize_cache_hit"] and not summary["tokenize_cache_hit"]
     assert again.result()["rows"] == summary["rows"]
+
+    # The aggregate stages alone, on the finished sweep.
+    from flows.pipeline import leaderboard_flow
+
+    alone = leaderboard_flow(str(out / "sweep"), str(tiny_model), str(out / "data"),
+                             metric="val/loss", out=str(tmp_path / "alone"), generations=0,
+                             soup_k=0)
+    board2 = pq.read_table(tmp_path / "alone" / "leaderboard.parquet").to_pylist()
+    assert sorted(r["trial_id"] for r in board2) == sorted([*(r["trial_id"] for r in trials),
+                                                            "base"])
+    assert alone["best_trial"] in {r["trial_id"] for r in trials}
