@@ -13,9 +13,11 @@ def ray_session(address: str | None) -> Iterator[None]:
     local Ray that never joins whatever else runs on this machine. Shut down after. A
     process already connected keeps its connection (and it is not shut down).
 
-    Token auth stays on unless the environment says otherwise (``RAY_AUTH_MODE``): a
-    local Ray generates its own token; a cluster's token comes from ``RAY_AUTH_TOKEN``,
-    ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token`` (docs/cluster.md)."""
+    Auth is Ray's own default, token auth on (Ray ≥ 2.59 for local clusters: it writes a
+    token to ``~/.ray/auth_token``), unless the shell sets ``RAY_AUTH_MODE``. It is never
+    changed from inside the process: Ray reads it once, at import, and a GCS started
+    with another mode than the driver's aborts. A cluster's token comes from
+    ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token`` (docs/cluster.md)."""
     import ray
 
     if ray.is_initialized():
@@ -24,7 +26,6 @@ def ray_session(address: str | None) -> Iterator[None]:
     if address:
         ray.init(address=address, log_to_driver=False)
     else:
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     try:
         yield

@@ -64,7 +64,8 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"),
-           "RAY_TMPDIR": tempfile.mkdtemp(prefix="rd", dir="/tmp"), "RAY_AUTH_MODE": "disabled"}
+           "RAY_TMPDIR": tempfile.mkdtemp(prefix="rd", dir="/tmp")}
+    env.pop("RAY_AUTH_MODE", None)  # Ray's default (token auth on), as a user gets it
     env.pop("PREFECT_API_URL", None)
     proc = subprocess.run(
         [sys.executable, "-m", "flows.cli", "demo", "--out", str(tmp_path / "demo")],
