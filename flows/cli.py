@@ -11,6 +11,7 @@ Heavy imports (mlx, mlx-lm, tokenizers) happen inside commands so ``--help`` sta
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -28,6 +29,10 @@ data_app = typer.Typer(help="Make and prepare preference data.", no_args_is_help
 app.add_typer(model_app, name="model")
 app.add_typer(data_app, name="data")
 console = Console(soft_wrap=True)  # long paths in messages stay whole, copyable
+# A lab network has no route out, and the temporary server's telemetry writer raced the
+# flow for its SQLite database ("database is locked" tracebacks in the demo): off unless
+# the user turns it on.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
 def fail(message: str) -> typer.Exit:
@@ -150,7 +155,6 @@ def sweep(
         "default: when PREFECT_API_URL names a server.")] = None,
 ) -> None:
     """Run a hyperparameter sweep on Ray: one trial per GPU or slot, cached re-runs."""
-    import os
 
     from flows.sweep_cli import run_sweep_cli
 
@@ -278,7 +282,6 @@ def ui(
     port: Annotated[int, typer.Option(help="Port.")] = 4200,
 ) -> None:
     """Start a Prefect server (UI + API); then export PREFECT_API_URL=http://HOST:PORT/api."""
-    import os
     import sys
 
     console.print(f"Prefect UI at http://{host}:{port}; in other shells: "

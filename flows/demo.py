@@ -58,15 +58,17 @@ def run_demo(out: Path, console: Console, address: str | None = None) -> dict[st
 
 
 def leaderboard_table(board: list[dict[str, Any]]) -> Table:
+    """Compact enough for an 80-column terminal (rich's width when output is not a tty)."""
     table = Table(title="pomona demo: leaderboard (held-out split)")
-    for col in ("rank", "trial", "status", "learning rate", "val accuracy (best)",
-                "eval accuracy", "eval margin", "tokens/s"):
-        table.add_column(col)
+    for col in ("#", "trial", "lr", "val acc", "eval acc", "margin", "tok/s"):
+        table.add_column(col, no_wrap=True)
     for r in board:
         lr = r.get("param/learning_rate")
         best = r.get("best/val/rewards/accuracies")
-        table.add_row(str(r.get("rank") or ""), r["trial_id"], r["status"],
-                      f"{lr:g}" if lr else "-", f"{best:.3f}" if best is not None else "-",
-                      f"{r['eval/accuracy']:.3f}", f"{r['eval/margin']:+.3f}",
+        place = str(r["rank"]) if r.get("rank") else ("" if r["status"] in ("soup", "baseline")
+                                                      else r["status"])
+        table.add_row(place, r["trial_id"], f"{lr:g}" if lr else "-",
+                      f"{best:.3f}" if best is not None else "-", f"{r['eval/accuracy']:.3f}",
+                      f"{r['eval/margin']:+.3f}",
                       f"{r['tokens_per_sec']:,.0f}" if r.get("tokens_per_sec") else "-")
     return table
