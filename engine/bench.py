@@ -51,6 +51,10 @@ def _model(a: argparse.Namespace):
                            rms_norm_eps=1e-5, vocab_size=a.vocab, tie_word_embeddings=False)
     model = llama.Model(args)
     model.set_dtype(getattr(mx, a.dtype))
+    if a.quantize:  # a quantized base (QLoRA-style), as mlx_lm.convert would make it
+        import mlx.nn as nn
+
+        nn.quantize(model, group_size=64, bits=a.quantize)
     keys = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
     attach_lora(model, LoraSpec(rank=16, scale=2.0, keys=keys), seed=0)
     mx.eval(model.parameters())
@@ -205,6 +209,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seq", type=int, default=2048, help="Tokens per sequence (pair = 2).")
     p.add_argument("--dtype", default="float32", help="float32 on CPU; bfloat16 on GPUs.")
+    p.add_argument("--quantize", type=int, default=0, choices=(0, 4, 8),
+                   help="Quantize the base to 4 or 8 bits (group size 64) before LoRA.")
     p.add_argument("--segments", default="1,2,4", help="Segment sizes to measure.")
     p.add_argument("--head-chunk", type=int, default=512)
     p.add_argument("--repeats", type=int, default=2)

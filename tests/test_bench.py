@@ -31,6 +31,15 @@ def test_memory_bench_rows_and_ratios() -> None:
         <= set(out["ratios"])
 
 
+def test_memory_bench_on_a_4bit_base() -> None:
+    out = bench("memory", *TOY, "--seq", "128", "--head-chunk", "32", "--quantize", "4",
+                "--intermediate", "128",
+                "--rows", "plain,seg1")
+    plain, seg1 = out["rows"]
+    assert out["config"]["quantize"] == 4 and plain["weights_mb"] > 0
+    assert seg1["act_mb"] < plain["act_mb"]
+
+
 def test_prefix_bench_rows() -> None:
     out = bench("prefix", *TOY, "--seq", "96", "--ratios", "4:1")
     assert {(r["ratio"], r["path"]) for r in out["rows"]} == {
