@@ -3,6 +3,7 @@
     python -m engine bench memory --layers 16 --hidden 512 --seq 2048 [--json]
     python -m engine bench prefix --seq 1024 [--ratios 1:1,4:1,16:1] [--json]
     python -m engine bench attention --shapes 2048:2048,2047:2047 [--json]
+    python -m engine bench profile --seq 2048 --segment-size 1 [--json]
     pomona bench memory|prefix ...                             (the same, from the CLI)
 
 ``prefix`` rows: one ORPO step on one pair, ``two_forward`` vs ``shared`` (one forward
@@ -14,6 +15,11 @@ ratio (P + R = ``--seq``).
 lengths ``--shapes``, forward alone and forward + backward — where MLX's fused kernels
 apply on this device (what ``pad_multiple`` is chosen by). A row that crashes is reported
 as such: the shapes that abort the process are the finding.
+
+``profile``: where one segmented step's time goes, in one process — every phase (embed,
+forward per segment, head, backward per segment) timed with its stages run one at a time
+(so the sum exceeds an overlapped step; the split is the point), then one layer's
+attention and MLP blocks alone, forward and forward + backward (``mx.vjp``).
 
 Each row runs in a fresh process (MLX's peak and the process RSS are per process; mlx-lm's
 checkpointing patches the layer class), on a random-init llama with LoRA r=16 on q/k/v/o,
@@ -218,7 +224,8 @@ def parser() -> argparse.ArgumentParser:
                    help="Segments / head pieces evaluated at once (the engine's inflight).")
     p.add_argument("--rows", default="", help="Only these rows (comma-separated names).")
     p.add_argument("--ratios", default="1:1,4:1,16:1", help="prefix: prompt:response ratios.")
-    p.add_argument("--segment-size", type=int, default=0, help="prefix: engine segment size.")
+    p.add_argument("--segment-size", type=int, default=0,
+                   help="prefix: engine segment size; profile: the one profiled (0 = 1).")
     p.add_argument("--pad-multiple", type=int, default=-1,
                    help="prefix: pad lengths to a multiple of this (-1: the engine's default, "
                         "128 on CUDA, none elsewhere).")
@@ -257,6 +264,54 @@ def _prefix_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def profile(a: argparse.Namespace) -> dict[str, Any]:
+    """Phase times of one step, then one layer's blocks alone (module docstring)."""
+    from engine.inflight import observe_phases
+
+    model, stack = _model(a)
+    k = a.segment_size or 1
+    step = _step_fn(f"seg{k}", model, stack, _pair_batch(a), a.head_chunk, a.inflight)
+    mx.eval(step())  # warm-up
+    marks: list[tuple[str, float]] = []
+    with observe_phases(lambda phase: marks.append((phase, time.perf_counter()))):
+        t0 = time.perf_counter()
+        mx.eval(step())
+    starts = [t0] + [t for _, t in marks[:-1]]
+    phases = [{"phase": name, "ms": (t - s) * 1e3}
+              for (name, t), s in zip(marks, starts, strict=True)]
+    return {"phases": phases, "blocks": _block_times(stack, a)}
+
+
+def _block_times(stack, a: argparse.Namespace) -> list[dict[str, Any]]:
+    """One layer's attention and MLP (each with its norm), forward and forward+backward."""
+    layer = stack.layers[0]
+    x = mx.random.normal((2, a.seq, a.hidden), key=mx.random.key(1)).astype(getattr(mx, a.dtype))
+    blocks = {"attention": lambda h: layer.self_attn(layer.input_layernorm(h), "causal", None),
+              "mlp": lambda h: layer.mlp(layer.post_attention_layernorm(h)),
+              "layer": lambda h: layer(h, "causal", None)}
+    rows = []
+    for name, fn in blocks.items():
+        def both(h, fn=fn):
+            return mx.vjp(fn, [h], [mx.ones_like(h)])
+        for kind, run in (("fwd", fn), ("fwd+bwd", both)):
+            mx.eval(run(x))
+            t0 = time.perf_counter()
+            for _ in range(a.repeats):
+                mx.eval(run(x))
+            rows.append({"block": name, "pass": kind,
+                         "ms": (time.perf_counter() - t0) / a.repeats * 1e3})
+    return rows
+
+
+def _print_profile(result: dict[str, Any]) -> None:
+    total = sum(p["ms"] for p in result["phases"])
+    for p in result["phases"]:
+        print(f"{p['phase']:>16}  {p['ms']:9.2f} ms  {100 * p['ms'] / total:5.1f}%")
+    print(f"{'sum':>16}  {total:9.2f} ms")
+    for b in result["blocks"]:
+        print(f"{b['block'] + ' ' + b['pass']:>20}  {b['ms']:9.3f} ms")
+
+
 def _attention_table(argv: list[str], a: argparse.Namespace) -> int:
     """Every shape in its own process; one that dies is a row saying so."""
     rows = []
@@ -291,6 +346,13 @@ def main(argv: list[str], kind: str = "memory") -> int:
                  for p in ("two_forward", "shared", "shared_mask")]
     if kind == "attention":
         return _attention_table(argv, a)
+    if kind == "profile":
+        result = profile(a)
+        if a.json:
+            print(json.dumps({"config": vars(a), "device": str(mx.default_device()), **result}))
+        else:
+            _print_profile(result)
+        return 0
     if a.rows:
         names = a.rows.split(",")
     rows = []

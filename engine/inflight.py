@@ -9,9 +9,40 @@ alone queues every stage at once and, on CUDA, holds all their buffers.
 from __future__ import annotations
 
 import os
+import sys
 from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import mlx.core as mx
+
+# Called with a phase name after each stage of a step; while any is registered (or the
+# memory log is on) stages run one at a time, so a phase's time and peak are its own.
+_observers: list[Callable[[str], None]] = []
+
+
+@contextmanager
+def observe_phases(fn: Callable[[str], None]) -> Iterator[None]:
+    """Inside: ``fn(phase)`` after every stage (``bench profile`` times steps this way)."""
+    _observers.append(fn)
+    try:
+        yield
+    finally:
+        _observers.remove(fn)
+
+
+def phase_done(phase: str) -> None:
+    """A stage finished: log the memory (POMONA_SEG_MEM_LOG=1) and tell the observers."""
+    if os.environ.get("POMONA_SEG_MEM_LOG") == "1":
+        # The phase where the monotone peak jumps is where memory lives.
+        print(f"[seg-mem] {phase}: peak {mx.get_peak_memory() / 2**20:.1f} MiB, "
+              f"active {mx.get_active_memory() / 2**20:.1f} MiB", file=sys.stderr)
+    for fn in list(_observers):
+        fn(phase)
+
+
+def _synchronous() -> bool:
+    return os.environ.get("POMONA_SEG_MEM_LOG") == "1" or bool(_observers)
 
 
 class InFlight:
@@ -25,8 +56,8 @@ class InFlight:
     def __init__(self, depth: int = 2):
         if depth < 1:
             raise ValueError(f"inflight={depth}: must be at least 1")
-        # The memory log reads the peak after each stage, so it wants them synchronous.
-        self.depth = 1 if os.environ.get("POMONA_SEG_MEM_LOG") == "1" else depth
+        # The memory log and phase observers read each stage alone: synchronous then.
+        self.depth = 1 if _synchronous() else depth
         self.queue: deque[tuple] = deque()
 
     def push(self, *arrays) -> None:

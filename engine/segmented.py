@@ -13,8 +13,6 @@ segment's activations plus the boundaries, and the gradients are exactly the pla
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -24,7 +22,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from engine.batch import PairBatch
 from engine.head import bounded_head_grad, dense_logps, token_logps
-from engine.inflight import InFlight
+from engine.inflight import InFlight, phase_done
 from engine.model import Stack
 from engine.prefix import PrefixBatch, install_prefix_rope, shared_positions, to_pair_layout
 
@@ -38,13 +36,6 @@ def segment_ranges(n_layers: int, k: int) -> list[tuple[int, int]]:
     if k <= 0:
         raise ValueError(f"segment_size must be positive here, got {k}")
     return [(s, min(s + k, n_layers)) for s in range(0, n_layers, k)]
-
-
-def _mem_log(phase: str) -> None:
-    # POMONA_SEG_MEM_LOG=1: the phase where the monotone peak jumps is where memory lives.
-    if os.environ.get("POMONA_SEG_MEM_LOG") == "1":
-        print(f"[seg-mem] {phase}: peak {mx.get_peak_memory() / 2**20:.1f} MiB, "
-              f"active {mx.get_active_memory() / 2**20:.1f} MiB", file=sys.stderr)
 
 
 def plain_value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch,
@@ -123,6 +114,7 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch | 
         h = stack.embed(mx.array(prefix.inputs if prefix else pairs.inputs))
         flight = InFlight(inflight)
         flight.push(h)
+        phase_done("embed")
         boundaries = [h]
         for s, e in ranges:  # forward: keep only boundary states, each evaluated
             h = _run_segment(stack, s, e, h, mask)
@@ -130,14 +122,14 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch | 
             # alone, kept every intermediate alive on CUDA (H200: 3.7x the peak).
             flight.push(h)
             boundaries.append(h)
-            _mem_log(f"forward {s}-{e}")
+            phase_done(f"forward {s}-{e}")
         flight.drain()
 
         h_last = boundaries.pop()
         loss, metrics, cot = _head_grad(stack, pairs, prefix, h_last, loss_of_logps, head_chunk,
                                         inflight)
         del h_last
-        _mem_log("head")
+        phase_done("head")
 
         grads: Grads = {}
         # Segments below the lowest LoRA layer train nothing: the backward stops there.
@@ -148,7 +140,7 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch | 
                                           input_grad=j > first)
             flight.push(*([cot] if cot is not None else []), seg_grads)
             grads.update(seg_grads)
-            _mem_log(f"backward {s}-{e}")
+            phase_done(f"backward {s}-{e}")
         flight.drain()
     return loss, metrics, grads
 

@@ -52,3 +52,12 @@ def test_attention_bench_one_process_per_shape() -> None:
     out = bench("attention", *TOY, "--shapes", "64:64,33:50")
     assert [(r["q"], r["k"]) for r in out["rows"]] == [(64, 64), (33, 50)]
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in out["rows"])
+
+
+def test_profile_times_every_phase_and_block() -> None:
+    out = bench("profile", *TOY, "--seq", "64", "--head-chunk", "16", "--segment-size", "1")
+    assert [p["phase"] for p in out["phases"]] == ["embed", "forward 0-1", "forward 1-2", "head",
+                                                   "backward 1-2", "backward 0-1"]
+    assert all(p["ms"] > 0 for p in out["phases"])
+    assert {(b["block"], b["pass"]) for b in out["blocks"]} == {
+        (n, k) for n in ("attention", "mlp", "layer") for k in ("fwd", "fwd+bwd")}

@@ -135,8 +135,8 @@ def test_segment_memory_log(tiny_model, tiny_data, tmp_path) -> None:
         capture_output=True, text=True, timeout=300, env={**os.environ, "POMONA_SEG_MEM_LOG": "1"})
     assert proc.returncode == 0, proc.stderr
     phases = [line.split(":")[0] for line in proc.stderr.splitlines() if "[seg-mem]" in line]
-    assert phases == ["[seg-mem] forward 0-2", "[seg-mem] forward 2-4", "[seg-mem] head",
-                      "[seg-mem] backward 2-4", "[seg-mem] backward 0-2"]
+    assert phases == ["[seg-mem] embed", "[seg-mem] forward 0-2", "[seg-mem] forward 2-4",
+                      "[seg-mem] head", "[seg-mem] backward 2-4", "[seg-mem] backward 0-2"]
 
 
 def test_verify_passes_for_segmented_path(tiny_model, tiny_data, tmp_path) -> None:
