@@ -106,106 +106,126 @@ def run_sweep(spec: SweepSpec, out: Path, placement: Placement | None = None,
               progress: EventHook | None = None, wrap: Wrap | None = None) -> list[Summary]:
     """Run ``spec``'s trials on the connected Ray cluster into ``out``.
 
-    ``progress(kind, summary)`` hears "plan" (counts), "started", "retry", "lost" and
-    "finished" events; ``wrap`` runs each trial (tasks/trials.py: run_trials). Ctrl-C:
-    results so far are written (running trials ``cancelled``) and KeyboardInterrupt
-    propagates.
+    ``progress(kind, summary)`` hears "plan" (counts), "started", "running", "retry",
+    "lost" and "finished" events; ``wrap`` runs each trial (tasks/trials.py: run_trials).
+    Ctrl-C: results so far are written (running trials ``cancelled``) and
+    KeyboardInterrupt propagates.
     """
     import ray
 
-    placement = placement or Placement()
-    out = Path(out)
-    fingerprint = data_fingerprint(spec.data)
-    slots = check_cluster(placement, ray.cluster_resources(), spec.max_concurrent)
-    before = previous_results(out)
+    sweep = _SweepRun(spec, Path(out), placement or Placement(), progress)
+    slots = check_cluster(sweep.placement, ray.cluster_resources(), spec.max_concurrent)
+    concurrent = min(slots, spec.max_concurrent)
+    source, study = sweep.optuna_source() if spec.search == "optuna" else sweep.list_source()
+    sweep.emit("plan", {**sweep.plan_counts, "slots": concurrent})
+    try:
+        rows = run_trials(_Recording(source, sweep.configs), sweep.placement, concurrent,
+                          time_limit_s=spec.time_limit_s, retries=spec.retries,
+                          retry_delay_s=spec.retry_delay_s, study=study, metric=spec.metric,
+                          on_event=sweep.emit, wrap=wrap)
+    except TrialsInterrupted as stop:
+        write_results(sweep.finish(stop.rows, source), sweep.out / "results.parquet")
+        raise
+    ordered = sweep.finish(rows, source)
+    write_results(ordered, sweep.out / "results.parquet")
+    return ordered
 
-    def cached(trial_id: str, config: dict[str, Any]) -> Summary | None:
-        keys[trial_id] = cache_key(config, fingerprint)
-        old = before.get(trial_id)
-        ok = (old and old.get("status") == "completed" and old.get("cache_key") == keys[trial_id]
-              and (out / trial_id / "adapters.safetensors").exists())
+
+class _SweepRun:
+    """One run of a spec: the cache it reads, the trials it resolves, the rows it writes."""
+
+    def __init__(self, spec: SweepSpec, out: Path, placement: Placement,
+                 progress: EventHook | None):
+        self.spec, self.out, self.placement, self.progress = spec, out, placement, progress
+        self.fingerprint = data_fingerprint(spec.data)
+        self.before = previous_results(out)
+        self.keys: dict[str, str] = {}  # trial id -> cache key of its resolved config
+        self.notes: dict[str, str] = {}  # trial id -> probed peaks behind segment_size: auto
+        self.configs: dict[str, dict[str, Any]] = {}  # trial id -> TrainConfig fields
+        self.done: list[Summary] = []  # completed in an earlier run: not run again
+        self.rank: dict[str, int] = {}  # grid/random: the spec's order
+        self.plan_counts: dict[str, Any] = {}
+
+    def emit(self, kind: str, summary: Summary) -> None:
+        if self.progress:
+            self.progress(kind, summary)
+
+    def cached(self, trial_id: str, config: dict[str, Any]) -> Summary | None:
+        """The earlier completed result of exactly this trial, if its adapter is on disk."""
+        self.keys[trial_id] = cache_key(config, self.fingerprint)
+        old = self.before.get(trial_id)
+        ok = (old and old.get("status") == "completed"
+              and old.get("cache_key") == self.keys[trial_id]
+              and (self.out / trial_id / "adapters.safetensors").exists())
         return {**old, "skipped": True} if ok else None
 
-    def resolve(trials: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    def resolve(self, trials: list[tuple[str, dict[str, Any]]]
+                ) -> list[tuple[str, dict[str, Any]]]:
+        """``segment_size: auto`` replaced by the probed size that fits the budget."""
         if not any(c.get("segment_size") == "auto" for _, c in trials):
             return trials
-        resolved, note = resolve_auto(trials, spec.memory_budget_gb, placement, fingerprint,
-                                      out / "probes.json")
-        notes.update(note)
+        resolved, notes = resolve_auto(trials, self.spec.memory_budget_gb, self.placement,
+                                       self.fingerprint, self.out / "probes.json")
+        self.notes.update(notes)
         return resolved
 
-    concurrent = min(slots, spec.max_concurrent)
-    keys: dict[str, str] = {}
-    notes: dict[str, str] = {}
-    study = None
-    if spec.search == "optuna":
+    def list_source(self) -> tuple[ListSource, None]:
+        planned = self.resolve(plan(self.spec, self.out))
+        self.rank = {t: i for i, (t, _) in enumerate(planned)}
+        self.done = [c for t, config in planned if (c := self.cached(t, config)) is not None]
+        for row in self.done:
+            self.configs[row["trial_id"]] = {k[len("param/"):]: v for k, v in row.items()
+                                             if k.startswith("param/")}
+        skip = {d["trial_id"] for d in self.done}
+        todo = [TrialRun(t, c) for t, c in planned if t not in skip]
+        self.plan_counts = {"trials": len(planned), "cached": len(self.done),
+                            "to_run": len(todo)}
+        return ListSource(todo), None
+
+    def optuna_source(self) -> tuple[Any, Any]:
+        import ray
+
         from tasks.optuna_search import OptunaSource, Study
 
+        spec = self.spec
         study = ray.remote(num_cpus=0)(Study).remote(spec.space, spec.mode, spec.seed,
                                                      spec.pruning)
 
         def build(trial_id: str, params: dict[str, Any]) -> dict[str, Any]:
-            [(_, config)] = resolve([(trial_id, trial_config(spec, out, trial_id, params))])
+            [(_, config)] = self.resolve([(trial_id, trial_config(spec, self.out, trial_id,
+                                                                  params))])
             return config
 
-        source = OptunaSource(spec, study, build, cached, lambda s: metric_value(s, spec.metric))
-        done: list[Summary] = []
-        rank: dict[str, int] = {}
-        _emit(progress, "plan", {"trials": spec.num_samples, "search": "optuna",
-                                 "slots": concurrent})
-    else:
-        planned = resolve(plan(spec, out))
-        rank = {t: i for i, (t, _) in enumerate(planned)}
-        done = [c for t, config in planned if (c := cached(t, config)) is not None]
-        skip = {d["trial_id"] for d in done}
-        todo = [(t, c) for t, c in planned if t not in skip]
-        source = ListSource([TrialRun(t, c) for t, c in todo])
-        _emit(progress, "plan", {"trials": len(planned), "cached": len(done),
-                                 "to_run": len(todo), "slots": concurrent})
-    configs: dict[str, dict[str, Any]] = {}
+        self.plan_counts = {"trials": spec.num_samples, "search": "optuna"}
+        return OptunaSource(spec, study, build, self.cached,
+                            lambda s: metric_value(s, spec.metric)), study
 
-    def finish(rows: list[Summary]) -> list[Summary]:
-        reused = source.reused if spec.search == "optuna" else []
-        ordered = [*done, *reused, *rows]
-        if rank:  # grid/random: the spec's order, whatever ran first
-            ordered.sort(key=lambda r: rank.get(r["trial_id"], len(rank)))
+    def finish(self, rows: list[Summary], source: Any) -> list[Summary]:
+        """Every trial's row: cached, reused by Optuna, or run now; params and keys added."""
+        ordered = [*self.done, *getattr(source, "reused", []), *rows]
+        if self.rank:  # grid/random: the spec's order, whatever ran first
+            ordered.sort(key=lambda r: self.rank.get(r["trial_id"], len(self.rank)))
         for r in ordered:
-            config = configs.get(r["trial_id"]) or {}
-            r.setdefault("cache_key", keys.get(r["trial_id"]))
+            config = self.configs.get(r["trial_id"]) or {}
+            r.setdefault("cache_key", self.keys.get(r["trial_id"]))
             r.setdefault("skipped", False)
             r.update({f"param/{k}": v for k, v in config.items() if k not in NOT_PARAMS})
-            if r["trial_id"] in notes:
-                r["segment_size_probe_gb"] = notes[r["trial_id"]]
+            if r["trial_id"] in self.notes:
+                r["segment_size_probe_gb"] = self.notes[r["trial_id"]]
         return ordered
 
-    def on_event(kind: str, summary: Summary) -> None:
-        _emit(progress, kind, summary)
 
-    class Recording:  # remembers each asked trial's config for the results table
-        def ask(self) -> TrialRun | None:
-            trial = source.ask()
-            if trial is not None:
-                configs[trial.id] = trial.config
-            return trial
+class _Recording:
+    """A trial source that remembers each asked trial's config for the results table."""
 
-        def tell(self, trial: TrialRun, summary: Summary) -> None:
-            source.tell(trial, summary)
+    def __init__(self, source: Any, configs: dict[str, dict[str, Any]]):
+        self.source, self.configs = source, configs
 
-    for row in done:
-        configs[row["trial_id"]] = {k[len("param/"):]: v for k, v in row.items()
-                                    if k.startswith("param/")}
-    try:
-        rows = run_trials(Recording(), placement, concurrent, time_limit_s=spec.time_limit_s,
-                          retries=spec.retries, retry_delay_s=spec.retry_delay_s,
-                          study=study, metric=spec.metric, on_event=on_event, wrap=wrap)
-    except TrialsInterrupted as stop:
-        write_results(finish(stop.rows), out / "results.parquet")
-        raise
-    ordered = finish(rows)
-    write_results(ordered, out / "results.parquet")
-    return ordered
+    def ask(self) -> TrialRun | None:
+        trial = self.source.ask()
+        if trial is not None:
+            self.configs[trial.id] = trial.config
+        return trial
 
-
-def _emit(hook: EventHook | None, kind: str, summary: Summary) -> None:
-    if hook:
-        hook(kind, summary)
+    def tell(self, trial: TrialRun, summary: Summary) -> None:
+        self.source.tell(trial, summary)
