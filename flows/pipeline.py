@@ -72,7 +72,7 @@ def evaluate_task(name: str, model: str, adapter: str | None, data: str, orpo_la
     """Held-out metrics of one adapter (or the base), computed in a Ray task on a GPU/slot."""
     import ray
 
-    remote = ray.remote(max_calls=1)(evaluate_adapter).options(**placement.options())
+    remote = placement.fresh_task(evaluate_adapter)
     metrics = ray.get(remote.remote(model, adapter, data, orpo_lambda, 8, 0, generations, out))
     get_run_logger().info("%s: %s", name, {k: round(v, 4) if isinstance(v, float) else v
                                            for k, v in metrics.items()})

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+from engine.adapters import atomic_write_text
 from engine.probe import largest_fitting, probe_steps
 from tasks.sweep_spec import SpecError
 from tasks.trials import Placement
@@ -62,15 +62,13 @@ def resolve_auto(trials: list[tuple[str, dict[str, Any]]], budget_gb: float,
     todo = {key: c for _, c in trials if c.get("segment_size") == "auto"
             and (key := probe_key(c, fingerprint)) not in known}
     if todo:
-        probe = ray.remote(max_calls=1)(_run_probe).options(**placement.options())
+        probe = placement.fresh_task(_run_probe)
         refs = {key: probe.remote({k: v for k, v in c.items() if k != "out"},
                                   candidate_sizes(c["model"])) for key, c in todo.items()}
         for key, ref in refs.items():
             known[key] = {str(k): v for k, v in ray.get(ref).items()}
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(f".{cache.name}.tmp")
-        tmp.write_text(json.dumps(known, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, cache)
+        atomic_write_text(cache, json.dumps(known, indent=2, sort_keys=True) + "\n")
     out, notes = [], {}
     for trial_id, config in trials:
         if config.get("segment_size") == "auto":

@@ -11,11 +11,11 @@ less memory and trains faster at once.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 from engine.adapters import atomic_write_text
+from tasks.plots import figure, save_png
 from tasks.sweep_spec import SweepSpec
 from tasks.trials import Placement, write_results
 
@@ -55,7 +55,7 @@ def run_memory_sweep(spec: SweepSpec, out: Path, placement: Placement | None = N
     swept = [k for k in LABEL_KEYS if k in spec.grid] + sorted(set(spec.grid) - set(LABEL_KEYS))
     variants = [{k: t.params[k] for k in swept} for t in spec.trials()]
     base = {**spec.fixed, "model": spec.model, "data": spec.data, "out": str(out / "probe")}
-    measure = ray.remote(max_calls=1)(_measure).options(**placement.options())
+    measure = placement.fresh_task(_measure)
     rows = pareto(ray.get(measure.remote(base, variants, spec.probe_batches)))
     for r in rows:
         r["setting"] = label(r, swept)
@@ -84,13 +84,8 @@ def markdown(spec: SweepSpec, rows: list[dict[str, Any]]) -> str:
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     """Scatter of peak GB vs tokens/s, every point labelled, the Pareto front joined."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ok = [r for r in rows if "error" not in r]
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    plt, fig, (ax,) = figure(1, (8, 5))
     ax.scatter([r["peak_gb"] for r in ok], [r["tokens_per_sec"] for r in ok], color="#888")
     front = sorted((r for r in ok if r["pareto"]), key=lambda r: r["peak_gb"])
     ax.plot([r["peak_gb"] for r in front], [r["tokens_per_sec"] for r in front], "o-",
@@ -103,9 +98,4 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     ax.set_title(title)
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    return save_png(plt, fig, path)

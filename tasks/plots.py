@@ -1,6 +1,7 @@
-"""Leaderboard plots (PNG, matplotlib's Agg backend): training and validation curves per
-trial, and the sweep metric against each swept parameter. Small enough to inline in a
-Prefect markdown artifact as data URIs (``inline_png``)."""
+"""Plots (PNG, matplotlib's Agg backend, written atomically): training and validation
+curves per trial, the sweep metric against each swept parameter, and the figure setup the
+memory sweep's Pareto plot shares. Small enough to inline in a Prefect markdown artifact
+as data URIs (``inline_png``)."""
 
 from __future__ import annotations
 
@@ -13,17 +14,19 @@ from typing import Any
 from tasks.sweep import metric_value
 
 
-def _figure(ncols: int):
+def figure(ncols: int, size: tuple[float, float] = (5, 3.6)):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, ncols, figsize=(5 * ncols, 3.6), dpi=100, squeeze=False)
+    fig, axes = plt.subplots(1, ncols, figsize=(size[0] * ncols, size[1]), dpi=100,
+                             squeeze=False)
     return plt, fig, list(axes[0])
 
 
-def _save(plt, fig, path: Path) -> Path:
+def save_png(plt, fig, path: Path) -> Path:
+    """Write ``fig`` to ``path`` atomically and close it."""
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.png")
@@ -44,7 +47,7 @@ def curves_png(rows: list[dict[str, Any]], metric: str, path: Path) -> Path | No
     trials = [(t, m) for t, m in trials if m]
     if not trials:
         return None
-    plt, fig, (train_ax, val_ax) = _figure(2)
+    plt, fig, (train_ax, val_ax) = figure(2)
     for trial, records in trials:
         train = [r for r in records if r.get("split") == "train" and "loss" in r]
         val = [r for r in records if r.get("split") == "valid" and metric in r]
@@ -55,7 +58,7 @@ def curves_png(rows: list[dict[str, Any]], metric: str, path: Path) -> Path | No
     for ax in (train_ax, val_ax):
         ax.grid(alpha=0.3)
     val_ax.legend(fontsize=7)
-    return _save(plt, fig, path)
+    return save_png(plt, fig, path)
 
 
 def metric_vs_params_png(rows: list[dict[str, Any]], metric: str, params: list[str],
@@ -65,7 +68,7 @@ def metric_vs_params_png(rows: list[dict[str, Any]], metric: str, params: list[s
             and metric_value(r, metric) is not None]
     if not done or not params:
         return None
-    plt, fig, axes = _figure(len(params))
+    plt, fig, axes = figure(len(params))
     for ax, param in zip(axes, params, strict=True):
         xs = [r.get(param) for r in done]
         ys = [metric_value(r, metric) for r in done]
@@ -75,7 +78,7 @@ def metric_vs_params_png(rows: list[dict[str, Any]], metric: str, params: list[s
             ax.set_xscale("log")
         ax.set(xlabel=param.removeprefix("param/"), ylabel=metric)
         ax.grid(alpha=0.3)
-    return _save(plt, fig, path)
+    return save_png(plt, fig, path)
 
 
 def inline_png(path: Path | None, alt: str) -> str:

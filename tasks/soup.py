@@ -11,13 +11,13 @@ result is an ordinary mlx-lm adapter directory, evaluated and listed like a tria
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
-from engine.adapters import ADAPTER_FILE, CONFIG_FILE, atomic_write_text
+from engine.adapters import ADAPTER_FILE, CONFIG_FILE, atomic_save_arrays, atomic_write_text
 
 
 def _lora(config: dict) -> tuple[int, float]:
@@ -53,9 +53,7 @@ def make_soup(adapters: list[Path], out: Path) -> Path:
         weights[f"{module}.lora_a"] = (u[:, :rank] * root).astype(np.float32)
         weights[f"{module}.lora_b"] = (root[:, None] * vt[:rank]).astype(np.float32)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{ADAPTER_FILE}.tmp"
-    save_file(weights, str(tmp))
-    os.replace(tmp, out / ADAPTER_FILE)
+    atomic_save_arrays(out / ADAPTER_FILE, {k: mx.array(v) for k, v in weights.items()})
     config["pomona"] = {**config.get("pomona", {}), "soup_of": [str(a) for a in adapters]}
     atomic_write_text(out / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
     return out

@@ -56,6 +56,13 @@ class Placement:
             return {"num_cpus": 0, "num_gpus": 1}
         return {"num_cpus": self.cpus}
 
+    def fresh_task(self, fn: Callable[..., Any]) -> Any:
+        """``fn`` as a Ray task on this placement, in a fresh worker process each call
+        (MLX's peak and memory are per process: probes and evaluations measure alone)."""
+        import ray
+
+        return ray.remote(max_calls=1)(fn).options(**self.options())
+
 
 @dataclass(frozen=True)
 class TrialRun:
@@ -187,6 +194,13 @@ class _Runner:
     stopping: threading.Event = field(default_factory=threading.Event)
     live: dict[str, Any] = field(default_factory=dict)  # trial id -> actor
     lock: threading.Lock = field(default_factory=threading.Lock)
+    actor_cls: Any = None  # TrialActor as a Ray actor class, made once per run
+
+    def __post_init__(self) -> None:
+        import ray
+
+        self.actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(TrialActor).options(
+            **self.placement.options())
 
     def event(self, kind: str, summary: Summary) -> None:
         if self.on_event:
@@ -212,8 +226,7 @@ class _Runner:
         """One actor's run; None when the actor died and the trial may be retried."""
         import ray
 
-        actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(TrialActor)
-        actor = actor_cls.options(**self.placement.options()).remote()
+        actor = self.actor_cls.remote()
         with self.lock:
             self.live[trial.id] = actor
         try:
