@@ -3,7 +3,8 @@
     python -m engine bench memory --layers 16 --hidden 512 --seq 2048 [--json]
     python -m engine bench prefix --seq 1024 [--ratios 1:1,4:1,16:1] [--json]
     python -m engine bench attention --shapes 2048:2048,2047:2047 [--json]
-    python -m engine bench profile --seq 2048 --segment-size 1 [--json]
+    python -m engine bench profile --seq 2048 --segment-size 1 [--prefix] [--json]
+    python -m engine bench ops --seq 8192 [--json]        (engine/bench_ops.py)
     pomona bench memory|prefix ...                             (the same, from the CLI)
 
 ``prefix`` rows: one ORPO step on one pair, ``two_forward`` vs ``shared`` (one forward
@@ -19,7 +20,8 @@ as such: the shapes that abort the process are the finding.
 ``profile``: where one segmented step's time goes, in one process — every phase (embed,
 forward per segment, head, backward per segment) timed with its stages run one at a time
 (so the sum exceeds an overlapped step; the split is the point), then one layer's
-attention and MLP blocks alone, forward and forward + backward (``mx.vjp``).
+attention and MLP blocks alone, forward and forward + backward (``mx.vjp``). ``--prefix``
+profiles the pair's split prefix-shared layout instead of two forwards.
 
 Each row runs in a fresh process (MLX's peak and the process RSS are per process; mlx-lm's
 checkpointing patches the layer class), on a random-init llama with LoRA r=16 on q/k/v/o,
@@ -67,23 +69,33 @@ def _model(a: argparse.Namespace):
     return model, make_stack(model)
 
 
-def _pair_batch(a: argparse.Namespace):
+def _pair_batch(a: argparse.Namespace, shared: bool = False):
+    """One pair (prompt:response 4:1, sequences ``--seq`` tokens); ``shared``: its split
+    prefix-shared layout at the engine's ``--pad-multiple``."""
     from engine.batch import Pair, make_batch
+    from engine.prefix import split_prefix_batch
+    from engine.trainer import resolve_pad_multiple
 
     rng = np.random.default_rng(0)
     p = a.seq * 4 // 5 + 1
     r = a.seq + 1 - p
     ids = lambda n: rng.integers(10, a.vocab, n).tolist()  # noqa: E731
-    return make_batch([Pair("bench", ids(p), ids(r), ids(r))], "full")
+    pairs = [Pair("bench", ids(p), ids(r), ids(r))]
+    if not shared:
+        return make_batch(pairs, "full")
+    return split_prefix_batch(pairs, "full", resolve_pad_multiple(a.pad_multiple),
+                              attention="split")
 
 
 def _step_fn(name: str, model, stack, batch, head_chunk: int, inflight: int):
     from engine.batch import batch_norms
     from engine.losses import LossSpec, pair_loss
+    from engine.prefix import PrefixBatch
     from engine.segmented import value_and_grad
 
-    norms, spec = batch_norms([batch]), LossSpec()
-    resp, nll = mx.array(batch.resp_mask), mx.array(batch.nll_mask)
+    pairs = batch.pairs if isinstance(batch, PrefixBatch) else batch
+    norms, spec = batch_norms([pairs]), LossSpec()
+    resp, nll = mx.array(pairs.resp_mask), mx.array(pairs.nll_mask)
 
     def loss_fn(lp):
         return pair_loss(lp, resp, nll, spec, norms)
@@ -229,6 +241,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pad-multiple", type=int, default=-1,
                    help="prefix: pad lengths to a multiple of this (-1: the engine's default, "
                         "128 on CUDA, none elsewhere).")
+    p.add_argument("--prefix", action="store_true",
+                   help="profile: the pair in its split prefix-shared layout.")
     p.add_argument("--shapes", default="", help="attention: query:key lengths, comma-separated.")
     p.add_argument("--json", action="store_true", help="Print one JSON object {rows: [...]}.")
     p.add_argument("--row", help=argparse.SUPPRESS)  # internal: measure one row, print JSON
@@ -270,7 +284,8 @@ def profile(a: argparse.Namespace) -> dict[str, Any]:
 
     model, stack = _model(a)
     k = a.segment_size or 1
-    step = _step_fn(f"seg{k}", model, stack, _pair_batch(a), a.head_chunk, a.inflight)
+    batch = _pair_batch(a, shared=a.prefix)
+    step = _step_fn(f"seg{k}", model, stack, batch, a.head_chunk, a.inflight)
     mx.eval(step())  # warm-up
     marks: list[tuple[str, float]] = []
     with observe_phases(lambda phase: marks.append((phase, time.perf_counter()))):
@@ -346,6 +361,17 @@ def main(argv: list[str], kind: str = "memory") -> int:
                  for p in ("two_forward", "shared", "shared_mask")]
     if kind == "attention":
         return _attention_table(argv, a)
+    if kind == "ops":
+        from engine.bench_ops import op_rows, print_rows
+
+        _, stack = _model(argparse.Namespace(**{**vars(a), "layers": 1}))
+        rows = op_rows(stack.layers[0], a)
+        if a.json:
+            print(json.dumps({"config": vars(a), "device": str(mx.default_device()),
+                              "rows": rows}))
+        else:
+            print_rows(rows)
+        return 0
     if kind == "profile":
         result = profile(a)
         if a.json:

@@ -127,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
 def run_bench(argv: list[str]) -> int:
     from engine import bench
 
-    if not argv or argv[0] not in ("memory", "prefix", "attention", "profile"):
-        print("usage: python -m engine bench {memory,prefix,attention,profile} [--help]",
+    if not argv or argv[0] not in ("memory", "prefix", "attention", "profile", "ops"):
+        print("usage: python -m engine bench {memory,prefix,attention,profile,ops} [--help]",
               file=sys.stderr)
         return 2
     return bench.main(argv[1:], argv[0])

@@ -41,11 +41,12 @@ class TrainConfig:
                           "(H200, 2k tokens: 1.6x faster, ~1.8x the activations).")
     prefix_share: str = _f("auto", "One forward over [prompt | chosen | rejected]: on, off, or "
                                    "auto (on where the batch saves >= 25% of tokens with split "
-                                   "attention, 1/3 with the mask; off on CUDA, where it measured "
-                                   "slower than two forwards).")
+                                   "attention, 1/3 with the mask; on CUDA only split, from 4096 "
+                                   "fed tokens: measured faster there, slower at 2k).")
     prefix_attention: str = _f("auto", "Shared forward's attention: mask (block-sparse array), "
-                                       "split (two fused causal calls; batch_size 1) or auto "
-                                       "(split for one-row micro-batches; mask on CUDA).")
+                                       "split (two fused causal calls; batch_size 1; on CUDA "
+                                       "pad_multiple a multiple of 128) or auto (split for "
+                                       "one-row micro-batches where allowed, else mask).")
     pad_multiple: int = _f(-1, "Pad sequence length to a multiple of this; -1 = auto "
                                "(128 on CUDA, where fused attention needs it; else 1).")
     steps: int = _f(100, "Optimizer steps.")

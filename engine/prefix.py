@@ -9,6 +9,10 @@ tokens take P_i … P_i+Rr_i−1 as if they followed the prompt — each attenti
 twice, at offset 0 and at offset −Rc_i (MLX's rope takes per-row offsets), and a select
 keeps the right one per token. No model code is forked.
 
+A one-row micro-batch can instead use split attention (``SplitAttention``): two fused
+causal calls per layer and no array mask, in a layout whose lengths are all multiples of
+``pad_multiple`` — what MLX's fused attention on CUDA needs, forward and backward.
+
 After the last layer the concatenation's hidden states are gathered into the two-forward
 layout ([2B, T], ``engine/batch.py``): the first response token of both branches is
 predicted from the last prompt position, so the loss and head code are shared and exact.
@@ -29,25 +33,43 @@ from engine.batch import Pair, PairBatch, make_batch, round_up
 
 
 @dataclass(frozen=True)
+class SplitAttention:
+    """A one-row shared forward's attention, as two fused causal calls.
+
+    Layout: [prompt[:shared] | prompt[shared:] chosen, pads | prompt[shared:] rejected,
+    pads], the second branch starting at ``first``. Queries [0, first) attend causally over
+    keys [0, first); queries [first, L) over keys [0, shared) ++ [first, L) (causal, aligned
+    bottom-right). With ``pad_multiple`` m, ``shared`` and ``first`` are multiples of m and
+    so is L: on CUDA every call keeps MLX's fused attention, forward and backward (a
+    prompt tail of < m tokens runs in both branches instead). Pads only precede other pads,
+    so they never reach a real token. No array mask is built.
+    """
+
+    shared: int
+    first: int
+    chosen: int = 0  # fed tokens of each branch after the shared prefix (pads excluded)
+    rejected: int = 0
+
+
+@dataclass(frozen=True)
 class PrefixBatch:
     """One micro-batch laid out for the shared forward.
 
-    inputs: [B, L] int32 concatenations; mask: [B, 1, L, L] bool (True = may attend);
-    rejected: [B, L] bool marks rejected tokens; shift: [B] int32 = −Rc_i (their rope
-    offset); gather: [2B, T] int32 indices into the flattened [B·L] hidden states giving
-    the two-forward layout of ``pairs`` (its targets and masks apply unchanged);
-    fed: real tokens through the model (each prompt once).
+    inputs: [B, L] int32 concatenations; mask: [B, 1, L, L] bool (True = may attend) or
+    None for split attention; rejected: [B, L] bool marks rejected tokens; shift: [B] int32,
+    their rope offset; gather: [2B, T] int32 indices into the flattened [B·L] hidden
+    states giving the two-forward layout of ``pairs`` (its targets and masks apply
+    unchanged); fed: real tokens through the model.
     """
 
     pairs: PairBatch
     inputs: np.ndarray
-    mask: np.ndarray | None  # None when split attention needs no array mask
+    mask: np.ndarray | None
     rejected: np.ndarray
     shift: np.ndarray
     gather: np.ndarray
     fed: int
-    spans: tuple[tuple[int, int, int], ...] = ()  # (P, Rc, Rr) per row
-    attention: str = "auto"  # mask | split | auto (split for one row): shared_positions
+    split: SplitAttention | None = None
 
     @property
     def ids(self) -> list[str]:
@@ -79,26 +101,35 @@ def split_prefix_batch(pairs: Sequence[Pair], nll_span: str = "full",
     ``prompts`` optionally gives each row's (chosen-branch, rejected-branch) prompt tokens
     when they were tokenized apart; Pomona's datasets share ``prompt_ids`` by
     construction, so only foreign data can fall back. ``two``: the pairs' two-forward
-    batch when the caller has built it already.
+    batch when the caller has built it already. ``attention``: "mask" (block-sparse
+    array, any rows), "split" (SplitAttention, one row) or "auto" (split for one row).
     """
     if prompts is not None and any(list(a) != list(b) for a, b in prompts):
         return None
     if any(len(p.prompt) == 0 for p in pairs):
         return None
     two = two or make_batch(pairs, nll_span, pad_multiple, pad_id)
+    if _uses_split(attention, len(pairs)):
+        if len(pairs) != 1:
+            raise ValueError("split attention needs a one-row micro-batch (batch_size 1)")
+        return _split_layout(pairs[0], two, pad_multiple, pad_id)
+    return _mask_layout(pairs, two, pad_multiple, pad_id)
+
+
+def _mask_layout(pairs: Sequence[Pair], two: PairBatch, pad_multiple: int, pad_id: int
+                 ) -> PrefixBatch:
+    """Rows [prompt | chosen | rejected | pads] under one block-sparse array mask."""
     lengths = [len(p.prompt) + len(p.chosen) + len(p.rejected) for p in pairs]
     width = round_up(max(lengths), pad_multiple)
     b, t = len(pairs), two.inputs.shape[1]
     tokens = np.full((b, width), pad_id, np.int32)
-    # The [B, 1, L, L] array mask is only built when attention will read it.
-    mask = None if _uses_split(attention, b) else np.zeros((b, 1, width, width), bool)
+    mask = np.zeros((b, 1, width, width), bool)
     rejected = np.zeros((b, width), bool)
     gather = np.zeros((2 * b, t), np.int32)
     for i, pr in enumerate(pairs):
         p, rc, rr = len(pr.prompt), len(pr.chosen), len(pr.rejected)
         tokens[i, : p + rc + rr] = [*pr.prompt, *pr.chosen, *pr.rejected]
-        if mask is not None:
-            mask[i, 0] = _row_mask(p, rc, rr, width)
+        mask[i, 0] = _row_mask(p, rc, rr, width)
         rejected[i, p + rc : p + rc + rr] = True
         base = i * width
         # chosen branch: input j of prompt+chosen is concat position j
@@ -108,41 +139,51 @@ def split_prefix_batch(pairs: Sequence[Pair], nll_span: str = "full",
         gather[b + i, :p] = base + np.arange(p)
         gather[b + i, p : p + rr - 1] = base + p + rc + np.arange(rr - 1)
     shift = np.array([-len(pr.chosen) for pr in pairs], np.int32)
-    spans = tuple((len(p.prompt), len(p.chosen), len(p.rejected)) for p in pairs)
-    return PrefixBatch(two, tokens, mask, rejected, shift, gather, fed=sum(lengths),
-                       spans=spans, attention=attention)
+    return PrefixBatch(two, tokens, mask, rejected, shift, gather, fed=sum(lengths))
 
 
-@dataclass(frozen=True)
-class SplitAttention:
-    """The mask for a one-row shared forward, as two fused causal attention calls.
+def _split_layout(pr: Pair, two: PairBatch, pad_multiple: int, pad_id: int) -> PrefixBatch:
+    """One row in SplitAttention's layout (its docstring), aligned to ``pad_multiple``.
 
-    Queries [P|Rc] over keys [P|Rc], and queries [Rr] over keys [P|Rr] (causal, aligned
-    bottom-right); trailing pads attend to themselves. No masked block is computed and
-    no array mask is passed, so MLX's fused attention stays on.
+    Each branch's last token is only ever a target, so it is not fed: at 8k tokens that
+    keeps the chosen branch at 8192 rather than one token into another 128-block.
     """
-
-    p: int
-    rc: int
-    rr: int
+    p = len(pr.prompt)
+    shared = p if pad_multiple <= 1 else p // pad_multiple * pad_multiple
+    tail = list(pr.prompt[shared:])  # runs in both branches (< pad_multiple tokens)
+    chosen, rejected_ = [*tail, *pr.chosen][:-1], [*tail, *pr.rejected][:-1]
+    c, r = len(chosen), len(rejected_)
+    first = round_up(shared + c, pad_multiple)
+    width = first + round_up(r, pad_multiple)
+    tokens = np.full((1, width), pad_id, np.int32)
+    tokens[0, : shared + c] = [*pr.prompt[:shared], *chosen]
+    tokens[0, first : first + r] = rejected_
+    rejected = np.zeros((1, width), bool)
+    rejected[0, first : first + r] = True
+    gather = np.zeros((2, two.inputs.shape[1]), np.int32)
+    gather[0, : shared + c] = np.arange(shared + c)
+    gather[1, :shared] = np.arange(shared)
+    gather[1, shared : shared + r] = first + np.arange(r)
+    # The rejected branch's token at concat j sits at position j − first + shared.
+    shift = np.array([shared - first], np.int32)
+    return PrefixBatch(two, tokens, None, rejected, shift, gather, fed=shared + c + r,
+                       split=SplitAttention(shared, first, c, r))
 
 
 def split_attention(sdpa, queries: mx.array, keys: mx.array, values: mx.array, cache,
                     scale: float, mask: SplitAttention, *args, **kwargs) -> mx.array:
     """``scaled_dot_product_attention`` for a SplitAttention mask ([1, H, L, D] inputs)."""
-    p, rc, rr = mask.p, mask.rc, mask.rr
-    a, b = p + rc, p + rc + rr
+    s, a = mask.shared, mask.first
     first = sdpa(queries[:, :, :a], keys[:, :, :a], values[:, :, :a], cache, scale,
                  "causal", *args, **kwargs)
-    k2 = mx.concatenate([keys[:, :, :p], keys[:, :, a:b]], axis=2)
-    v2 = mx.concatenate([values[:, :, :p], values[:, :, a:b]], axis=2)
-    second = sdpa(queries[:, :, a:b], k2, v2, cache, scale, "causal", *args, **kwargs)
-    if values.shape[2] == b:
-        return mx.concatenate([first, second], axis=2)
-    pads = values[:, :, b:]  # a pad attends to itself only: its output is its value
-    if values.shape[1] != queries.shape[1]:  # GQA: each query head reads its kv head
-        pads = mx.repeat(pads, queries.shape[1] // values.shape[1], axis=1)
-    return mx.concatenate([first, second, pads.astype(first.dtype)], axis=2)
+    if a == queries.shape[2]:  # a one-token rejected response: nothing of it is fed
+        return first
+    k2, v2 = keys[:, :, a:], values[:, :, a:]
+    if s:
+        k2 = mx.concatenate([keys[:, :, :s], k2], axis=2)
+        v2 = mx.concatenate([values[:, :, :s], v2], axis=2)
+    second = sdpa(queries[:, :, a:], k2, v2, cache, scale, "causal", *args, **kwargs)
+    return mx.concatenate([first, second], axis=2)
 
 
 def install_split_attention(model: nn.Module) -> None:
@@ -170,6 +211,7 @@ def install_split_attention(model: nn.Module) -> None:
 class _RopeState:
     shift: mx.array | None = None  # [B] offsets for rejected tokens
     select: mx.array | None = None  # [B, 1, L, 1] True where the token is rejected
+    split: SplitAttention | None = None  # one row: the rejected branch is a suffix
 
 
 class PrefixRope(nn.Module):
@@ -184,7 +226,13 @@ class PrefixRope(nn.Module):
         st = self._state
         if st.shift is None:
             return self.inner(x, offset=offset)
-        # x: [B, H, L, D]; rejected tokens at concat index j take position j − Rc.
+        if st.split is not None:  # the suffix from `first` continues from `shared`
+            a = st.split.first
+            if a == x.shape[2]:
+                return self.inner(x, offset=0)
+            return mx.concatenate([self.inner(x[:, :, :a], offset=0),
+                                   self.inner(x[:, :, a:], offset=st.split.shared)], axis=2)
+        # x: [B, H, L, D]; rejected tokens at concat index j take position j + shift.
         return mx.where(st.select, self.inner(x, offset=st.shift), self.inner(x, offset=0))
 
 
@@ -211,23 +259,55 @@ def install_prefix_rope(model: nn.Module) -> _RopeState:
 @contextmanager
 def shared_positions(state: _RopeState, batch: PrefixBatch
                      ) -> Iterator[mx.array | SplitAttention]:
-    """Inside: ropes give rejected tokens prompt-relative positions; yields the mask.
-
-    ``batch.attention``: "mask" (block-sparse array), "split" (two fused calls, one row
-    only) or "auto" (split for a single row, else the mask).
-    """
+    """Inside: ropes give rejected tokens prompt-relative positions; yields the mask
+    (the batch's SplitAttention, or its block-sparse array)."""
     state.shift = mx.array(batch.shift)
     state.select = mx.array(batch.rejected)[:, None, :, None]
-    use_split = _uses_split(batch.attention, len(batch.spans))
-    if use_split and len(batch.spans) != 1:
-        raise ValueError("split attention needs a one-row micro-batch (batch_size 1)")
+    state.split = batch.split
     try:
-        yield SplitAttention(*batch.spans[0]) if use_split else mx.array(batch.mask)
+        yield batch.split if batch.split is not None else mx.array(batch.mask)
     finally:
-        state.shift = state.select = None
+        state.shift = state.select = state.split = None
 
 
 def to_pair_layout(h: mx.array, batch: PrefixBatch) -> mx.array:
-    """Hidden states [B, L, H] of the concatenation → the two-forward layout [2B, T, H]."""
+    """Hidden states [B, L, H] of the concatenation → the two-forward layout [2B, T, H].
+
+    A split layout's branches are contiguous spans: slices and pads, whose vjp is slices
+    too. The mask layout gathers rows by index (its vjp a scatter-add).
+    """
     b, length, width = h.shape
-    return h.reshape(b * length, width)[mx.array(batch.gather)]
+    if batch.split is None:
+        return h.reshape(b * length, width)[mx.array(batch.gather)]
+    s, c, r, t = _spans(batch)
+    a = batch.split.first
+    chosen = h[:, : s + c]
+    rejected = mx.concatenate([h[:, :s], h[:, a : a + r]], axis=1)
+    return mx.concatenate([mx.pad(chosen, [(0, 0), (0, t - s - c), (0, 0)]),
+                           mx.pad(rejected, [(0, 0), (0, t - s - r), (0, 0)])], axis=0)
+
+
+def from_pair_layout(cot: mx.array, batch: PrefixBatch) -> mx.array:
+    """The vjp of ``to_pair_layout``: dL/d(pair layout) [2B, T, H] → [B, L, H].
+
+    Prompt positions used by both branches collect both gradients. Positions the loss
+    never reads carry zero cotangent, so the gather's padding entries add nothing.
+    """
+    b, length = batch.inputs.shape
+    width = cot.shape[-1]
+    if batch.split is None:
+        flat = mx.zeros((b * length, width), cot.dtype)
+        flat = flat.at[mx.array(batch.gather.reshape(-1))].add(cot.reshape(-1, width))
+        return flat.reshape(b, length, width)
+    s, c, r, _ = _spans(batch)
+    a = batch.split.first
+    parts = [cot[:1, :s] + cot[1:, :s], cot[:1, s : s + c],
+             mx.zeros((1, a - s - c, width), cot.dtype), cot[1:, s : s + r],
+             mx.zeros((1, length - a - r, width), cot.dtype)]
+    return mx.concatenate(parts, axis=1)
+
+
+def _spans(batch: PrefixBatch) -> tuple[int, int, int, int]:
+    """A split layout's (shared, chosen-branch, rejected-branch, pair-layout) lengths."""
+    sp = batch.split
+    return sp.shared, sp.chosen, sp.rejected, batch.gather.shape[1]

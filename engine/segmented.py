@@ -24,7 +24,13 @@ from engine.batch import PairBatch
 from engine.head import bounded_head_grad, dense_logps, token_logps
 from engine.inflight import InFlight, phase_done
 from engine.model import Stack
-from engine.prefix import PrefixBatch, install_prefix_rope, shared_positions, to_pair_layout
+from engine.prefix import (
+    PrefixBatch,
+    from_pair_layout,
+    install_prefix_rope,
+    shared_positions,
+    to_pair_layout,
+)
 
 LossOfLogps = Callable[[mx.array], tuple[mx.array, dict[str, mx.array]]]
 Grads = dict[str, mx.array]
@@ -164,10 +170,7 @@ def _head_grad(stack: Stack, pairs: PairBatch, prefix: PrefixBatch | None, h_las
     loss, metrics, cot = bounded_head_grad(stack, h_pairs, pairs.targets, active,
                                            loss_of_logps, head_chunk, inflight)
     if prefix:  # the gather's vjp: prompt positions collect both branches' gradients
-        b, length, width = h_last.shape
-        flat = mx.zeros((b * length, width), cot.dtype)
-        cot = flat.at[mx.array(prefix.gather.reshape(-1))].add(cot.reshape(-1, width))
-        cot = cot.reshape(b, length, width)
+        cot = from_pair_layout(cot, prefix)
         mx.eval(cot)
     return loss, metrics, cot
 

@@ -117,45 +117,52 @@ def step_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | Prefi
     return total, sums, grads
 
 
-def resolve_prefix_attention(attention: str) -> str:
+def resolve_prefix_attention(attention: str, pad_multiple: int) -> str:
     """The shared forward's attention on this device (``prefix_attention``).
 
-    On CUDA (MLX 0.32.4, H200) the backward of a causal fused attention call aborted the
-    process with heap corruption when the query length was a multiple of 128 and the
-    longer key length was not, a shape split attention makes (its second call): there
-    the array mask is used, and asking for split is refused.
+    On CUDA (MLX 0.32.4, H200) split attention needs ``pad_multiple`` a multiple of 128:
+    its layout then gives every attention call 128-aligned lengths, and MLX's fused
+    attention backward aborted the process (heap corruption) on a query length that was a
+    multiple of 128 over a longer key length that was not. Otherwise auto means mask there.
     """
-    if not _is_cuda():
+    if not _is_cuda() or pad_multiple % 128 == 0:
         return attention
     if attention == "split":
-        raise ValueError("prefix_attention=split is not safe on CUDA with MLX 0.32.4 (the "
-                         "fused attention backward crashes on some of its shapes); use "
-                         "auto or mask")
+        raise ValueError(f"prefix_attention=split needs pad_multiple a multiple of 128 on "
+                         f"CUDA (got {pad_multiple}): MLX's fused attention backward "
+                         "crashes on unaligned split shapes; use auto or mask")
     return "mask"
+
+
+# H200, bf16, one pair at 4:1 (docs/performance.md): 128-aligned split attention was
+# 0.66x two forwards' step time at 8k tokens and 0.75-0.79x at 4k, but 1.29x at 2k.
+CUDA_SPLIT_MIN_TOKENS = 4096
 
 
 def choose_layout(pairs: list, cfg: TrainConfig, pad_multiple: int, pad_id: int
                   ) -> PairBatch | PrefixBatch:
     """The shared layout where ``cfg.prefix_share`` asks for it and it applies.
 
-    auto is off on CUDA: on the H200 both shared layouts measured slower than two
-    forwards padded to 128 (docs/performance.md), since their lengths leave MLX's fused
-    attention.
+    auto takes it where it saves enough tokens: split attention (one-row micro-batches)
+    from 25% (CPU: gains from 1:1 prompt:response), the array mask from 1/3 (its attention
+    computes masked blocks too). On CUDA auto never takes the mask (it leaves MLX's fused
+    attention) and takes split only from CUDA_SPLIT_MIN_TOKENS fed tokens, where it was
+    measured faster.
     """
     two = make_batch(pairs, cfg.nll_span, pad_multiple, pad_id)
-    if cfg.prefix_share == "off" or (cfg.prefix_share == "auto" and _is_cuda()):
+    if cfg.prefix_share == "off":
         return two
+    attention = resolve_prefix_attention(cfg.prefix_attention, pad_multiple)
     shared = split_prefix_batch(pairs, cfg.nll_span, pad_multiple, pad_id,
-                                attention=resolve_prefix_attention(cfg.prefix_attention),
-                                two=two)
+                                attention=attention, two=two)
     if shared is None:
         return two  # counted: prefix_share_rate falls
-    # auto: worth it where the prompt is a large share of the work (CPU bench: split attention
-    # gains from 1:1 prompt:response, the array mask only from ~4:1, i.e. 1/3 saved).
-    needed = 0.25 if len(pairs) == 1 and cfg.prefix_attention != "mask" else 1 / 3
-    if cfg.prefix_share == "auto" and shared.fed > (1 - needed) * two.tokens:
+    if cfg.prefix_share == "on":
+        return shared
+    if _is_cuda() and (shared.split is None or shared.inputs.shape[1] < CUDA_SPLIT_MIN_TOKENS):
         return two
-    return shared
+    needed = 0.25 if shared.split is not None else 1 / 3
+    return two if shared.fed > (1 - needed) * two.tokens else shared
 
 
 def _is_cuda() -> bool:
@@ -253,7 +260,7 @@ def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
     data = load_pairs(cfg.data)
     loss_spec = LossSpec(cfg.loss, cfg.orpo_lambda, cfg.nll_span)
     pad_multiple = resolve_pad_multiple(cfg.pad_multiple)
-    resolve_prefix_attention(cfg.prefix_attention)  # refuse an unsafe choice before any work
+    resolve_prefix_attention(cfg.prefix_attention, pad_multiple)  # refuse unsafe, before work
     pad_id = tokenizer.pad_token_id or 0
     optimizer = make_optimizer(cfg)
 

@@ -184,7 +184,7 @@ def score_cmd(ctx: typer.Context) -> None:
 
 @app.command("bench", context_settings=_PASSTHROUGH, add_help_option=False)
 def bench_cmd(ctx: typer.Context) -> None:
-    """Side-by-side benchmarks: `pomona bench memory|prefix|attention|profile|tokenize`."""
+    """Side-by-side benchmarks: `pomona bench memory|prefix|attention|profile|ops|tokenize`."""
     args = list(ctx.args)
     if args[:1] == ["tokenize"]:
         from tasks.tokenize_bench import main as tokenize_bench

@@ -61,3 +61,15 @@ def test_profile_times_every_phase_and_block() -> None:
     assert all(p["ms"] > 0 for p in out["phases"])
     assert {(b["block"], b["pass"]) for b in out["blocks"]} == {
         (n, k) for n in ("attention", "mlp", "layer") for k in ("fwd", "fwd+bwd")}
+    shared = bench("profile", *TOY, "--seq", "64", "--head-chunk", "16", "--segment-size", "2",
+                   "--prefix", "--pad-multiple", "16")
+    assert [p["phase"] for p in shared["phases"]] == ["embed", "forward 0-2", "head",
+                                                      "backward 0-2"]
+
+
+def test_ops_bench_splits_the_attention_block() -> None:
+    out = bench("ops", *TOY, "--seq", "64")
+    ops = [r["op"] for r in out["rows"]]
+    assert {"q_proj", "q_proj_base", "q_proj_mlx_lm", "rope_q", "sdpa", "o_proj", "block",
+            "block_norope"} <= set(ops)
+    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in out["rows"])

@@ -14,7 +14,7 @@ import pytest
 
 from engine.batch import Pair, batch_norms, make_batch
 from engine.losses import LossSpec, pair_loss
-from engine.prefix import split_prefix_batch
+from engine.prefix import PrefixBatch, split_prefix_batch
 from engine.segmented import value_and_grad
 from tests.pairs import tokenized_pairs
 from tests.test_segmented import assert_same, lora_model
@@ -86,6 +86,8 @@ def test_split_attention_equals_two_forwards(fixture: str, pad: int, request) ->
     spec = LossSpec()
     ref = run(model, stack, two, two, spec)
     shared = split_prefix_batch(pairs, "full", pad_multiple=pad, attention="split")
+    tail = len(pairs[0].prompt) - shared.split.shared
+    assert tail == 0 if pad == 1 else 0 < tail < pad  # 16: a tail runs in both branches
     for k, chunk in ((0, 0), (1, 16), (2, 0)):
         assert_same(run(model, stack, shared, shared.pairs, spec, k, chunk), ref)
     assert shared.mask is None  # split attention never builds the [L, L] array
@@ -97,13 +99,97 @@ def test_split_attention_equals_two_forwards(fixture: str, pad: int, request) ->
         run(model, stack, bad, bad.pairs, spec)
 
 
-def test_cuda_never_takes_split_attention(monkeypatch) -> None:
-    """Split attention's shapes crashed MLX's CUDA attention backward: mask there, or refuse."""
+def test_cuda_takes_split_attention_only_when_aligned(monkeypatch) -> None:
+    """Unaligned split shapes crashed MLX's CUDA attention backward: mask there, or refuse."""
     from engine import trainer
 
-    assert trainer.resolve_prefix_attention("split") == "split"  # CPU: as asked
+    assert trainer.resolve_prefix_attention("split", 1) == "split"  # CPU: as asked
     monkeypatch.setattr(trainer, "_is_cuda", lambda: True)
-    assert trainer.resolve_prefix_attention("auto") == "mask"
-    assert trainer.resolve_prefix_attention("mask") == "mask"
-    with pytest.raises(ValueError, match="prefix_attention=split is not safe on CUDA"):
-        trainer.resolve_prefix_attention("split")
+    assert trainer.resolve_prefix_attention("auto", 128) == "auto"
+    assert trainer.resolve_prefix_attention("split", 256) == "split"
+    assert trainer.resolve_prefix_attention("auto", 64) == "mask"
+    assert trainer.resolve_prefix_attention("mask", 1) == "mask"
+    with pytest.raises(ValueError, match="needs pad_multiple a multiple of 128 on CUDA"):
+        trainer.resolve_prefix_attention("split", 1)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("pad", [1, 8, 128])
+@pytest.mark.parametrize("p", [1, 7, 8, 9, 130, 300])
+def test_split_layout_is_aligned_and_gathers_both_sequences(pad: int, p: int) -> None:
+    """Every split attention length is a multiple of ``pad``; the gather rebuilds both
+    two-forward input rows token for token; the prompt tail (< pad) runs in both branches."""
+    rng = np.random.default_rng(p)
+    pair = Pair("x", rng.integers(3, 99, p).tolist(), rng.integers(3, 99, 11).tolist(),
+                rng.integers(3, 99, 5).tolist())
+    two = make_batch([pair], "full", pad)
+    b = split_prefix_batch([pair], "full", pad, attention="split", two=two)
+    s, a, width = b.split.shared, b.split.first, b.inputs.shape[1]
+    assert b.mask is None
+    assert s % pad == a % pad == width % pad == 0 and p - s < max(pad, 1) and s <= p
+    assert b.fed == s + 2 * (p - s) + 11 + 5 - 2  # each branch's last token is never fed
+    flat = b.inputs.reshape(-1)
+    for row in range(2):
+        n = int((two.resp_mask[row] > 0).nonzero()[0].max()) + 1  # inputs that predict
+        assert (flat[b.gather[row, :n]] == two.inputs[row, :n]).all()
+    # rope positions: the rejected branch continues the shared prefix
+    assert b.shift[0] == s - a
+
+
+@pytest.mark.parametrize("rejected", [1, 2])
+def test_split_attention_with_an_aligned_prompt_and_a_tiny_response(tiny_model: Path,
+                                                                    rejected: int) -> None:
+    """No prompt tail and a 1-token rejected response: nothing of that branch is fed."""
+    model, stack = lora_model(tiny_model)
+    src = tokenized_pairs(tiny_model, 1, seed=3)[0]
+    prompt = (list(src.prompt) * 8)[:32]
+    pairs = [Pair("edge", prompt, list(src.chosen), list(src.rejected)[:rejected])]
+    two = make_batch(pairs, "full")
+    shared = split_prefix_batch(pairs, "full", pad_multiple=16, attention="split")
+    assert shared.split.shared == 32
+    assert (shared.split.first == shared.inputs.shape[1]) == (rejected == 1)
+    ref = run(model, stack, two, two, LossSpec())
+    for k, chunk in ((0, 0), (1, 16)):
+        assert_same(run(model, stack, shared, shared.pairs, LossSpec(), k, chunk), ref)
+
+
+@pytest.mark.unit
+def test_cuda_auto_takes_aligned_split_from_4k_tokens(monkeypatch) -> None:
+    """auto on CUDA: split where measured faster (≥ 4096 fed tokens), two forwards below,
+    never the array mask; CPU keeps the token-saving rule."""
+    from engine import trainer
+    from engine.config import TrainConfig
+
+    def pair(prompt: int) -> Pair:
+        return Pair("x", list(range(3, 3 + prompt)), [5] * (prompt // 4), [6] * (prompt // 4))
+
+    cfg = TrainConfig(prefix_share="auto")
+    long, short = [pair(4 * 1640)], [pair(4 * 410)]  # ~8k and ~2k tokens per sequence
+    assert isinstance(trainer.choose_layout(short, cfg, 1, 0), PrefixBatch)  # CPU
+    monkeypatch.setattr(trainer, "_is_cuda", lambda: True)
+    assert isinstance(trainer.choose_layout(long, cfg, 128, 0), PrefixBatch)
+    assert trainer.choose_layout(long, cfg, 128, 0).split is not None
+    assert not isinstance(trainer.choose_layout(short, cfg, 128, 0), PrefixBatch)
+    assert not isinstance(trainer.choose_layout(long * 2, cfg, 128, 0), PrefixBatch)  # mask
+    on = TrainConfig(prefix_share="on")
+    assert isinstance(trainer.choose_layout(short, on, 128, 0), PrefixBatch)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("p", [5, 16, 37])
+def test_split_layout_slices_match_the_gather_and_its_scatter(p: int) -> None:
+    """to_pair_layout / from_pair_layout by slices == by the gather index (and scatter-add)."""
+    from engine.prefix import from_pair_layout, to_pair_layout
+
+    pair = Pair("x", list(range(3, 3 + p)), [7] * 9, [8] * 4)
+    b = split_prefix_batch([pair], "full", 8, attention="split")
+    length, t = b.inputs.shape[1], b.gather.shape[1]
+    h = mx.random.normal((1, length, 6), key=mx.random.key(p))
+    by_index = h.reshape(length, 6)[mx.array(b.gather)]
+    live = np.zeros((2, t, 1), np.float32)  # positions the loss reads; pads get no cotangent
+    live[0, : p + 9 - 1] = live[1, : p + 4 - 1] = 1
+    got = to_pair_layout(h, b)
+    assert mx.array_equal(got * mx.array(live), by_index * mx.array(live))
+    cot = mx.random.normal((2, t, 6), key=mx.random.key(p + 1)) * mx.array(live)
+    ref = mx.zeros((length, 6)).at[mx.array(b.gather.reshape(-1))].add(cot.reshape(-1, 6))
+    assert mx.allclose(from_pair_layout(cot, b), ref.reshape(1, length, 6), atol=1e-6)

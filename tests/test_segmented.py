@@ -132,3 +132,32 @@ def test_padding_never_changes_the_loss(tiny_model: Path) -> None:
     a = run(model, stack, make_batch(pairs, "full", pad_multiple=1), spec)
     b = run(model, stack, make_batch(pairs, "full", pad_multiple=128), spec, k=2, chunk=32)
     assert_same(b, a)
+
+
+def test_lora_product_runs_in_the_input_dtype(tiny_model: Path) -> None:
+    """Engine LoRA layers: mlx-lm's math in float32, bf16 products on a bf16 input.
+
+    float32: identical to mlx-lm's LoRALinear call (same ops, same order). bfloat16: the
+    output stays bf16 and within bf16 rounding (2^-7 relative) of the float32 result; the
+    factors' gradients come back float32, the dtype AdamW keeps them in.
+    """
+    from mlx_lm.tuner.lora import LoRALinear
+
+    model, _ = lora_model(tiny_model)
+    name, m = lora_modules(model)[0]
+    assert isinstance(m, LoRALinear) and type(m) is not LoRALinear, name
+    x = mx.random.normal((2, 5, m.lora_a.shape[0]), key=mx.random.key(3))
+    assert mx.array_equal(m(x), LoRALinear.__call__(m, x))
+    ref = m(x)
+    m.linear.set_dtype(mx.bfloat16)  # a bf16 base, float32 factors: the GPU setting
+    got = m(x.astype(mx.bfloat16))
+    assert got.dtype == mx.bfloat16
+    err = float(mx.abs(got.astype(mx.float32) - ref).max())
+    assert err <= 2**-7 * 4 * float(mx.abs(ref).max()), err
+
+    def loss(params):
+        m.update(params)
+        return m(x.astype(mx.bfloat16)).astype(mx.float32).sum()
+
+    grads = mx.grad(loss)(m.trainable_parameters())
+    assert grads["lora_a"].dtype == grads["lora_b"].dtype == mx.float32

@@ -1,0 +1,103 @@
+"""``bench ops``: one layer's attention block split by op, forward and forward + backward.
+
+    python -m engine bench ops --hidden 2048 --heads 32 --kv-heads 8 --seq 8192 [--json]
+
+Each op runs alone on the input it gets inside mlx-lm's llama attention (batch 2 × seq:
+the pair), in the layout it gets there — q/k/v arrive as transposed views
+``[B, L, H·D] → [B, H, L, D]``, so rope and attention see non-contiguous inputs; the
+``*_contig`` rows feed the same op a contiguous copy to tell layout costs from op costs.
+``q_proj_base`` is the frozen matmul alone, ``q_proj_mlx_lm`` mlx-lm's own LoRA call
+(float32 factors times a bf16 input) against the engine's (``q_proj``).
+``fwd+bwd`` is ``mx.vjp`` with respect to the op's array inputs (the LoRA projections'
+parameter gradients are left out: rank 16, a small share). ``block`` rows are the whole
+attention block (norm, projections, rope, attention, output projection); ``block_norope``
+replaces rope by the identity, so block − block_norope is what rope costs in place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+
+def _timed(fn: Callable, args: list[mx.array], repeats: int) -> float:
+    mx.eval(fn(*args))  # warm-up: kernels compiled, allocator primed
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        mx.eval(fn(*args))
+    return (time.perf_counter() - t0) / repeats * 1e3
+
+
+def _vjp(fn: Callable) -> Callable:
+    def both(*xs):
+        out = fn(*xs)
+        cot = mx.ones_like(out)
+        return mx.vjp(fn, list(xs), [cot])
+    return both
+
+
+class _Identity:
+    def __call__(self, x, offset=0):
+        return x
+
+
+def ops(layer, a: argparse.Namespace) -> dict[str, tuple[Callable, list[mx.array]]]:
+    """Op name → (function, inputs) for ``layer``'s attention at batch 2 × ``a.seq``."""
+    from mlx_lm.tuner.lora import LoRALinear
+
+    attn, dtype = layer.self_attn, getattr(mx, a.dtype)
+    b, n, h, kv = 2, a.seq, attn.n_heads, attn.n_kv_heads
+    d = a.hidden // h
+
+    def rnd(*shape, seed=0):
+        return mx.random.normal(shape, key=mx.random.key(seed)).astype(dtype)
+
+    x, q2, k2, v2 = rnd(b, n, a.hidden), rnd(b, n, h * d, seed=1), rnd(b, n, kv * d, seed=2), \
+        rnd(b, n, kv * d, seed=3)
+    heads = lambda t, m: t.reshape(b, n, m, d).transpose(0, 2, 1, 3)  # noqa: E731
+    q4, k4, v4 = (mx.contiguous(heads(t, m)) for t, m in ((q2, h), (k2, kv), (v2, kv)))
+    sdpa = lambda q, k, v: mx.fast.scaled_dot_product_attention(  # noqa: E731
+        q, k, v, scale=attn.scale, mask="causal")
+
+    def block_norope(t):
+        rope, attn.rope = attn.rope, _Identity()
+        try:
+            return attn(layer.input_layernorm(t), mask="causal")
+        finally:
+            attn.rope = rope
+
+    return {
+        "norm": (layer.input_layernorm, [x]),
+        "q_proj": (attn.q_proj, [x]),
+        "q_proj_base": (attn.q_proj.linear, [x]),  # the frozen matmul alone
+        "q_proj_mlx_lm": (lambda t: LoRALinear.__call__(attn.q_proj, t), [x]),
+        "k_proj": (attn.k_proj, [x]),
+        "v_proj": (attn.v_proj, [x]),
+        "rope_q": (lambda t: attn.rope(heads(t, h)), [q2]),
+        "rope_q_contig": (attn.rope, [q4]),
+        "rope_k": (lambda t: attn.rope(heads(t, kv)), [k2]),
+        "sdpa": (lambda q, k, v: sdpa(heads(q, h), heads(k, kv), heads(v, kv)), [q2, k2, v2]),
+        "sdpa_contig": (sdpa, [q4, k4, v4]),
+        "o_proj": (lambda o: attn.o_proj(o.transpose(0, 2, 1, 3).reshape(b, n, -1)), [q4]),
+        "block": (lambda t: attn(layer.input_layernorm(t), mask="causal"), [x]),
+        "block_norope": (block_norope, [x]),
+    }
+
+
+def op_rows(layer, a: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every op's forward and forward+backward milliseconds."""
+    rows = []
+    for name, (fn, args) in ops(layer, a).items():
+        rows.append({"op": name, "fwd_ms": _timed(fn, args, a.repeats),
+                     "fwd_bwd_ms": _timed(_vjp(fn), args, a.repeats)})
+    return rows
+
+
+def print_rows(rows: list[dict[str, Any]]) -> None:
+    for r in rows:
+        print(f"{r['op']:>14}  fwd {r['fwd_ms']:8.3f} ms  fwd+bwd {r['fwd_bwd_ms']:8.3f} ms  "
+              f"bwd {r['fwd_bwd_ms'] - r['fwd_ms']:8.3f} ms", flush=True)
