@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU issue's measurements on one NVIDIA GPU, Pomona and TRL in the same run.
+#
+#   bash ../shared/tools/prepare-mlx-cuda.sh      # once, here: MLX's CUDA build into .whl/
+#   # TRL's pure-Python wheels into .trlwhl/ (the GPU machine has torch, transformers, peft):
+#   python3 -m pip download --no-deps -d .trlwhl trl==1.16.0 datasets dill multiprocess
+#   bash benchmarks/h200.sh SECTION... OUT_DIR   # on the GPU machine, .whl and .trlwhl carried
+#   # (through the device tool, whose $OUT returns 8 files: OUT_DIR=/tmp/r, then
+#   #  tar czf $OUT/results.tgz -C /tmp/r .)
+#
+# Sections: ops (attention block by op, 4k and 8k), engine-8k|engine-4k|engine-2k (memory
+# rows and prefix rows at segment sizes 0/1/2/4), q4 (a 4-bit base), trl (ORPOTrainer +
+# PEFT, with and without gradient checkpointing, 4k and 8k). Every result is one JSON file
+# in OUT_DIR. Model: 16 layers, hidden 2048, GQA 32/8, intermediate 5632, vocab 32000, bf16.
+set -euo pipefail
+out="${*: -1}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+B="--layers 16 --hidden 2048 --heads 32 --kv-heads 8 --intermediate 5632 --vocab 32000
+   --dtype bfloat16 --head-chunk 512"
+
+mlx() { (source .whl/activate.sh && python3 -m engine bench "$@"); }
+
+engine() {  # engine SEQ REPEATS
+  local seq=$1 n=$2
+  mlx memory $B --seq "$seq" --repeats "$n" --json \
+    --rows plain,checkpoint,seg1,seg2,seg4,seg1d,head_dense,head_bounded > "$out/memory_$seq.json"
+  for k in 0 1 2 4; do
+    mlx prefix $B --seq "$seq" --repeats "$n" --segment-size "$k" --json \
+      --rows "two_forward@4:1,shared@4:1" > "$out/prefix_${seq}_seg$k.json"
+  done
+}
+
+for section in "${@:1:$#-1}"; do
+  echo "== $section $(date -u +%FT%TZ)"
+  case "$section" in
+    ops) for s in 4096 8192; do mlx ops $B --seq $s --repeats 10 --json > "$out/ops_$s.json"; done ;;
+    engine-8k) engine 8192 3 ;;
+    engine-4k) engine 4096 5 ;;
+    engine-2k) engine 2048 5 ;;
+    q4) for s in 2048 4096 8192; do
+          mlx memory $B --seq $s --repeats 3 --quantize 4 --json --rows plain,seg1,seg2 \
+            > "$out/q4_$s.json"
+          mlx prefix $B --seq $s --repeats 3 --quantize 4 --segment-size 1 --json \
+            --rows "two_forward@4:1,shared@4:1" > "$out/q4_prefix_$s.json"
+        done ;;
+    trl)  # torch only: MLX stays off the path (transformers imports mlx when it can)
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/trl .trlwhl/*.whl
+      for s in 4096 8192; do
+        for gc in "" --gradient-checkpointing; do
+          PYTHONPATH=/tmp/trl python3 benchmarks/trl_orpo.py --seq $s $gc \
+            --out "$out/trl.jsonl" >>"$out/trl.log" 2>&1
+        done
+      done ;;
+    *) echo "unknown section $section" >&2; exit 2 ;;
+  esac
+done
+python3 benchmarks/summary.py "$out" | tee "$out/summary.md"
