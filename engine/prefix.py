@@ -20,6 +20,8 @@ predicted from the last prompt position, so the loss and head code are shared an
 
 from __future__ import annotations
 
+import functools
+import itertools
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -170,19 +172,42 @@ def _split_layout(pr: Pair, two: PairBatch, pad_multiple: int, pad_id: int) -> P
                        split=SplitAttention(shared, first, c, r))
 
 
+@functools.cache
+def _partition(cuts: tuple[int, ...]):
+    """x [B, H, L, D] → its consecutive pieces along L, cut at ``cuts``.
+
+    A slice's vjp is a zero-fill plus an update of the whole array, per slice; pieces
+    that tile the array have one concatenation as their vjp. Per layer and stage that is
+    a few kernels instead of dozens (docs/performance.md, the 2k prefix rows).
+    """
+    bounds = [0, *cuts, None]
+
+    @mx.custom_function
+    def pieces(x: mx.array) -> tuple[mx.array, ...]:
+        return tuple(x[:, :, lo:hi] for lo, hi in itertools.pairwise(bounds))
+
+    @pieces.vjp
+    def pieces_vjp(primals, cotangents, outputs):
+        return mx.concatenate(list(cotangents), axis=2)
+
+    return pieces
+
+
 def split_attention(sdpa, queries: mx.array, keys: mx.array, values: mx.array, cache,
                     scale: float, mask: SplitAttention, *args, **kwargs) -> mx.array:
     """``scaled_dot_product_attention`` for a SplitAttention mask ([1, H, L, D] inputs)."""
     s, a = mask.shared, mask.first
-    first = sdpa(queries[:, :, :a], keys[:, :, :a], values[:, :, :a], cache, scale,
-                 "causal", *args, **kwargs)
     if a == queries.shape[2]:  # a one-token rejected response: nothing of it is fed
-        return first
-    k2, v2 = keys[:, :, a:], values[:, :, a:]
-    if s:
-        k2 = mx.concatenate([keys[:, :, :s], k2], axis=2)
-        v2 = mx.concatenate([values[:, :, :s], v2], axis=2)
-    second = sdpa(queries[:, :, a:], k2, v2, cache, scale, "causal", *args, **kwargs)
+        return sdpa(queries, keys, values, cache, scale, "causal", *args, **kwargs)
+    q1, q2 = _partition((a,))(queries)
+    cuts = (s, a) if s else (a,)
+    *k1, k2 = _partition(cuts)(keys)
+    *v1, v2 = _partition(cuts)(values)
+    first = sdpa(q1, mx.concatenate(k1, axis=2), mx.concatenate(v1, axis=2), cache, scale,
+                 "causal", *args, **kwargs)
+    if s:  # the second branch attends to the shared prefix and to itself
+        k2, v2 = mx.concatenate([k1[0], k2], axis=2), mx.concatenate([v1[0], v2], axis=2)
+    second = sdpa(q2, k2, v2, cache, scale, "causal", *args, **kwargs)
     return mx.concatenate([first, second], axis=2)
 
 
@@ -230,8 +255,9 @@ class PrefixRope(nn.Module):
             a = st.split.first
             if a == x.shape[2]:
                 return self.inner(x, offset=0)
-            return mx.concatenate([self.inner(x[:, :, :a], offset=0),
-                                   self.inner(x[:, :, a:], offset=st.split.shared)], axis=2)
+            lo, hi = _partition((a,))(x)
+            return mx.concatenate([self.inner(lo, offset=0),
+                                   self.inner(hi, offset=st.split.shared)], axis=2)
         # x: [B, H, L, D]; rejected tokens at concat index j take position j + shift.
         return mx.where(st.select, self.inner(x, offset=st.shift), self.inner(x, offset=0))
 
