@@ -49,8 +49,8 @@ class SplitAttention:
 
     shared: int
     first: int
-    chosen: int = 0  # fed tokens of each branch after the shared prefix (pads excluded)
-    rejected: int = 0
+    chosen: int  # fed tokens of each branch after the shared prefix (pads excluded)
+    rejected: int
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,8 @@ class PrefixBatch:
         return self.pairs.ids
 
 
-def _uses_split(attention: str, rows: int) -> bool:
+def uses_split(attention: str, rows: int) -> bool:
+    """Whether ``attention`` (mask | split | auto) lays ``rows`` pairs out for split."""
     return attention == "split" or (attention == "auto" and rows == 1)
 
 
@@ -111,7 +112,7 @@ def split_prefix_batch(pairs: Sequence[Pair], nll_span: str = "full",
     if any(len(p.prompt) == 0 for p in pairs):
         return None
     two = two or make_batch(pairs, nll_span, pad_multiple, pad_id)
-    if _uses_split(attention, len(pairs)):
+    if uses_split(attention, len(pairs)):
         if len(pairs) != 1:
             raise ValueError("split attention needs a one-row micro-batch (batch_size 1)")
         return _split_layout(pairs[0], two, pad_multiple, pad_id)
@@ -288,8 +289,9 @@ def shared_positions(state: _RopeState, batch: PrefixBatch
     """Inside: ropes give rejected tokens prompt-relative positions; yields the mask
     (the batch's SplitAttention, or its block-sparse array)."""
     state.shift = mx.array(batch.shift)
-    state.select = mx.array(batch.rejected)[:, None, :, None]
     state.split = batch.split
+    if batch.split is None:  # the split layout's ropes slice instead of selecting
+        state.select = mx.array(batch.rejected)[:, None, :, None]
     try:
         yield batch.split if batch.split is not None else mx.array(batch.mask)
     finally:
@@ -336,4 +338,4 @@ def from_pair_layout(cot: mx.array, batch: PrefixBatch) -> mx.array:
 def _spans(batch: PrefixBatch) -> tuple[int, int, int, int]:
     """A split layout's (shared, chosen-branch, rejected-branch, pair-layout) lengths."""
     sp = batch.split
-    return sp.shared, sp.chosen, sp.rejected, batch.gather.shape[1]
+    return sp.shared, sp.chosen, sp.rejected, batch.pairs.inputs.shape[1]

@@ -34,7 +34,7 @@ from engine.config import TrainConfig
 from engine.data import load_pairs, micro_batches
 from engine.losses import LossSpec, Norms, pair_loss
 from engine.model import LoraSpec, Stack, attach_lora, check_stack, make_stack, set_dropout_seed
-from engine.prefix import PrefixBatch, split_prefix_batch
+from engine.prefix import PrefixBatch, split_prefix_batch, uses_split
 from engine.scoring import evaluate
 from engine.segmented import Grads, grads_to_tree, value_and_grad
 
@@ -153,13 +153,16 @@ def choose_layout(pairs: list, cfg: TrainConfig, pad_multiple: int, pad_id: int
     if cfg.prefix_share == "off":
         return two
     attention = resolve_prefix_attention(cfg.prefix_attention, pad_multiple)
+    cuda_auto = cfg.prefix_share == "auto" and _is_cuda()
+    if cuda_auto and not uses_split(attention, len(pairs)):
+        return two  # the [B, 1, L, L] mask is not even built
     shared = split_prefix_batch(pairs, cfg.nll_span, pad_multiple, pad_id,
                                 attention=attention, two=two)
     if shared is None:
         return two  # counted: prefix_share_rate falls
     if cfg.prefix_share == "on":
         return shared
-    if _is_cuda() and (shared.split is None or shared.inputs.shape[1] < CUDA_SPLIT_MIN_TOKENS):
+    if cuda_auto and shared.inputs.shape[1] < CUDA_SPLIT_MIN_TOKENS:
         return two
     needed = 0.25 if shared.split is not None else 1 / 3
     return two if shared.fed > (1 - needed) * two.tokens else shared
