@@ -33,6 +33,9 @@ console = Console(soft_wrap=True)  # long paths in messages stay whole, copyable
 # flow for its SQLite database ("database is locked" tracebacks in the demo): off unless
 # the user turns it on.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# On a fresh PREFECT_HOME the temporary server migrates its database before it answers;
+# on a busy 2-core CI box that outran Prefect's 20 s wait (the demo failed to start).
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
 def fail(message: str) -> typer.Exit:

@@ -26,6 +26,17 @@ def test_help_lists_the_verbs() -> None:
         assert verb in result.output
 
 
+def test_the_cli_waits_for_a_fresh_temporary_prefect_server() -> None:
+    """Prefect's 20 s wait lost to a fresh database's migrations on a busy 2-core box."""
+    code = ("import flows.cli; from prefect.settings import "
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as S; print(S.value())")
+    env = {k: v for k, v in os.environ.items()
+           if k != "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, check=True).stdout
+    assert int(out) >= 120
+
+
 def test_model_init_cli_writes_a_loadable_model(tmp_path: Path) -> None:
     out = tmp_path / "m"
     args = ["model", "init", "--out", str(out), "--layers", "1", "--hidden", "64",
