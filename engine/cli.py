@@ -35,7 +35,8 @@ def train_parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(TrainConfig):
         _, kwargs = _arg_type(hints[f.name])
         p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None,
-                       help=f"{f.metadata['help']} (default: {f.default})", **kwargs)
+                       help=f"{f.metadata['help']} (default: {f.default})".replace("%", "%%"),
+                       **kwargs)  # argparse %-formats help: "25%" crashed --help
     return p
 
 
@@ -118,9 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"train": run_train, "score": run_score, "bench": run_bench}
     if not argv or argv[0] not in commands:
-        print(__doc__ or "", "usage: python -m engine {train,score,bench} ...", sep="\n",
-              file=sys.stderr)
-        return 2
+        asked = bool(argv) and argv[0] in ("-h", "--help")
+        print(__doc__ or "", "usage: python -m engine {train,score,bench} ... (each: --help)",
+              sep="\n", file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
     return commands[argv[0]](argv[1:])
 
 
@@ -128,7 +130,8 @@ def run_bench(argv: list[str]) -> int:
     from engine import bench
 
     if not argv or argv[0] not in ("memory", "prefix", "attention", "profile", "ops"):
+        asked = bool(argv) and argv[0] in ("-h", "--help")
         print("usage: python -m engine bench {memory,prefix,attention,profile,ops} [--help]",
-              file=sys.stderr)
-        return 2
+              file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
     return bench.main(argv[1:], argv[0])

@@ -189,6 +189,10 @@ def score_cmd(ctx: typer.Context) -> None:
 def bench_cmd(ctx: typer.Context) -> None:
     """Side-by-side benchmarks: `pomona bench memory|prefix|attention|profile|ops|tokenize`."""
     args = list(ctx.args)
+    if args[:1] in ([], ["-h"], ["--help"]):
+        console.print("usage: pomona bench {memory,prefix,attention,profile,ops,tokenize} "
+                      "[--help]", highlight=False)
+        raise typer.Exit(code=0 if args else 2)
     if args[:1] == ["tokenize"]:
         from tasks.tokenize_bench import main as tokenize_bench
 

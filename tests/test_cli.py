@@ -37,6 +37,25 @@ def test_the_cli_waits_for_a_fresh_temporary_prefect_server() -> None:
     assert int(out) >= 120
 
 
+def test_every_help_page_prints() -> None:
+    """Each verb's --help, the engine's pass-through ones too (a '%' in a help text crashed
+    argparse's `train --help`)."""
+    from engine.cli import main as engine_main
+
+    pages = [[v, "--help"] for v in ("model", "data", "demo", "pipeline", "sweep",
+                                     "leaderboard", "serve", "ui", "train", "score", "bench")]
+    pages += [["bench", k, "--help"] for k in
+              ("memory", "prefix", "attention", "profile", "ops", "tokenize")]
+    pages += [["model", "init", "--help"], ["data", "synth", "--help"]]
+    for args in pages:
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, (args, result.output, result.exception)
+        assert "usage" in result.output.lower(), (args, result.output)
+    assert "--segment-size" in runner.invoke(app, ["train", "--help"]).output
+    assert engine_main(["--help"]) == 0 and engine_main([]) == 2
+    assert engine_main(["bench", "--help"]) == 0 and engine_main(["bench", "nope"]) == 2
+
+
 def test_model_init_cli_writes_a_loadable_model(tmp_path: Path) -> None:
     out = tmp_path / "m"
     args = ["model", "init", "--out", str(out), "--layers", "1", "--hidden", "64",
