@@ -85,6 +85,9 @@ def score_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="all", choices=["all", "train", "valid"])
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--head-chunk", type=int, default=0, help="Bounded head chunk (0 = dense).")
+    p.add_argument("--prefix-share", default="auto", choices=["auto", "on", "off"],
+                   help="One forward per pair over [prompt | chosen | rejected], as in "
+                        "training (auto: where it saves enough tokens).")
     return p
 
 
@@ -95,17 +98,18 @@ def run_score(argv: list[str]) -> int:
     from engine.data import load_pairs
     from engine.model import make_stack
     from engine.scoring import preference_accuracy, score_pairs
+    from engine.trainer import scoring_layout
 
     a = score_parser().parse_args(argv)
     try:
-        model, _ = mlx_lm.load(a.model, adapter_path=a.adapter)
+        model, tokenizer = mlx_lm.load(a.model, adapter_path=a.adapter)
         data = load_pairs(a.data)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     pairs = {"all": data.train + data.valid, "train": data.train, "valid": data.valid}[a.split]
     rows = score_pairs(model, make_stack(model), pairs, a.orpo_lambda, a.batch_size,
-                       a.head_chunk)
+                       a.head_chunk, scoring_layout(a.prefix_share, tokenizer.pad_token_id or 0))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in rows))

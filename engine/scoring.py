@@ -1,30 +1,44 @@
 """Forward-only scoring: validation metrics and per-pair scores (``pomona score``).
 
 Uses the same token log-probs as training (dense, or chunked when ``head_chunk`` > 0 so
-evaluation never materialises [tokens, vocab] logits either).
+evaluation never materialises [tokens, vocab] logits either) and the same layouts: a
+``Layout`` may return a PrefixBatch, scored in one shared forward like training's. Pairs
+are batched by length (scores are per row, so order is free and pads are the waste).
+The demo's held-out split (211 pairs, CPU, `score_pairs`): 23.1 s in data order, 7.0 s
+by length, 4.4 s by length and shared.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from engine.batch import Pair, PairBatch, batch_norms, make_batch
-from engine.head import token_logps
+from engine.data import pair_length
+from engine.head import dense_logps, token_logps
 from engine.losses import LossSpec, mean_logps, orpo_pair_terms, pair_loss
 from engine.model import Stack
+from engine.prefix import PrefixBatch, install_prefix_rope, shared_positions, to_pair_layout
+
+# How a group of pairs is laid out for the forward (trainer.choose_layout, or make_batch).
+Layout = Callable[[list[Pair]], PairBatch | PrefixBatch]
 
 
-def forward_logps(model: nn.Module, stack: Stack, batch: PairBatch,
+def forward_logps(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch,
                   head_chunk: int = 0) -> mx.array:
-    """Token log-probs [2B, T] of ``batch`` (no gradient)."""
-    inputs, targets = mx.array(batch.inputs), mx.array(batch.targets)
+    """Token log-probs [2B, T] of ``batch`` in the two-forward layout (no gradient)."""
+    pairs = batch.pairs if isinstance(batch, PrefixBatch) else batch
+    targets = mx.array(pairs.targets)
+    if isinstance(batch, PrefixBatch):
+        with shared_positions(install_prefix_rope(model), batch) as mask:
+            h = to_pair_layout(stack.hidden(mx.array(batch.inputs), mask), batch)
+    else:
+        h = stack.hidden(mx.array(pairs.inputs))
     if head_chunk <= 0:
-        return token_logps(model(inputs), targets)
-    h = stack.hidden(inputs)
+        return dense_logps(stack, h, targets)
     n, t, width = h.shape
     flat_h, flat_t = h.reshape(n * t, width), targets.reshape(-1)
     pieces = []
@@ -35,28 +49,36 @@ def forward_logps(model: nn.Module, stack: Stack, batch: PairBatch,
     return mx.concatenate(pieces).reshape(n, t)
 
 
-def chunks(pairs: Sequence[Pair], size: int) -> list[list[Pair]]:
-    return [list(pairs[i : i + size]) for i in range(0, len(pairs), size)]
+def length_groups(pairs: Sequence[Pair], size: int) -> list[list[int]]:
+    """Indices of ``pairs`` in groups of ``size``, sorted by length (stable), as
+    training's buckets (engine/data.py)."""
+    order = sorted(range(len(pairs)), key=lambda i: pair_length(pairs[i]))
+    return [order[i : i + size] for i in range(0, len(order), size)]
 
 
 def evaluate(model: nn.Module, stack: Stack, pairs: Sequence[Pair], spec: LossSpec,
              batch_size: int, pad_multiple: int = 0, head_chunk: int = 0,
-             max_batches: int = 0) -> dict[str, float]:
-    """Loss and TRL-named metrics over ``pairs`` (means over the pairs/tokens used)."""
-    groups = chunks(pairs, batch_size)
+             max_batches: int = 0, layout: Layout | None = None) -> dict[str, float]:
+    """Loss and TRL-named metrics over ``pairs`` (means over the pairs/tokens used).
+
+    ``max_batches`` > 0 keeps the first ``max_batches × batch_size`` pairs (then sorts).
+    """
     if max_batches > 0:
-        groups = groups[:max_batches]
-    if not groups:
+        pairs = pairs[: max_batches * batch_size]
+    if not pairs:
         return {"rows": 0}
-    batches = [make_batch(g, spec.nll_span, pad_multiple) for g in groups]
-    norms = batch_norms(batches)
+    layout = layout or (lambda g: make_batch(g, spec.nll_span, pad_multiple))
+    groups = [[pairs[i] for i in g] for g in length_groups(pairs, batch_size)]
+    norms = batch_norms([make_batch(g, spec.nll_span) for g in groups])
     total_loss, sums = 0.0, {}
     was_training = model.training
     model.eval()
     try:
-        for b in batches:
+        for g in groups:
+            b = layout(g)
+            two = b.pairs if isinstance(b, PrefixBatch) else b
             lp = forward_logps(model, stack, b, head_chunk)
-            loss, metrics = pair_loss(lp, mx.array(b.resp_mask), mx.array(b.nll_mask),
+            loss, metrics = pair_loss(lp, mx.array(two.resp_mask), mx.array(two.nll_mask),
                                       spec, norms)
             mx.eval(loss, metrics)
             total_loss += float(loss)
@@ -71,25 +93,29 @@ def evaluate(model: nn.Module, stack: Stack, pairs: Sequence[Pair], spec: LossSp
 
 
 def score_pairs(model: nn.Module, stack: Stack, pairs: Sequence[Pair], orpo_lambda: float,
-                batch_size: int = 8, head_chunk: int = 0) -> list[dict]:
-    """Per pair: id, chosen/rejected mean log-prob, full-span NLL, log-odds, ORPO loss."""
-    rows: list[dict] = []
+                batch_size: int = 8, head_chunk: int = 0,
+                layout: Layout | None = None) -> list[dict]:
+    """Per pair, in ``pairs``' order: id, chosen/rejected mean log-prob, full-span NLL,
+    log-odds, ORPO loss. ``layout`` must lay pairs out with ``nll_span`` full."""
+    layout = layout or (lambda g: make_batch(g, "full"))
+    rows: list[dict] = [{} for _ in pairs]
     model.eval()
-    for group in chunks(pairs, batch_size):
-        b = make_batch(group, "full")
+    for idx in length_groups(pairs, batch_size):
+        b = layout([pairs[i] for i in idx])
+        two = b.pairs if isinstance(b, PrefixBatch) else b
         lp = forward_logps(model, stack, b, head_chunk)
-        resp, nll_mask = mx.array(b.resp_mask), mx.array(b.nll_mask)
+        resp, nll_mask = mx.array(two.resp_mask), mx.array(two.nll_mask)
         logps = mean_logps(lp, resp)
-        k = len(group)
+        k = len(idx)
         lw, lr = logps[:k], logps[k:]
         nll = -mean_logps(lp[:k], nll_mask[:k])
         log_odds, log_sig = orpo_pair_terms(lw, lr)
         loss = nll - orpo_lambda * log_sig
         mx.eval(lw, lr, nll, log_odds, loss)
-        for i, p in enumerate(group):
-            rows.append({"id": p.id, "chosen_logp_mean": float(lw[i]),
-                         "rejected_logp_mean": float(lr[i]), "nll": float(nll[i]),
-                         "log_odds": float(log_odds[i]), "orpo_loss": float(loss[i])})
+        for j, i in enumerate(idx):
+            rows[i] = {"id": pairs[i].id, "chosen_logp_mean": float(lw[j]),
+                       "rejected_logp_mean": float(lr[j]), "nll": float(nll[j]),
+                       "log_odds": float(log_odds[j]), "orpo_loss": float(loss[j])}
     return rows
 
 

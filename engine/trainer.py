@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -168,6 +168,15 @@ def choose_layout(pairs: list, cfg: TrainConfig, pad_multiple: int, pad_id: int
     return two if shared.fed > (1 - needed) * two.tokens else shared
 
 
+def scoring_layout(prefix_share: str, pad_id: int) -> Callable[[list], PairBatch | PrefixBatch]:
+    """``choose_layout`` for forward-only scoring (full-span NLL, this device's padding)."""
+    if prefix_share not in ("auto", "on", "off"):
+        raise ValueError(f"prefix_share={prefix_share!r}: expected one of auto, on, off")
+    cfg = TrainConfig(nll_span="full", prefix_share=prefix_share)
+    pad = resolve_pad_multiple(-1)
+    return lambda pairs: choose_layout(pairs, cfg, pad, pad_id)
+
+
 def _is_cuda() -> bool:
     return mx.cuda.is_available() and mx.default_device() == mx.gpu
 
@@ -284,7 +293,7 @@ def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
 
     def validate(step: int) -> dict[str, Any]:
         metrics = evaluate(model, stack, data.valid, loss_spec, cfg.batch_size, pad_multiple,
-                           cfg.head_chunk, cfg.val_batches)
+                           cfg.head_chunk, cfg.val_batches, layout=batch_of)
         rec = {"step": step, "split": "valid",
                **{f"val/{k}": v for k, v in metrics.items()},
                "val/rows_skipped": sum(data.rejected.values())}

@@ -20,20 +20,24 @@ import numpy as np
 
 def evaluate_adapter(model: str, adapter: str | None, data: str, orpo_lambda: float = 0.1,
                      batch_size: int = 8, head_chunk: int = 0, generations: int = 0,
-                     out: str | None = None, max_tokens: int = 64) -> dict[str, Any]:
-    """The held-out metrics of ``adapter`` (None: the base model) on ``data``."""
+                     out: str | None = None, max_tokens: int = 64,
+                     prefix_share: str = "auto") -> dict[str, Any]:
+    """The held-out metrics of ``adapter`` (None: the base model) on ``data``;
+    ``prefix_share`` as in training (one forward per pair where it pays)."""
     import mlx_lm
 
     from engine.adapters import atomic_write_text
     from engine.data import load_pairs
     from engine.model import make_stack
     from engine.scoring import preference_accuracy, score_pairs
+    from engine.trainer import scoring_layout
 
     loaded, tokenizer = mlx_lm.load(model, adapter_path=adapter)
     pairs = load_pairs(data).valid
     if not pairs:
         raise ValueError(f"{data}: no validation split to evaluate on")
-    rows = score_pairs(loaded, make_stack(loaded), pairs, orpo_lambda, batch_size, head_chunk)
+    rows = score_pairs(loaded, make_stack(loaded), pairs, orpo_lambda, batch_size, head_chunk,
+                       scoring_layout(prefix_share, tokenizer.pad_token_id or 0))
     metrics: dict[str, Any] = {
         "eval/orpo_loss": float(np.mean([r["orpo_loss"] for r in rows])),
         "eval/nll": float(np.mean([r["nll"] for r in rows])),

@@ -193,3 +193,31 @@ def test_split_layout_slices_match_the_gather_and_its_scatter(p: int) -> None:
     cot = mx.random.normal((2, t, 6), key=mx.random.key(p + 1)) * mx.array(live)
     ref = mx.zeros((length, 6)).at[mx.array(b.gather.reshape(-1))].add(cot.reshape(-1, 6))
     assert mx.allclose(from_pair_layout(cot, b), ref.reshape(1, length, 6), atol=1e-6)
+
+
+@pytest.mark.parametrize("head_chunk", [0, 16])
+def test_scoring_shares_the_prefix_and_keeps_row_order(tiny_model: Path, head_chunk: int) -> None:
+    """Forward-only scoring (validation, `pomona score`): the shared layouts give the two
+    forwards' per-pair scores, in the data's order although batches go by length.
+    Tolerance: 1e-5 absolute on mean log-probs of order 1 (float32)."""
+    from engine.scoring import evaluate, score_pairs
+
+    model, stack = lora_model(tiny_model)
+    pairs = tokenized_pairs(tiny_model, 7, seed=21)
+    ref = score_pairs(model, stack, pairs, 0.3, 3, head_chunk)  # two forwards
+    assert [r["id"] for r in ref] == [p.id for p in pairs]
+    layouts = {"mask": lambda g: split_prefix_batch(g, "full", attention="mask"),
+               "split": lambda g: split_prefix_batch(g, "full", pad_multiple=8,
+                                                     attention="split")}
+    for name, layout in layouts.items():
+        size = 1 if name == "split" else 3
+        got = score_pairs(model, stack, pairs, 0.3, size, head_chunk, layout)
+        assert [r["id"] for r in got] == [p.id for p in pairs]
+        for a, b in zip(got, ref, strict=True):
+            for key in ("chosen_logp_mean", "rejected_logp_mean", "nll", "orpo_loss"):
+                assert a[key] == pytest.approx(b[key], abs=1e-5), (name, key, a["id"])
+    spec = LossSpec("orpo", 0.3, "response")
+    plain = evaluate(model, stack, pairs, spec, 3, head_chunk=head_chunk)
+    shared = evaluate(model, stack, pairs, spec, 3, head_chunk=head_chunk,
+                      layout=lambda g: split_prefix_batch(g, "response", attention="mask"))
+    assert shared == pytest.approx(plain, abs=1e-5) and plain["rows"] == 7
