@@ -92,17 +92,15 @@ def score_parser() -> argparse.ArgumentParser:
 
 
 def run_score(argv: list[str]) -> int:
-    import mlx_lm
-
     from engine.adapters import atomic_write_text
     from engine.data import load_pairs
-    from engine.model import make_stack
+    from engine.model import load_model, make_stack
     from engine.scoring import preference_accuracy, score_pairs
     from engine.trainer import scoring_layout
 
     a = score_parser().parse_args(argv)
     try:
-        model, tokenizer = mlx_lm.load(a.model, adapter_path=a.adapter)
+        model, tokenizer = load_model(a.model, a.adapter)
         data = load_pairs(a.data)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -11,12 +11,31 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
+
+
+def load_model(model: str, adapter_path: str | None = None) -> tuple[nn.Module, Any]:
+    """``mlx_lm.load`` of a local directory or a Hugging Face repo id, with an error that
+    names the model: offline, a mistyped path otherwise ends as a hub connection error."""
+    import mlx_lm
+
+    local = Path(model).expanduser()
+    if local.is_dir():
+        return mlx_lm.load(str(local), adapter_path=adapter_path)
+    if model.startswith(("/", ".", "~")) or local.exists():
+        raise FileNotFoundError(f"model not found: {model} (no such directory)")
+    try:
+        return mlx_lm.load(model, adapter_path=adapter_path)
+    except Exception as err:  # the hub client's many failure types: name them all
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise FileNotFoundError(f"model {model!r}: no such directory here ({Path.cwd()}), and "
+                                f"as a Hugging Face repo id: {first}") from err
 
 
 @dataclass(frozen=True)

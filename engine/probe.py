@@ -24,13 +24,11 @@ def probe_steps(cfg: TrainConfig, variants: list[dict[str, Any]],
                 batches: str | int = "worst", repeats: int = 1) -> list[dict[str, Any]]:
     """One row per variant (TrainConfig overrides): peak_gb, step_s, tokens, tokens_per_sec,
     shared_rate; or ``error`` when that setting failed (out of memory, invalid)."""
-    import mlx_lm
-
-    from engine.model import attach_lora, check_stack, make_stack
+    from engine.model import attach_lora, check_stack, load_model, make_stack
     from engine.trainer import lora_spec
 
     cfg.validate()
-    model, tokenizer = mlx_lm.load(cfg.model)
+    model, tokenizer = load_model(cfg.model)
     attach_lora(model, lora_spec(cfg), cfg.seed)
     stack = make_stack(model)
     check_stack(model, stack)

@@ -33,7 +33,15 @@ from engine.batch import PairBatch, batch_norms, make_batch
 from engine.config import TrainConfig
 from engine.data import load_pairs, micro_batches
 from engine.losses import LossSpec, Norms, pair_loss
-from engine.model import LoraSpec, Stack, attach_lora, check_stack, make_stack, set_dropout_seed
+from engine.model import (
+    LoraSpec,
+    Stack,
+    attach_lora,
+    check_stack,
+    load_model,
+    make_stack,
+    set_dropout_seed,
+)
 from engine.prefix import PrefixBatch, split_prefix_batch, uses_split
 from engine.scoring import evaluate
 from engine.segmented import Grads, grads_to_tree, value_and_grad
@@ -253,15 +261,13 @@ def _emit(record: dict[str, Any], out: Path, callbacks: Sequence[Callback]) -> N
 
 def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
     """Train one adapter as ``cfg`` says; write it to ``cfg.out``; return a summary."""
-    import mlx_lm
-
     cfg.validate()
     started = time.perf_counter()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.memory_limit_gb > 0:
         mx.set_memory_limit(int(cfg.memory_limit_gb * 2**30))
-    model, tokenizer = mlx_lm.load(cfg.model)
+    model, tokenizer = load_model(cfg.model)
     spec = lora_spec(cfg)
     trainable = attach_lora(model, spec, cfg.seed)
     stack = make_stack(model)

@@ -24,15 +24,13 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, orpo_lambda: fl
                      prefix_share: str = "auto") -> dict[str, Any]:
     """The held-out metrics of ``adapter`` (None: the base model) on ``data``;
     ``prefix_share`` as in training (one forward per pair where it pays)."""
-    import mlx_lm
-
     from engine.adapters import atomic_write_text
     from engine.data import load_pairs
-    from engine.model import make_stack
+    from engine.model import load_model, make_stack
     from engine.scoring import preference_accuracy, score_pairs
     from engine.trainer import scoring_layout
 
-    loaded, tokenizer = mlx_lm.load(model, adapter_path=adapter)
+    loaded, tokenizer = load_model(model, adapter)
     pairs = load_pairs(data).valid
     if not pairs:
         raise ValueError(f"{data}: no validation split to evaluate on")

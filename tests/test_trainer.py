@@ -193,6 +193,26 @@ def test_python_m_engine_train_and_score(tiny_model, tiny_data, tmp_path) -> Non
                           "--data", str(tmp_path / "missing.jsonl"), "--out", str(out)],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "missing.jsonl" in bad.stderr
+    typo = subprocess.run([sys.executable, "-m", "engine", "score", "--model",
+                           "models/no-such-model", "--data", str(tiny_data), "--out",
+                           str(scores)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=tmp_path)
+    assert typo.returncode == 2, typo.stderr
+    assert "'models/no-such-model': no such directory here" in typo.stderr  # not a hub error
+
+
+@pytest.mark.unit
+def test_a_missing_model_directory_is_named(tmp_path, monkeypatch) -> None:
+    from engine.model import load_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for name in (str(tmp_path / "nope"), "./nope", "~/no-such-pomona-model"):
+        with pytest.raises(FileNotFoundError, match=r"model not found: .*no such directory"):
+            load_model(name)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"'org/typo': no such directory here .*"
+                                                r"as a Hugging Face repo id"):
+        load_model("org/typo")
 
 
 @pytest.mark.slow
