@@ -94,19 +94,21 @@ def score_parser() -> argparse.ArgumentParser:
 def run_score(argv: list[str]) -> int:
     from engine.adapters import atomic_write_text
     from engine.data import load_pairs
-    from engine.model import load_model, make_stack
+    from engine.model import check_stack, load_model, make_stack
     from engine.scoring import preference_accuracy, score_pairs
     from engine.trainer import scoring_layout
 
     a = score_parser().parse_args(argv)
     try:
         model, tokenizer = load_model(a.model, a.adapter)
+        stack = make_stack(model)
+        check_stack(model, stack)  # scores come from the stack: refuse a model it misreads
         data = load_pairs(a.data)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     pairs = {"all": data.train + data.valid, "train": data.train, "valid": data.valid}[a.split]
-    rows = score_pairs(model, make_stack(model), pairs, a.orpo_lambda, a.batch_size,
+    rows = score_pairs(model, stack, pairs, a.orpo_lambda, a.batch_size,
                        a.head_chunk, scoring_layout(a.prefix_share, tokenizer.pad_token_id or 0))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,15 +26,17 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, orpo_lambda: fl
     ``prefix_share`` as in training (one forward per pair where it pays)."""
     from engine.adapters import atomic_write_text
     from engine.data import load_pairs
-    from engine.model import load_model, make_stack
+    from engine.model import check_stack, load_model, make_stack
     from engine.scoring import preference_accuracy, score_pairs
     from engine.trainer import scoring_layout
 
     loaded, tokenizer = load_model(model, adapter)
+    stack = make_stack(loaded)
+    check_stack(loaded, stack)  # scores come from the stack: refuse a model it misreads
     pairs = load_pairs(data).valid
     if not pairs:
         raise ValueError(f"{data}: no validation split to evaluate on")
-    rows = score_pairs(loaded, make_stack(loaded), pairs, orpo_lambda, batch_size, head_chunk,
+    rows = score_pairs(loaded, stack, pairs, orpo_lambda, batch_size, head_chunk,
                        scoring_layout(prefix_share, tokenizer.pad_token_id or 0))
     metrics: dict[str, Any] = {
         "eval/orpo_loss": float(np.mean([r["orpo_loss"] for r in rows])),
