@@ -53,6 +53,25 @@ def preprocess_task(path: str) -> dict[str, Any]:
     return {"saved_fraction": report.saved_fraction}
 
 
+@dataclasses.dataclass(frozen=True)
+class EvalMemory:
+    """An evaluation's batch size and LM-head chunk (0 = dense logits)."""
+
+    batch_size: int = 8
+    head_chunk: int = 0
+
+
+def eval_memory(rows: list[dict[str, Any]]) -> EvalMemory:
+    """Settings that fit where ``rows``' trials trained: their smallest batch and, if any
+    bounded its head, the smallest chunk (dense [2B, T, vocab] logits at batch 8 would
+    outgrow a 16 GB Mac mini that trained a large-vocabulary model with head_chunk)."""
+    if not rows:
+        return EvalMemory()
+    chunks = [int(r.get("param/head_chunk") or 0) for r in rows]
+    return EvalMemory(batch_size=min(int(r.get("param/batch_size") or 8) for r in rows),
+                      head_chunk=min((c for c in chunks if c > 0), default=0))
+
+
 def evaluation_key(context: Any, inputs: dict[str, Any]) -> str:
     """An evaluation depends on the adapter's bytes, the data's fingerprint, the code and
     its settings, never on paths alone (Prefect's INPUTS policy would hash the paths)."""
@@ -68,12 +87,15 @@ def evaluation_key(context: Any, inputs: dict[str, Any]) -> str:
 @task(cache_key_fn=evaluation_key, persist_result=True, result_serializer="json", retries=2,
       retry_delay_seconds=5, task_run_name="evaluate-{name}")
 def evaluate_task(name: str, model: str, adapter: str | None, data: str, orpo_lambda: float,
-                  generations: int, out: str, placement: Placement) -> dict[str, Any]:
+                  generations: int, out: str, placement: Placement,
+                  memory: EvalMemory | None = None) -> dict[str, Any]:
     """Held-out metrics of one adapter (or the base), computed in a Ray task on a GPU/slot."""
     import ray
 
+    memory = memory or EvalMemory()
     remote = placement.fresh_task(evaluate_adapter)
-    metrics = ray.get(remote.remote(model, adapter, data, orpo_lambda, 8, 0, generations, out))
+    metrics = ray.get(remote.remote(model, adapter, data, orpo_lambda, memory.batch_size,
+                                    memory.head_chunk, generations, out))
     get_run_logger().info("%s: %s", name, {k: round(v, 4) if isinstance(v, float) else v
                                            for k, v in metrics.items()})
     return metrics
@@ -135,13 +157,15 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str, metric: str
                soup_k: int = 2, fuse: bool = False) -> dict[str, Any]:
     """Evaluate every completed trial and the base (in parallel, on Ray), soup the top
     ``soup_k``, write the leaderboard, export (and optionally fuse) the best adapter."""
+    done = [r for r in results if r["status"] == "completed"]
+    shared = eval_memory(done)  # the base and the soup: what fits every trial's setting
     jobs = {r["trial_id"]: evaluate_task.submit(
                 r["trial_id"], model, r["adapter"], data,
                 float(r.get("param/orpo_lambda") or 0.1), generations,
-                str(Path(r["adapter"])), placement)
-            for r in results if r["status"] == "completed"}
+                str(Path(r["adapter"])), placement, eval_memory([r]))
+            for r in done}
     base = evaluate_task.submit("base", model, None, data, 0.1, generations,
-                                str(out_dir / "base"), placement)
+                                str(out_dir / "base"), placement, shared)
     evals = {name: job.result() for name, job in jobs.items()}
     base_metrics = base.result()
     top = [r["adapter"] for r in rank_trials(results, evals, metric, mode)
@@ -149,7 +173,8 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str, metric: str
     soup = None
     if soup_k >= 2 and len(top) >= 2:
         path = soup_task(top, str(out_dir / "soup"))
-        soup = {**evaluate_task("soup", model, path, data, 0.1, generations, path, placement),
+        soup = {**evaluate_task("soup", model, path, data, 0.1, generations, path, placement,
+                                shared),
                 "adapter": path}
     summary = aggregate_task(results, evals, base_metrics, metric, mode, str(out_dir), title,
                              soup)

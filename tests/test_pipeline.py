@@ -21,7 +21,7 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
     spec = tmp_path / "spec.yaml"
     spec.write_text("name: pipe\nmodel: unused\ndata: unused\nmax_concurrent: 2\n"
                     "fixed: {steps: 16, batch_size: 4, lora_rank: 4, val_every: 8, "
-                    "val_batches: 2, learning_rate: 1.0e-3}\n"
+                    "val_batches: 2, learning_rate: 1.0e-3, head_chunk: 16}\n"
                     "grid: {orpo_lambda: [0.1, 1.0]}\n")
     out = tmp_path / "out"
     state = pipeline(str(raw), str(tiny_model), str(spec), str(out), generations=2, fuse=True,
@@ -75,3 +75,17 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
     assert sorted(r["trial_id"] for r in board2) == sorted([*(r["trial_id"] for r in trials),
                                                             "base"])
     assert alone["best_trial"] in {r["trial_id"] for r in trials}
+
+
+def test_evaluation_fits_where_the_trials_trained() -> None:
+    """Each trial is evaluated at its own batch size and head chunk; the base and the soup
+    at the smallest of them (a bounded head if any trial bounded it)."""
+    from flows.pipeline import EvalMemory, eval_memory
+
+    a = {"param/batch_size": 8, "param/head_chunk": 0}
+    b = {"param/batch_size": 2, "param/head_chunk": 512}
+    c = {"param/batch_size": 4, "param/head_chunk": 256}
+    assert eval_memory([a]) == EvalMemory(8, 0)
+    assert eval_memory([b]) == EvalMemory(2, 512)
+    assert eval_memory([a, b, c]) == EvalMemory(2, 256)
+    assert eval_memory([]) == EvalMemory(8, 0) == eval_memory([{}])
