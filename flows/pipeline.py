@@ -54,22 +54,27 @@ def preprocess_task(path: str) -> dict[str, Any]:
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalMemory:
-    """An evaluation's batch size and LM-head chunk (0 = dense logits)."""
+class EvalSettings:
+    """How an evaluation runs: batch size, LM-head chunk (0 = dense), prefix sharing."""
 
     batch_size: int = 8
     head_chunk: int = 0
+    prefix_share: str = "auto"
 
 
-def eval_memory(rows: list[dict[str, Any]]) -> EvalMemory:
-    """Settings that fit where ``rows``' trials trained: their smallest batch and, if any
+def eval_settings(rows: list[dict[str, Any]]) -> EvalSettings:
+    """Settings that work where ``rows``' trials trained: their smallest batch; if any
     bounded its head, the smallest chunk (dense [2B, T, vocab] logits at batch 8 would
-    outgrow a 16 GB Mac mini that trained a large-vocabulary model with head_chunk)."""
+    outgrow a 16 GB Mac mini that trained a large-vocabulary model with head_chunk); and
+    prefix sharing off if any trial turned it off (an architecture it cannot wrap)."""
     if not rows:
-        return EvalMemory()
+        return EvalSettings()
     chunks = [int(r.get("param/head_chunk") or 0) for r in rows]
-    return EvalMemory(batch_size=min(int(r.get("param/batch_size") or 8) for r in rows),
-                      head_chunk=min((c for c in chunks if c > 0), default=0))
+    shares = {r.get("param/prefix_share") or "auto" for r in rows}
+    return EvalSettings(batch_size=min(int(r.get("param/batch_size") or 8) for r in rows),
+                        head_chunk=min((c for c in chunks if c > 0), default=0),
+                        prefix_share="off" if "off" in shares else
+                        "on" if shares == {"on"} else "auto")
 
 
 def evaluation_key(context: Any, inputs: dict[str, Any]) -> str:
@@ -88,14 +93,15 @@ def evaluation_key(context: Any, inputs: dict[str, Any]) -> str:
       retry_delay_seconds=5, task_run_name="evaluate-{name}")
 def evaluate_task(name: str, model: str, adapter: str | None, data: str, orpo_lambda: float,
                   generations: int, out: str, placement: Placement,
-                  memory: EvalMemory | None = None) -> dict[str, Any]:
+                  settings: EvalSettings | None = None) -> dict[str, Any]:
     """Held-out metrics of one adapter (or the base), computed in a Ray task on a GPU/slot."""
     import ray
 
-    memory = memory or EvalMemory()
+    settings = settings or EvalSettings()
     remote = placement.fresh_task(evaluate_adapter)
-    metrics = ray.get(remote.remote(model, adapter, data, orpo_lambda, memory.batch_size,
-                                    memory.head_chunk, generations, out))
+    metrics = ray.get(remote.remote(model, adapter, data, orpo_lambda, settings.batch_size,
+                                    settings.head_chunk, generations, out,
+                                    prefix_share=settings.prefix_share))
     get_run_logger().info("%s: %s", name, {k: round(v, 4) if isinstance(v, float) else v
                                            for k, v in metrics.items()})
     return metrics
@@ -158,11 +164,11 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str, metric: str
     """Evaluate every completed trial and the base (in parallel, on Ray), soup the top
     ``soup_k``, write the leaderboard, export (and optionally fuse) the best adapter."""
     done = [r for r in results if r["status"] == "completed"]
-    shared = eval_memory(done)  # the base and the soup: what fits every trial's setting
+    shared = eval_settings(done)  # the base and the soup: what fits every trial's setting
     jobs = {r["trial_id"]: evaluate_task.submit(
                 r["trial_id"], model, r["adapter"], data,
                 float(r.get("param/orpo_lambda") or 0.1), generations,
-                str(Path(r["adapter"])), placement, eval_memory([r]))
+                str(Path(r["adapter"])), placement, eval_settings([r]))
             for r in done}
     base = evaluate_task.submit("base", model, None, data, 0.1, generations,
                                 str(out_dir / "base"), placement, shared)

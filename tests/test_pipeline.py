@@ -78,14 +78,15 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
 
 
 def test_evaluation_fits_where_the_trials_trained() -> None:
-    """Each trial is evaluated at its own batch size and head chunk; the base and the soup
-    at the smallest of them (a bounded head if any trial bounded it)."""
-    from flows.pipeline import EvalMemory, eval_memory
+    """Each trial is evaluated at its own batch size, head chunk and prefix sharing; the
+    base and the soup at what suits all of them."""
+    from flows.pipeline import EvalSettings, eval_settings
 
     a = {"param/batch_size": 8, "param/head_chunk": 0}
-    b = {"param/batch_size": 2, "param/head_chunk": 512}
-    c = {"param/batch_size": 4, "param/head_chunk": 256}
-    assert eval_memory([a]) == EvalMemory(8, 0)
-    assert eval_memory([b]) == EvalMemory(2, 512)
-    assert eval_memory([a, b, c]) == EvalMemory(2, 256)
-    assert eval_memory([]) == EvalMemory(8, 0) == eval_memory([{}])
+    b = {"param/batch_size": 2, "param/head_chunk": 512, "param/prefix_share": "on"}
+    c = {"param/batch_size": 4, "param/head_chunk": 256, "param/prefix_share": "off"}
+    assert eval_settings([a]) == EvalSettings(8, 0, "auto")
+    assert eval_settings([b]) == EvalSettings(2, 512, "on")
+    assert eval_settings([a, b]) == EvalSettings(2, 512, "auto")
+    assert eval_settings([a, b, c]) == EvalSettings(2, 256, "off")
+    assert eval_settings([]) == EvalSettings() == eval_settings([{}])
