@@ -90,10 +90,10 @@ def _pair_batch(a: argparse.Namespace, shared: bool = False):
 def _step_fn(name: str, model, stack, batch, head_chunk: int, inflight: int):
     from engine.batch import batch_norms
     from engine.losses import LossSpec, pair_loss
-    from engine.prefix import PrefixBatch
+    from engine.prefix import pair_batch
     from engine.segmented import value_and_grad
 
-    pairs = batch.pairs if isinstance(batch, PrefixBatch) else batch
+    pairs = pair_batch(batch)
     norms, spec = batch_norms([pairs]), LossSpec()
     resp, nll = mx.array(pairs.resp_mask), mx.array(pairs.nll_mask)
 

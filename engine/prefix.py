@@ -78,6 +78,11 @@ class PrefixBatch:
         return self.pairs.ids
 
 
+def pair_batch(batch: PairBatch | PrefixBatch) -> PairBatch:
+    """The two-forward layout behind either layout (its targets, masks and token count)."""
+    return batch.pairs if isinstance(batch, PrefixBatch) else batch
+
+
 def uses_split(attention: str, rows: int) -> bool:
     """Whether ``attention`` (mask | split | auto) lays ``rows`` pairs out for split."""
     return attention == "split" or (attention == "auto" and rows == 1)

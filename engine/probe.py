@@ -53,7 +53,7 @@ def _measure(model, stack, chosen: list, c: TrainConfig, pad_id: int,
              repeats: int) -> dict[str, Any]:
     """Peak and speed of ``repeats`` passes over ``chosen`` micro-batches under ``c``."""
     from engine.losses import LossSpec
-    from engine.prefix import PrefixBatch
+    from engine.prefix import PrefixBatch, pair_batch
     from engine.trainer import choose_layout, resolve_pad_multiple, step_grads
 
     c.validate()
@@ -68,7 +68,7 @@ def _measure(model, stack, chosen: list, c: TrainConfig, pad_id: int,
         for i, layout in enumerate(layouts):
             step_grads(model, stack, [layout], loss_spec, c, i)
     seconds = (time.perf_counter() - t0) / repeats
-    tokens = sum((b.pairs if isinstance(b, PrefixBatch) else b).tokens for b in layouts)
+    tokens = sum(pair_batch(b).tokens for b in layouts)
     return {"peak_gb": mx.get_peak_memory() / 2**30, "step_s": seconds / len(layouts),
             "tokens": tokens, "tokens_per_sec": tokens / max(seconds, 1e-9),
             "shared_rate": sum(isinstance(b, PrefixBatch) for b in layouts) / len(layouts)}

@@ -21,7 +21,13 @@ from engine.data import pair_length
 from engine.head import dense_logps, token_logps
 from engine.losses import LossSpec, mean_logps, orpo_pair_terms, pair_loss
 from engine.model import Stack
-from engine.prefix import PrefixBatch, install_prefix_rope, shared_positions, to_pair_layout
+from engine.prefix import (
+    PrefixBatch,
+    install_prefix_rope,
+    pair_batch,
+    shared_positions,
+    to_pair_layout,
+)
 
 # How a group of pairs is laid out for the forward (trainer.choose_layout, or make_batch).
 Layout = Callable[[list[Pair]], PairBatch | PrefixBatch]
@@ -30,7 +36,7 @@ Layout = Callable[[list[Pair]], PairBatch | PrefixBatch]
 def forward_logps(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch,
                   head_chunk: int = 0) -> mx.array:
     """Token log-probs [2B, T] of ``batch`` in the two-forward layout (no gradient)."""
-    pairs = batch.pairs if isinstance(batch, PrefixBatch) else batch
+    pairs = pair_batch(batch)
     targets = mx.array(pairs.targets)
     if isinstance(batch, PrefixBatch):
         with shared_positions(install_prefix_rope(model), batch) as mask:
@@ -76,7 +82,7 @@ def evaluate(model: nn.Module, stack: Stack, pairs: Sequence[Pair], spec: LossSp
     try:
         for g in groups:
             b = layout(g)
-            two = b.pairs if isinstance(b, PrefixBatch) else b
+            two = pair_batch(b)
             lp = forward_logps(model, stack, b, head_chunk)
             loss, metrics = pair_loss(lp, mx.array(two.resp_mask), mx.array(two.nll_mask),
                                       spec, norms)
@@ -102,7 +108,7 @@ def score_pairs(model: nn.Module, stack: Stack, pairs: Sequence[Pair], orpo_lamb
     model.eval()
     for idx in length_groups(pairs, batch_size):
         b = layout([pairs[i] for i in idx])
-        two = b.pairs if isinstance(b, PrefixBatch) else b
+        two = pair_batch(b)
         lp = forward_logps(model, stack, b, head_chunk)
         resp, nll_mask = mx.array(two.resp_mask), mx.array(two.nll_mask)
         logps = mean_logps(lp, resp)

@@ -42,7 +42,7 @@ from engine.model import (
     make_stack,
     set_dropout_seed,
 )
-from engine.prefix import PrefixBatch, split_prefix_batch, uses_split
+from engine.prefix import PrefixBatch, pair_batch, split_prefix_batch, uses_split
 from engine.scoring import evaluate
 from engine.segmented import Grads, grads_to_tree, value_and_grad
 
@@ -105,7 +105,7 @@ def step_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | Prefi
                spec: LossSpec, cfg: TrainConfig, step: int
                ) -> tuple[float, dict[str, float], Grads]:
     """Summed loss, metric sums and grads of one optimizer step's micro-batches."""
-    layouts = [b.pairs if isinstance(b, PrefixBatch) else b for b in micro]
+    layouts = [pair_batch(b) for b in micro]
     norms: Norms = batch_norms(layouts)
     total, sums, grads = 0.0, {}, {}
     for i, (b, pb) in enumerate(zip(micro, layouts, strict=True)):
@@ -230,7 +230,7 @@ def verify_paths(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch,
                  spec: LossSpec, cfg: TrainConfig, rtol: float = 1e-4) -> dict[str, float]:
     """One step through the configured path and the plain dense two-forward path; raise if
     they differ."""
-    pairs = batch.pairs if isinstance(batch, PrefixBatch) else batch
+    pairs = pair_batch(batch)
     norms = batch_norms([pairs])
     resp, nll = mx.array(pairs.resp_mask), mx.array(pairs.nll_mask)
 
@@ -329,7 +329,7 @@ def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
         mx.eval(model.trainable_parameters(), optimizer.state)
         lr = float(optimizer.learning_rate)  # the rate this update used
         seconds = time.perf_counter() - t0
-        tokens = sum((b.pairs if isinstance(b, PrefixBatch) else b).tokens for b in micro)
+        tokens = sum(pair_batch(b).tokens for b in micro)
         window.add(loss, sums, grad_norm, tokens, seconds)
         total_tokens, total_seconds = total_tokens + tokens, total_seconds + seconds
         result.steps = step
