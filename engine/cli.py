@@ -94,15 +94,14 @@ def score_parser() -> argparse.ArgumentParser:
 def run_score(argv: list[str]) -> int:
     from engine.adapters import atomic_write_text
     from engine.data import load_pairs
-    from engine.model import check_stack, load_model, make_stack
+    from engine.model import checked_stack, load_model
     from engine.scoring import preference_accuracy, score_pairs
     from engine.trainer import scoring_layout
 
     a = score_parser().parse_args(argv)
     try:
         model, tokenizer = load_model(a.model, a.adapter)
-        stack = make_stack(model)
-        check_stack(model, stack)  # scores come from the stack: refuse a model it misreads
+        stack = checked_stack(model)
         data = load_pairs(a.data)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -191,3 +191,11 @@ def check_stack(model: nn.Module, stack: Stack, atol: float = 1e-4) -> None:
     if not err <= atol * max(1.0, float(mx.abs(theirs).max())):
         raise ValueError(f"{type(model).__module__}: layer-stack forward differs from the "
                          f"model's own by {err:.3g}; this architecture is not supported")
+
+
+def checked_stack(model: nn.Module) -> Stack:
+    """``make_stack``, refused (ValueError) unless it reproduces the model's own logits:
+    training, probes and scoring all read the model through it."""
+    stack = make_stack(model)
+    check_stack(model, stack)
+    return stack

@@ -24,14 +24,13 @@ def probe_steps(cfg: TrainConfig, variants: list[dict[str, Any]],
                 batches: str | int = "worst", repeats: int = 1) -> list[dict[str, Any]]:
     """One row per variant (TrainConfig overrides): peak_gb, step_s, tokens, tokens_per_sec,
     shared_rate; or ``error`` when that setting failed (out of memory, invalid)."""
-    from engine.model import attach_lora, check_stack, load_model, make_stack
+    from engine.model import attach_lora, checked_stack, load_model
     from engine.trainer import lora_spec
 
     cfg.validate()
     model, tokenizer = load_model(cfg.model)
     attach_lora(model, lora_spec(cfg), cfg.seed)
-    stack = make_stack(model)
-    check_stack(model, stack)
+    stack = checked_stack(model)
     data = load_pairs(cfg.data)
     if batches == "worst":
         chosen = [sorted(data.train, key=pair_length, reverse=True)[: cfg.batch_size]]

@@ -37,9 +37,8 @@ from engine.model import (
     LoraSpec,
     Stack,
     attach_lora,
-    check_stack,
+    checked_stack,
     load_model,
-    make_stack,
     set_dropout_seed,
 )
 from engine.prefix import PrefixBatch, pair_batch, split_prefix_batch, uses_split
@@ -270,8 +269,7 @@ def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
     model, tokenizer = load_model(cfg.model)
     spec = lora_spec(cfg)
     trainable = attach_lora(model, spec, cfg.seed)
-    stack = make_stack(model)
-    check_stack(model, stack)
+    stack = checked_stack(model)
     num_layers = len(stack.layers) if cfg.lora_layers < 0 else cfg.lora_layers
     if cfg.warm_start:
         load_adapter_weights(model, Path(cfg.warm_start))

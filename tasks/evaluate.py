@@ -26,13 +26,12 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, orpo_lambda: fl
     ``prefix_share`` as in training (one forward per pair where it pays)."""
     from engine.adapters import atomic_write_text
     from engine.data import load_pairs
-    from engine.model import check_stack, load_model, make_stack
+    from engine.model import checked_stack, load_model
     from engine.scoring import preference_accuracy, score_pairs
     from engine.trainer import scoring_layout
 
     loaded, tokenizer = load_model(model, adapter)
-    stack = make_stack(loaded)
-    check_stack(loaded, stack)  # scores come from the stack: refuse a model it misreads
+    stack = checked_stack(loaded)
     pairs = load_pairs(data).valid
     if not pairs:
         raise ValueError(f"{data}: no validation split to evaluate on")
