@@ -14,7 +14,7 @@ import types
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from engine.config import TrainConfig
+from engine.config import CHOICES, TrainConfig
 
 
 def _arg_type(hint: Any) -> tuple[Any, dict[str, Any]]:
@@ -85,7 +85,7 @@ def score_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="all", choices=["all", "train", "valid"])
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--head-chunk", type=int, default=0, help="Bounded head chunk (0 = dense).")
-    p.add_argument("--prefix-share", default="auto", choices=["auto", "on", "off"],
+    p.add_argument("--prefix-share", default="auto", choices=CHOICES["prefix_share"],
                    help="One forward per pair over [prompt | chosen | rejected], as in "
                         "training (auto: where it saves enough tokens).")
     return p

@@ -17,6 +17,17 @@ def _f(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
+CHOICES = {"loss": ("orpo", "sft"), "nll_span": ("full", "response"),
+           "lr_schedule": ("cosine", "constant"), "prefix_share": ("auto", "on", "off"),
+           "prefix_attention": ("auto", "mask", "split")}
+
+
+def check_choice(name: str, value: str) -> None:
+    """Raise ValueError unless ``value`` is one of field ``name``'s CHOICES."""
+    if value not in CHOICES[name]:
+        raise ValueError(f"{name}={value!r}: expected one of {CHOICES[name]}")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """One training run (one adapter)."""
@@ -77,12 +88,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
-        choices = {"loss": ("orpo", "sft"), "nll_span": ("full", "response"),
-                   "lr_schedule": ("cosine", "constant"), "prefix_share": ("auto", "on", "off"),
-                   "prefix_attention": ("auto", "mask", "split")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {allowed}")
+        for name in CHOICES:
+            check_choice(name, getattr(self, name))
         for name in ("steps", "batch_size", "grad_accum", "lora_rank", "report_every",
                      "inflight"):
             if getattr(self, name) < 1:

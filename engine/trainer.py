@@ -30,7 +30,7 @@ from engine.adapters import (
     save_checkpoint,
 )
 from engine.batch import PairBatch, batch_norms, make_batch
-from engine.config import TrainConfig
+from engine.config import TrainConfig, check_choice
 from engine.data import load_pairs, micro_batches
 from engine.losses import LossSpec, Norms, pair_loss
 from engine.model import (
@@ -177,8 +177,7 @@ def choose_layout(pairs: list, cfg: TrainConfig, pad_multiple: int, pad_id: int
 
 def scoring_layout(prefix_share: str, pad_id: int) -> Callable[[list], PairBatch | PrefixBatch]:
     """``choose_layout`` for forward-only scoring (full-span NLL, this device's padding)."""
-    if prefix_share not in ("auto", "on", "off"):
-        raise ValueError(f"prefix_share={prefix_share!r}: expected one of auto, on, off")
+    check_choice("prefix_share", prefix_share)
     cfg = TrainConfig(nll_span="full", prefix_share=prefix_share)
     pad = resolve_pad_multiple(-1)
     return lambda pairs: choose_layout(pairs, cfg, pad, pad_id)

@@ -221,3 +221,7 @@ def test_scoring_shares_the_prefix_and_keeps_row_order(tiny_model: Path, head_ch
     shared = evaluate(model, stack, pairs, spec, 3, head_chunk=head_chunk,
                       layout=lambda g: split_prefix_batch(g, "response", attention="mask"))
     assert shared == pytest.approx(plain, abs=1e-5) and plain["rows"] == 7
+    from engine.trainer import scoring_layout
+
+    with pytest.raises(ValueError, match="prefix_share='maybe'"):
+        scoring_layout("maybe", 0)
