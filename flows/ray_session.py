@@ -3,31 +3,96 @@
 from __future__ import annotations
 
 import os
+import secrets
+import stat
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+
+LOOPBACK = "127.0.0.1"
 
 
 @contextmanager
 def ray_session(address: str | None) -> Iterator[None]:
     """Inside: connected to ``address`` (``auto`` or HOST:PORT), or, with none, to a private
-    local Ray that never joins whatever else runs on this machine. Shut down after. A
-    process already connected keeps its connection (and it is not shut down).
+    local Ray that never joins whatever else runs on this machine and listens on 127.0.0.1
+    only. Shut down after. A process already connected keeps its connection (and it is not
+    shut down).
 
-    Auth is Ray's own default, token auth on (Ray ≥ 2.59 for local clusters: it writes a
-    token to ``~/.ray/auth_token``), unless the shell sets ``RAY_AUTH_MODE``. It is never
-    changed from inside the process: Ray reads it once, at import, and a GCS started
-    with another mode than the driver's aborts. A cluster's token comes from
-    ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token`` (docs/cluster.md)."""
+    Auth is Ray's own default, token auth on (Ray ≥ 2.59 for local clusters), unless the
+    shell sets ``RAY_AUTH_MODE``. It is never changed from inside the process: Ray reads it
+    once, at import, and a GCS started with another mode than the driver's aborts. A
+    cluster's token comes from ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or
+    ``~/.ray/auth_token`` (docs/cluster.md); that file is kept at mode 0600."""
     import ray
 
     if ray.is_initialized():
         yield
         return
+    private_token_file(create=not address)
     if address:
         ray.init(address=address, log_to_driver=False)
     else:
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+        _init_loopback(ray)
     try:
         yield
     finally:
         ray.shutdown()
+
+
+def _init_loopback(ray: ModuleType) -> None:
+    """Start a new local Ray (``address="local"``: never RAY_ADDRESS or a ``ray start``
+    head) whose GCS, raylet, workers and agents bind 127.0.0.1.
+
+    Ray binds loopback only when the node IP is loopback, and on Linux it turns a given
+    127.0.0.1 into the host's LAN IP unless its multi-node switch
+    (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``, read at import) is off; it is switched off for
+    this one call, the way macOS runs a single-node Ray."""
+    from ray._private import ray_constants
+
+    multi_node = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False,
+                 log_to_driver=False, _node_ip_address=LOOPBACK)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = multi_node
+    gcs = ray.get_runtime_context().gcs_address
+    if not gcs.startswith(f"{LOOPBACK}:"):
+        warnings.warn(f"the private Ray's GCS is at {gcs}, not on {LOOPBACK}: this Ray "
+                      "version may listen on the network (docs/cluster.md)", stacklevel=3)
+
+
+def private_token_file(create: bool) -> Path | None:
+    """Make sure Ray's token file is readable by its owner only (mode 0600) and return it.
+
+    Ray writes a generated token to ``~/.ray/auth_token`` with the umask's mode (0644 as a
+    rule: any local user could read it). With ``create`` (a new local cluster with token auth
+    and no token yet) the token is written here first, 0600 from the start, and Ray reads
+    it instead of writing its own. Nothing happens with ``RAY_AUTH_MODE`` other than token
+    or with the token in ``RAY_AUTH_TOKEN``."""
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token" \
+            or os.environ.get("RAY_AUTH_TOKEN"):
+        return None
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or "~/.ray/auth_token").expanduser()
+    if not path.exists():
+        if not create:
+            return None
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another process wrote it meanwhile
+            pass
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))  # what Ray generates: 256 bits, hex
+            return path
+    if stat.S_IMODE(path.stat().st_mode) & 0o077:
+        try:
+            path.chmod(0o600)
+        except OSError as e:  # another user's file: say so, leave it
+            warnings.warn(f"{path} is readable by other users and could not be made "
+                          f"private ({e}): chmod 600 {path}", stacklevel=3)
+    return path
