@@ -6,6 +6,7 @@ as data URIs (``inline_png``)."""
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import os
 from pathlib import Path
@@ -74,11 +75,61 @@ def metric_vs_params_png(rows: list[dict[str, Any]], metric: str, params: list[s
         ys = [metric_value(r, metric) for r in done]
         numeric = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs)
         ax.scatter(xs if numeric else [str(x) for x in xs], ys)
-        if numeric and all(x > 0 for x in xs) and max(xs) / min(xs) > 20:
-            ax.set_xscale("log")
+        if numeric:
+            number_axis(ax, [float(x) for x in xs])
         ax.set(xlabel=param.removeprefix("param/"), ylabel=metric)
         ax.grid(alpha=0.3)
+    fig.tight_layout()
+    for ax in axes:
+        thin_ticks(fig, ax)
     return save_png(plt, fig, path)
+
+
+# A positive parameter whose values differ by this factor or more (learning rates
+# 1e-4..3e-4, ranks 4..16) is drawn on a log axis; closer values (0.5..1.0) stay linear.
+LOG_SPAN = 2.5
+
+
+def compact(x: float, _pos: int | None = None) -> str:
+    """A short tick label: ``3e-4``, ``1.5e-4``, ``0.1``, ``16``, ``2e+04``."""
+    if x == 0 or 1e-2 <= abs(x) < 1e4:
+        return f"{x:.3g}"
+    mantissa, exponent = f"{x:.2e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def number_axis(ax, xs: list[float]) -> None:
+    """Log x axis for positive values spanning ``LOG_SPAN`` or more; ticks at the swept
+    values when they are few (a grid), 1-2-5 per decade otherwise; compact labels."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
+
+    values = sorted(set(xs))
+    if values[0] > 0 and values[-1] / values[0] >= LOG_SPAN:
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(FixedLocator(values) if len(values) <= 6
+                                   else LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.xaxis.set_major_formatter(FuncFormatter(compact))
+
+
+def thin_ticks(fig, ax) -> None:
+    """Drop every other x tick until no two drawn tick labels overlap."""
+    for _ in range(8):
+        boxes = sorted((box.x0, box.x1) for _, box in drawn_xlabels(fig, ax))
+        if len(boxes) < 3 or all(a[1] + 2 < b[0] for a, b in itertools.pairwise(boxes)):
+            return
+        ax.set_xticks([loc for loc, _ in drawn_xlabels(fig, ax)][::2])
+
+
+def drawn_xlabels(fig, ax) -> list[tuple[float, Any]]:
+    """(position, pixel box) of each non-empty x tick label inside the axis limits."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    lo, hi = sorted(ax.get_xlim())
+    slack = (hi - lo) * 1e-9
+    return [(t.get_loc(), t.label1.get_window_extent(renderer))
+            for t in ax.xaxis.get_major_ticks()
+            if lo - slack <= t.get_loc() <= hi + slack and t.label1.get_text()]
 
 
 def inline_png(path: Path | None, alt: str) -> str:
