@@ -51,7 +51,8 @@ import numpy as np
 def _model(a: argparse.Namespace):
     from mlx_lm.models import llama
 
-    from engine.model import LoraSpec, attach_lora, make_stack
+    from engine.arch import make_stack
+    from engine.model import LoraSpec, attach_lora
 
     args = llama.ModelArgs(model_type="llama", hidden_size=a.hidden, num_hidden_layers=a.layers,
                            intermediate_size=a.intermediate or a.hidden * 11 // 4,

@@ -19,6 +19,17 @@ import mlx.core as mx
 # Called with a phase name after each stage of a step; while any is registered (or the
 # memory log is on) stages run one at a time, so a phase's time and peak are its own.
 _observers: list[Callable[[str], None]] = []
+_silent = [0]  # > 0 while a load-time check runs steps no one asked to watch
+
+
+@contextmanager
+def silent_phases() -> Iterator[None]:
+    """Inside: phases are neither logged nor observed (engine/arch/check.py)."""
+    _silent[0] += 1
+    try:
+        yield
+    finally:
+        _silent[0] -= 1
 
 
 @contextmanager
@@ -33,6 +44,8 @@ def observe_phases(fn: Callable[[str], None]) -> Iterator[None]:
 
 def phase_done(phase: str) -> None:
     """A stage finished: log the memory (POMONA_SEG_MEM_LOG=1) and tell the observers."""
+    if _silent[0]:
+        return
     if os.environ.get("POMONA_SEG_MEM_LOG") == "1":
         # The phase where the monotone peak jumps is where memory lives.
         print(f"[seg-mem] {phase}: peak {mx.get_peak_memory() / 2**20:.1f} MiB, "

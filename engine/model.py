@@ -1,15 +1,15 @@
 """Models: load any mlx-lm model, freeze it, attach LoRA, and expose its layer stack.
 
-The segmented backward needs the model as embed → layers → final norm → head. mlx-lm
-models differ in small ways (tied heads, embedding scales, softcaps), so ``Stack`` is
-checked against the model's own forward once at load (``check_stack``) and refuses a
-model whose decomposition does not reproduce its logits, rather than train it wrongly.
+The segmented backward needs the model as embed → layers → final norm → head; each
+family's decomposition is a ``Stack`` (engine/arch). ``checked_stack`` checks it against
+the model's own forward and gradients once at load (engine/arch/check.py) and refuses a
+model it does not reproduce, rather than train it wrongly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
+
+from engine.arch.stack import Stack
 
 
 def load_model(model: str, adapter_path: str | None = None) -> tuple[nn.Module, Any]:
@@ -94,6 +96,17 @@ def lora_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if hasattr(m, "lora_a")]
 
 
+def resolve_lora_keys(model: nn.Module, spec: LoraSpec) -> LoraSpec:
+    """``spec`` with explicit keys: the family's default targets when it names none
+    (engine/arch: attention and MLP projections; no experts, routers or per-layer-input
+    gates). Written into adapter_config.json, so mlx-lm attaches the same modules."""
+    if spec.keys is not None:
+        return spec
+    from engine.arch import make_stack
+
+    return dataclasses.replace(spec, keys=make_stack(model).lora_keys())
+
+
 def attach_lora(model: nn.Module, spec: LoraSpec, seed: int) -> int:
     """Freeze ``model`` and add LoRA layers; return the trainable parameter count.
 
@@ -102,10 +115,10 @@ def attach_lora(model: nn.Module, spec: LoraSpec, seed: int) -> int:
     """
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
+    spec = resolve_lora_keys(model, spec)
     model.freeze()
-    config = {"rank": spec.rank, "scale": spec.scale, "dropout": spec.dropout}
-    if spec.keys is not None:
-        config["keys"] = list(spec.keys)
+    config = {"rank": spec.rank, "scale": spec.scale, "dropout": spec.dropout,
+              "keys": list(spec.keys)}
     n = len(model.layers) if spec.num_layers < 0 else spec.num_layers
     linear_to_lora_layers(model, n, config)
     modules = lora_modules(model)
@@ -117,7 +130,7 @@ def attach_lora(model: nn.Module, spec: LoraSpec, seed: int) -> int:
     for site, (_, m) in enumerate(modules):
         if type(m) is fast.__base__:  # same parameters and adapter files, cheaper call
             m.__class__ = fast
-        fan_in = m.lora_a.shape[0]
+        fan_in = m.lora_a.shape[-1 if m.lora_a.ndim == 3 else 0]  # experts: [E, r, in]
         bound = 1.0 / np.sqrt(fan_in)
         m.lora_a = mx.array(rng.uniform(-bound, bound, m.lora_a.shape).astype(np.float32))
         m.lora_b = mx.zeros_like(m.lora_b)
@@ -132,70 +145,20 @@ def set_dropout_seed(model: nn.Module, seed: int) -> None:
             m.seed = seed
 
 
-@dataclass
-class Stack:
-    """A decoder as embed → layers → norm → project (→ softcap)."""
-
-    embed: Callable[[mx.array], mx.array]
-    layers: list[nn.Module]
-    norm: Callable[[mx.array], mx.array]
-    project: Callable[[mx.array], mx.array]
-    layers_prefix: str  # parameter-name prefix of layer i: f"{layers_prefix}.{i}."
-
-    def head(self, h: mx.array) -> mx.array:
-        """Logits from the last layer's output h [..., H] → [..., V]."""
-        return self.project(self.norm(h))
-
-    def hidden(self, tokens: mx.array, mask: Any = "causal") -> mx.array:
-        """Last layer's output [N, T, H] for tokens [N, T] (``mask``: what layers take)."""
-        h = self.embed(tokens)
-        for layer in self.layers:
-            h = layer(h, mask, None)
-        return h
-
-    def forward(self, tokens: mx.array, mask: Any = "causal") -> mx.array:
-        """Plain forward tokens [N, T] → logits [N, T, V]."""
-        return self.head(self.hidden(tokens, mask))
-
-
-def _softcap(model: nn.Module) -> float | None:
-    args = getattr(model, "args", None)
-    return getattr(args, "final_logit_softcapping", None) if args is not None else None
-
-
-def make_stack(model: nn.Module) -> Stack:
-    """Decompose an mlx-lm model (llama family: model.model.{embed_tokens,layers,norm})."""
-    inner = getattr(model, "model", None)
-    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")):
-        raise ValueError(f"{type(model).__module__}: not a llama-family layout "
-                         "(model.model.embed_tokens/layers/norm); the engine cannot segment it")
-    tied = not hasattr(model, "lm_head")
-    project = inner.embed_tokens.as_linear if tied else model.lm_head
-    cap = _softcap(model)
-    if cap:
-        base = project
-
-        def project(x: mx.array) -> mx.array:
-            return mx.tanh(base(x) / cap) * cap
-
-    prefix = next(n for n, m in model.named_modules() if m is inner.layers[0]).rsplit(".", 1)[0]
-    return Stack(inner.embed_tokens, list(inner.layers), inner.norm, project, prefix)
-
-
-def check_stack(model: nn.Module, stack: Stack, atol: float = 1e-4) -> None:
-    """Raise if ``stack.forward`` does not reproduce ``model``'s own logits."""
-    tokens = mx.array([[1, 5, 9, 2, 7, 3, 8, 4]])
-    ours = stack.forward(tokens).astype(mx.float32)
-    theirs = model(tokens).astype(mx.float32)
-    err = float(mx.abs(ours - theirs).max())
-    if not err <= atol * max(1.0, float(mx.abs(theirs).max())):
-        raise ValueError(f"{type(model).__module__}: layer-stack forward differs from the "
-                         f"model's own by {err:.3g}; this architecture is not supported")
-
-
 def checked_stack(model: nn.Module) -> Stack:
-    """``make_stack``, refused (ValueError) unless it reproduces the model's own logits:
-    training, probes and scoring all read the model through it."""
+    """The model's Stack (engine/arch), refused (ValueError) unless it reproduces the
+    model's own logits and LoRA gradients past its largest sliding window: training,
+    probes and scoring all read the model through it."""
+    from engine.arch import make_stack, supported
+    from engine.arch.check import check_stack
+
     stack = make_stack(model)
-    check_stack(model, stack)
+    try:
+        check_stack(model, stack)
+    except ValueError as err:
+        if stack.listed:
+            raise
+        raise ValueError(f"model_type {stack.model_type!r} has no Pomona adapter and the "
+                         f"llama-like decomposition does not fit it ({err}); supported: "
+                         f"{supported()}") from err
     return stack

@@ -20,6 +20,7 @@ predicted from the last prompt position, so the loss and head code are shared an
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import sys
@@ -30,8 +31,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.base import create_causal_mask
 
 from engine.batch import Pair, PairBatch, make_batch, round_up
+from engine.masks import BlockMasks, Masks
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class SplitAttention:
     first: int
     chosen: int  # fed tokens of each branch after the shared prefix (pads excluded)
     rejected: int
+    window: int | None = None  # a sliding layer's window, in each branch's own positions
 
 
 @dataclass(frozen=True)
@@ -199,21 +203,34 @@ def _partition(cuts: tuple[int, ...]):
     return pieces
 
 
+def _causal(queries: int, keys: int, window: int | None) -> str | mx.array:
+    """A causal mask aligned bottom-right (the queries are the last keys), cut to
+    ``window`` keys where that excludes any: "causal" keeps the fused kernel otherwise."""
+    if window is None or keys <= window:
+        return "causal"
+    return create_causal_mask(queries, offset=keys - queries, window_size=window)
+
+
 def split_attention(sdpa, queries: mx.array, keys: mx.array, values: mx.array, cache,
                     scale: float, mask: SplitAttention, *args, **kwargs) -> mx.array:
-    """``scaled_dot_product_attention`` for a SplitAttention mask ([1, H, L, D] inputs)."""
-    s, a = mask.shared, mask.first
+    """``scaled_dot_product_attention`` for a SplitAttention mask ([1, H, L, D] inputs).
+
+    Each branch's keys run over contiguous logical positions (the second branch's are
+    the shared prefix then its own tokens), so a window is the usual windowed causal mask.
+    """
+    s, a, w = mask.shared, mask.first, mask.window
     if a == queries.shape[2]:  # a one-token rejected response: nothing of it is fed
-        return sdpa(queries, keys, values, cache, scale, "causal", *args, **kwargs)
+        return sdpa(queries, keys, values, cache, scale, _causal(a, a, w), *args, **kwargs)
     q1, q2 = _partition((a,))(queries)
     cuts = (s, a) if s else (a,)
     *k1, k2 = _partition(cuts)(keys)
     *v1, v2 = _partition(cuts)(values)
     first = sdpa(q1, mx.concatenate(k1, axis=2), mx.concatenate(v1, axis=2), cache, scale,
-                 "causal", *args, **kwargs)
+                 _causal(a, a, w), *args, **kwargs)
     if s:  # the second branch attends to the shared prefix and to itself
         k2, v2 = mx.concatenate([k1[0], k2], axis=2), mx.concatenate([v1[0], v2], axis=2)
-    second = sdpa(q2, k2, v2, cache, scale, "causal", *args, **kwargs)
+    second = sdpa(q2, k2, v2, cache, scale, _causal(q2.shape[2], k2.shape[2], w), *args,
+                  **kwargs)
     return mx.concatenate([first, second], axis=2)
 
 
@@ -288,17 +305,36 @@ def install_prefix_rope(model: nn.Module) -> _RopeState:
     return state
 
 
+class SplitMasks:
+    """The split layout's masks: its SplitAttention, carrying a sliding layer's window."""
+
+    def __init__(self, split: SplitAttention, positions: np.ndarray):
+        self.split = split
+        self.positions = mx.array(positions)
+
+    def __call__(self, window: int | None) -> SplitAttention:
+        return self.split if window is None else dataclasses.replace(self.split, window=window)
+
+
+def logical_positions(batch: PrefixBatch) -> np.ndarray:
+    """[B, L] int32: each concatenation token's position as the two forwards see it."""
+    b, length = batch.inputs.shape
+    pos = np.broadcast_to(np.arange(length, dtype=np.int32), (b, length))
+    return (pos + batch.rejected * batch.shift[:, None]).astype(np.int32)
+
+
 @contextmanager
-def shared_positions(state: _RopeState, batch: PrefixBatch
-                     ) -> Iterator[mx.array | SplitAttention]:
-    """Inside: ropes give rejected tokens prompt-relative positions; yields the mask
-    (the batch's SplitAttention, or its block-sparse array)."""
+def shared_positions(state: _RopeState, batch: PrefixBatch) -> Iterator[Masks]:
+    """Inside: ropes give rejected tokens prompt-relative positions; yields the layout's
+    masks (SplitMasks, or the block-sparse BlockMasks), per sliding window."""
     state.shift = mx.array(batch.shift)
     state.split = batch.split
     if batch.split is None:  # the split layout's ropes slice instead of selecting
         state.select = mx.array(batch.rejected)[:, None, :, None]
+    positions = logical_positions(batch)
     try:
-        yield batch.split if batch.split is not None else mx.array(batch.mask)
+        yield (SplitMasks(batch.split, positions) if batch.split is not None
+               else BlockMasks(batch.mask, positions))
     finally:
         state.shift = state.select = state.split = None
 

@@ -9,21 +9,28 @@ runs as its own vjp (dense, or bounded by ``head_chunk``); then segments run in 
 each an ``mx.vjp`` with respect to (boundary input, that segment's LoRA parameters) with
 the incoming cotangent, evaluated in one barrier before the next. Peak memory is one
 segment's activations plus the boundaries, and the gradients are exactly the plain ones.
+
+State a layer hands to later layers (Gemma 4's shared K/V: ``Stack.donor_of``) crosses
+boundaries the same way: a donor's state leaves its segment as an extra output, kept as a
+leaf; a later segment takes it as an extra input; in the backward each consumer segment
+returns its cotangent, summed per donor until the donor's own segment takes the sum as the
+cotangent of that output.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from engine.arch.stack import Stack, State
 from engine.batch import PairBatch
 from engine.head import bounded_head_grad, dense_logps, token_logps
 from engine.inflight import InFlight, phase_done
-from engine.model import Stack
+from engine.masks import CausalMasks, Masks
 from engine.prefix import (
     PrefixBatch,
     from_pair_layout,
@@ -44,6 +51,17 @@ def segment_ranges(n_layers: int, k: int) -> list[tuple[int, int]]:
     return [(s, min(s + k, n_layers)) for s in range(0, n_layers, k)]
 
 
+@contextmanager
+def layout_masks(model: nn.Module, batch: PairBatch | PrefixBatch) -> Iterator[Masks]:
+    """The masks (per sliding window) and positions of ``batch``'s layout; for a shared
+    layout, the ropes give rejected tokens prompt-relative positions inside."""
+    if isinstance(batch, PrefixBatch):
+        with shared_positions(install_prefix_rope(model), batch) as masks:
+            yield masks
+    else:
+        yield CausalMasks(batch.inputs.shape[1])
+
+
 def plain_value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch,
                          loss_of_logps: LossOfLogps) -> Result:
     """One ``nn.value_and_grad`` over the model's own forward with the dense head."""
@@ -62,44 +80,81 @@ def _segment_params(stack: Stack, start: int, end: int) -> list[tuple[int, str, 
             for path, value in tree_flatten(stack.layers[i].trainable_parameters())]
 
 
-def _run_segment(stack: Stack, start: int, end: int, h: mx.array,
-                 mask: str | mx.array = "causal") -> mx.array:
-    for layer in stack.layers[start:end]:
-        h = layer(h, mask, None)
-    return h
+def _flat(states: dict[int, State], donors: list[int]) -> list[mx.array]:
+    return [a for d in donors for a in states[d]]
 
 
-def _segment_vjp(stack: Stack, start: int, end: int, h_in: mx.array, cotangent: mx.array,
-                 mask: str | mx.array = "causal", input_grad: bool = True
-                 ) -> tuple[mx.array | None, Grads]:
-    """dL/dh_in (None without ``input_grad``) and the segment's LoRA grads, unevaluated.
+def _unflat(arrays: list[mx.array], donors: list[int], arity: dict[int, int]
+            ) -> dict[int, State]:
+    out, i = {}, 0
+    for d in donors:
+        out[d] = tuple(arrays[i : i + arity[d]])
+        i += arity[d]
+    return out
 
-    Params go in as primals, then are restored. The first segment's input is the
-    embedding output, which trains nothing: skipping its gradient saves its matmuls.
-    """
-    params = _segment_params(stack, start, end)
 
-    def write(values: list[mx.array]) -> None:
+class _Segment:
+    """One segment's forward as a function of its primals, and its vjp."""
+
+    def __init__(self, stack: Stack, start: int, end: int, masks: Masks, side: list,
+                 states: dict[int, State]):
+        self.stack, self.start, self.end = stack, start, end
+        self.masks, self.side = masks, side
+        self.imports, self.exports = stack.imports(start, end), stack.exports(start, end)
+        self.arity = {d: len(states[d]) for d in self.imports}
+        self.inputs = {d: states[d] for d in self.imports}
+        self.params = _segment_params(stack, start, end)
+
+    def _write(self, values: list[mx.array]) -> None:
         by_layer: dict[int, list[tuple[str, mx.array]]] = {}
-        for (i, path, _), v in zip(params, values, strict=True):
+        for (i, path, _), v in zip(self.params, values, strict=True):
             by_layer.setdefault(i, []).append((path, v))
         for i, items in by_layer.items():
-            stack.layers[i].update(tree_unflatten(items))
+            self.stack.layers[i].update(tree_unflatten(items))
 
-    def fn(*primals: mx.array) -> mx.array:
-        h, values = (primals[0], primals[1:]) if input_grad else (h_in, primals)
-        write(list(values))
-        return _run_segment(stack, start, end, h, mask)
+    def forward(self, h: mx.array, inputs: dict[int, State]
+                ) -> tuple[mx.array, dict[int, State]]:
+        """The segment's output and the donor states it exports."""
+        states = dict(inputs)
+        h = self.stack.run(self.start, self.end, h, self.masks, self.side, states)
+        return h, {d: states[d] for d in self.exports}
 
-    primals = [p[2] for p in params]
-    try:
-        _, vjps = mx.vjp(fn, [h_in, *primals] if input_grad else primals, [cotangent])
-    finally:
-        write(primals)  # the layers hold the real params again
-    h_grad, param_grads = (vjps[0], vjps[1:]) if input_grad else (None, vjps)
-    grads = {f"{stack.layers_prefix}.{i}.{path}": g
-             for (i, path, _), g in zip(params, param_grads, strict=True)}
-    return h_grad, grads
+    def vjp(self, h_in: mx.array, cotangent: mx.array, state_cots: dict[int, State],
+            input_grad: bool) -> tuple[mx.array | None, dict[int, State], Grads]:
+        """dL/dh_in and dL/d(imported states) (None / {} without ``input_grad``) and the
+        segment's LoRA grads, unevaluated. Params go in as primals, then are restored."""
+        n_state = sum(self.arity.values())
+        flat_in = _flat(self.inputs, self.imports)
+
+        def fn(*primals: mx.array) -> list[mx.array]:
+            if input_grad:
+                h, state_in, values = primals[0], primals[1 : 1 + n_state], primals[1 + n_state :]
+            else:
+                h, state_in, values = h_in, flat_in, primals
+            self._write(list(values))
+            out, exported = self.forward(h, _unflat(list(state_in), self.imports, self.arity))
+            return [out, *_flat(exported, self.exports)]
+
+        primals = [p[2] for p in self.params]
+        cots = [cotangent, *[c for d in self.exports for c in state_cots[d]]]
+        try:
+            _, vjps = mx.vjp(fn, [h_in, *flat_in, *primals] if input_grad else primals, cots)
+        finally:
+            self._write(primals)  # the layers hold the real params again
+        if input_grad:
+            h_grad, d_state = vjps[0], _unflat(vjps[1 : 1 + n_state], self.imports, self.arity)
+            param_grads = vjps[1 + n_state :]
+        else:
+            h_grad, d_state, param_grads = None, {}, vjps
+        grads = {f"{self.stack.layers_prefix}.{i}.{path}": g
+                 for (i, path, _), g in zip(self.params, param_grads, strict=True)}
+        return h_grad, d_state, grads
+
+
+def _add_state(acc: dict[int, State], more: dict[int, State]) -> None:
+    """Sum consumers' cotangents per donor (a donor may feed several segments)."""
+    for d, cot in more.items():
+        acc[d] = cot if d not in acc else tuple(a + b for a, b in zip(acc[d], cot, strict=True))
 
 
 def segmented_value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch,
@@ -113,20 +168,22 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch | 
     """
     prefix = batch if isinstance(batch, PrefixBatch) else None
     pairs = prefix.pairs if prefix else batch
-    ctx = (shared_positions(install_prefix_rope(model), prefix) if prefix
-           else nullcontext("causal"))
-    with ctx as mask:
+    with layout_masks(model, batch) as masks:
         ranges = segment_ranges(len(stack.layers), segment_size or len(stack.layers))
-        h = stack.embed(mx.array(prefix.inputs if prefix else pairs.inputs))
+        tokens = mx.array(prefix.inputs if prefix else pairs.inputs)
+        h = stack.embed(tokens)
+        side = stack.side(tokens, h, masks)
         flight = InFlight(inflight)
-        flight.push(h)
+        flight.push(h, side)
         phase_done("embed")
-        boundaries = [h]
+        boundaries, states, segments = [h], {}, []
         for s, e in ranges:  # forward: keep only boundary states, each evaluated
-            h = _run_segment(stack, s, e, h, mask)
+            segments.append(_Segment(stack, s, e, masks, side, states))
+            h, exported = segments[-1].forward(h, segments[-1].inputs)
+            states.update(exported)
             # Bounded in-flight evaluation: one eval for the whole forward, or async_eval
             # alone, kept every intermediate alive on CUDA (H200: 3.7x the peak).
-            flight.push(h)
+            flight.push(h, exported)
             boundaries.append(h)
             phase_done(f"forward {s}-{e}")
         flight.drain()
@@ -138,15 +195,18 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch | 
         phase_done("head")
 
         grads: Grads = {}
+        state_cots: dict[int, State] = {}
         # Segments below the lowest LoRA layer train nothing: the backward stops there.
-        first = next(j for j, (s, e) in enumerate(ranges) if _segment_params(stack, s, e))
+        first = next(j for j, seg in enumerate(segments) if seg.params)
         for j in range(len(ranges) - 1, first - 1, -1):  # backward: one segment at a time
-            s, e = ranges[j]
-            cot, seg_grads = _segment_vjp(stack, s, e, boundaries.pop(), cot, mask,
-                                          input_grad=j > first)
-            flight.push(*([cot] if cot is not None else []), seg_grads)
+            seg = segments[j]
+            cot, d_state, seg_grads = seg.vjp(boundaries.pop(), cot,
+                                              {d: state_cots.pop(d) for d in seg.exports},
+                                              input_grad=j > first)
+            _add_state(state_cots, d_state)
+            flight.push(*([cot] if cot is not None else []), seg_grads, d_state)
             grads.update(seg_grads)
-            phase_done(f"backward {s}-{e}")
+            phase_done(f"backward {seg.start}-{seg.end}")
         flight.drain()
     return loss, metrics, grads
 
@@ -179,9 +239,9 @@ def shared_plain_value_and_grad(model: nn.Module, stack: Stack, batch: PrefixBat
                                 loss_of_logps: LossOfLogps) -> Result:
     """``nn.value_and_grad`` over the shared forward with the dense head (no segments)."""
     targets = mx.array(batch.pairs.targets)
-    with shared_positions(install_prefix_rope(model), batch) as mask:
+    with layout_masks(model, batch) as masks:
         def fn(tokens: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
-            h = to_pair_layout(stack.hidden(tokens, mask), batch)
+            h = to_pair_layout(stack.hidden(tokens, masks), batch)
             return loss_of_logps(dense_logps(stack, h, targets))
 
         (loss, metrics), grads = nn.value_and_grad(model, fn)(mx.array(batch.inputs))

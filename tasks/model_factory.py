@@ -1,17 +1,18 @@
-"""Self-made models: random-init llama/qwen2 weights plus a locally trained tokenizer.
+"""Self-made models: random-init weights of each supported family plus a local tokenizer.
 
 No hub is reachable from tests, CI or the demo, so Pomona builds its own small models in
 the Hugging Face layout that ``mlx_lm.load(DIR)`` reads (``config.json``,
 ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``). Loading them goes
 through exactly the code a user's downloaded model takes. Same spec, same bytes.
 
-    pomona model init --out models/tiny --layers 4 --hidden 128 --seed 0 [--quantize 4]
+    pomona model init --out models/tiny --arch gemma4_text --layers 12 --seed 0 [--quantize 4]
+
+Each family's ``config.json`` comes from ``tasks/model_configs.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import io
 import json
 import shutil
@@ -21,15 +22,23 @@ from pathlib import Path
 
 import numpy as np
 
+from tasks.model_configs import CONFIGS, NO_BOS, TIED
 from tasks.synthetic import LAYOUTS, TASKS, synth_rows
 
-ARCHS = ("llama", "qwen2")
+ARCHS = tuple(CONFIGS)
 DTYPES = ("float32", "bfloat16", "float16")
 PAD, BOS, EOT = "<|pad|>", "<|bos|>", "<|endoftext|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, BOS, EOT, IM_START, IM_END]  # ids 0..4, in this order
 
 # ChatML; BOS only where the tokenizer has one (llama here, not qwen2, as upstream).
+# Gemma 3's RMSNorm scales by (1 + w): its norms start at 0. Scalar gains start at 1.
+OFFSET_NORMS = ("gemma3_text",)
+UNIT_GAINS = ("layer_scalar", "router.scale", "per_expert_scale")
+# Gemma 4's attention has scale 1 (its trained q/k norms take the 1/√d role).
+UNSCALED_ATTENTION = ("gemma4_text", "gemma4")
+QK_NORMS = ("q_norm.weight", "k_norm.weight")
+
 CHAT_TEMPLATE = (
     "{% if bos_token %}{{ bos_token }}{% endif %}"
     "{% for message in messages %}"
@@ -43,7 +52,7 @@ CHAT_TEMPLATE = (
 class ModelSpec:
     """What ``pomona model init`` builds. Defaults: a ~1M-parameter model that trains on CPU."""
 
-    arch: str = "llama"  # llama (untied head, BOS) or qwen2 (tied head, qkv bias, no BOS)
+    arch: str = "llama"  # a key of tasks/model_configs.CONFIGS
     layers: int = 4
     hidden: int = 128
     heads: int = 4
@@ -56,6 +65,17 @@ class ModelSpec:
     tie_embeddings: bool | None = None  # None: the arch's usual choice
     quantize: int | None = None  # 4 or 8 bits, through mlx_lm.convert
     q_group_size: int = 64
+    window: int = 0  # sliding window (0: none; gemma families: 32)
+    window_pattern: int = 0  # every Nth layer full, the rest sliding (0: the family's own)
+    rope_scaling: str | None = None  # llama: "llama3"
+    kv_shared_layers: int | None = None  # gemma4: last N layers reuse K/V (None: layers // 3)
+    ple: int = 16  # gemma4: per-layer input width (0: none)
+    experts: int = 0  # gemma4 / qwen3_moe: experts per MoE block (qwen3_moe: 0 means 4)
+    experts_per_token: int = 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -76,6 +96,23 @@ class ModelSpec:
         if self.vocab < 256 + len(SPECIAL_TOKENS):
             raise ValueError(f"vocab={self.vocab}: byte-level BPE needs at least "
                              f"{256 + len(SPECIAL_TOKENS)} (256 bytes + special tokens)")
+        for name in ("window", "window_pattern", "ple", "experts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+        if self.window_pattern == 1:
+            raise ValueError("window_pattern=1 leaves no sliding layer; use window 0 instead")
+        if self.rope_scaling not in (None, "llama3"):
+            raise ValueError(f"rope_scaling={self.rope_scaling!r}: expected llama3 or none")
+        if self.kv_shared_layers is not None and not 0 <= self.kv_shared_layers < self.layers:
+            raise ValueError(f"kv_shared_layers={self.kv_shared_layers}: must be in "
+                             f"[0, layers={self.layers})")
+        if self.experts and self.experts_per_token > self.experts:
+            raise ValueError(f"experts_per_token={self.experts_per_token} > experts="
+                             f"{self.experts}")
+        if self.arch == "gemma3_text" and self.layers < (self.window_pattern or 6):
+            raise ValueError(f"gemma3_text needs layers >= window_pattern "
+                             f"({self.window_pattern or 6}): mlx-lm reads the first full "
+                             "layer's cache")
         if self.quantize not in (None, 4, 8):
             raise ValueError(f"quantize={self.quantize}: expected 4 or 8")
         if self.quantize and (self.hidden % self.q_group_size or
@@ -86,7 +123,12 @@ class ModelSpec:
 
     @property
     def tied(self) -> bool:
-        return self.arch == "qwen2" if self.tie_embeddings is None else self.tie_embeddings
+        return self.arch in TIED if self.tie_embeddings is None else self.tie_embeddings
+
+    @property
+    def bos(self) -> bool:
+        """Whether the tokenizer prepends BOS (as the family's upstream tokenizer does)."""
+        return self.arch not in NO_BOS
 
 
 def tokenizer_corpus(rows_per_file: int = 200) -> list[str]:
@@ -113,7 +155,7 @@ def train_tokenizer(spec: ModelSpec):
         show_progress=False,
     )
     tok.train_from_iterator(tokenizer_corpus(), trainer)
-    if spec.arch == "llama":  # llama tokenizers prepend BOS themselves
+    if spec.bos:  # llama-style tokenizers prepend BOS themselves
         tok.post_processor = processors.TemplateProcessing(
             single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 1)]
         )
@@ -126,11 +168,11 @@ def tokenizer_config(spec: ModelSpec) -> dict:
     """``tokenizer_config.json`` for transformers' fast tokenizer (what mlx-lm wraps)."""
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS if spec.arch == "llama" else None,
+        "bos_token": BOS if spec.bos else None,
         "eos_token": IM_END,
         "pad_token": PAD,
         "unk_token": None,
-        "add_bos_token": spec.arch == "llama",
+        "add_bos_token": spec.bos,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": spec.max_position,
@@ -139,28 +181,8 @@ def tokenizer_config(spec: ModelSpec) -> dict:
 
 
 def model_config(spec: ModelSpec) -> dict:
-    """``config.json`` in the Hugging Face layout for ``spec.arch``."""
-    common = {
-        "model_type": spec.arch,
-        "hidden_size": spec.hidden,
-        "num_hidden_layers": spec.layers,
-        "num_attention_heads": spec.heads,
-        "num_key_value_heads": spec.kv_heads,
-        "intermediate_size": spec.intermediate,
-        "vocab_size": spec.vocab,
-        "max_position_embeddings": spec.max_position,
-        "hidden_act": "silu",
-        "tie_word_embeddings": spec.tied,
-        "torch_dtype": spec.dtype,
-        "eos_token_id": SPECIAL_TOKENS.index(IM_END),
-        "pad_token_id": SPECIAL_TOKENS.index(PAD),
-    }
-    if spec.arch == "llama":
-        return {**common, "architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5,
-                "rope_theta": 10000.0, "attention_bias": False, "mlp_bias": False,
-                "bos_token_id": SPECIAL_TOKENS.index(BOS)}
-    return {**common, "architectures": ["Qwen2ForCausalLM"], "rms_norm_eps": 1e-6,
-            "rope_theta": 1000000.0, "use_sliding_window": False, "bos_token_id": None}
+    """``config.json`` in the Hugging Face layout for ``spec.arch`` (tasks/model_configs.py)."""
+    return CONFIGS[spec.arch](spec)
 
 
 def init_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
@@ -169,30 +191,47 @@ def init_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     N(0, 0.02) for block matrices (GPT-2's init), output projections scaled by
     1/sqrt(2·layers) so the residual stream stays O(1); embeddings and the head N(0, 1/H),
     so a frozen head can still express confident predictions (with 0.02 its logits are
-    capped near ±2.5 at H=128, and LoRA on top cannot push the NLL down); norms 1, biases 0.
+    capped near ±2.5 at H=128, and LoRA on top cannot push the NLL down); norms 1 (0 where
+    the family scales by 1 + w; d^-1/4 for the q/k norms of an attention without 1/√d, whose
+    saturated softmax would otherwise amplify float32 rounding ~50× over 12 layers), scalar
+    gains 1, biases 0.
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes  # mlx-lm's own model_type mapping (mistral: llama)
 
-    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    model = arch.Model(arch.ModelArgs.from_dict(config))
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
     shapes = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
     del model
     mx.clear_cache()
+    text = config.get("text_config", config)  # a multimodal checkpoint's decoder sizes
+    if text.get("tie_word_embeddings"):
+        shapes.pop("lm_head.weight", None)  # gemma3_text ties when the head is absent
     rng = np.random.default_rng(seed)
-    out_scale = 1.0 / np.sqrt(2.0 * config["num_hidden_layers"])
+    out_scale = 1.0 / np.sqrt(2.0 * text["num_hidden_layers"])
+    norm_value = 0.0 if config["model_type"] in OFFSET_NORMS else 1.0
     weights = {}
     for name in sorted(shapes):  # fixed order: the same seed gives the same bytes
         shape = shapes[name]
-        if name.endswith("norm.weight"):
+        if config["model_type"] in UNSCALED_ATTENTION and name.endswith(QK_NORMS):
+            # No 1/√d in the attention: q/k norm gains d^-1/4 give q·k that variance.
+            weights[name] = np.full(shape, shape[-1] ** -0.25, np.float32)
+        elif name.endswith("norm.weight"):
+            weights[name] = np.full(shape, norm_value, np.float32)
+        elif name.endswith(UNIT_GAINS):
             weights[name] = np.ones(shape, np.float32)
         elif name.endswith(".bias"):
             weights[name] = np.zeros(shape, np.float32)
         else:
             std = 0.02 * (out_scale if name.endswith(("o_proj.weight", "down_proj.weight")) else 1)
             if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-                std = 1.0 / np.sqrt(config["hidden_size"])
+                std = 1.0 / np.sqrt(text["hidden_size"])
             weights[name] = rng.normal(0.0, std, size=shape).astype(np.float32)
+    if config["model_type"] == "gemma4":  # towers a real checkpoint carries; load drops them
+        for tower in ("vision_tower", "audio_tower"):
+            weights[f"model.{tower}.proj.weight"] = rng.normal(0, 0.02, (16, 16)).astype(
+                np.float32)
     return weights
 
 

@@ -14,9 +14,11 @@ import mlx_lm
 import numpy as np
 import pytest
 
+from engine.arch import make_stack
+from engine.arch.check import check_stack
 from engine.batch import Pair, batch_norms, make_batch
 from engine.losses import LossSpec, pair_loss
-from engine.model import LoraSpec, attach_lora, check_stack, lora_modules, make_stack
+from engine.model import LoraSpec, attach_lora, lora_modules
 from engine.segmented import segment_ranges, value_and_grad
 from tests.pairs import tokenized_pairs
 

@@ -51,9 +51,10 @@ def test_two_identical_runs_give_identical_adapters(tiny_model, tiny_data, tmp_p
 
 def test_accumulation_4x1_equals_1x4(tiny_model, tiny_data) -> None:
     """Four micro-batches of one pair give the one-batch-of-four loss and gradients."""
+    from engine.arch import make_stack
     from engine.batch import make_batch
     from engine.losses import LossSpec
-    from engine.model import LoraSpec, attach_lora, lora_modules, make_stack
+    from engine.model import LoraSpec, attach_lora, lora_modules
     from engine.trainer import step_grads
     from tests.test_segmented import assert_same
 
