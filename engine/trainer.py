@@ -39,6 +39,7 @@ from engine.model import (
     attach_lora,
     checked_stack,
     load_model,
+    resolve_lora_keys,
     set_dropout_seed,
 )
 from engine.prefix import PrefixBatch, pair_batch, split_prefix_batch, uses_split
@@ -266,7 +267,7 @@ def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
     if cfg.memory_limit_gb > 0:
         mx.set_memory_limit(int(cfg.memory_limit_gb * 2**30))
     model, tokenizer = load_model(cfg.model)
-    spec = lora_spec(cfg)
+    spec = resolve_lora_keys(model, lora_spec(cfg))  # the family's targets, saved explicitly
     trainable = attach_lora(model, spec, cfg.seed)
     stack = checked_stack(model)
     num_layers = len(stack.layers) if cfg.lora_layers < 0 else cfg.lora_layers

@@ -47,8 +47,9 @@ def fail(message: str) -> typer.Exit:
 @model_app.command("init")
 def model_init(
     out: Annotated[Path, typer.Option(help="Directory to write the model to.")],
-    arch: Annotated[str, typer.Option(help="llama (untied head, BOS) or qwen2 (tied, no BOS).")]
-    = "llama",
+    arch: Annotated[str, typer.Option(help="llama, mistral, qwen2, qwen3, qwen3_moe, phi3, "
+                                           "minicpm, ministral3, gemma3_text, gemma4_text or "
+                                           "gemma4 (a multimodal checkpoint).")] = "llama",
     layers: Annotated[int, typer.Option(help="Transformer blocks.")] = 4,
     hidden: Annotated[int, typer.Option(help="Model width.")] = 128,
     heads: Annotated[int, typer.Option(help="Attention heads.")] = 4,
@@ -57,6 +58,18 @@ def model_init(
     vocab: Annotated[int, typer.Option(help="Vocabulary size (BPE trained locally).")] = 1024,
     seed: Annotated[int, typer.Option(help="Weight seed; same seed, same bytes.")] = 0,
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16.")] = "float32",
+    window: Annotated[int, typer.Option(help="Sliding window of the sliding layers (llama, "
+                                             "mistral, ministral3: 0 = none; gemma: 0 = 32).")]
+    = 0,
+    window_pattern: Annotated[int, typer.Option(help="Every Nth layer full, the others "
+                                                     "sliding (0: the family's own).")] = 0,
+    rope_scaling: Annotated[str | None, typer.Option(help="llama: llama3 rope scaling.")]
+    = None,
+    kv_shared_layers: Annotated[int | None, typer.Option(
+        help="gemma4: the last N layers reuse earlier K/V (default layers // 3).")] = None,
+    ple: Annotated[int, typer.Option(help="gemma4: per-layer input width (0 = none).")] = 16,
+    experts: Annotated[int, typer.Option(help="gemma4 / qwen3_moe: experts per MoE block.")]
+    = 0,
     quantize: Annotated[int | None, typer.Option(help="4 or 8: quantize via mlx_lm.convert.")]
     = None,
     q_group_size: Annotated[int, typer.Option(help="Quantization group size.")] = 64,
@@ -67,7 +80,9 @@ def model_init(
 
     spec = ModelSpec(arch=arch, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                      intermediate=intermediate, vocab=vocab, seed=seed, dtype=dtype,
-                     quantize=quantize, q_group_size=q_group_size)
+                     quantize=quantize, q_group_size=q_group_size, window=window,
+                     window_pattern=window_pattern, rope_scaling=rope_scaling,
+                     kv_shared_layers=kv_shared_layers, ple=ple, experts=experts)
     try:
         path = init_model(spec, out, overwrite=overwrite)
     except (ValueError, FileExistsError) as err:

@@ -2,14 +2,20 @@
 
 Written atomically: everything goes into a hidden temporary directory, ``manifest.json``
 last, and the directory is renamed into place only when complete — a crash leaves no
-half dataset that looks complete (a dataset is valid only with its manifest).
+half dataset that looks complete (a dataset is valid only with its manifest). Only a
+Pomona dataset is ever replaced: any other folder at ``out`` is refused, never deleted.
+Hidden temporaries a killed run left behind are removed by the next write.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
+import socket
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -27,13 +33,25 @@ SCHEMA = pa.schema([
     ("prefix_shared", pa.bool_()),
     ("split", pa.string()),
 ])
+# Files an OS drops into any folder a user browses: not user data, safe to replace.
+OS_LITTER = frozenset({".DS_Store", "Thumbs.db", "desktop.ini"})
+# A temporary whose owner cannot be checked (another machine, or an older Pomona's name
+# without one) is stale only after this long: a live write finishes in minutes.
+STALE_AFTER_S = 24 * 3600
+HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:6]
+
+
+class RefusedOutput(ValueError):
+    """``out`` holds something that is not a Pomona dataset, or overlaps an input."""
 
 
 def read_manifest(path: Path) -> dict[str, Any] | None:
     """The manifest of a complete dataset at ``path``, or None."""
     try:
         manifest = json.loads((Path(path) / MANIFEST).read_text())
-    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
+    except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(manifest, dict):
         return None
     return manifest if manifest.get("schema_version") == SCHEMA_VERSION else None
 
@@ -47,12 +65,54 @@ def read_table(path: Path) -> pa.Table:
     return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
 
 
+def check_replaceable(out: Path) -> None:
+    """Raise RefusedOutput unless ``out`` is absent, an empty folder or a Pomona dataset
+    holding nothing but its manifest and shards (what replacing it would delete)."""
+    out = Path(out)
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir() or out.is_symlink():
+        raise RefusedOutput(f"--out {out}: exists and is not a folder; refusing to replace "
+                            "it. Choose another --out")
+    names = {p.name for p in out.iterdir()} - OS_LITTER
+    if not names:
+        return
+    try:  # any schema version: an older Pomona's dataset is still ours to replace
+        manifest = json.loads((out / MANIFEST).read_text())
+        shards = set(manifest["shards"]) if "schema_version" in manifest else None
+    except (OSError, ValueError, TypeError, KeyError):
+        shards = None
+    if shards is None:
+        raise RefusedOutput(f"--out {out}: exists and is not a Pomona dataset (no {MANIFEST}"
+                            "); refusing to replace it. Choose a new or empty folder")
+    if other := sorted(names - shards - {MANIFEST}):
+        raise RefusedOutput(f"--out {out}: a Pomona dataset that also holds "
+                            f"{', '.join(other[:3])}{' …' if len(other) > 3 else ''}; refusing "
+                            "to delete them. Move them out or choose another --out")
+
+
+def check_apart(out: Path, inputs: list[Path]) -> None:
+    """Raise RefusedOutput when ``out`` is an input, holds one, or lies in an input folder
+    (its shards and rejects would be read as input on the next run)."""
+    target = Path(out).resolve()
+    for path in inputs:
+        src = Path(path).resolve()
+        if target == src or src.is_relative_to(target):
+            raise RefusedOutput(f"--out {out}: would replace the input {path}. Choose an "
+                                "--out that is not an input and holds none")
+        if src.is_dir() and target.is_relative_to(src):
+            raise RefusedOutput(f"--out {out}: inside the input folder {path}, whose files "
+                                "are all read as input. Write the dataset outside it")
+
+
 def write_dataset(out: Path, rows: dict[str, list], manifest: dict[str, Any],
                   shard_rows: int = 50_000) -> dict[str, Any]:
     """Write ``rows`` (column → values, SCHEMA's columns) and ``manifest`` to ``out``."""
     out = Path(out)
+    check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    remove_stale_temporaries(out)
+    tmp = out.with_name(f".{out.name}.tmp-{HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
         table = pa.table({f.name: rows[f.name] for f in SCHEMA}, schema=SCHEMA)
@@ -63,6 +123,7 @@ def write_dataset(out: Path, rows: dict[str, list], manifest: dict[str, Any],
             shards.append(name)
         manifest = {"schema_version": SCHEMA_VERSION, **manifest, "shards": shards}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        check_replaceable(out)  # again: something may have appeared there meanwhile
         _swap_into_place(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -73,7 +134,47 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
     if not out.exists():
         os.replace(tmp, out)
         return
-    old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+    old = out.with_name(f".{out.name}.old-{HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.replace(out, old)  # between these two renames `out` is absent, never half-written
     os.replace(tmp, out)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _is_stale(path: Path, host: str | None, pid: str | None) -> bool:
+    if host == HOST and pid is not None:
+        return int(pid) != os.getpid() and not _pid_alive(int(pid))
+    try:
+        return time.time() - path.stat().st_mtime > STALE_AFTER_S
+    except OSError:
+        return False
+
+
+def remove_stale_temporaries(out: Path) -> list[Path]:
+    """Delete the hidden temporaries of ``out`` whose writer is gone (killed mid-write).
+
+    An ``.old-`` copy is the previous dataset, moved aside for the swap: it is removed only
+    once ``out`` exists again, never when it is the last copy.
+    """
+    out = Path(out)
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.(tmp|old)-(?:([0-9a-f]{{6}})-(\d+)-)?"
+                         r"[0-9a-f]{8}")
+    removed = []
+    for path in out.parent.iterdir():  # not glob: a name may hold [ or *
+        m = pattern.fullmatch(path.name)
+        if m is None or not path.is_dir() or not _is_stale(path, m.group(2), m.group(3)):
+            continue
+        if m.group(1) == "old" and not out.exists():
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed

@@ -3,7 +3,8 @@
 Per row: ``prefix_shared`` — chosen and rejected begin with the same prompt tokens, so the
 engine can run one forward over [prompt | chosen | rejected] — and the tokens that sharing
 saves (the prompt, computed once instead of twice). Exact duplicate pairs are removed and
-counted. The split is a stable hash of ``id``: adding rows never moves old rows.
+counted. The split is a stable hash of ``id``: adding rows never moves old rows. ``out``
+(default: in place) may only be a new or empty folder or another Pomona dataset.
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.data import stable_split
-from tasks.dataset_dir import read_manifest, read_table, write_dataset
+from tasks.dataset_dir import (
+    check_apart,
+    check_replaceable,
+    read_manifest,
+    read_table,
+    write_dataset,
+)
 
 
 @dataclass
@@ -39,6 +46,9 @@ def preprocess_dataset(path: str | Path, out: str | Path | None = None,
     manifest = read_manifest(path)
     if manifest is None:
         raise FileNotFoundError(f"{path}: not a complete Pomona dataset (no valid manifest)")
+    if out.resolve() != path.resolve():  # in place replaces the input, by design
+        check_apart(out, [path])
+        check_replaceable(out)
     cols = read_table(path).to_pydict()
     fraction = manifest["options"]["valid_fraction"] if valid_fraction is None else valid_fraction
     seen: set[tuple] = set()
