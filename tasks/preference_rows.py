@@ -1,22 +1,25 @@
-"""Preference files → validated conversations, or rejects with a reason. Never raises on data.
+"""Preference files → validated conversations, or rejects with a reason.
 
 Reads JSONL, JSON (an array), Parquet or CSV files, or a directory of them, in the three
-layouts of datasets/README.md (explicit, conversational, implicit), detected per file from
-its first object (``layout`` overrides). Every bad row becomes a ``Reject`` naming its file,
-line, reason and raw content, so a scheduled run never dies on one row at 2 a.m. and no row
-disappears without a count.
+layouts of datasets/README.md (explicit, conversational, implicit), detected per file as
+the layout most of its rows are valid in (``layout`` overrides). Every bad row becomes a
+``Reject`` naming its file, line, reason and raw content, so a scheduled run never dies on
+one row at 2 a.m. and no row disappears without a count. A file that cannot be read at all
+raises ``UnreadableFile``: counting it as one bad row would drop all its rows unseen.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+LAYOUTS = ("explicit", "conversational", "implicit")
 ROLES = ("system", "user", "assistant")
 Messages = list[dict[str, str]]
 
@@ -53,6 +56,16 @@ class BadRow(ValueError):
     """Raised inside validation; carries the reason code."""
 
 
+class UnreadableFile(ValueError):
+    """A whole input file cannot be read (corrupt, truncated, not UTF-8, no permission)."""
+
+    def __init__(self, path: Path, err: Exception) -> None:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        super().__init__(f"{path}: cannot read this file ({type(err).__name__}: {first}); "
+                         "none of its rows can be counted, so the run stops. Fix or remove "
+                         "the file and run again")
+
+
 def list_files(path: Path) -> list[Path]:
     """``path`` itself, or every supported file below it (sorted, recursive)."""
     path = Path(path)
@@ -68,43 +81,62 @@ def list_files(path: Path) -> list[Path]:
     return files
 
 
-def read_raw(path: Path) -> Iterator[tuple[int, Any, str | None]]:
-    """(line, raw object, problem) for each row of one file; problem is a reason or None."""
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        for i, raw_line in enumerate(path.read_bytes().splitlines(), 1):
-            if not raw_line.strip():
-                continue
-            try:
-                text = raw_line.decode("utf-8")
-            except UnicodeDecodeError:
-                yield i, raw_line.decode("utf-8", "replace"), "invalid_utf8"
-                continue
-            try:
-                yield i, json.loads(text), None
-            except json.JSONDecodeError:
-                yield i, text, "malformed_json"
-    elif suffix == ".json":
+def _read_jsonl(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise UnreadableFile(path, err) from err
+    data = data.removeprefix(b"\xef\xbb\xbf")  # a BOM (Windows editors) is not part of row 1
+    for i, raw_line in enumerate(data.splitlines(), 1):
+        if not raw_line.strip():
+            continue
         try:
-            data = json.loads(path.read_bytes().decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            yield 0, f"{type(err).__name__}: {err}", "malformed_json_file"
-            return
-        rows = data if isinstance(data, list) else [data]
-        for i, row in enumerate(rows, 1):
-            yield i, row, None
-    else:
-        import pyarrow.csv as pcsv
-        import pyarrow.parquet as pq
+            text = raw_line.decode("utf-8")
+        except UnicodeDecodeError:
+            yield i, raw_line.decode("utf-8", "replace"), "invalid_utf8"
+            continue
+        try:
+            yield i, json.loads(text), None
+        except (json.JSONDecodeError, RecursionError):  # deep nesting overflows the parser
+            yield i, text, "malformed_json"
 
-        try:
-            table = pq.read_table(path) if suffix == ".parquet" else pcsv.read_csv(
-                path, convert_options=pcsv.ConvertOptions(strings_can_be_null=False))
-        except Exception as err:  # pyarrow raises several types for a corrupt file
-            yield 0, f"{type(err).__name__}: {err}", f"unreadable_{suffix[1:]}"
-            return
-        for i, row in enumerate(table.to_pylist(), 1):
-            yield i, {k: v for k, v in row.items() if v is not None}, None
+
+def _read_whole(path: Path) -> list[Any]:
+    """Rows of a .json, .parquet or .csv file, which are read whole or not at all."""
+    import pyarrow.parquet as pq
+
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".json":
+            data = json.loads(path.read_bytes().decode("utf-8-sig"))
+            return data if isinstance(data, list) else [data]
+        table = pq.read_table(path) if suffix == ".parquet" else _read_csv(path)
+    except Exception as err:  # json, UTF-8, OS and pyarrow's several error types
+        raise UnreadableFile(path, err) from err
+    return [{k: v for k, v in row.items() if v is not None} for row in table.to_pylist()]
+
+
+def _read_csv(path: Path) -> Any:
+    """Every column as text (a response "42" must not become an int), an empty cell as absent."""
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+
+    names = pcsv.open_csv(path).schema.names
+    return pcsv.read_csv(path, convert_options=pcsv.ConvertOptions(
+        column_types={n: pa.string() for n in names}, strings_can_be_null=True,
+        null_values=[""]))
+
+
+def read_raw(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+    """(line, raw object, problem) for each row of one file; problem is a reason or None.
+
+    Raises UnreadableFile when the file as a whole cannot be read.
+    """
+    if path.suffix.lower() == ".jsonl":
+        yield from _read_jsonl(path)
+        return
+    for i, row in enumerate(_read_whole(path), 1):
+        yield i, row, None
 
 
 def detect_layout(row: Any) -> str | None:
@@ -118,6 +150,14 @@ def detect_layout(row: Any) -> str | None:
     return None
 
 
+def _utf8(value: str, name: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800" in JSON): no tokenizer takes it
+        raise BadRow(f"invalid_unicode:{name}") from None
+    return value
+
+
 def _text(row: dict, name: str) -> str:
     if name not in row:
         raise BadRow(f"missing_field:{name}")
@@ -126,7 +166,7 @@ def _text(row: dict, name: str) -> str:
         raise BadRow(f"wrong_type:{name}")
     if not value.strip():
         raise BadRow(f"empty_field:{name}")
-    return value
+    return _utf8(value, name)
 
 
 def _messages(row: dict, name: str, min_items: int = 1) -> Messages:
@@ -141,7 +181,7 @@ def _messages(row: dict, name: str, min_items: int = 1) -> Messages:
             raise BadRow(f"wrong_type:{name}")
         if m.get("role") not in ROLES:
             raise BadRow("unknown_role")
-        out.append({"role": m["role"], "content": m["content"]})
+        out.append({"role": m["role"], "content": _utf8(m["content"], name)})
     return out
 
 
@@ -157,7 +197,8 @@ def content_id(row: dict) -> str:
     """A stable id from the row's content (for rows without one)."""
     body = json.dumps({k: v for k, v in row.items() if k != "id"}, sort_keys=True,
                       ensure_ascii=False)
-    return "h-" + hashlib.sha256(body.encode()).hexdigest()[:16]
+    # surrogatepass: a row with a lone surrogate still gets an id, then its reject reason
+    return "h-" + hashlib.sha256(body.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def _row_id(row: dict) -> str:
@@ -167,7 +208,7 @@ def _row_id(row: dict) -> str:
         raise BadRow("wrong_type:id")
     if not str(row["id"]).strip():
         raise BadRow("empty_field:id")
-    return str(row["id"])
+    return _utf8(str(row["id"]), "id")
 
 
 def _system(row: dict) -> str | None:
@@ -175,11 +216,25 @@ def _system(row: dict) -> str | None:
         return None
     if not isinstance(row["system"], str):
         raise BadRow("wrong_type:system")
-    return row["system"] or None
+    return _utf8(row["system"], "system") or None
 
 
-def _implicit(row: dict) -> tuple[str | Messages, str | Messages, str | Messages]:
+def _check_prompt_turns(prompt: Messages, system: str | None) -> None:
+    """A prompt's turns: a system turn only first, and the user's turn last (else the
+    template renders two assistant turns in a row)."""
+    if any(m["role"] == "system" for m in prompt[1:]):
+        raise BadRow("system_not_first")
+    if system is not None and prompt[0]["role"] == "system":
+        raise BadRow("system_conflict")
+    if prompt[-1]["role"] != "user":
+        raise BadRow("last_turn_not_user")
+
+
+def _implicit(row: dict, system: str | None
+              ) -> tuple[str | Messages, str | Messages, str | Messages]:
     """Split chosen/rejected conversations at their longest common prefix."""
+    if "prompt" in row:  # an explicit or conversational row, never an implicit one
+        raise BadRow("unexpected_field:prompt")
     c, r = row.get("chosen"), row.get("rejected")
     if isinstance(c, list) and isinstance(r, list):
         c, r = _messages(row, "chosen", 2), _messages(row, "rejected", 2)
@@ -190,6 +245,7 @@ def _implicit(row: dict) -> tuple[str | Messages, str | Messages, str | Messages
             raise BadRow("empty_response")
         if any(m["role"] != "assistant" for m in c[n:] + r[n:]):
             raise BadRow("response_not_assistant")
+        _check_prompt_turns(c[:n], system)
         return c[:n], c[n:], r[n:]
     c, r = _text(row, "chosen"), _text(row, "rejected")
     n = common_prefix(c, r)
@@ -215,33 +271,75 @@ def validate(row: Any, layout: str, source: str, line: int) -> Conversation:
             raise BadRow("response_not_assistant")
         if any(not m["content"].strip() for m in chosen + rejected):
             raise BadRow("empty_response")
-        if any(m["role"] == "system" for m in prompt[1:]):
-            raise BadRow("system_not_first")
-        if system is not None and prompt[0]["role"] == "system":
-            raise BadRow("system_conflict")
+        _check_prompt_turns(prompt, system)
     elif layout == "implicit":
-        prompt, chosen, rejected = _implicit(row)
+        prompt, chosen, rejected = _implicit(row, system)
     else:
-        raise ValueError(f"unknown layout {layout!r}")
+        raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
     if chosen == rejected:
         raise BadRow("chosen_equals_rejected")
     return Conversation(row_id, source, line, layout, system, prompt, chosen, rejected)
 
 
+def _attempt(raw: Any, layout: str, source: str, line: int) -> Conversation | BadRow:
+    try:
+        return validate(raw, layout, source, line)
+    except BadRow as err:
+        return err
+
+
+def majority_layout(looks: list[str | None], valid: list[str]) -> str | None:
+    """The layout most rows are valid in; when none is valid, the one most rows look like.
+
+    One odd row (say, an implicit-looking first row) can no longer decide the whole file.
+    Ties go to the layout seen first.
+    """
+    votes = Counter(valid) or Counter(x for x in looks if x is not None)
+    return votes.most_common(1)[0][0] if votes else None
+
+
+def _read_file(file: Path, layout: str | None) -> Iterator[tuple[Conversation | Reject, Any]]:
+    """(Conversation or Reject, raw row) for each row of one file."""
+    source, rows = str(file), list(read_raw(file))
+    looks = [None if problem else detect_layout(raw) for _, raw, problem in rows]
+    tried = {} if layout else {i: _attempt(raw, looks[i], source, line)
+                               for i, (line, raw, _) in enumerate(rows) if looks[i]}
+    file_layout = layout or majority_layout(
+        looks, [looks[i] for i, t in tried.items() if isinstance(t, Conversation)])
+    for i, (line, raw, problem) in enumerate(rows):
+        if problem is not None or file_layout is None:
+            yield Reject(source, line, problem or "unknown_layout", raw), raw
+            continue
+        if looks[i] != file_layout and isinstance(tried.get(i), Conversation):
+            # a good row of another layout; a broken one gets its own defect below
+            yield Reject(source, line, f"layout_mismatch:{looks[i]}", raw), raw
+            continue
+        result = (tried[i] if looks[i] == file_layout and i in tried
+                  else _attempt(raw, file_layout, source, line))
+        yield (result if isinstance(result, Conversation)
+               else Reject(source, line, str(result), raw)), raw
+
+
+def _content_key(c: Conversation) -> str:
+    body = json.dumps([c.system, c.prompt, c.chosen, c.rejected], ensure_ascii=False)
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
 def read_conversations(path: Path, layout: str | None = None
                        ) -> Iterator[Conversation | Reject]:
-    """Every row of every file under ``path``, as a Conversation or a Reject."""
+    """Every row of every file under ``path``, as a Conversation or a Reject.
+
+    A file's rows are held in memory while its layout is decided. An ``id`` given to two
+    different pairs rejects the later one (``duplicate_id``; ``7`` and ``"7"`` are one id):
+    the split and every score are keyed by it. The same pair twice is left to preprocess.
+    """
+    if layout is not None and layout not in LAYOUTS:
+        raise ValueError(f"--layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
+    seen: dict[str, str] = {}  # id given in the row → content key of its first pair
     for file in list_files(path):
-        file_layout = layout
-        for line, raw, problem in read_raw(file):
-            if problem is not None:
-                yield Reject(str(file), line, problem, raw)
-                continue
-            file_layout = file_layout or detect_layout(raw)
-            if file_layout is None:
-                yield Reject(str(file), line, "unknown_layout", raw)
-                continue
-            try:
-                yield validate(raw, file_layout, str(file), line)
-            except BadRow as err:
-                yield Reject(str(file), line, str(err), raw)
+        for item, raw in _read_file(file, layout):
+            if isinstance(item, Conversation) and "id" in raw:
+                key = _content_key(item)
+                if seen.setdefault(item.id, key) != key:
+                    item = Reject(item.source, item.line, "duplicate_id", raw)
+            yield item
