@@ -123,7 +123,9 @@ def data_tokenize(
     layout: Annotated[str | None, typer.Option(help="explicit | conversational | implicit "
                                                     "(default: detect per file).")] = None,
     chat_template: Annotated[str, typer.Option(help="auto | on | off.")] = "auto",
-    max_length: Annotated[int, typer.Option(help="Max prompt+response tokens; 0 = none.")] = 0,
+    max_length: Annotated[int | None, typer.Option(
+        help="Max prompt+response tokens per branch; default: the model's context length "
+             "(config.json); 0 = none.")] = None,
     max_prompt_length: Annotated[int, typer.Option(help="Max prompt tokens; 0 = none.")] = 0,
     valid_fraction: Annotated[float, typer.Option(help="Share of ids in valid.")] = 0.1,
     max_bad_fraction: Annotated[float, typer.Option(help="Fail above this share of bad "

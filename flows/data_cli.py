@@ -1,4 +1,9 @@
-"""The ``pomona data tokenize|preprocess|stats`` commands: progress, tables, errors."""
+"""The ``pomona data tokenize|preprocess|stats`` commands: progress, tables, errors.
+
+A user's mistake (a missing or unreadable file, a bad option, an --out that is not ours to
+replace, too many bad rows) ends with exit status 2 and one line naming the file, row or
+option, never a traceback.
+"""
 
 from __future__ import annotations
 
@@ -6,21 +11,39 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from tasks.dataset_dir import read_manifest
 from tasks.preprocess import preprocess_dataset
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
+from tasks.tokenize import TokenizeOptions, TokenizeReport, rejects_paths, tokenize_dataset
+
+# OSError: unreadable or unwritable paths; ValueError: bad data or options (the data
+# modules' own errors all derive from these two).
+USER_ERRORS = (OSError, ValueError)
 
 
 def _exit(console: Console, message: str) -> typer.Exit:
-    console.print(f"[bold red]error:[/] {message}")
+    """One line (a path or a raw row may hold newlines or rich markup), exit status 2."""
+    line = " ".join(message.split())
+    console.print(f"[bold red]error:[/] {escape(line)}")
     return typer.Exit(code=2)
 
 
+def _warn_outliers(console: Console, report: TokenizeReport) -> None:
+    o = report.outliers
+    if not o.get("count"):
+        return
+    named = ", ".join(f"{r['id']!r} ({r['tokens']:,} tokens, {r['source']} line {r['line']})"
+                      for r in o["rows"][:3])
+    console.print(f"[yellow]warning:[/] {o['count']} pair(s) over {o['factor']}× the p99 "
+                  f"length ({o['p99']:,} tokens): {escape(named)}. One long pair can exhaust "
+                  "memory in training: lower --max-length or remove them")
+
+
 def run_tokenize(console: Console, input: Path, model: str, out: Path, layout: str | None,
-                 chat_template: str, max_length: int, max_prompt_length: int,
+                 chat_template: str, max_length: int | None, max_prompt_length: int,
                  valid_fraction: float, max_bad_fraction: float, preprocess: bool) -> None:
     options = TokenizeOptions(layout, chat_template, max_length, max_prompt_length,
                               valid_fraction, max_bad_fraction)
@@ -34,16 +57,17 @@ def run_tokenize(console: Console, input: Path, model: str, out: Path, layout: s
                                              f"{tokens:,} tokens")
 
             report = tokenize_dataset(input, model, out, options, progress)
-    except (FileNotFoundError, ValueError) as err:
+    except USER_ERRORS as err:
         raise _exit(console, str(err)) from err
     if report.cache_hit:
-        console.print(f"cache hit: {out} already holds this input "
+        console.print(f"cache hit: {escape(str(out))} already holds this input "
                       f"(fingerprint {report.fingerprint[:12]}); nothing to do")
     else:
         bad = sum(report.rejects.values())
         console.print(f"tokenized {report.rows:,} pairs ({report.tokens:,} tokens) in "
                       f"{report.seconds:.1f} s, {report.tokens_per_sec:,.0f} tokens/s; "
-                      f"{bad} rejected (see {out.name}.rejects.jsonl)")
+                      f"{bad} rejected (see {escape(str(rejects_paths(out)[0]))})")
+    _warn_outliers(console, report)
     if preprocess and not (report.cache_hit and (read_manifest(out) or {}).get("preprocessed")):
         run_preprocess(console, out, None, None)
     run_stats(console, out)
@@ -53,7 +77,7 @@ def run_preprocess(console: Console, path: Path, out: Path | None,
                    valid_fraction: float | None) -> None:
     try:
         r = preprocess_dataset(path, out, valid_fraction)
-    except (FileNotFoundError, ValueError) as err:
+    except USER_ERRORS as err:
         raise _exit(console, str(err)) from err
     console.print(f"preprocessed {r.rows:,} pairs: {r.duplicates_removed} duplicates removed, "
                   f"prefix share rate {r.prefix_share_rate:.1%}, sharing saves "
@@ -65,7 +89,16 @@ def run_stats(console: Console, path: Path) -> None:
     m = read_manifest(path)
     if m is None:
         raise _exit(console, f"{path}: not a complete Pomona dataset (no valid manifest.json)")
-    table = Table(title=f"dataset {path}")
+    try:
+        table = _stats_table(path, m)
+    except (KeyError, TypeError, ValueError) as err:  # a manifest edited by hand
+        raise _exit(console, f"{path}/manifest.json: incomplete or malformed ({err!r}); "
+                             "tokenize again to rewrite it") from err
+    console.print(table)
+
+
+def _stats_table(path: Path, m: dict) -> Table:
+    table = Table(title=escape(f"dataset {path}"))
     table.add_column("what")
     table.add_column("value", justify="right")
     rows = m["rows"]
@@ -85,4 +118,6 @@ def run_stats(console: Console, path: Path) -> None:
         table.add_row("prefix share rate", f"{m['prefix_share_rate']:.1%}")
         saved = m["tokens_saved"] / max(m["tokens_two_forward"], 1)
         table.add_row("tokens saved by sharing", f"{m['tokens_saved']:,} ({saved:.1%})")
-    console.print(table)
+    if (o := m.get("outliers") or {}).get("count"):
+        table.add_row(f"pairs over {o['factor']}× p99 length", f"{o['count']:,}")
+    return table

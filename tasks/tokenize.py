@@ -1,33 +1,49 @@
 """``pomona data tokenize``: preference files → a tokenized Arrow dataset, cached by content.
 
 Reads every row (tasks/preference_rows.py), renders and tokenizes them in batches with the
-fast tokenizer's multi-threaded ``encode_batch`` (tasks/render.py), truncates, and writes
-the dataset directory (tasks/dataset_dir.py) keyed by a fingerprint of the input bytes, the
-tokenizer files, the options and the data-code version: an unchanged re-run is a cache hit.
-Bad rows go to ``rejects.jsonl`` beside it; the run fails only above ``max_bad_fraction``.
+fast tokenizer's multi-threaded ``encode_batch`` (tasks/render.py), truncates (by default
+to the model's context length), and writes the dataset directory (tasks/dataset_dir.py)
+keyed by a fingerprint of the input bytes, the tokenizer files, the options and the
+data-code version: an unchanged re-run is a cache hit. Bad rows go to
+``<out>.rejects.jsonl`` beside it; the run fails only above ``max_bad_fraction`` (its
+rejects then go to ``<out>.failed.rejects.jsonl``, leaving the dataset's own untouched).
+Pairs far longer than the rest are reported as outliers: one can exhaust training memory.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from engine.data import stable_split
-from tasks.dataset_dir import read_manifest, write_dataset
+from tasks.dataset_dir import (
+    RefusedOutput,
+    check_apart,
+    check_replaceable,
+    read_manifest,
+    write_dataset,
+)
 from tasks.pair_encoder import PairEncoder
-from tasks.preference_rows import Conversation, Reject, list_files, read_conversations
+from tasks.preference_rows import LAYOUTS, Conversation, Reject, list_files, read_conversations
 from tasks.render import ChatTemplate, Truncation, render, truncate
 
-DATA_CODE_VERSION = "1"  # bump when rendering/tokenization changes what gets written
+DATA_CODE_VERSION = "2"  # bump when rendering/tokenization changes what gets written
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "tokenizer.model")
+# config.json keys that hold a model's context length, across families.
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                "n_ctx", "max_sequence_length")
+OUTLIER_FACTOR = 4  # a pair this many times the p99 length is reported
+COLUMNS = ("id", "prompt_ids", "chosen_ids", "rejected_ids")
 Progress = Callable[[int, int], None]  # (rows read, tokens written so far)
 
 
@@ -37,11 +53,26 @@ class TokenizeOptions:
 
     layout: str | None = None  # None: detect per file
     chat_template: str = "auto"  # auto (use it when the tokenizer has one) | on | off
-    max_length: int = 0  # per branch, prompt + response; 0 = no limit
+    max_length: int | None = None  # per branch, prompt + response; None: the model's; 0: none
     max_prompt_length: int = 0
     valid_fraction: float = 0.1
     max_bad_fraction: float = 0.05
     batch_rows: int = 1024
+
+    def check(self) -> None:
+        """Raise ValueError naming the first option out of range."""
+        if self.layout is not None and self.layout not in LAYOUTS:
+            raise ValueError(f"--layout {self.layout!r}: expected one of {', '.join(LAYOUTS)}")
+        if self.chat_template not in ("auto", "on", "off"):
+            raise ValueError(f"--chat-template {self.chat_template!r}: expected auto, on or off")
+        for name in ("max_length", "max_prompt_length"):
+            if (getattr(self, name) or 0) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be "
+                                 "0 (no limit) or more")
+        for name in ("valid_fraction", "max_bad_fraction"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be "
+                                 "between 0 and 1")
 
 
 @dataclass
@@ -56,6 +87,7 @@ class TokenizeReport:
     truncation: dict[str, int] = field(default_factory=dict)
     tokens: int = 0
     seconds: float = 0.0
+    outliers: dict[str, Any] = field(default_factory=dict)  # the manifest's "outliers"
 
     @property
     def tokens_per_sec(self) -> float:
@@ -64,6 +96,21 @@ class TokenizeReport:
 
 class TooManyBadRows(ValueError):
     """More than ``max_bad_fraction`` of the rows were rejected."""
+
+
+class NoRows(ValueError):
+    """The input holds no rows, or no usable one: a 0-row dataset would train nothing."""
+
+
+@dataclass
+class _Collected:
+    """What reading and tokenizing every row produced."""
+
+    rows: dict[str, list] = field(default_factory=lambda: {k: [] for k in COLUMNS})
+    where: list[tuple[str, int]] = field(default_factory=list)  # (source, line) per row
+    rejects: list[Reject] = field(default_factory=list)
+    trunc: Counter = field(default_factory=Counter)
+    read: int = 0
 
 
 def _sha256(path: Path) -> str:
@@ -88,18 +135,57 @@ def fingerprint(files: list[Path], model_dir: Path, options: TokenizeOptions) ->
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
+def context_length(model_dir: Path) -> int:
+    """The model's context length from its config.json (0 when it states none)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    for cfg in (config, config.get("text_config") or {}):  # multimodal configs nest it
+        for key in CONTEXT_KEYS:
+            if isinstance(cfg.get(key), int) and cfg[key] > 0:
+                return cfg[key]
+    return 0
+
+
+def rejects_paths(out: Path) -> tuple[Path, Path]:
+    """Where a run's rejects go: (beside a written dataset, after a failed run)."""
+    out = Path(out)
+    return (out.parent / f"{out.name}.rejects.jsonl",
+            out.parent / f"{out.name}.failed.rejects.jsonl")
+
+
 def _resolve_model_dir(model: str) -> Path:
-    path = Path(model)
-    if path.exists():
+    path = Path(model).expanduser()
+    if path.is_dir():
         return path
+    if model.startswith(("/", ".", "~")) or path.exists():
+        raise FileNotFoundError(f"--model {model}: no such model directory")
     from mlx_lm.utils import hf_repo_to_path  # a repo id: the local snapshot mlx-lm uses
 
-    return Path(hf_repo_to_path(model))
+    try:
+        return Path(hf_repo_to_path(model))
+    except Exception as err:  # the hub client's many failure types
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise FileNotFoundError(f"--model {model}: no such directory here, and as a Hugging "
+                                f"Face repo id: {first}") from err
+
+
+def _load_tokenizer(model_dir: Path) -> Any:
+    """The fast (Hugging Face) tokenizer of ``model_dir``, or ValueError naming it."""
+    from mlx_lm.utils import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(model_dir)
+    except Exception as err:  # transformers raises many types for a missing/odd tokenizer
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"--model {model_dir}: cannot load its tokenizer ({first}); it needs "
+                         "tokenizer.json and tokenizer_config.json") from err
+    return getattr(tokenizer, "_tokenizer", tokenizer)
 
 
 def _tokenize_batch(convs: list[Conversation], encoder: PairEncoder,
-                    template: ChatTemplate | None, limits: Truncation, out: dict[str, list],
-                    rejects: list[Reject], trunc: Counter) -> None:
+                    template: ChatTemplate | None, limits: Truncation, got: _Collected) -> None:
     rendered, kept = [], []
     for c in convs:
         try:
@@ -107,25 +193,49 @@ def _tokenize_batch(convs: list[Conversation], encoder: PairEncoder,
             kept.append(c)
         except Exception as err:  # a template may raise on odd content: reject the row
             reason = str(err) if str(err) == "template_mismatch" else "template_error"
-            rejects.append(Reject(c.source, c.line, reason, c.id))
+            got.rejects.append(Reject(c.source, c.line, reason, c.id))
     for c, pair in zip(kept, encoder.pairs(rendered), strict=True):
         pair, reasons = truncate(pair, limits, encoder.bos)
-        trunc.update(r for r in reasons if r.startswith("truncated"))
+        got.trunc.update(r for r in reasons if r.startswith("truncated"))
         if pair is None:
-            rejects.append(Reject(c.source, c.line, reasons[-1], c.id))
+            got.rejects.append(Reject(c.source, c.line, reasons[-1], c.id))
             continue
         if pair.boundary_merged:
-            trunc["boundary_merged"] += 1
-        out["id"].append(c.id)
-        out["prompt_ids"].append(pair.prompt_ids)
-        out["chosen_ids"].append(pair.chosen_ids)
-        out["rejected_ids"].append(pair.rejected_ids)
+            got.trunc["boundary_merged"] += 1
+        got.where.append((c.source, c.line))
+        for k, v in zip(COLUMNS, (c.id, pair.prompt_ids, pair.chosen_ids, pair.rejected_ids),
+                        strict=True):
+            got.rows[k].append(v)
 
 
 def _count_tokens(rows: dict[str, list]) -> int:
     """Tokens of both full sequences of every pair (what two forwards would process)."""
     return sum(len(p) * 2 + len(c) + len(r) for p, c, r in
                zip(rows["prompt_ids"], rows["chosen_ids"], rows["rejected_ids"], strict=True))
+
+
+def _read_and_tokenize(inputs: Path, options: TokenizeOptions, encoder: PairEncoder,
+                       template: ChatTemplate | None, progress: Progress | None) -> _Collected:
+    got, pending = _Collected(), []
+    limits = Truncation(options.max_length or 0, options.max_prompt_length)
+    counted = counted_rows = 0
+    for item in read_conversations(inputs, options.layout):
+        got.read += 1
+        if isinstance(item, Reject):
+            got.rejects.append(item)
+            continue
+        pending.append(item)
+        if len(pending) >= options.batch_rows:
+            _tokenize_batch(pending, encoder, template, limits, got)
+            pending = []
+            if progress:  # tokens of the rows written so far, counted once each
+                counted += _count_tokens({k: v[counted_rows:] for k, v in got.rows.items()})
+                counted_rows = len(got.rows["id"])
+                progress(got.read, counted)
+    _tokenize_batch(pending, encoder, template, limits, got)
+    if progress:
+        progress(got.read, _count_tokens(got.rows))
+    return got
 
 
 def _length_stats(lists: list[list[int]]) -> dict[str, float]:
@@ -137,81 +247,117 @@ def _length_stats(lists: list[list[int]]) -> dict[str, float]:
             "max": int(n.max())}
 
 
-def _fail_if_too_bad(rejects: list[Reject], total: int, limit: float) -> None:
-    if total == 0 or len(rejects) / total <= limit:
+def _outliers(got: _Collected) -> dict[str, Any]:
+    """Pairs longer than OUTLIER_FACTOR × the p99 branch length, longest first (5 named).
+
+    The p99 is the nearest row below it ("lower"): one huge row in a small file would
+    otherwise drag an interpolated p99 up towards itself and hide.
+    """
+    r = got.rows
+    lengths = np.array([len(p) + max(len(c), len(j)) for p, c, j in
+                        zip(r["prompt_ids"], r["chosen_ids"], r["rejected_ids"], strict=True)])
+    if not len(lengths):
+        return {}
+    p99 = int(np.percentile(lengths, 99, method="lower"))
+    over = sorted(np.flatnonzero(lengths > OUTLIER_FACTOR * p99), key=lambda i: -lengths[i])
+    rows = [{"id": r["id"][i], "source": got.where[i][0], "line": got.where[i][1],
+             "tokens": int(lengths[i])} for i in over[:5]]
+    return {"factor": OUTLIER_FACTOR, "p99": p99, "count": len(over), "rows": rows}
+
+
+def _write_rejects(path: Path, rejects: list[Reject]) -> None:
+    """Write atomically: a crash leaves the previous file, never half of one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    text = "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in rejects)
+    # backslashreplace writes a lone surrogate back as the JSON escape it was read from
+    tmp.write_bytes(text.encode("utf-8", "backslashreplace"))
+    os.replace(tmp, path)
+
+
+def _fail_if_unusable(got: _Collected, inputs: Path, files: list[Path], limit: float,
+                      failed: Path) -> None:
+    """Raise NoRows or TooManyBadRows; their rejects go to ``failed``, not beside ``out``."""
+    if got.read == 0:
+        names = ", ".join(str(f) for f in files[:3]) + (" …" if len(files) > 3 else "")
+        raise NoRows(f"--input {inputs}: no rows to tokenize (read {names}). Check the "
+                     "file is the one you meant")
+    bad = len(got.rejects)
+    if bad / got.read <= limit and got.rows["id"]:
         return
-    reasons = Counter(r.reason for r in rejects).most_common(3)
-    files = Counter(r.source for r in rejects).most_common(3)
-    raise TooManyBadRows(
-        f"{len(rejects)} of {total} rows ({len(rejects) / total:.1%}) are bad, above the "
-        f"{limit:.0%} limit. Worst reasons: {', '.join(f'{k} ({v})' for k, v in reasons)}; "
-        f"worst files: {', '.join(f'{k} ({v})' for k, v in files)}. See rejects.jsonl.")
+    _write_rejects(failed, got.rejects)
+    reasons = Counter(r.reason for r in got.rejects).most_common(3)
+    worst = Counter(r.source for r in got.rejects).most_common(3)
+    detail = (f"Worst reasons: {', '.join(f'{k} ({v})' for k, v in reasons)}; worst files: "
+              f"{', '.join(f'{k} ({v})' for k, v in worst)}. See {failed}")
+    if not got.rows["id"]:
+        raise NoRows(f"all {got.read} rows of --input {inputs} are bad; no dataset written. "
+                     f"{detail}")
+    raise TooManyBadRows(f"{bad} of {got.read} rows ({bad / got.read:.1%}) are bad, above the "
+                         f"{limit:.0%} limit. {detail}")
+
+
+def _check_paths(out: Path, inputs: Path, files: list[Path]) -> None:
+    """Refuse, before any work, an --out that would overwrite an input or a user's folder."""
+    check_apart(out, [inputs, *files])
+    for path in rejects_paths(out):
+        if any(path.resolve() == f.resolve() for f in files):
+            raise RefusedOutput(f"--out {out}: its rejects file {path} is an input. Choose "
+                                "another --out")
+    check_replaceable(out)
+
+
+def _manifest(fp: str, model_dir: Path, options: TokenizeOptions, use_template: bool,
+              files: list[Path], got: _Collected) -> dict[str, Any]:
+    rows = got.rows
+    return {
+        "fingerprint": fp, "tokenizer": str(model_dir), "tokenizer_hash": tokenizer_hash(model_dir),
+        "code_version": DATA_CODE_VERSION, "options": asdict(options),
+        "chat_template": use_template, "preprocessed": False,
+        "sources": [{"path": str(f), "sha256": _sha256(f)} for f in files],
+        "rows": {"total": len(rows["id"]), "train": rows["split"].count("train"),
+                 "valid": rows["split"].count("valid"), "read": got.read},
+        "rejects": dict(Counter(r.reason for r in got.rejects)), "truncation": dict(got.trunc),
+        "token_lengths": {k: _length_stats(rows[f"{k}_ids"])
+                          for k in ("prompt", "chosen", "rejected")},
+        "outliers": _outliers(got), "tokens": _count_tokens(rows),
+    }
 
 
 def tokenize_dataset(inputs: str | Path, model: str, out: str | Path,
                      options: TokenizeOptions = TokenizeOptions(),
                      progress: Progress | None = None) -> TokenizeReport:
     """Tokenize preference files under ``inputs`` with ``model``'s tokenizer into ``out``."""
-    from mlx_lm.utils import load_tokenizer
-
     started = time.perf_counter()
-    out, files = Path(out), list_files(Path(inputs))
+    options.check()
+    inputs, out = Path(inputs), Path(out)
+    files = list_files(inputs)
+    _check_paths(out, inputs, files)
     model_dir = _resolve_model_dir(model)
+    if options.max_length is None:  # the model's own limit: no pair longer than it can train
+        options = replace(options, max_length=context_length(model_dir))
     fp = fingerprint(files, model_dir, options)
     manifest = read_manifest(out)
     if manifest is not None and manifest.get("fingerprint") == fp:
         return TokenizeReport(str(out), fp, True, manifest["rows"]["total"],
                               manifest["rejects"], manifest["truncation"],
-                              seconds=time.perf_counter() - started)
-    tokenizer = load_tokenizer(model_dir)
-    hf_tok = getattr(tokenizer, "_tokenizer", tokenizer)
-    use_template = (options.chat_template == "on" or
-                    (options.chat_template == "auto" and bool(hf_tok.chat_template)))
-    encoder = PairEncoder(hf_tok)
+                              seconds=time.perf_counter() - started,
+                              outliers=manifest.get("outliers", {}))
+    hf_tok = _load_tokenizer(model_dir)
+    if options.chat_template == "on" and not hf_tok.chat_template:
+        raise ValueError(f"--chat-template on: the tokenizer of {model_dir} has no chat "
+                         "template. Use --chat-template off or auto")
+    use_template = options.chat_template == "on" or (
+        options.chat_template == "auto" and bool(hf_tok.chat_template))
     template = ChatTemplate(hf_tok) if use_template else None
-    limits = Truncation(options.max_length, options.max_prompt_length)
-    rows: dict[str, list] = {k: [] for k in ("id", "prompt_ids", "chosen_ids", "rejected_ids")}
-    rejects: list[Reject] = []
-    trunc: Counter = Counter()
-    pending: list[Conversation] = []
-    total = counted = counted_rows = 0
-    for item in read_conversations(Path(inputs), options.layout):
-        total += 1
-        if isinstance(item, Reject):
-            rejects.append(item)
-            continue
-        pending.append(item)
-        if len(pending) >= options.batch_rows:
-            _tokenize_batch(pending, encoder, template, limits, rows, rejects, trunc)
-            pending = []
-            if progress:  # tokens of the rows written so far, counted once each
-                counted += _count_tokens({k: v[counted_rows:] for k, v in rows.items()})
-                counted_rows = len(rows["id"])
-                progress(total, counted)
-    _tokenize_batch(pending, encoder, template, limits, rows, rejects, trunc)
-    if progress:
-        progress(total, _count_tokens(rows))
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    (out.parent / f"{out.name}.rejects.jsonl").write_text(
-        "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in rejects))
-    _fail_if_too_bad(rejects, total, options.max_bad_fraction)
-    n = len(rows["id"])
-    rows["split"] = [stable_split(i, options.valid_fraction) for i in rows["id"]]
-    rows["prefix_shared"] = [None] * n  # set by preprocess
-    tokens = _count_tokens(rows)
-    manifest = {
-        "fingerprint": fp, "tokenizer": str(model_dir), "tokenizer_hash": tokenizer_hash(model_dir),
-        "code_version": DATA_CODE_VERSION, "options": asdict(options),
-        "chat_template": use_template, "preprocessed": False,
-        "sources": [{"path": str(f), "sha256": _sha256(f)} for f in files],
-        "rows": {"total": n, "train": rows["split"].count("train"),
-                 "valid": rows["split"].count("valid"), "read": total},
-        "rejects": dict(Counter(r.reason for r in rejects)), "truncation": dict(trunc),
-        "token_lengths": {k: _length_stats(rows[f"{k}_ids"])
-                          for k in ("prompt", "chosen", "rejected")},
-        "tokens": tokens,
-    }
-    write_dataset(out, rows, manifest)
-    return TokenizeReport(str(out), fp, False, n, manifest["rejects"], dict(trunc), tokens,
-                          time.perf_counter() - started)
+    got = _read_and_tokenize(inputs, options, PairEncoder(hf_tok), template, progress)
+    kept_path, failed_path = rejects_paths(out)
+    _fail_if_unusable(got, inputs, files, options.max_bad_fraction, failed_path)
+    got.rows["split"] = [stable_split(i, options.valid_fraction) for i in got.rows["id"]]
+    got.rows["prefix_shared"] = [None] * len(got.rows["id"])  # set by preprocess
+    manifest = _manifest(fp, model_dir, options, use_template, files, got)
+    write_dataset(out, got.rows, manifest)
+    _write_rejects(kept_path, got.rejects)  # after the dataset: the two always match
+    failed_path.unlink(missing_ok=True)  # an earlier failure's report no longer applies
+    return TokenizeReport(str(out), fp, False, manifest["rows"]["total"], manifest["rejects"],
+                          dict(got.trunc), manifest["tokens"], time.perf_counter() - started,
+                          manifest["outliers"])
