@@ -203,9 +203,10 @@ def _tokenize_batch(convs: list[Conversation], encoder: PairEncoder,
         if pair.boundary_merged:
             got.trunc["boundary_merged"] += 1
         got.where.append((c.source, c.line))
-        for k, v in zip(COLUMNS, (c.id, pair.prompt_ids, pair.chosen_ids, pair.rejected_ids),
-                        strict=True):
-            got.rows[k].append(v)
+        got.rows["id"].append(c.id)
+        got.rows["prompt_ids"].append(pair.prompt_ids)
+        got.rows["chosen_ids"].append(pair.chosen_ids)
+        got.rows["rejected_ids"].append(pair.rejected_ids)
 
 
 def _count_tokens(rows: dict[str, list]) -> int:
