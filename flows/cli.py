@@ -110,7 +110,7 @@ def data_synth(
     try:
         rows = list(synth_rows(task, n, seed, layout, max_shots=max_shots, ids=ids))
         write_rows(rows, out)
-    except ValueError as err:
+    except (ValueError, OSError) as err:  # OSError: an --out that cannot be written
         raise fail(str(err)) from err
     console.print(f"wrote {len(rows)} {task} pairs ({layout} layout, seed {seed}) to {out}")
 

@@ -254,7 +254,8 @@ def _corrupt_manifest(path: Path) -> None:
 @pytest.mark.parametrize("mistake", [
     "missing input", "input of another type", "missing model", "model without tokenizer",
     "bad layout", "bad chat template", "negative max length", "valid fraction 2",
-    "out is a file", "preprocess of a folder", "stats of a hand-edited manifest"])
+    "out is a file", "preprocess of a folder", "stats of a hand-edited manifest",
+    "synth into a file's path"])
 def test_user_mistakes_exit_2_with_one_line(tiny_model, tmp_path, mistake) -> None:
     """No traceback for a user's mistake in `pomona data *`: one line naming the culprit."""
     src, out = jsonl(tmp_path / "in.jsonl", explicit(5)), tmp_path / "out"
@@ -274,6 +275,11 @@ def test_user_mistakes_exit_2_with_one_line(tiny_model, tmp_path, mistake) -> No
     if mistake in cases:
         extra, needle = cases[mistake]
         error_line(CliRunner().invoke(app, [*tok, *extra]), needle)
+        return
+    if mistake == "synth into a file's path":
+        bad = src / "rows.jsonl"  # a folder that is a file: cannot be written
+        result = CliRunner().invoke(app, ["data", "synth", "--out", str(bad), "--n", "4"])
+        error_line(result, str(src))
         return
     assert CliRunner().invoke(app, tok).exit_code == 0
     if mistake == "preprocess of a folder":
