@@ -121,7 +121,8 @@ def _read_csv(path: Path) -> Any:
     import pyarrow as pa
     import pyarrow.csv as pcsv
 
-    names = pcsv.open_csv(path).schema.names
+    with pcsv.open_csv(path) as header:  # the column names, from the first block
+        names = header.schema.names
     return pcsv.read_csv(path, convert_options=pcsv.ConvertOptions(
         column_types={n: pa.string() for n in names}, strings_can_be_null=True,
         null_values=[""]))

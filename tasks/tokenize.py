@@ -141,8 +141,9 @@ def context_length(model_dir: Path) -> int:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return 0
-    for cfg in (config, config.get("text_config") or {}):  # multimodal configs nest it
-        for key in CONTEXT_KEYS:
+    nested = config.get("text_config") if isinstance(config, dict) else None
+    for cfg in (config, nested):  # multimodal configs nest it under text_config
+        for key in CONTEXT_KEYS if isinstance(cfg, dict) else ():
             if isinstance(cfg.get(key), int) and cfg[key] > 0:
                 return cfg[key]
     return 0
@@ -297,14 +298,13 @@ def _fail_if_unusable(got: _Collected, inputs: Path, files: list[Path], limit: f
                          f"{limit:.0%} limit. {detail}")
 
 
-def _check_paths(out: Path, inputs: Path, files: list[Path]) -> None:
-    """Refuse, before any work, an --out that would overwrite an input or a user's folder."""
+def _check_apart(out: Path, inputs: Path, files: list[Path]) -> None:
+    """Refuse an --out (or its rejects file) that is, holds or lies among the inputs."""
     check_apart(out, [inputs, *files])
     for path in rejects_paths(out):
         if any(path.resolve() == f.resolve() for f in files):
             raise RefusedOutput(f"--out {out}: its rejects file {path} is an input. Choose "
                                 "another --out")
-    check_replaceable(out)
 
 
 def _manifest(fp: str, model_dir: Path, options: TokenizeOptions, use_template: bool,
@@ -332,7 +332,7 @@ def tokenize_dataset(inputs: str | Path, model: str, out: str | Path,
     options.check()
     inputs, out = Path(inputs), Path(out)
     files = list_files(inputs)
-    _check_paths(out, inputs, files)
+    _check_apart(out, inputs, files)
     model_dir = _resolve_model_dir(model)
     if options.max_length is None:  # the model's own limit: no pair longer than it can train
         options = replace(options, max_length=context_length(model_dir))
@@ -343,6 +343,7 @@ def tokenize_dataset(inputs: str | Path, model: str, out: str | Path,
                               manifest["rejects"], manifest["truncation"],
                               seconds=time.perf_counter() - started,
                               outliers=manifest.get("outliers", {}))
+    check_replaceable(out)  # before the work, not only when writing (write_dataset checks)
     hf_tok = _load_tokenizer(model_dir)
     if options.chat_template == "on" and not hf_tok.chat_template:
         raise ValueError(f"--chat-template on: the tokenizer of {model_dir} has no chat "
