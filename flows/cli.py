@@ -304,12 +304,21 @@ def ui(
     host: Annotated[str, typer.Option(help="Bind address (localhost unless you mean the "
                                            "lab network).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port.")] = 4200,
+    public_url: Annotated[str | None, typer.Option(
+        help="URL browsers and clients reach this server at, e.g. http://head-mac.lab:4200 "
+             "(needed with --host 0.0.0.0; default http://HOST:PORT).")] = None,
 ) -> None:
     """Start a Prefect server (UI + API); then export PREFECT_API_URL=http://HOST:PORT/api."""
     import sys
 
-    console.print(f"Prefect UI at http://{host}:{port}; in other shells: "
-                  f"export PREFECT_API_URL=http://{host}:{port}/api")
+    from flows.prefect_ui import browser_url, point_ui_at
+
+    try:
+        url = browser_url(host, port, public_url)
+    except ValueError as e:
+        raise fail(str(e)) from None
+    api = point_ui_at(url)  # the UI calls this API (Prefect's default is port 4200)
+    console.print(f"Prefect UI at {url}; in other shells: export PREFECT_API_URL={api}")
     prefect = str(Path(sys.executable).with_name("prefect"))  # this environment's CLI
     os.execv(prefect, [prefect, "server", "start", "--host", host, "--port", str(port)])
 
