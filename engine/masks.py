@@ -6,8 +6,9 @@ or the split layout's ``SplitAttention``). It also carries ``positions``: each t
 logical position, [B, L] int32, or None where positions are 0..L−1 (what a family with
 position-dependent inputs, such as Ministral 3's query scale, reads).
 
-- ``CausalMasks``: the two-forward layout, right-padded: exactly what mlx-lm's own
-  ``create_attention_mask`` gives (``"causal"``, or a windowed array once T > window).
+- ``CausalMasks``: the two-forward layout, right-padded: what mlx-lm's own
+  ``create_attention_mask`` gives (``"causal"``, or once T > window the same windowed
+  attention, computed block by block).
 - ``BlockMasks``: the prefix-shared array layout (engine/prefix.py): a block-sparse mask,
   and for a sliding layer the same mask cut to keys within the window, counted in logical
   positions (a rejected token's window covers the prompt as if chosen were absent).
@@ -19,7 +20,8 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.base import create_causal_mask
+
+from engine.attention import Window
 
 
 class Masks(Protocol):
@@ -29,20 +31,16 @@ class Masks(Protocol):
 
 
 class CausalMasks:
-    """Causal masks over T contiguous positions (windowed arrays only where T > window)."""
+    """Causal masks over T contiguous positions; a sliding layer past its window gets the
+    blockwise ``Window`` (engine/attention.py) instead of mlx-lm's [T, T] array."""
 
     positions = None
 
     def __init__(self, length: int):
         self.length = length
-        self._windowed: dict[int, mx.array] = {}
 
     def __call__(self, window: int | None) -> Any:
-        if window is None or self.length <= window:
-            return "causal"
-        if window not in self._windowed:
-            self._windowed[window] = create_causal_mask(self.length, window_size=window)
-        return self._windowed[window]
+        return "causal" if window is None or self.length <= window else Window(window)
 
 
 class BlockMasks:

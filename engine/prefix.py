@@ -21,9 +21,6 @@ predicted from the last prompt position, so the loss and head code are shared an
 from __future__ import annotations
 
 import dataclasses
-import functools
-import itertools
-import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,30 +28,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.base import create_causal_mask
 
+from engine.attention import SplitAttention, install_routing, partition
 from engine.batch import Pair, PairBatch, make_batch, round_up
 from engine.masks import BlockMasks, Masks
-
-
-@dataclass(frozen=True)
-class SplitAttention:
-    """A one-row shared forward's attention, as two fused causal calls.
-
-    Layout: [prompt[:shared] | prompt[shared:] chosen, pads | prompt[shared:] rejected,
-    pads], the second branch starting at ``first``. Queries [0, first) attend causally over
-    keys [0, first); queries [first, L) over keys [0, shared) ++ [first, L) (causal, aligned
-    bottom-right). With ``pad_multiple`` m, ``shared`` and ``first`` are multiples of m and
-    so is L: on CUDA every call keeps MLX's fused attention, forward and backward (a
-    prompt tail of < m tokens runs in both branches instead). Pads only precede other pads,
-    so they never reach a real token. No array mask is built.
-    """
-
-    shared: int
-    first: int
-    chosen: int  # fed tokens of each branch after the shared prefix (pads excluded)
-    rejected: int
-    window: int | None = None  # a sliding layer's window, in each branch's own positions
 
 
 @dataclass(frozen=True)
@@ -182,80 +159,6 @@ def _split_layout(pr: Pair, two: PairBatch, pad_multiple: int, pad_id: int) -> P
                        split=SplitAttention(shared, first, c, r))
 
 
-@functools.cache
-def _partition(cuts: tuple[int, ...]):
-    """x [B, H, L, D] → its consecutive pieces along L, cut at ``cuts``.
-
-    A slice's vjp is a zero-fill plus an update of the whole array, per slice; pieces
-    that tile the array have one concatenation as their vjp. Per layer and stage that is
-    a few kernels instead of dozens (docs/performance.md, the 2k prefix rows).
-    """
-    bounds = [0, *cuts, None]
-
-    @mx.custom_function
-    def pieces(x: mx.array) -> tuple[mx.array, ...]:
-        return tuple(x[:, :, lo:hi] for lo, hi in itertools.pairwise(bounds))
-
-    @pieces.vjp
-    def pieces_vjp(primals, cotangents, outputs):
-        return mx.concatenate(list(cotangents), axis=2)
-
-    return pieces
-
-
-def _causal(queries: int, keys: int, window: int | None) -> str | mx.array:
-    """A causal mask aligned bottom-right (the queries are the last keys), cut to
-    ``window`` keys where that excludes any: "causal" keeps the fused kernel otherwise."""
-    if window is None or keys <= window:
-        return "causal"
-    return create_causal_mask(queries, offset=keys - queries, window_size=window)
-
-
-def split_attention(sdpa, queries: mx.array, keys: mx.array, values: mx.array, cache,
-                    scale: float, mask: SplitAttention, *args, **kwargs) -> mx.array:
-    """``scaled_dot_product_attention`` for a SplitAttention mask ([1, H, L, D] inputs).
-
-    Each branch's keys run over contiguous logical positions (the second branch's are
-    the shared prefix then its own tokens), so a window is the usual windowed causal mask.
-    """
-    s, a, w = mask.shared, mask.first, mask.window
-    if a == queries.shape[2]:  # a one-token rejected response: nothing of it is fed
-        return sdpa(queries, keys, values, cache, scale, _causal(a, a, w), *args, **kwargs)
-    q1, q2 = _partition((a,))(queries)
-    cuts = (s, a) if s else (a,)
-    *k1, k2 = _partition(cuts)(keys)
-    *v1, v2 = _partition(cuts)(values)
-    first = sdpa(q1, mx.concatenate(k1, axis=2), mx.concatenate(v1, axis=2), cache, scale,
-                 _causal(a, a, w), *args, **kwargs)
-    if s:  # the second branch attends to the shared prefix and to itself
-        k2, v2 = mx.concatenate([k1[0], k2], axis=2), mx.concatenate([v1[0], v2], axis=2)
-    second = sdpa(q2, k2, v2, cache, scale, _causal(q2.shape[2], k2.shape[2], w), *args,
-                  **kwargs)
-    return mx.concatenate([first, second], axis=2)
-
-
-def install_split_attention(model: nn.Module) -> None:
-    """Route SplitAttention masks in the model's attention code (others pass through).
-
-    mlx-lm's attention modules call their module's ``scaled_dot_product_attention``; it
-    is wrapped once per module, so no model code is forked.
-    """
-    for _, m in model.named_modules():
-        module = sys.modules.get(type(m).__module__)
-        sdpa = getattr(module, "scaled_dot_product_attention", None)
-        if sdpa is None or getattr(sdpa, "_pomona_split", False):
-            continue
-
-        def routed(queries, keys, values, cache, scale, mask, *args, _sdpa=sdpa, **kwargs):
-            if isinstance(mask, SplitAttention):
-                return split_attention(_sdpa, queries, keys, values, cache, scale, mask,
-                                       *args, **kwargs)
-            return _sdpa(queries, keys, values, cache, scale, mask, *args, **kwargs)
-
-        routed._pomona_split = True
-        module.scaled_dot_product_attention = routed
-
-
 class _RopeState:
     shift: mx.array | None = None  # [B] offsets for rejected tokens
     select: mx.array | None = None  # [B, 1, L, 1] True where the token is rejected
@@ -278,7 +181,7 @@ class PrefixRope(nn.Module):
             a = st.split.first
             if a == x.shape[2]:
                 return self.inner(x, offset=0)
-            lo, hi = _partition((a,))(x)
+            lo, hi = partition((a,))(x)
             return mx.concatenate([self.inner(lo, offset=0),
                                    self.inner(hi, offset=st.split.shared)], axis=2)
         # x: [B, H, L, D]; rejected tokens at concat index j take position j + shift.
@@ -300,7 +203,7 @@ def install_prefix_rope(model: nn.Module) -> _RopeState:
     if not wrapped:
         raise ValueError(f"{type(model).__module__}: no attention `rope` module to wrap; "
                          "prefix sharing is not supported for this architecture")
-    install_split_attention(model)
+    install_routing(model)
     model._pomona_rope_state = state
     return state
 

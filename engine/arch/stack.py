@@ -26,6 +26,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.attention import install_routing
 from engine.masks import CausalMasks, Masks
 
 State = tuple[mx.array, ...]  # what a donor layer hands to later layers
@@ -46,6 +47,7 @@ class Stack:
         self.layers_prefix = next(n for n, m in model.named_modules()
                                   if m is first).rsplit(".", 1)[0]
         self.donor_of: dict[int, int] = {}
+        install_routing(model)  # split and windowed attention for the engine's masks
 
     # --- hooks a family may override -------------------------------------------------
     def embed(self, tokens: mx.array) -> mx.array:

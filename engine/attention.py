@@ -1,0 +1,150 @@
+"""Attention the engine routes through mlx-lm's own attention code: split and windowed.
+
+mlx-lm's attention modules call their module's ``scaled_dot_product_attention``;
+``install_routing`` wraps it once per module (no model code is forked), so a layer called
+with one of the engine's mask objects gets:
+
+- ``SplitAttention`` (a one-row prefix-shared forward, engine/prefix.py): two causal
+  calls, chosen branch then rejected branch, no [L, L] array;
+- ``Window`` (a sliding layer past its window): query blocks of ``size`` rows, each over
+  the ≤ 2·size keys it can see, so memory and work grow with L·size, not L² (mlx-lm's
+  own forward builds an [L, L] mask and, unfused, [B, H, L, L] scores: 4.3 GB per layer
+  at 8k tokens on Gemma 4 E4B).
+
+Any other mask passes through unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import sys
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_causal_mask
+
+
+@dataclass(frozen=True)
+class Window:
+    """Causal attention over the last ``size`` keys (queries aligned bottom-right)."""
+
+    size: int
+
+
+@dataclass(frozen=True)
+class SplitAttention:
+    """A one-row shared forward's attention, as two fused causal calls.
+
+    Layout: [prompt[:shared] | prompt[shared:] chosen, pads | prompt[shared:] rejected,
+    pads], the second branch starting at ``first``. Queries [0, first) attend causally over
+    keys [0, first); queries [first, L) over keys [0, shared) ++ [first, L) (causal, aligned
+    bottom-right). With ``pad_multiple`` m, ``shared`` and ``first`` are multiples of m and
+    so is L: on CUDA every call keeps MLX's fused attention, forward and backward (a
+    prompt tail of < m tokens runs in both branches instead). Pads only precede other pads,
+    so they never reach a real token. No array mask is built. A sliding layer's
+    ``window`` counts in each branch's own (contiguous) positions.
+    """
+
+    shared: int
+    first: int
+    chosen: int  # fed tokens of each branch after the shared prefix (pads excluded)
+    rejected: int
+    window: int | None = None
+
+
+@functools.cache
+def partition(cuts: tuple[int, ...]):
+    """x [B, H, L, D] → its consecutive pieces along L, cut at ``cuts``.
+
+    A slice's vjp is a zero-fill plus an update of the whole array, per slice; pieces
+    that tile the array have one concatenation as their vjp. Per layer and stage that is
+    a few kernels instead of dozens (docs/performance.md, the 2k prefix rows).
+    """
+    bounds = [0, *cuts, None]
+
+    @mx.custom_function
+    def pieces(x: mx.array) -> tuple[mx.array, ...]:
+        return tuple(x[:, :, lo:hi] for lo, hi in itertools.pairwise(bounds))
+
+    @pieces.vjp
+    def pieces_vjp(primals, cotangents, outputs):
+        return mx.concatenate(list(cotangents), axis=2)
+
+    return pieces
+
+
+def windowed_attention(sdpa, queries: mx.array, keys: mx.array, values: mx.array, cache,
+                       scale: float, window: int | None, *args, **kwargs) -> mx.array:
+    """Causal attention of the last Lq of Lk positions, each query seeing ``window`` keys.
+
+    Query block [a, b) (``window`` rows; off = Lk − Lq) sees keys [off + a − window,
+    off + b): its own key tile and the one before, on one grid, so keys and values are cut
+    once (``partition``) and every tile's gradient sums its two readers. Exactly mlx-lm's
+    windowed mask, block by block.
+    """
+    lq, lk = queries.shape[2], keys.shape[2]
+    if window is None or lk <= window:
+        return sdpa(queries, keys, values, cache, scale, "causal", *args, **kwargs)
+    off = lk - lq
+    starts = list(range(0, lq, window))
+    key_cuts = sorted({*(off + a for a in starts[1:]), *range(off, 0, -window)} - {0, lk})
+    k_tiles, v_tiles = partition(tuple(key_cuts))(keys), partition(tuple(key_cuts))(values)
+    tile_of = {lo: i for i, lo in enumerate([0, *key_cuts])}  # tile start → index
+    q_blocks = partition(tuple(starts[1:]))(queries)
+    outs = []
+    for a, q in zip(starts, q_blocks, strict=True):
+        own = tile_of[off + a]  # the block's own keys; the tile before holds the window's rest
+        tiles = [own - 1, own] if own > 0 else [own]
+        ks = mx.concatenate([k_tiles[i] for i in tiles], axis=2)
+        vs = mx.concatenate([v_tiles[i] for i in tiles], axis=2)
+        n = ks.shape[2]
+        mask = ("causal" if n <= window else
+                create_causal_mask(q.shape[2], offset=n - q.shape[2], window_size=window))
+        outs.append(sdpa(q, ks, vs, cache, scale, mask, *args, **kwargs))
+    return mx.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]
+
+
+def split_attention(sdpa, queries: mx.array, keys: mx.array, values: mx.array, cache,
+                    scale: float, mask: SplitAttention, *args, **kwargs) -> mx.array:
+    """``scaled_dot_product_attention`` for a SplitAttention mask ([1, H, L, D] inputs).
+
+    Each branch's keys run over contiguous logical positions (the second branch's are
+    the shared prefix then its own tokens), so a window is the usual windowed attention.
+    """
+    s, a, w = mask.shared, mask.first, mask.window
+    if a == queries.shape[2]:  # a one-token rejected response: nothing of it is fed
+        return windowed_attention(sdpa, queries, keys, values, cache, scale, w, *args,
+                                  **kwargs)
+    q1, q2 = partition((a,))(queries)
+    cuts = (s, a) if s else (a,)
+    *k1, k2 = partition(cuts)(keys)
+    *v1, v2 = partition(cuts)(values)
+    first = windowed_attention(sdpa, q1, mx.concatenate(k1, axis=2),
+                               mx.concatenate(v1, axis=2), cache, scale, w, *args, **kwargs)
+    if s:  # the second branch attends to the shared prefix and to itself
+        k2, v2 = mx.concatenate([k1[0], k2], axis=2), mx.concatenate([v1[0], v2], axis=2)
+    second = windowed_attention(sdpa, q2, k2, v2, cache, scale, w, *args, **kwargs)
+    return mx.concatenate([first, second], axis=2)
+
+
+def install_routing(model: nn.Module) -> None:
+    """Route SplitAttention and Window masks in the model's attention code, once."""
+    for _, m in model.named_modules():
+        module = sys.modules.get(type(m).__module__)
+        sdpa = getattr(module, "scaled_dot_product_attention", None)
+        if sdpa is None or getattr(sdpa, "_pomona_routed", False):
+            continue
+
+        def routed(queries, keys, values, cache, scale, mask, *args, _sdpa=sdpa, **kwargs):
+            if isinstance(mask, SplitAttention):
+                return split_attention(_sdpa, queries, keys, values, cache, scale, mask,
+                                       *args, **kwargs)
+            if isinstance(mask, Window):
+                return windowed_attention(_sdpa, queries, keys, values, cache, scale,
+                                          mask.size, *args, **kwargs)
+            return _sdpa(queries, keys, values, cache, scale, mask, *args, **kwargs)
+
+        routed._pomona_routed = True
+        module.scaled_dot_product_attention = routed
