@@ -9,7 +9,9 @@ with one of the engine's mask objects gets:
 - ``Window`` (a sliding layer past its window): query blocks of ``size`` rows, each over
   the ≤ 2·size keys it can see, so memory and work grow with L·size, not L² (mlx-lm's
   own forward builds an [L, L] mask and, unfused, [B, H, L, L] scores: 4.3 GB per layer
-  at 8k tokens on Gemma 4 E4B).
+  at 8k tokens on Gemma 4 E4B);
+- ``Window(None)`` (a full layer): one causal call, or on a GPU with heads wider than the
+  fused kernels take, query blocks, each recomputed in the backward (``full_block``).
 
 Any other mask passes through unchanged.
 """
@@ -28,9 +30,9 @@ from mlx_lm.models.base import create_causal_mask
 
 @dataclass(frozen=True)
 class Window:
-    """Causal attention over the last ``size`` keys (queries aligned bottom-right)."""
+    """Causal attention over the last ``size`` keys, or all (None); queries bottom-right."""
 
-    size: int
+    size: int | None
 
 
 @dataclass(frozen=True)
@@ -75,34 +77,65 @@ def partition(cuts: tuple[int, ...]):
     return pieces
 
 
-def windowed_attention(sdpa, queries: mx.array, keys: mx.array, values: mx.array, cache,
-                       scale: float, window: int | None, *args, **kwargs) -> mx.array:
-    """Causal attention of the last Lq of Lk positions, each query seeing ``window`` keys.
+# Full (non-sliding) layers whose head is too wide for MLX's fused kernels (cuDNN: head
+# dim ≤ 128) would materialise [B, H, L, L] scores; they attend in query blocks of this
+# many rows instead, each recomputed in the backward (Gemma 4's 512-wide global heads).
+FUSED_HEAD_DIM, FULL_BLOCK = 128, 1024
 
-    Query block [a, b) (``window`` rows; off = Lk − Lq) sees keys [off + a − window,
-    off + b): its own key tile and the one before, on one grid, so keys and values are cut
-    once (``partition``) and every tile's gradient sums its two readers. Exactly mlx-lm's
-    windowed mask, block by block.
+
+def full_block(queries: mx.array) -> int:
+    """Query rows per block for a full causal layer here; 0 = one fused call."""
+    wide = queries.shape[-1] > FUSED_HEAD_DIM and mx.default_device() == mx.gpu
+    return FULL_BLOCK if wide and queries.shape[2] > FULL_BLOCK else 0
+
+
+def attend(sdpa, queries: mx.array, keys: mx.array, values: mx.array, cache, scale: float,
+           window: int | None, *args, **kwargs) -> mx.array:
+    """Causal attention of the last Lq of Lk positions (keys within ``window``, if any)."""
+    if window is not None and keys.shape[2] > window:
+        return blockwise_attention(sdpa, queries, keys, values, cache, scale, window,
+                                   window, False, *args, **kwargs)
+    block = full_block(queries)
+    if window is None and block:
+        return blockwise_attention(sdpa, queries, keys, values, cache, scale, None, block,
+                                   True, *args, **kwargs)
+    return sdpa(queries, keys, values, cache, scale, "causal", *args, **kwargs)
+
+
+def blockwise_attention(sdpa, queries: mx.array, keys: mx.array, values: mx.array, cache,
+                        scale: float, window: int | None, block: int, recompute: bool,
+                        *args, **kwargs) -> mx.array:
+    """Causal attention (within ``window`` keys, or all) in query blocks of ``block`` rows.
+
+    Query block [a, b) (off = Lk − Lq) sees keys [off + a − window, off + b): with a
+    window of ``block`` keys, its own key tile and the one before; without one, every tile
+    up to its own. Keys and values are cut once on one grid (``partition``), so every
+    tile's gradient sums its readers'. ``recompute``: each block's scores are recomputed in
+    the backward (mx.checkpoint) instead of kept. Exactly mlx-lm's masks, block by block.
     """
     lq, lk = queries.shape[2], keys.shape[2]
-    if window is None or lk <= window:
-        return sdpa(queries, keys, values, cache, scale, "causal", *args, **kwargs)
     off = lk - lq
-    starts = list(range(0, lq, window))
-    key_cuts = sorted({*(off + a for a in starts[1:]), *range(off, 0, -window)} - {0, lk})
+    starts = list(range(0, lq, block))
+    before = range(off, 0, -block) if window is not None else [off]
+    key_cuts = sorted({*(off + a for a in starts[1:]), *before} - {0, lk})
     k_tiles, v_tiles = partition(tuple(key_cuts))(keys), partition(tuple(key_cuts))(values)
     tile_of = {lo: i for i, lo in enumerate([0, *key_cuts])}  # tile start → index
     q_blocks = partition(tuple(starts[1:]))(queries)
+
+    def one(q: mx.array, *tiles: mx.array) -> mx.array:
+        ks = mx.concatenate(tiles[: len(tiles) // 2], axis=2)
+        vs = mx.concatenate(tiles[len(tiles) // 2 :], axis=2)
+        n = ks.shape[2]
+        mask = ("causal" if window is None or n <= window else
+                create_causal_mask(q.shape[2], offset=n - q.shape[2], window_size=window))
+        return sdpa(q, ks, vs, cache, scale, mask, *args, **kwargs)
+
+    fn = mx.checkpoint(one) if recompute else one
     outs = []
     for a, q in zip(starts, q_blocks, strict=True):
-        own = tile_of[off + a]  # the block's own keys; the tile before holds the window's rest
-        tiles = [own - 1, own] if own > 0 else [own]
-        ks = mx.concatenate([k_tiles[i] for i in tiles], axis=2)
-        vs = mx.concatenate([v_tiles[i] for i in tiles], axis=2)
-        n = ks.shape[2]
-        mask = ("causal" if n <= window else
-                create_causal_mask(q.shape[2], offset=n - q.shape[2], window_size=window))
-        outs.append(sdpa(q, ks, vs, cache, scale, mask, *args, **kwargs))
+        own = tile_of[off + a]  # the block's own keys; the window's rest lies before
+        seen = range(own + 1) if window is None else [i for i in (own - 1, own) if i >= 0]
+        outs.append(fn(q, *[k_tiles[i] for i in seen], *[v_tiles[i] for i in seen]))
     return mx.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]
 
 
@@ -115,36 +148,43 @@ def split_attention(sdpa, queries: mx.array, keys: mx.array, values: mx.array, c
     """
     s, a, w = mask.shared, mask.first, mask.window
     if a == queries.shape[2]:  # a one-token rejected response: nothing of it is fed
-        return windowed_attention(sdpa, queries, keys, values, cache, scale, w, *args,
-                                  **kwargs)
+        return attend(sdpa, queries, keys, values, cache, scale, w, *args, **kwargs)
     q1, q2 = partition((a,))(queries)
     cuts = (s, a) if s else (a,)
     *k1, k2 = partition(cuts)(keys)
     *v1, v2 = partition(cuts)(values)
-    first = windowed_attention(sdpa, q1, mx.concatenate(k1, axis=2),
-                               mx.concatenate(v1, axis=2), cache, scale, w, *args, **kwargs)
+    first = attend(sdpa, q1, mx.concatenate(k1, axis=2), mx.concatenate(v1, axis=2), cache,
+                   scale, w, *args, **kwargs)
     if s:  # the second branch attends to the shared prefix and to itself
         k2, v2 = mx.concatenate([k1[0], k2], axis=2), mx.concatenate([v1[0], v2], axis=2)
-    second = windowed_attention(sdpa, q2, k2, v2, cache, scale, w, *args, **kwargs)
+    second = attend(sdpa, q2, k2, v2, cache, scale, w, *args, **kwargs)
     return mx.concatenate([first, second], axis=2)
 
 
 def install_routing(model: nn.Module) -> None:
-    """Route SplitAttention and Window masks in the model's attention code, once."""
+    """Route SplitAttention and Window masks in the model's attention code, once; raise
+    ValueError if its attention calls no module-level ``scaled_dot_product_attention``."""
+    routed_any = False
     for _, m in model.named_modules():
         module = sys.modules.get(type(m).__module__)
         sdpa = getattr(module, "scaled_dot_product_attention", None)
+        routed_any |= sdpa is not None
         if sdpa is None or getattr(sdpa, "_pomona_routed", False):
             continue
 
         def routed(queries, keys, values, cache, scale, mask, *args, _sdpa=sdpa, **kwargs):
+            if cache is not None:  # generation: mlx-lm's masks and caches, untouched
+                return _sdpa(queries, keys, values, cache, scale, mask, *args, **kwargs)
             if isinstance(mask, SplitAttention):
                 return split_attention(_sdpa, queries, keys, values, cache, scale, mask,
                                        *args, **kwargs)
             if isinstance(mask, Window):
-                return windowed_attention(_sdpa, queries, keys, values, cache, scale,
-                                          mask.size, *args, **kwargs)
+                return attend(_sdpa, queries, keys, values, cache, scale, mask.size, *args,
+                              **kwargs)
             return _sdpa(queries, keys, values, cache, scale, mask, *args, **kwargs)
 
         routed._pomona_routed = True
         module.scaled_dot_product_attention = routed
+    if not routed_any:
+        raise ValueError(f"{type(model).__module__}: its attention does not call mlx-lm's "
+                         "scaled_dot_product_attention; the engine cannot give it masks")

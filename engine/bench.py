@@ -47,19 +47,41 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+# Gemma 4 E4B's text decoder as published (the reference trainer's model).
+PRESETS = {"e4b": dict(arch="gemma4_text", layers=42, hidden=2560, intermediate=10240,
+                       heads=8, kv_heads=2, head_dim=256, vocab=262144, ple=256,
+                       window=512, kv_shared=18)}
+
+
+def _model_args(a: argparse.Namespace):
+    """mlx-lm ModelArgs of the benchmark's random-init model (``--arch``)."""
+    from mlx_lm.models import gemma4_text, llama
+
+    inter = a.intermediate or a.hidden * 11 // 4
+    if a.arch == "gemma4_text":
+        return gemma4_text, gemma4_text.ModelArgs(
+            hidden_size=a.hidden, num_hidden_layers=a.layers, intermediate_size=inter,
+            num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+            head_dim=a.head_dim or a.hidden // a.heads,
+            global_head_dim=2 * (a.head_dim or a.hidden // a.heads), vocab_size=a.vocab,
+            vocab_size_per_layer_input=a.vocab, hidden_size_per_layer_input=a.ple,
+            sliding_window=a.window, sliding_window_pattern=6,
+            num_kv_shared_layers=a.kv_shared)
+    return llama, llama.ModelArgs(model_type="llama", hidden_size=a.hidden,
+                                  num_hidden_layers=a.layers, intermediate_size=inter,
+                                  num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                                  rms_norm_eps=1e-5, vocab_size=a.vocab,
+                                  tie_word_embeddings=False)
+
 
 def _model(a: argparse.Namespace):
-    from mlx_lm.models import llama
-
     from engine.arch import make_stack
     from engine.model import LoraSpec, attach_lora
 
-    args = llama.ModelArgs(model_type="llama", hidden_size=a.hidden, num_hidden_layers=a.layers,
-                           intermediate_size=a.intermediate or a.hidden * 11 // 4,
-                           num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                           rms_norm_eps=1e-5, vocab_size=a.vocab, tie_word_embeddings=False)
-    model = llama.Model(args)
+    family, args = _model_args(a)
+    model = family.Model(args)
     model.set_dtype(getattr(mx, a.dtype))
+    mx.eval(model.parameters())  # float32 init, then the cast: one at a time, not both
     if a.quantize:  # a quantized base (QLoRA-style), as mlx_lm.convert would make it
         import mlx.nn as nn
 
@@ -105,7 +127,7 @@ def _step_fn(name: str, model, stack, batch, head_chunk: int, inflight: int):
         from mlx_lm.tuner.trainer import grad_checkpoint
 
         grad_checkpoint(stack.layers[0])
-    k = int(name[3:].rstrip("d")) if name.startswith("seg") else 0
+    k = int(name[3:].rstrip("dp")) if name.startswith("seg") else 0
     # Segmented rows bound the head too (its dense logits would otherwise set their peak);
     # "segKd" keeps the dense head, to tell the two levers' costs apart.
     chunk = head_chunk if k and not name.endswith("d") else 0
@@ -200,7 +222,8 @@ def run_row(row: str, a: argparse.Namespace) -> dict[str, Any]:
     elif name.startswith("head_"):
         fn = _head_fn(name, stack, a)
     else:
-        fn = _step_fn(name, model, stack, _pair_batch(a), a.head_chunk, a.inflight)
+        shared = name.startswith("seg") and name.endswith("p")  # segKp: prefix-shared
+        fn = _step_fn(name, model, stack, _pair_batch(a, shared), a.head_chunk, a.inflight)
     base = mx.get_active_memory()  # weights and inputs: what the step itself does not add
     mx.eval(fn())  # warm-up (kernel compilation, allocator)
     mx.reset_peak_memory()
@@ -220,12 +243,23 @@ def run_row(row: str, a: argparse.Namespace) -> dict[str, Any]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m engine bench memory", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", default="llama", choices=("llama", "gemma4_text"),
+                   help="Random-init model family (gemma4_text: PLE, 5:1 sliding, shared K/V).")
+    p.add_argument("--preset", choices=tuple(PRESETS),
+                   help="A published shape (e4b: Gemma 4 E4B's text decoder); overrides the "
+                        "size flags.")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--intermediate", type=int, default=0, help="0 = 11/4 × hidden")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--head-dim", type=int, default=0, help="gemma4_text: 0 = hidden / heads "
+                                                            "(full layers: twice that).")
+    p.add_argument("--ple", type=int, default=256, help="gemma4_text: per-layer input width.")
+    p.add_argument("--window", type=int, default=512, help="gemma4_text: sliding window.")
+    p.add_argument("--kv-shared", type=int, default=0,
+                   help="gemma4_text: last layers reading shared K/V.")
     p.add_argument("--seq", type=int, default=2048, help="Tokens per sequence (pair = 2).")
     p.add_argument("--dtype", default="float32", help="float32 on CPU; bfloat16 on GPUs.")
     p.add_argument("--quantize", type=int, default=0, choices=(0, 4, 8),
@@ -350,8 +384,15 @@ def _attention_table(argv: list[str], a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str], kind: str = "memory") -> int:
+def parse(argv: list[str]) -> argparse.Namespace:
     a = parser().parse_args(argv)
+    if a.preset:
+        vars(a).update(PRESETS[a.preset])
+    return a
+
+
+def main(argv: list[str], kind: str = "memory") -> int:
+    a = parse(argv)
     if a.row:
         print(json.dumps(run_row(a.row, a)))
         return 0
@@ -386,15 +427,19 @@ def main(argv: list[str], kind: str = "memory") -> int:
     for name in names:
         proc = subprocess.run([sys.executable, "-m", "engine", "bench", kind, *argv,
                                "--row", name], capture_output=True, text=True)
-        if proc.returncode != 0:
+        if proc.returncode != 0:  # out of memory, say: the row says so, the table goes on
+            last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
             print(f"row {name} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
-            return 1
-        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            rows.append({"name": name, "error": f"exit {proc.returncode}: {last}"})
+        else:
+            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         if not a.json:
             r = rows[-1]
-            print(f"{name:>13}  peak {r['peak_mb']:9.1f} MB  act {r['act_mb']:9.1f} MB  "
-                  f"rss {r['rss_mb']:9.1f} MB  step {r['step_s']:7.3f} s", flush=True)
-    ratios = _prefix_ratios(rows) if kind == "prefix" else _ratios(rows)
+            print(f"{name:>13}  " + (r.get("error") or
+                  f"peak {r['peak_mb']:9.1f} MB  act {r['act_mb']:9.1f} MB  "
+                  f"rss {r['rss_mb']:9.1f} MB  step {r['step_s']:7.3f} s"), flush=True)
+    rows_ok = [r for r in rows if "error" not in r]
+    ratios = _prefix_ratios(rows_ok) if kind == "prefix" else _ratios(rows_ok)
     if a.json:
         print(json.dumps({"config": {k: v for k, v in vars(a).items() if k != "row"},
                           "device": str(mx.default_device()), "rows": rows, "ratios": ratios}))

@@ -31,8 +31,9 @@ class Masks(Protocol):
 
 
 class CausalMasks:
-    """Causal masks over T contiguous positions; a sliding layer past its window gets the
-    blockwise ``Window`` (engine/attention.py) instead of mlx-lm's [T, T] array."""
+    """Causal masks over T contiguous positions, as ``Window``s (engine/attention.py): a
+    sliding layer past its window attends block by block instead of through mlx-lm's
+    [T, T] array; a full layer is one "causal" call unless its heads are too wide to fuse."""
 
     positions = None
 
@@ -40,7 +41,7 @@ class CausalMasks:
         self.length = length
 
     def __call__(self, window: int | None) -> Any:
-        return "causal" if window is None or self.length <= window else Window(window)
+        return Window(window)  # engine/attention.attend: "causal" unless blocks pay
 
 
 class BlockMasks:

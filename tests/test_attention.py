@@ -1,4 +1,5 @@
-"""Blockwise sliding-window attention against mlx-lm's dense windowed mask.
+"""Blockwise attention (sliding windows; full layers with recompute) against mlx-lm's
+dense masks.
 
 Tolerance: 1e-5 absolute on outputs and on the three input gradients (float32, values of
 order 1); the blocks change which keys a softmax sums over only where the mask is False.
@@ -10,7 +11,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.base import create_causal_mask
 
-from engine.attention import windowed_attention
+from engine import attention
+from engine.attention import blockwise_attention
 
 pytestmark = pytest.mark.unit
 
@@ -34,7 +36,7 @@ def test_windowed_equals_dense_mask(lq: int, lk: int, window: int) -> None:
     dense = create_causal_mask(lq, offset=lk - lq, window_size=window)
 
     def ours(q, k, v):
-        return windowed_attention(sdpa, q, k, v, None, 0.35, window)
+        return attention.attend(sdpa, q, k, v, None, 0.35, window)
 
     def ref(q, k, v):
         return sdpa(q, k, v, None, 0.35, dense)
@@ -44,3 +46,35 @@ def test_windowed_equals_dense_mask(lq: int, lk: int, window: int) -> None:
     assert float(mx.abs(out[0] - out_ref[0]).max()) <= 1e-5
     for g, r in zip(grads, grads_ref, strict=True):
         assert float(mx.abs(g - r).max()) <= 1e-5
+
+
+@pytest.mark.parametrize(("lq", "lk", "block"), [(37, 37, 8), (64, 64, 16), (20, 50, 8),
+                                                (9, 9, 4), (40, 40, 40)])
+def test_blocked_full_attention_with_recompute(lq: int, lk: int, block: int) -> None:
+    """Wide-head full layers on a GPU: query blocks over every earlier key tile, each
+    recomputed in the backward; catches a block that drops the prefix keys."""
+    key = mx.random.key(lq + 7 * lk)
+    kq, kk, kv, kc = mx.random.split(key, 4)
+    q = mx.random.normal((1, 4, lq, 8), key=kq)
+    k = mx.random.normal((1, 2, lk, 8), key=kk)
+    v = mx.random.normal((1, 2, lk, 8), key=kv)
+    cot = mx.random.normal((1, 4, lq, 8), key=kc)
+
+    def ours(q, k, v):
+        return blockwise_attention(sdpa, q, k, v, None, 0.35, None, block, True)
+
+    def ref(q, k, v):
+        return sdpa(q, k, v, None, 0.35, "causal")
+
+    out, grads = mx.vjp(ours, [q, k, v], [cot])
+    out_ref, grads_ref = mx.vjp(ref, [q, k, v], [cot])
+    assert float(mx.abs(out[0] - out_ref[0]).max()) <= 1e-5
+    for g, r in zip(grads, grads_ref, strict=True):
+        assert float(mx.abs(g - r).max()) <= 1e-5
+
+
+def test_full_layers_block_only_wide_heads_on_a_gpu() -> None:
+    wide, narrow = mx.zeros((1, 1, 4096, 256)), mx.zeros((1, 1, 4096, 128))
+    on_gpu = mx.default_device() == mx.gpu
+    assert attention.full_block(narrow) == 0
+    assert attention.full_block(wide) == (attention.FULL_BLOCK if on_gpu else 0)
