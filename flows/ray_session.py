@@ -16,10 +16,10 @@ LOOPBACK = "127.0.0.1"
 
 @contextmanager
 def ray_session(address: str | None) -> Iterator[None]:
-    """Inside: connected to ``address`` (``auto`` or HOST:PORT), or, with none, to a private
-    local Ray that never joins whatever else runs on this machine and listens on 127.0.0.1
-    only. Shut down after. A process already connected keeps its connection (and it is not
-    shut down).
+    """Inside: connected to ``address`` (``auto`` or HOST:PORT; else ``RAY_ADDRESS``, as Ray
+    reads it), or, with neither, to a private local Ray that never joins whatever else runs
+    on this machine and listens on 127.0.0.1 only. Shut down after. A process already
+    connected keeps its connection (and it is not shut down).
 
     Auth is Ray's own default, token auth on (Ray ≥ 2.59 for local clusters), unless the
     shell sets ``RAY_AUTH_MODE``. It is never changed from inside the process: Ray reads it
@@ -31,6 +31,7 @@ def ray_session(address: str | None) -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
+    address = address or os.environ.get("RAY_ADDRESS") or None
     private_token_file(create=not address)
     if address:
         ray.init(address=address, log_to_driver=False)
