@@ -258,6 +258,37 @@ def _emit(record: dict[str, Any], out: Path, callbacks: Sequence[Callback]) -> N
         cb.on_metrics(record)
 
 
+def prepare_out(out: Path, resume_step: int | None) -> None:
+    """Clear what an earlier run in ``out`` wrote that this one writes again.
+
+    A fresh start (``resume_step`` None) removes the old adapter, summary, metrics and
+    checkpoints, as mlx-lm overwrites its ``--adapter-path`` (and a sweep re-runs a trial in
+    its directory): a run killed later leaves no old adapter beside its new metrics, and
+    ``resume: auto`` never picks up an old run's checkpoint. A resume keeps the
+    checkpoints, trims metrics.jsonl back to the checkpoint's step (the steps after it run
+    again) and removes the final adapter and summary until it writes them anew. Files the
+    trainer does not write are left alone.
+    """
+    import shutil
+
+    from engine.adapters import ADAPTER_FILE, CONFIG_FILE
+
+    log = out / "metrics.jsonl"
+    for stale in (out / ADAPTER_FILE, out / CONFIG_FILE, out / "summary.json"):
+        stale.unlink(missing_ok=True)
+    if resume_step is None:
+        log.unlink(missing_ok=True)
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    elif log.exists():
+        def kept(line: str) -> bool:
+            try:
+                return int(json.loads(line)["step"]) <= resume_step
+            except (ValueError, KeyError, TypeError):
+                return False  # a line cut short by the kill
+        lines = log.read_text().splitlines(keepends=True)
+        atomic_write_text(log, "".join(line for line in lines if kept(line)))
+
+
 def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
     """Train one adapter as ``cfg`` says; write it to ``cfg.out``; return a summary."""
     cfg.validate()
@@ -285,8 +316,7 @@ def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
         Path(cfg.resume) if cfg.resume else None)
     if ckpt is not None:
         start = int(load_checkpoint(model, optimizer, ckpt)["step"])
-    elif (out / "metrics.jsonl").exists():
-        (out / "metrics.jsonl").unlink()  # a fresh run starts a fresh log
+    prepare_out(out, start if ckpt is not None else None)
 
     def batch_of(pairs: list) -> PairBatch | PrefixBatch:
         return choose_layout(pairs, cfg, pad_multiple, pad_id)
