@@ -8,9 +8,11 @@ TRL otherwise; λ is ``orpo_lambda`` (TRL's ``beta``, the paper's λ, the offici
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 
 def _f(default: Any, help: str) -> Any:
@@ -87,7 +89,21 @@ class TrainConfig:
     memory_limit_gb: float = _f(0.0, "MLX memory limit in GB; 0 = MLX's default.")
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
+        """Raise ValueError naming the first bad field (types, ranges, required paths)."""
+        self.check_values()
+        if not self.model:
+            raise ValueError("model is required (a model directory or repo id)")
+        if not self.data:
+            raise ValueError("data is required (a tokenized dataset)")
+
+    def check_values(self) -> None:
+        """Every field's type and range; model and data may still be empty."""
+        for f in dataclasses.fields(self):
+            value, kind = getattr(self, f.name), _kind(f.name)
+            if not _is_kind(value, kind):
+                raise ValueError(f"{f.name}={value!r}: expected {_KINDS[kind]}")
+            if kind == "float" and not math.isfinite(value):
+                raise ValueError(f"{f.name}={value!r}: must be a finite number")
         for name in CHOICES:
             check_choice(name, getattr(self, name))
         for name in ("steps", "batch_size", "grad_accum", "lora_rank", "report_every",
@@ -100,33 +116,117 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"lora_dropout={self.lora_dropout}: must be in [0, 1)")
-        if not self.model:
-            raise ValueError("model is required (a model directory or repo id)")
-        if not self.data:
-            raise ValueError("data is required (a tokenized dataset)")
+        for name in ("learning_rate", "grad_clip", "weight_decay", "min_lr_ratio",
+                     "orpo_lambda", "memory_limit_gb"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be in [0, 1)")
+        if self.adam_eps <= 0:
+            raise ValueError(f"adam_eps={self.adam_eps}: must be > 0")
 
     def replace(self, **changes: Any) -> TrainConfig:
-        """A copy with ``changes`` (unknown names raise, naming them)."""
-        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        """A copy with ``changes``, each coerced to its field's type (``coerce``); unknown
+        names and values of the wrong type raise, naming the field."""
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(str(k) for k in set(changes) - names)
         if unknown:
             raise ValueError(f"unknown config field(s): {', '.join(unknown)}")
-        if changes.get("lora_keys") is not None:
-            changes["lora_keys"] = tuple(changes["lora_keys"])
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **{k: coerce(k, v) for k, v in changes.items()})
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> TrainConfig:
-        """Defaults ← YAML file ← ``overrides`` (CLI)."""
+        """Defaults ← YAML file ← ``overrides`` (CLI). Every problem with the file (unreadable,
+        not YAML, a Python tag, a bad key or value) is a ValueError naming it."""
         import yaml
 
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping of config fields, got {type(data)}")
         try:
-            config = cls().replace(**data)
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: no such config file") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path}: cannot read: {err}") from err
+        except yaml.YAMLError as err:  # malformed, or a tag such as !!python/object
+            where = getattr(err, "problem_mark", None)
+            line = f" (line {where.line + 1})" if where is not None else ""
+            raise ValueError(f"{path}: not valid YAML{line}: "
+                             f"{getattr(err, 'problem', None) or err}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of config fields, got "
+                             f"{type(data).__name__}")
+        try:
+            config = cls().replace(**{str(k): v for k, v in data.items()})
+            config.check_values()
         except ValueError as err:
-            raise ValueError(f"{path}: {err}") from err
+            raise ValueError(f"{path}: {err}") from None
         return config.replace(**overrides)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+_KINDS = {"bool": "true or false", "int": "an integer", "float": "a number",
+          "str": "a string", "str?": "a string or null",
+          "keys?": "a list of module paths or null"}
+
+
+@cache
+def _kind(name: str) -> str:
+    hint = str(get_type_hints(TrainConfig)[name])
+    return {"<class 'bool'>": "bool", "<class 'int'>": "int", "<class 'float'>": "float",
+            "<class 'str'>": "str", "str | None": "str?",
+            "tuple[str, ...] | None": "keys?"}[hint]
+
+
+def _is_kind(value: Any, kind: str) -> bool:
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind in ("int", "float"):
+        types = int if kind == "int" else (int, float)
+        return isinstance(value, types) and not isinstance(value, bool)
+    if kind == "keys?" and isinstance(value, (list, tuple)):
+        return all(isinstance(k, str) for k in value)
+    return isinstance(value, str) or (value is None and kind.endswith("?"))
+
+
+def coerce(name: str, value: Any) -> Any:
+    """``value`` as field ``name``'s type, the way a user means it, or ValueError naming it.
+
+    YAML 1.1 (PyYAML) reads ``1e-4`` as a string: numeric strings become numbers; an
+    integral float (``1e3``, ``100.0``) is an integer where one is expected; a single
+    string is a one-item ``lora_keys``. Booleans are never numbers, nor numbers booleans.
+    """
+    kind = _kind(name)
+    number = _number(value)
+    if kind == "bool" and isinstance(value, bool):
+        return value
+    if kind == "int" and number is not None and math.isfinite(number) and number.is_integer():
+        return int(value) if isinstance(value, int) else int(number)
+    if kind == "float" and number is not None:
+        return number
+    if kind == "str" and isinstance(value, str):
+        return value
+    if kind == "str?" and (value is None or isinstance(value, str)):
+        return value
+    if kind == "keys?":
+        if value is None:
+            return None
+        keys = (value,) if isinstance(value, str) else value
+        if isinstance(keys, (list, tuple)) and keys and all(isinstance(k, str) for k in keys):
+            return tuple(keys)
+    raise ValueError(f"{name}={value!r}: expected {_KINDS[kind]}")
+
+
+def _number(value: Any) -> float | None:
+    """A real number from an int, a float or a numeric string (not from a bool)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            return None
+    return None

@@ -37,7 +37,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 import numpy as np
 
@@ -50,6 +50,7 @@ TOP_KEYS = {"name", "model", "data", "fixed", "grid", "space", "search", "num_sa
             "memory_budget_gb", "retries", "retry_delay_s", "kind", "probe_batches"}
 PRUNING_DEFAULTS = {"startup_trials": 2, "warmup_steps": 0}
 CONFIG_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
+FIELD_TYPES = get_type_hints(TrainConfig)
 NOT_SWEPT = {"model", "data", "out", "resume"}  # set by the sweep itself
 
 
@@ -140,13 +141,21 @@ def _check_param(name: str, where: str) -> None:
                         "--help` for the names)")
 
 
-def _check_value(name: str, value: Any, where: str) -> None:
+def _check_value(name: str, value: Any, where: str) -> Any:
+    """``value`` checked as TrainConfig field ``name`` would take it (type, range, finite);
+    a string that TrainConfig reads as a number (``1e-4``: YAML 1.1 keeps it a string) is
+    returned as that number, so trials, ids and the results table hold the number."""
     if name == "segment_size" and value == "auto":
-        return
+        return value
     try:
-        TrainConfig(model="m", data="d").replace(**{name: value}).validate()
+        config = TrainConfig(model="m", data="d").replace(**{name: value})
+        config.validate()
     except (ValueError, TypeError) as err:
-        raise SpecError(f"{where}.{name}={value!r}: {err}") from err
+        message = str(err)
+        raise SpecError(f"{where}.{message}" if message.startswith(f"{name}=") else
+                        f"{where}.{name}={value!r}: {message}") from None
+    checked = getattr(config, name)
+    return value if not isinstance(value, str) and checked == value else checked
 
 
 def _dist(name: str, raw: Any) -> Dist:
@@ -156,15 +165,46 @@ def _dist(name: str, raw: Any) -> Dist:
     kind, args = next(iter(raw.items()))
     if not isinstance(args, list) or not args:
         raise SpecError(f"{where}.{kind}: expected a non-empty list")
-    if kind != "choice":
-        if len(args) != 2 or not all(isinstance(a, (int, float)) for a in args):
-            raise SpecError(f"{where}.{kind}: expected [low, high] numbers, got {args!r}")
-        lo, hi = args
-        if not lo < hi or (kind == "loguniform" and lo <= 0):
-            raise SpecError(f"{where}.{kind}: need 0 < low < high (log) or low < high")
-        if kind == "int" and not all(isinstance(a, int) for a in args):
-            raise SpecError(f"{where}.int: bounds must be integers, got {args!r}")
-    return Dist(kind, tuple(args))
+    if kind == "choice":
+        return Dist(kind, tuple(_check_value(name, v, f"{where}.choice") for v in args))
+    if FIELD_TYPES[name] not in (int, float):
+        raise SpecError(f"{where}.{kind}: {name} is not numeric; use choice: [...]")
+    if kind != "int" and FIELD_TYPES[name] is int:
+        raise SpecError(f"{where}.{kind}: {name} takes integers; use int: [low, high]")
+    numbers = [_number(a) for a in args]
+    if len(args) != 2 or None in numbers:
+        raise SpecError(f"{where}.{kind}: expected [low, high] numbers, got {args!r}")
+    lo, hi = numbers
+    if kind == "int" and not all(float(a).is_integer() for a in numbers):
+        raise SpecError(f"{where}.int: bounds must be integers, got {args!r}")
+    if not lo < hi or (kind == "loguniform" and lo <= 0):
+        raise SpecError(f"{where}.{kind}: need 0 < low < high (log) or low < high")
+    bounds = (int(lo), int(hi)) if kind == "int" else (lo, hi)
+    for bound in bounds:  # the range is convex: both ends valid means every draw is
+        _check_value(name, bound, f"{where}.{kind}")
+    return Dist(kind, bounds)
+
+
+def _number(value: Any) -> float | None:
+    """A finite number from an int, float or numeric string (YAML 1.1: ``1e-4``), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = float(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _setting(data: dict[str, Any], key: str, default: float, integer: bool = False,
+             minimum: float = 0) -> Any:
+    """A top-level numeric setting: finite, at least ``minimum``, an integer if asked."""
+    raw = data.get(key, default)
+    number = _number(raw)
+    if number is None or number < minimum or (integer and not number.is_integer()):
+        kind = "an integer" if integer else "a finite number"
+        raise SpecError(f"{key}={raw!r}: expected {kind} >= {minimum:g}")
+    return int(number) if integer else number
 
 
 def parse_spec(data: dict[str, Any], source: str = "spec") -> SweepSpec:
@@ -193,13 +233,12 @@ def _parse(data: Any) -> SweepSpec:
             raise SpecError(f"{where}: expected a mapping of parameter names")
         for name in section:
             _check_param(name, where)
-    for name, value in fixed.items():
-        _check_value(name, value, "fixed")
+    fixed = {name: _check_value(name, value, "fixed") for name, value in fixed.items()}
     for name, values in grid.items():
         if not isinstance(values, list) or not values:
             raise SpecError(f"grid.{name}: expected a non-empty list of values")
-        for v in values:
-            _check_value(name, v, "grid")
+    grid = {name: [_check_value(name, v, "grid") for v in values]
+            for name, values in grid.items()}
     f, g, s = set(fixed), set(grid), set(space)
     overlap = sorted((f & g) | (f & s) | (g & s))
     if overlap:
@@ -212,9 +251,13 @@ def _parse(data: Any) -> SweepSpec:
     mode = data.get("mode", "min")
     if mode not in ("min", "max"):
         raise SpecError(f"mode={mode!r}: expected min or max")
-    for key in ("num_samples", "max_concurrent"):
-        if not isinstance(data.get(key, 1), int) or data.get(key, 1) < 1:
-            raise SpecError(f"{key}={data.get(key)!r}: expected an integer >= 1")
+    counts = {key: _setting(data, key, default, integer=True, minimum=minimum)
+              for key, default, minimum in (("num_samples", 1, 1), ("max_concurrent", 1, 1),
+                                            ("retries", 2, 0), ("probe_batches", 8, 1),
+                                            ("seed", 0, 0))}
+    seconds = {key: _setting(data, key, default)
+               for key, default in (("time_limit_s", 0), ("retry_delay_s", 5),
+                                    ("memory_budget_gb", 0))}
     if search == "optuna" and (grid or not space):
         raise SpecError("search: optuna samples a space (put grid values in space as "
                         "{choice: [...]}) and needs a non-empty one")
@@ -223,31 +266,22 @@ def _parse(data: Any) -> SweepSpec:
         raise SpecError(f"metric={metric!r}: expected a validation metric such as val/loss "
                         "or val/rewards/accuracies")
     pruning = _pruning(data.get("pruning", False), search)
-    budget = float(data.get("memory_budget_gb", 0))
+    budget = seconds["memory_budget_gb"]
     autos = [w for w, sec in (("fixed", fixed), ("grid", grid))
              for k, v in sec.items() if k == "segment_size" and "auto" in _listed(v)]
     if autos and budget <= 0:
         raise SpecError(f"{autos[0]}.segment_size: auto needs memory_budget_gb > 0 (what the "
                         "segment size must fit in)")
-    if not isinstance(data.get("retries", 2), int) or data.get("retries", 2) < 0:
-        raise SpecError(f"retries={data.get('retries')!r}: expected an integer >= 0")
     kind = data.get("kind", "train")
     if kind not in ("train", "memory"):
         raise SpecError(f"kind={kind!r}: expected train or memory")
     if kind == "memory" and (search != "grid" or autos):
         raise SpecError("kind: memory measures grid points (search: grid, explicit segment "
                         "sizes)")
-    if not isinstance(data.get("probe_batches", 8), int) or data.get("probe_batches", 8) < 1:
-        raise SpecError(f"probe_batches={data.get('probe_batches')!r}: expected an integer >= 1")
     return SweepSpec(
         name=data["name"], model=data["model"], data=data["data"], fixed=fixed, grid=grid,
-        space={k: _dist(k, v) for k, v in space.items()}, search=search,
-        num_samples=data.get("num_samples", 1), metric=metric,
-        mode=mode, max_concurrent=data.get("max_concurrent", 1),
-        time_limit_s=float(data.get("time_limit_s", 0)), seed=int(data.get("seed", 0)),
-        pruning=pruning, memory_budget_gb=budget, retries=data.get("retries", 2),
-        retry_delay_s=float(data.get("retry_delay_s", 5)), kind=kind,
-        probe_batches=data.get("probe_batches", 8))
+        space={k: _dist(k, v) for k, v in space.items()}, search=search, metric=metric,
+        mode=mode, pruning=pruning, kind=kind, **counts, **seconds)
 
 
 def _listed(value: Any) -> list:
@@ -276,6 +310,13 @@ def load_spec(path: str | Path) -> SweepSpec:
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise SpecError(f"{path}: not valid YAML: {err}") from err
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such sweep spec") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise SpecError(f"{path}: cannot read: {err}") from None
+    except yaml.YAMLError as err:  # malformed, or a tag such as !!python/object
+        mark = getattr(err, "problem_mark", None)
+        line = f" (line {mark.line + 1})" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).replace("\n", " ")
+        raise SpecError(f"{path}: not valid YAML{line}: {problem}") from None
     return parse_spec(data, str(path))
