@@ -246,8 +246,12 @@ def pipeline_cmd(
                                                   "per adapter.")] = 4,
 ) -> None:
     """The Prefect pipeline: tokenize → preprocess → sweep → evaluate → leaderboard."""
-    from flows.pipeline import pipeline
+    from flows.pipeline import check_pipeline_inputs, pipeline
 
+    try:
+        check_pipeline_inputs(str(raw), model, str(spec))
+    except (ValueError, FileNotFoundError) as err:  # SpecError is a ValueError
+        raise fail(str(err)) from None
     summary = pipeline(str(raw), model, str(spec), str(out), address, gpus, resource,
                        generations)
     console.print(f"leaderboard: {summary['markdown']}; best adapter: "

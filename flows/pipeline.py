@@ -6,6 +6,10 @@ evaluation, and a markdown artifact with the leaderboard. The sweep spec's model
 are replaced by the pipeline's own. Stages are plain functions underneath
 (tasks/tokenize.py, tasks/preprocess.py, tasks/sweep.py, tasks/evaluate.py,
 tasks/leaderboard.py), each also reachable from the CLI.
+
+Nothing here is ever pickled, whatever PREFECT_RESULTS_PERSIST_BY_DEFAULT says: stages that
+leave their results as files persist no task result, evaluations persist theirs as JSON
+(their cache), and flows return JSON.
 """
 
 from __future__ import annotations
@@ -23,18 +27,19 @@ from prefect.cache_policies import NO_CACHE
 from engine.adapters import ADAPTER_FILE
 from flows.ray_session import ray_session
 from flows.sweep_flow import artifact_key, sweep_stage
+from tasks.content_key import file_digest, model_fingerprint
 from tasks.evaluate import evaluate_adapter
 from tasks.leaderboard import export_best, rank_trials, swept_params, write_leaderboard
 from tasks.plots import curves_png, inline_png, metric_vs_params_png
 from tasks.preprocess import preprocess_dataset
 from tasks.soup import make_soup
-from tasks.sweep import CODE_VERSION, data_fingerprint
+from tasks.sweep import CODE_VERSION, check_model, data_fingerprint
 from tasks.sweep_spec import load_spec
 from tasks.tokenize import tokenize_dataset
 from tasks.trials import Placement
 
 
-@task(cache_policy=NO_CACHE)
+@task(cache_policy=NO_CACHE, persist_result=False)
 def tokenize_task(raw: str, model: str, out: str) -> dict[str, Any]:
     """Raw preference files → an Arrow dataset directory (cached on its fingerprint)."""
     report = tokenize_dataset(raw, model, out)
@@ -45,7 +50,7 @@ def tokenize_task(raw: str, model: str, out: str) -> dict[str, Any]:
             "cache_hit": report.cache_hit}
 
 
-@task(cache_policy=NO_CACHE)
+@task(cache_policy=NO_CACHE, persist_result=False)
 def preprocess_task(path: str) -> dict[str, Any]:
     """Find each pair's shared prompt prefix (split_prefix_batch's input)."""
     report = preprocess_dataset(path)
@@ -78,14 +83,14 @@ def eval_settings(rows: list[dict[str, Any]]) -> EvalSettings:
 
 
 def evaluation_key(context: Any, inputs: dict[str, Any]) -> str:
-    """An evaluation depends on the adapter's bytes, the data's fingerprint, the code and
-    its settings, never on paths alone (Prefect's INPUTS policy would hash the paths)."""
+    """An evaluation depends on the model's and the adapter's bytes, the data's
+    fingerprint, the code and its settings, never on paths alone (Prefect's INPUTS policy
+    would hash the paths; a model re-made in place keeps its path)."""
     adapter = inputs["adapter"]
-    weights = (hashlib.sha256((Path(adapter) / ADAPTER_FILE).read_bytes()).hexdigest()
-               if adapter else "base")
-    body = json.dumps([inputs["model"], weights, data_fingerprint(inputs["data"]),
-                       inputs["orpo_lambda"], inputs["generations"], inputs["out"],
-                       CODE_VERSION])
+    weights = file_digest(Path(adapter) / ADAPTER_FILE) if adapter else "base"
+    body = json.dumps([model_fingerprint(inputs["model"]), weights,
+                       data_fingerprint(inputs["data"]), inputs["orpo_lambda"],
+                       inputs["generations"], inputs["out"], CODE_VERSION])
     return "evaluate-" + hashlib.sha256(body.encode()).hexdigest()[:24]
 
 
@@ -107,7 +112,7 @@ def evaluate_task(name: str, model: str, adapter: str | None, data: str, orpo_la
     return metrics
 
 
-@task(cache_policy=NO_CACHE)
+@task(cache_policy=NO_CACHE, persist_result=False)
 def soup_task(adapters: list[str], out: str) -> str:
     """The top adapters averaged in ΔW and re-factored to rank r (tasks/soup.py)."""
     path = make_soup([Path(a) for a in adapters], Path(out))
@@ -115,7 +120,7 @@ def soup_task(adapters: list[str], out: str) -> str:
     return str(path)
 
 
-@task(cache_policy=NO_CACHE)
+@task(cache_policy=NO_CACHE, persist_result=False)
 def aggregate_task(results: list[dict[str, Any]], evals: dict[str, dict[str, Any]],
                    base: dict[str, Any], metric: str, mode: str, out: str, title: str,
                    soup: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -138,7 +143,16 @@ def aggregate_task(results: list[dict[str, Any]], evals: dict[str, dict[str, Any
             "best_trial": next((r["trial_id"] for r in rows if r.get("rank") == 1), None)}
 
 
-@flow(name="pomona-pipeline")
+def check_pipeline_inputs(raw: str, model: str, spec: str) -> None:
+    """Every input of ``pipeline`` checked before the flow starts, so a user's mistake is
+    one line naming the file or key (SpecError, FileNotFoundError), not a failed flow run."""
+    load_spec(spec)
+    if not Path(raw).exists():
+        raise FileNotFoundError(f"raw preference data not found: {raw}")
+    check_model(model)
+
+
+@flow(name="pomona-pipeline", result_serializer="json")
 def pipeline(raw: str, model: str, spec: str, out: str, address: str | None = None,
              gpus: bool = False, resource: str | None = None, generations: int = 4,
              soup_k: int = 2, fuse: bool = False) -> dict[str, Any]:
@@ -191,7 +205,7 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str, metric: str
     return summary
 
 
-@task(cache_policy=NO_CACHE)
+@task(cache_policy=NO_CACHE, persist_result=False)
 def fuse_task(model: str, adapter: str, out: str) -> str:
     """The best adapter fused into the base weights (``mlx_lm fuse``), a standalone model."""
     import subprocess
@@ -206,7 +220,7 @@ def fuse_task(model: str, adapter: str, out: str) -> str:
     return out
 
 
-@flow(name="pomona-leaderboard")
+@flow(name="pomona-leaderboard", result_serializer="json")
 def leaderboard_flow(sweep_dir: str, model: str, data: str, metric: str = "val/loss",
                      mode: str = "min", out: str | None = None, address: str | None = None,
                      gpus: bool = False, resource: str | None = None, generations: int = 4,

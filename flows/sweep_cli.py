@@ -14,7 +14,7 @@ from rich.table import Table
 
 from flows.ray_session import ray_session
 from tasks.memory_sweep import run_memory_sweep
-from tasks.sweep import metric_value, run_sweep
+from tasks.sweep import check_inputs, metric_value, run_sweep
 from tasks.sweep_spec import SpecError, SweepSpec, load_spec
 from tasks.trials import Placement, TrialsInterrupted
 
@@ -28,7 +28,8 @@ class SweepProgress:
                                  MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
                                  TimeElapsedColumn(), console=console, transient=False)
         self.task = self.progress.add_task(f"sweep {spec.name}", total=None, status="")
-        self.counts = {"running": 0, "completed": 0, "failed": 0, "pruned": 0, "cached": 0}
+        self.counts = {"running": 0, "completed": 0, "failed": 0, "pruned": 0, "cached": 0,
+                       "degenerate": 0}
         self.best: float | None = None
         self.lock = threading.Lock()
 
@@ -70,8 +71,9 @@ class SweepProgress:
     def _status(self) -> str:
         c = self.counts
         best = f" best {self.spec.metric} {self.best:.4f}" if self.best is not None else ""
+        degenerate = f" · degenerate {c['degenerate']}" if c["degenerate"] else ""
         return (f"running {c['running']} · done {c['completed']} · pruned {c['pruned']} · "
-                f"failed {c['failed']}{best}")
+                f"failed {c['failed']}{degenerate}{best}")
 
 
 def run_sweep_cli(console: Console, spec_path: Path, out: Path | None, address: str | None,
@@ -84,6 +86,7 @@ def run_sweep_cli(console: Console, spec_path: Path, out: Path | None, address: 
     out = out or Path("runs") / spec.name
     placement = Placement(gpus=int(gpus), resource=resource)
     try:
+        check_inputs(spec)  # before Ray starts: a mistyped path costs no cluster start-up
         if spec.kind == "memory":
             with ray_session(address):
                 rows = run_memory_sweep(spec, out, placement)

@@ -74,7 +74,7 @@ class MetricsTail:
         self.flush()
 
 
-@task(cache_policy=NO_CACHE, task_run_name="{trial.id}")
+@task(cache_policy=NO_CACHE, persist_result=False, task_run_name="{trial.id}")
 def trial_task(trial: TrialRun, run: Callable[[], Summary]) -> Summary:
     """One trial, run in its Ray actor by ``run``; its training log and outcome logged on
     this task run."""
@@ -136,7 +136,7 @@ def sweep_stage(spec: SweepSpec, out_dir: Path, address: str | None = None,
     return rows
 
 
-@flow(name="pomona-sweep")
+@flow(name="pomona-sweep", result_serializer="json")
 def sweep_flow(spec_path: str, out: str | None = None, address: str | None = None,
                gpus: bool = False, resource: str | None = None) -> list[dict[str, Any]]:
     """Run a sweep spec on Ray; each trial a task run of this flow run."""

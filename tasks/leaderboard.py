@@ -2,10 +2,12 @@
 the best adapter exported in mlx-lm's format.
 
 Ranked rows are the completed trials, best first by the sweep metric (its best value during
-training, ``best/<metric>``); pruned, failed and cancelled trials follow, unranked, so
-nothing is silently dropped. The ``base`` row is the untrained model under the same
-held-out evaluation, the number every adapter is read against. Written as
-``leaderboard.parquet`` (all columns) and ``leaderboard.md`` (the readable few).
+training, ``best/<metric>``); degenerate (collapsed: zero gradients, or accuracy far
+below chance in validation or on the held-out split), pruned, failed and cancelled trials
+follow, unranked, each with its reason under the table, so nothing is silently dropped.
+The ``base`` row is the untrained model under the same held-out evaluation, the number
+every adapter is read against. Written as ``leaderboard.parquet`` (all columns) and
+``leaderboard.md`` (the readable few).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 from engine.adapters import atomic_write_text
 from tasks.sweep import metric_value
-from tasks.trials import write_results
+from tasks.trials import below_chance, write_results
 
 ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
 EVAL_COLUMNS = ("eval/accuracy", "eval/margin", "eval/orpo_loss", "eval/nll")
@@ -30,7 +32,7 @@ def rank_trials(results: list[dict[str, Any]], evals: dict[str, dict[str, Any]],
                 soup: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Trials with their evaluations, ranked (1 = best); unranked ones after; then the
     soup (no training metric of its own: read its eval columns) and the base model."""
-    rows = [{**r, **evals.get(r["trial_id"], {})} for r in results]
+    rows = [_held_out_check({**r, **evals.get(r["trial_id"], {})}) for r in results]
 
     def score(r: dict[str, Any]) -> float:
         value = metric_value(r, metric)
@@ -45,6 +47,14 @@ def rank_trials(results: list[dict[str, Any]], evals: dict[str, dict[str, Any]],
     tail = [{"trial_id": "soup", "status": "soup", "rank": None, **soup}] if soup else []
     tail += [{"trial_id": "base", "status": "baseline", "rank": None, **base}] if base else []
     return ranked + rest + tail
+
+
+def _held_out_check(row: dict[str, Any]) -> dict[str, Any]:
+    """A completed trial whose held-out accuracy is far below chance is degenerate too."""
+    reason = below_chance(row.get("eval/accuracy"), row.get("eval/rows"), "held-out accuracy")
+    if row["status"] == "completed" and reason:
+        return {**row, "status": "degenerate", "reason": reason}
+    return row
 
 
 def swept_params(rows: list[dict[str, Any]]) -> list[str]:

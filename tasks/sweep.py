@@ -1,8 +1,9 @@
 """A sweep: spec → trials on Ray → ``runs/<sweep>/results.parquet``; re-runs skip done work.
 
-Trials are cached on (trial parameters, data fingerprint, code version): a re-run skips
-every trial whose completed result is on disk with the same key and re-runs exactly the
-ones whose data or parameters changed. Before anything starts, the cluster is checked for
+Trials are cached on (trial parameters, the model's and the data's content, code version):
+a re-run skips every trial whose completed result is on disk with the same key and re-runs
+exactly the ones whose model, data or parameters changed. Every finished trial is written
+to results.parquet as it finishes. Before anything starts, the cluster is checked for
 the GPUs or slots the placement needs (``address="auto"`` silently starts a private
 cluster when the real one is unreachable: a sweep that expects GPUs refuses to run on
 none). Grid and random searches list their trials up front; Optuna asks for them one by
@@ -12,13 +13,16 @@ one (tasks/optuna_search.py). ``segment_size: auto`` is resolved by a cached mem
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 
+from tasks.content_key import model_fingerprint
 from tasks.memory_probe import resolve_auto
 from tasks.sweep_spec import SweepSpec
 from tasks.trials import (
@@ -35,6 +39,7 @@ from tasks.trials import (
 
 CODE_VERSION = "0.2.0"  # bump when training semantics change: invalidates cached trials
 NOT_PARAMS = ("model", "data", "out")
+FINISHED = ("completed", "degenerate")  # trained to the end: cached on re-runs
 
 
 def data_fingerprint(data: str) -> str:
@@ -48,11 +53,28 @@ def data_fingerprint(data: str) -> str:
     raise FileNotFoundError(f"sweep data not found: {data}")
 
 
-def cache_key(config: dict[str, Any], fingerprint: str) -> str:
-    """What a trial's result depends on: its resolved config, the data, the code."""
-    body = json.dumps({k: v for k, v in config.items() if k != "out"}, sort_keys=True,
-                      default=str)
-    return hashlib.sha256(f"{body}|{fingerprint}|{CODE_VERSION}".encode()).hexdigest()[:16]
+def check_model(model: str) -> None:
+    """Refuse a model path that is not there, before anything starts (a Hugging Face id,
+    ``org/name``, is left to mlx-lm: it may download it)."""
+    local = Path(model).expanduser()
+    looks_local = model.startswith(("/", ".", "~")) or model.count("/") > 1 or local.exists()
+    if not local.is_dir() and looks_local:
+        raise FileNotFoundError(f"model not found: {model} (no such directory)")
+
+
+def check_inputs(spec: SweepSpec) -> None:
+    """The spec's model and data exist (FileNotFoundError naming the one that does not)."""
+    check_model(spec.model)
+    data_fingerprint(spec.data)
+
+
+def cache_key(config: dict[str, Any], fingerprint: str, model_key: str) -> str:
+    """What a trial's result depends on: its resolved config, the model's bytes
+    (``model_key``: tasks/content_key.py, not its path), the data, the code."""
+    body = json.dumps({k: v for k, v in config.items() if k not in ("out", "model")},
+                      sort_keys=True, default=str)
+    text = f"{body}|{model_key}|{fingerprint}|{CODE_VERSION}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def trial_config(spec: SweepSpec, out: Path, trial_id: str, params: dict[str, Any]
@@ -118,17 +140,16 @@ def run_sweep(spec: SweepSpec, out: Path, placement: Placement | None = None,
     concurrent = min(slots, spec.max_concurrent)
     source, study = sweep.optuna_source() if spec.search == "optuna" else sweep.list_source()
     sweep.emit("plan", {**sweep.plan_counts, "slots": concurrent})
+    sweep.source = source
     try:
         rows = run_trials(_Recording(source, sweep.configs), sweep.placement, concurrent,
                           time_limit_s=spec.time_limit_s, retries=spec.retries,
                           retry_delay_s=spec.retry_delay_s, study=study, metric=spec.metric,
-                          on_event=sweep.emit, wrap=wrap)
+                          on_event=sweep.on_event, wrap=wrap)
     except TrialsInterrupted as stop:
-        write_results(sweep.finish(stop.rows, source), sweep.out / "results.parquet")
+        sweep.write(stop.rows)
         raise
-    ordered = sweep.finish(rows, source)
-    write_results(ordered, sweep.out / "results.parquet")
-    return ordered
+    return sweep.write(rows)
 
 
 class _SweepRun:
@@ -138,6 +159,7 @@ class _SweepRun:
                  progress: EventHook | None):
         self.spec, self.out, self.placement, self.progress = spec, out, placement, progress
         self.fingerprint = data_fingerprint(spec.data)
+        self.model_key = model_fingerprint(spec.model)
         self.before = previous_results(out)
         self.keys: dict[str, str] = {}  # trial id -> cache key of its resolved config
         self.notes: dict[str, str] = {}  # trial id -> probed peaks behind segment_size: auto
@@ -145,16 +167,38 @@ class _SweepRun:
         self.done: list[Summary] = []  # completed in an earlier run: not run again
         self.rank: dict[str, int] = {}  # grid/random: the spec's order
         self.plan_counts: dict[str, Any] = {}
+        self.source: Any = None
+        self.finished: list[Summary] = []  # this run's trials, as they finish
+        self.lock = threading.Lock()
 
     def emit(self, kind: str, summary: Summary) -> None:
         if self.progress:
             self.progress(kind, summary)
 
+    def on_event(self, kind: str, summary: Summary) -> None:
+        """Pass ``kind`` on; a finished trial is written to results.parquet at once, so
+        no later failure (another trial's, the scheduler's, a kill) can lose it."""
+        if kind == "finished":
+            with self.lock:
+                self.finished.append(summary)
+                rows = list(self.finished)
+            with contextlib.suppress(Exception):  # the final write reports it; trials go on
+                self.write(rows)
+        self.emit(kind, summary)
+
+    def write(self, rows: list[Summary]) -> list[Summary]:
+        """Every trial's row (cached, reused, run now) to results.parquet, atomically."""
+        with self.lock:
+            ordered = self.finish(rows, self.source)
+            write_results(ordered, self.out / "results.parquet")
+        return ordered
+
     def cached(self, trial_id: str, config: dict[str, Any]) -> Summary | None:
-        """The earlier completed result of exactly this trial, if its adapter is on disk."""
-        self.keys[trial_id] = cache_key(config, self.fingerprint)
+        """The earlier finished result of exactly this trial (completed, or degenerate: the
+        same inputs collapse again), if its adapter is on disk."""
+        self.keys[trial_id] = cache_key(config, self.fingerprint, self.model_key)
         old = self.before.get(trial_id)
-        ok = (old and old.get("status") == "completed"
+        ok = (old and old.get("status") in FINISHED
               and old.get("cache_key") == self.keys[trial_id]
               and (self.out / trial_id / "adapters.safetensors").exists())
         return {**old, "skipped": True} if ok else None

@@ -19,6 +19,8 @@ and marks their trials ``cancelled``.
 from __future__ import annotations
 
 import contextvars
+import json
+import math
 import os
 import socket
 import threading
@@ -128,15 +130,70 @@ class PruneCallback:
             raise TrialPruned(f"pruned at step {step}: {self.metric}={value:.4g}")
 
 
+class GradNorms:
+    """Engine callback: the ``grad_norm`` of every training report, in order."""
+
+    def __init__(self) -> None:
+        self.reports: list[tuple[int, float]] = []
+
+    def on_metrics(self, record: dict[str, Any]) -> None:
+        if record.get("split") == "train" and "grad_norm" in record:
+            self.reports.append((int(record["step"]), float(record["grad_norm"])))
+
+
+ZERO_GRAD_REPORTS = 2  # trailing training reports at exactly 0.0 that mean "stopped learning"
+BELOW_CHANCE = 0.15  # validation accuracy this far under 0.5 ...
+BELOW_CHANCE_P = 1e-3  # ... and this unlikely for a coin (one-sided binomial tail)
+
+
+def degenerate_reason(reports: list[tuple[int, float]], best_val: dict[str, Any]) -> str:
+    """Why a run that finished has collapsed ("" if it has not).
+
+    A learning rate far too high can saturate the model: every gradient is then exactly 0
+    (a float32 gradient norm is never 0.0 while anything is learned) and the pairs' logps
+    tie, so held-out preference accuracy falls to 0 while the loss looks low (issue 14:
+    lr 1e8 ranked first).
+    """
+    zeros = 0
+    for _, norm in reversed(reports):
+        if norm != 0.0:
+            break
+        zeros += 1
+    if zeros and zeros >= min(ZERO_GRAD_REPORTS, len(reports)):
+        first = reports[len(reports) - zeros][0]
+        return (f"degenerate: zero gradients for {zeros} reports (grad_norm 0.0 from step "
+                f"{first}): the model stopped learning")
+    return below_chance(best_val.get("val/rewards/accuracies"), best_val.get("val/rows"),
+                        f"val accuracy at step {best_val.get('step')}")
+
+
+def below_chance(accuracy: float | None, rows: int | None, what: str) -> str:
+    """A reason when preference ``accuracy`` on ``rows`` pairs is below chance (0.5) by
+    more than BELOW_CHANCE, on enough pairs that a coin would rarely score so low."""
+    if accuracy is None or not rows or not accuracy < 0.5 - BELOW_CHANCE:
+        return ""
+    rows, hits = int(rows), round(float(accuracy) * int(rows))
+    tail = sum(math.comb(rows, k) for k in range(hits + 1)) / 2**rows
+    if tail >= BELOW_CHANCE_P:
+        return ""
+    return (f"degenerate: {what} {accuracy:.3f} on {rows} pairs, below chance (0.5) by more "
+            f"than {BELOW_CHANCE}")
+
+
 def run_trial(trial_id: str, config: dict[str, Any], study: Any = None,
               number: int | None = None, metric: str = "val/loss") -> Summary:
-    """Train one adapter (in the trial's process); return a small summary, never raise."""
+    """Train one adapter (in the trial's process); return a small summary, never raise.
+
+    A run that finishes but has collapsed (``degenerate_reason``) is ``degenerate``, with
+    its reason: it keeps its adapter and metrics but is never ranked.
+    """
     from engine.config import TrainConfig
     from engine.trainer import NonFiniteLoss, train
 
     started = time.time()
     base = {"trial_id": trial_id, **where(), "started": started}
-    callbacks = [PruneCallback(study, number, metric)] if study is not None else []
+    norms = GradNorms()
+    callbacks = [norms, *([PruneCallback(study, number, metric)] if study is not None else [])]
     try:
         result = train(TrainConfig().replace(**config), callbacks)
     except TrialPruned as err:
@@ -149,7 +206,9 @@ def run_trial(trial_id: str, config: dict[str, Any], study: Any = None,
         return {**base, "status": "failed", "reason": reason, "ended": time.time(),
                 "traceback": traceback.format_exc(limit=5)}
     best = result.best_val or {}
-    return {**base, "status": "completed", "reason": "", "ended": time.time(),
+    reason = degenerate_reason(norms.reports, best)
+    return {**base, "status": "degenerate" if reason else "completed", "reason": reason,
+            "ended": time.time(),
             "adapter": result.out, "steps": result.steps,
             "final_loss": result.final.get("loss"), "best_val_loss": best.get("val/loss"),
             "best_val_accuracy": best.get("val/rewards/accuracies"),
@@ -162,8 +221,9 @@ def where() -> dict[str, Any]:
     try:
         import ray
 
-        node_id = ray.get_runtime_context().get_node_id()
-    except Exception:  # not inside Ray (a plain call of run_trial)
+        # Asked outside Ray (a plain call of run_trial), the runtime context starts one.
+        node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:
         node_id = None
     return {"node": socket.gethostname(), "node_id": node_id, "pid": os.getpid(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
@@ -328,10 +388,26 @@ def run_trials(source: TrialSource | list[TrialRun] | list[tuple[str, dict[str, 
 
 
 def write_results(rows: list[dict[str, Any]], path: Path) -> Path:
-    """One row per trial, atomically."""
+    """One row per trial, atomically; every column is written whatever its values mix
+    (``column``), so no parameter a user swept can cost the table."""
     path.parent.mkdir(parents=True, exist_ok=True)
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(pa.table({k: [r.get(k) for r in rows] for k in keys}), tmp)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    pq.write_table(pa.table({k: column([r.get(k) for r in rows]) for k in keys}), tmp)
     os.replace(tmp, path)
     return path
+
+
+def column(values: list[Any]) -> pa.Array:
+    """``values`` as one Arrow column: as they are when Arrow takes them; numbers of mixed
+    kinds as float64 (NaN stays NaN); anything else mixed as text (JSON for non-strings),
+    e.g. a grid of ``[3.0e-4, "1e-4"]``."""
+    try:
+        return pa.array(values)
+    except (pa.ArrowException, OverflowError, TypeError, ValueError):
+        pass
+    present = [v for v in values if v is not None]
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present):
+        return pa.array([None if v is None else float(v) for v in values], pa.float64())
+    return pa.array([v if v is None or isinstance(v, str) else json.dumps(v, default=str)
+                     for v in values], pa.string())
