@@ -1,0 +1,92 @@
+"""Issue 14's acceptance through the real CLI: a user's mistake in `pomona train`, `pomona
+sweep` or `pomona pipeline` exits 2 with one line naming the file and key, never a
+traceback, and the sweep refuses before any Ray or Prefect start-up."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pomona(*args: str) -> tuple[int, list[str]]:
+    env = {**os.environ, "RAY_ADDRESS": "", "PREFECT_API_URL": ""}
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True,
+                          text=True, timeout=180, cwd=ROOT, env=env)
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out, out
+    return proc.returncode, [line for line in out.splitlines() if line.strip()]
+
+
+def one_error(*args: str) -> str:
+    code, lines = pomona(*args)
+    assert code == 2 and len(lines) == 1, (code, lines)
+    return lines[0]
+
+
+def test_train_config_mistakes_are_one_line(tmp_path: Path) -> None:
+    """A Python tag or malformed YAML in --config was a traceback; NaN, inf and negative
+    settings started training (NaN crashed at step 2). Would catch: any of them again."""
+    config = tmp_path / "run.yaml"
+    cases = {"x: !!python/object/apply:os.system [echo hi]\n": "not valid YAML (line 1)",
+             "steps: [1\n": "not valid YAML",
+             "learning_rate: .nan\n": "learning_rate=nan: must be a finite number",
+             "grad_clip: -1\n": "grad_clip=-1.0: must be >= 0",
+             "lora_rank: eight\n": "lora_rank='eight': expected an integer"}
+    for text, message in cases.items():
+        config.write_text(text)
+        line = one_error("train", "--config", str(config), "--model", "m", "--data", "d")
+        assert f"{config}: {message}" in line, line
+    for flag, value, message in [("--learning-rate", "nan", "learning_rate=nan"),
+                                 ("--learning-rate", "-1e-4", "learning_rate=-0.0001"),
+                                 ("--weight-decay", "-0.5", "weight_decay=-0.5"),
+                                 ("--grad-clip", "inf", "grad_clip=inf")]:
+        line = one_error("train", "--model", "m", "--data", "d", f"{flag}={value}")
+        assert message in line, line
+
+
+def test_sweep_spec_mistakes_are_one_line_before_ray_starts(tmp_path: Path) -> None:
+    """The issue's grid [3.0e-4, .nan, 1e-4] ran every trial and then lost them all with a
+    traceback; a missing model path let every trial fail one by one. Would catch: a spec
+    mistake that is not refused, with its file and key, before anything starts."""
+    spec = tmp_path / "sweep.yaml"
+    model, data = tmp_path / "model", tmp_path / "pairs.jsonl"
+    model.mkdir()
+    data.write_text('{"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3]}\n')
+    head = f"name: s\nmodel: {model}\ndata: {data}\n"
+    cases = {head + "grid: {learning_rate: [3.0e-4, .nan, 1e-4]}\n":
+             "grid.learning_rate=nan: must be a finite number",
+             head + "fixed: {weight_decay: -1e-2}\n": "fixed.weight_decay=-0.01: must be >= 0",
+             head + "x: !!python/object/apply:os.system [echo hi]\n": "not valid YAML (line 4)",
+             head + "grid: {seed: [0, 1}\n": "not valid YAML",
+             f"name: s\nmodel: {tmp_path}/nope/model\ndata: {data}\n": "model not found",
+             f"name: s\nmodel: {model}\ndata: {tmp_path}/nope.jsonl\n": "nope.jsonl"}
+    for text, message in cases.items():
+        spec.write_text(text)
+        line = one_error("sweep", str(spec), "--out", str(tmp_path / "out"))
+        assert message in line and (str(spec) in line or "not found" in line), line
+    assert not (tmp_path / "out").exists()
+    assert str(tmp_path) in one_error("sweep", str(tmp_path))  # a directory, not a spec
+
+
+def test_pipeline_input_mistakes_are_one_line(tmp_path: Path) -> None:
+    """A bad spec, raw path or model path failed inside the Prefect flow run, with its
+    traceback. Would catch: pipeline inputs not checked before the flow starts."""
+    raw, model, spec = tmp_path / "raw.jsonl", tmp_path / "model", tmp_path / "spec.yaml"
+    raw.write_text("{}\n")
+    model.mkdir()
+    spec.write_text("name: p\nmodel: m\ndata: d\ngrid: {learning_rate: [1e-4, .inf]}\n")
+    line = one_error("pipeline", str(raw), str(model), str(spec), "--out", str(tmp_path / "o"))
+    assert f"{spec}: grid.learning_rate=inf" in line, line
+    spec.write_text("name: p\nmodel: m\ndata: d\ngrid: {learning_rate: [1e-4]}\n")
+    line = one_error("pipeline", str(tmp_path / "none.jsonl"), str(model), str(spec))
+    assert "none.jsonl" in line, line
+    line = one_error("pipeline", str(raw), str(tmp_path / "no-model"), str(spec))
+    assert "no-model" in line, line
