@@ -9,7 +9,8 @@
 #   #  tar czf $OUT/results.tgz -C /tmp/r .)
 #
 # Sections: ops (attention block by op, 4k and 8k), engine-8k|engine-4k|engine-2k (memory
-# rows and prefix rows at segment sizes 0/1/2/4), q4 (a 4-bit base), trl (ORPOTrainer +
+# rows and prefix rows at segment sizes 0/1/2/4), q4 (a 4-bit base), gemma4 (Gemma 4 E4B's
+# text decoder at 8k, 4-bit and bf16: plain, checkpoint, seg1, seg2, seg1p), trl (ORPOTrainer +
 # PEFT, with and without gradient checkpointing, 4k and 8k). Every result is one JSON file
 # in OUT_DIR. Model: 16 layers, hidden 2048, GQA 32/8, intermediate 5632, vocab 32000, bf16.
 set -euo pipefail
@@ -44,6 +45,20 @@ for section in "${@:1:$#-1}"; do
           mlx prefix $B --seq $s --repeats 3 --quantize 4 --segment-size 1 --json \
             --rows "two_forward@4:1,shared@4:1" > "$out/q4_prefix_$s.json"
         done ;;
+    gemma4)  # Gemma 4 E4B's text decoder (issue 13): one 8k pair, 4-bit then bf16, and a
+             # 2k bf16 anchor where plain fits; a row per file (a crash loses one row)
+      g4() {  # g4 QUANT SEQ ROW...
+        local q=$1 s=$2; shift 2
+        for row in "$@"; do
+          mlx memory --preset e4b --dtype bfloat16 --quantize "$q" --seq "$s" --repeats 2 \
+            --head-chunk 256 --mlp-chunk "${MLP_CHUNK:-1024}" --json --rows "$row" \
+            > "$out/gemma4_e4b_q${q}_${s}_${row/:/-}.json" \
+            || echo "row $row (q$q, $s) failed" >&2
+        done
+      }
+      g4 4 8192 seg1p seg1p:1 seg1 seg2 checkpoint plain
+      g4 0 8192 seg1p seg1 seg2 checkpoint plain
+      g4 0 2048 plain checkpoint seg1 seg1p ;;
     trl)  # torch only: MLX stays off the path (transformers imports mlx when it can)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/trl .trlwhl/*.whl
       for s in 4096 8192; do

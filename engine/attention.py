@@ -27,6 +27,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_causal_mask
 
+from engine.recompute import recomputed
+
 
 @dataclass(frozen=True)
 class Window:
@@ -80,7 +82,7 @@ def partition(cuts: tuple[int, ...]):
 # Full (non-sliding) layers whose head is too wide for MLX's fused kernels (cuDNN: head
 # dim ≤ 128) would materialise [B, H, L, L] scores; they attend in query blocks of this
 # many rows instead, each recomputed in the backward (Gemma 4's 512-wide global heads).
-FUSED_HEAD_DIM, FULL_BLOCK = 128, 1024
+FUSED_HEAD_DIM, FULL_BLOCK = 128, 512
 
 
 def full_block(queries: mx.array) -> int:
@@ -94,7 +96,7 @@ def attend(sdpa, queries: mx.array, keys: mx.array, values: mx.array, cache, sca
     """Causal attention of the last Lq of Lk positions (keys within ``window``, if any)."""
     if window is not None and keys.shape[2] > window:
         return blockwise_attention(sdpa, queries, keys, values, cache, scale, window,
-                                   window, False, *args, **kwargs)
+                                   window, True, *args, **kwargs)
     block = full_block(queries)
     if window is None and block:
         return blockwise_attention(sdpa, queries, keys, values, cache, scale, None, block,
@@ -111,7 +113,7 @@ def blockwise_attention(sdpa, queries: mx.array, keys: mx.array, values: mx.arra
     window of ``block`` keys, its own key tile and the one before; without one, every tile
     up to its own. Keys and values are cut once on one grid (``partition``), so every
     tile's gradient sums its readers'. ``recompute``: each block's scores are recomputed in
-    the backward (mx.checkpoint) instead of kept. Exactly mlx-lm's masks, block by block.
+    the backward (``recomputed``) instead of kept. Exactly mlx-lm's masks, block by block.
     """
     lq, lk = queries.shape[2], keys.shape[2]
     off = lk - lq
@@ -130,7 +132,7 @@ def blockwise_attention(sdpa, queries: mx.array, keys: mx.array, values: mx.arra
                 create_causal_mask(q.shape[2], offset=n - q.shape[2], window_size=window))
         return sdpa(q, ks, vs, cache, scale, mask, *args, **kwargs)
 
-    fn = mx.checkpoint(one) if recompute else one
+    fn = recomputed(one) if recompute else one
     outs = []
     for a, q in zip(starts, q_blocks, strict=True):
         own = tile_of[off + a]  # the block's own keys; the window's rest lies before

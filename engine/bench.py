@@ -214,6 +214,10 @@ def run_row(row: str, a: argparse.Namespace) -> dict[str, Any]:
     if depth:
         a = argparse.Namespace(**{**vars(a), "inflight": int(depth)})
     model, stack = _model(a)
+    if a.mlp_chunk and name.startswith("seg"):  # the engine's lever; baselines stay mlx-lm's
+        from engine.recompute import chunk_mlps
+
+        chunk_mlps(stack.layers, a.mlp_chunk)
     weights = mx.get_active_memory()
     extra: dict[str, Any] = {}
     if name.startswith(("shared@", "shared_mask@", "two_forward@")):
@@ -266,6 +270,8 @@ def parser() -> argparse.ArgumentParser:
                    help="Quantize the base to 4 or 8 bits (group size 64) before LoRA.")
     p.add_argument("--segments", default="1,2,4", help="Segment sizes to measure.")
     p.add_argument("--head-chunk", type=int, default=512)
+    p.add_argument("--mlp-chunk", type=int, default=0,
+                   help="Tokens per MLP chunk, recomputed (the engine's mlp_chunk; 0 = off).")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--inflight", type=int, default=2,
                    help="Segments / head pieces evaluated at once (the engine's inflight).")

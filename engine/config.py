@@ -49,6 +49,9 @@ class TrainConfig:
     lora_layers: int = _f(-1, "Adapt the last N blocks; -1 = all.")
     segment_size: int = _f(0, "Layers per backward segment; 0 = plain value_and_grad.")
     head_chunk: int = _f(0, "Tokens per LM-head chunk; 0 = dense logits.")
+    mlp_chunk: int = _f(0, "Tokens per MLP chunk, recomputed in the backward: bounds a wide "
+                           "MLP's activations at long sequences for one more MLP forward a "
+                           "step; 0 = off (docs/performance.md, Gemma 4).")
     inflight: int = _f(2, "Segments evaluated at once in the segmented backward: 1 = least "
                           "memory; 2 = the device runs one while Python builds the next "
                           "(H200, 2k tokens: 1.6x faster, ~1.8x the activations).")
@@ -110,12 +113,15 @@ class TrainConfig:
                      "inflight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
-        for name in ("segment_size", "head_chunk", "warmup_steps", "val_every",
+        for name in ("segment_size", "head_chunk", "mlp_chunk", "warmup_steps", "val_every",
                      "checkpoint_every", "val_batches"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"lora_dropout={self.lora_dropout}: must be in [0, 1)")
+        if self.mlp_chunk and self.lora_dropout:  # a chunk's dropout mask is not the whole's
+            raise ValueError("mlp_chunk with lora_dropout > 0: masks would differ from the "
+                             "unchunked path; set one of them to 0")
         for name in ("learning_rate", "grad_clip", "weight_decay", "min_lr_ratio",
                      "orpo_lambda", "memory_limit_gb"):
             if getattr(self, name) < 0:

@@ -43,6 +43,7 @@ from engine.model import (
     set_dropout_seed,
 )
 from engine.prefix import PrefixBatch, pair_batch, split_prefix_batch, uses_split
+from engine.recompute import chunk_mlps
 from engine.scoring import evaluate
 from engine.segmented import Grads, grads_to_tree, value_and_grad
 
@@ -301,6 +302,8 @@ def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
     spec = resolve_lora_keys(model, lora_spec(cfg))  # the family's targets, saved explicitly
     trainable = attach_lora(model, spec, cfg.seed)
     stack = checked_stack(model)
+    if cfg.mlp_chunk:
+        chunk_mlps(stack.layers, cfg.mlp_chunk)
     num_layers = len(stack.layers) if cfg.lora_layers < 0 else cfg.lora_layers
     if cfg.warm_start:
         load_adapter_weights(model, Path(cfg.warm_start))

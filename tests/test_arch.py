@@ -272,3 +272,18 @@ def test_blocked_full_layers_stay_exact(family_dir, monkeypatch) -> None:
     monkeypatch.setattr(attention, "full_block", lambda q: 16 if q.shape[2] > 16 else 0)
     model, stack = lora_family(family_dir("gemma4_text"))
     assert check_family(model, stack, LossSpec("orpo", 0.5, "full")) > 0
+
+
+@pytest.mark.parametrize("arch", ["gemma4_text", "llama", "qwen3_moe", "phi3"])
+def test_chunked_recomputed_mlps_stay_exact(arch: str, family_dir) -> None:
+    """MLPs on 16-token chunks, recomputed in the backward (``mlp_chunk``), with LoRA on
+    their projections: catches a LoRA gradient that stops at the chunk (parameters
+    captured as constants) or a chunk that drops rows."""
+    from engine.recompute import chunk_mlps
+
+    keys = (("self_attn.q_proj", "mlp.gate", "mlp.switch_mlp.up_proj")  # router, experts
+            if arch == "qwen3_moe" else None)
+    model, stack = lora_family(family_dir(arch), keys)
+    assert any(".mlp." in n for n, _ in lora_modules(model))
+    chunk_mlps(stack.layers, 16)
+    assert check_family(model, stack, LossSpec("orpo", 0.5, "full")) > 0

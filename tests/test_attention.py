@@ -78,3 +78,18 @@ def test_full_layers_block_only_wide_heads_on_a_gpu() -> None:
     on_gpu = mx.default_device() == mx.gpu
     assert attention.full_block(narrow) == 0
     assert attention.full_block(wide) == (attention.FULL_BLOCK if on_gpu else 0)
+
+
+def test_recomputed_takes_one_input_or_several() -> None:
+    """A one-input piece (an MLP with no LoRA) comes to the vjp as a bare array: iterating
+    it as a list of inputs split its rows (a shape error at any chunk size)."""
+    from engine.recompute import recomputed
+
+    w = mx.random.normal((8, 8), key=mx.random.key(1))
+    x = mx.random.normal((1, 5, 8), key=mx.random.key(2))
+    one = recomputed(lambda h: mx.tanh(h @ w))
+    two = recomputed(lambda h, m: mx.tanh(h @ m))
+    g1 = mx.grad(lambda h: one(h).sum())(x)
+    g2 = mx.grad(lambda h: two(h, w).sum())(x)
+    ref = mx.grad(lambda h: mx.tanh(h @ w).sum())(x)
+    assert mx.allclose(g1, ref, atol=1e-6) and mx.allclose(g2, ref, atol=1e-6)
