@@ -252,8 +252,13 @@ def pipeline_cmd(
         check_pipeline_inputs(str(raw), model, str(spec))
     except (ValueError, FileNotFoundError) as err:  # SpecError is a ValueError
         raise fail(str(err)) from None
-    summary = pipeline(str(raw), model, str(spec), str(out), address, gpus, resource,
-                       generations)
+    from prefect.exceptions import FailedRun
+
+    try:
+        summary = pipeline(str(raw), model, str(spec), str(out), address, gpus, resource,
+                           generations)
+    except FailedRun as err:  # the data's mistake (tokenize_task): its one-line message
+        raise fail(str(err)) from None
     console.print(f"leaderboard: {summary['markdown']}; best adapter: "
                   f"{summary['best_adapter']}")
 

@@ -23,6 +23,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.states import Failed, State
 
 from engine.adapters import ADAPTER_FILE
 from flows.ray_session import ray_session
@@ -40,9 +41,15 @@ from tasks.trials import Placement
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
-def tokenize_task(raw: str, model: str, out: str) -> dict[str, Any]:
-    """Raw preference files → an Arrow dataset directory (cached on its fingerprint)."""
-    report = tokenize_dataset(raw, model, out)
+def tokenize_task(raw: str, model: str, out: str) -> dict[str, Any] | State:
+    """Raw preference files → an Arrow dataset directory (cached on its fingerprint).
+
+    A data mistake (no rows, too many bad ones, an unreadable file, a refused --out) ends
+    the run Failed with its one-line message: the user's error, not a traceback."""
+    try:
+        report = tokenize_dataset(raw, model, out)
+    except (ValueError, OSError) as err:
+        return Failed(message=str(err))
     get_run_logger().info("tokenized %s rows (%s tokens)%s; rejects: %s", report.rows,
                           report.tokens, " [cache hit]" if report.cache_hit else "",
                           report.rejects)
@@ -160,7 +167,10 @@ def pipeline(raw: str, model: str, spec: str, out: str, address: str | None = No
     (and, with ``soup_k`` ≥ 2 completed trials, their soup, evaluated like a trial; with
     ``fuse``, the best adapter fused into the base as a standalone model)."""
     out_dir = Path(out)
-    data = tokenize_task(raw, model, str(out_dir / "data"))
+    tokenized = tokenize_task(raw, model, str(out_dir / "data"), return_state=True)
+    if tokenized.is_failed():
+        return tokenized  # the flow run fails with the data's message
+    data = tokenized.result()
     preprocess_task(data["path"])
     sweep = dataclasses.replace(load_spec(spec), model=model, data=data["path"])
     placement = Placement(gpus=int(gpus), resource=resource)

@@ -270,6 +270,7 @@ def _outliers(got: _Collected) -> dict[str, Any]:
 def _write_rejects(path: Path, rejects: list[Reject]) -> None:
     """Write atomically: a crash leaves the previous file, never half of one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    path.parent.mkdir(parents=True, exist_ok=True)  # a first run's --out parent may not exist
     text = "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in rejects)
     # backslashreplace writes a lone surrogate back as the JSON escape it was read from
     tmp.write_bytes(text.encode("utf-8", "backslashreplace"))

@@ -1,0 +1,35 @@
+"""A user's data mistake that only shows inside the pipeline flow (every row bad, an
+empty file) ends `pomona pipeline` with exit 2 and its one-line message, not a traceback;
+the flow run in Prefect ends Failed with that message."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = ROOT / "flows" / "configs" / "tiny.yaml"
+
+
+@pytest.mark.parametrize(("rows", "says"), [
+    ("", "no rows"), ('{"prompt": "p", "chosen": "", "rejected": ""}\n', "are bad")])
+def test_pipeline_data_mistakes_exit_2(rows: str, says: str, prefect_api, tiny_model: Path,
+                                       tmp_path: Path) -> None:
+    from prefect.settings import PREFECT_API_URL
+
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text(rows)
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "RAY_ADDRESS": ""}
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "pipeline", str(raw),
+                           str(tiny_model), str(SPEC), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert "Traceback" not in out, out
+    [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
+    assert says in line.lower() and "raw.jsonl" in line, line
