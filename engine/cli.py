@@ -27,9 +27,20 @@ def _arg_type(hint: Any) -> tuple[Any, dict[str, Any]]:
     return None, {"type": hint}
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose mistakes are one line (argparse prints its whole usage first)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        hint = (" (a value starting with '-' goes after '=': --learning-rate=-1e-4)"
+                if "expected one argument" in message else "")
+        print(f"error: {self.prog}: {message}{hint}; --help lists the options",
+              file=sys.stderr)
+        raise SystemExit(2)
+
+
 def train_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine train",
-                                description="Train one LoRA adapter with ORPO (or SFT).")
+    p = OneLineParser(prog="python -m engine train",
+                      description="Train one LoRA adapter with ORPO (or SFT).")
     p.add_argument("--config", help="YAML file of TrainConfig fields (CLI flags override).")
     hints = get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
@@ -67,7 +78,7 @@ def run_train(argv: list[str]) -> int:
     try:
         cfg = config_from_args(argv)
         result = train(cfg, [PrintMetrics()])
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:  # a file where --out should be a folder, too
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(result.__dict__, indent=2))
@@ -75,8 +86,8 @@ def run_train(argv: list[str]) -> int:
 
 
 def score_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine score",
-                                description="Score preference pairs under a model (+ adapter).")
+    p = OneLineParser(prog="python -m engine score",
+                      description="Score preference pairs under a model (+ adapter).")
     p.add_argument("--model", required=True, help="Model directory or repo id.")
     p.add_argument("--adapter", help="Adapter directory (mlx-lm format).")
     p.add_argument("--data", required=True, help="Tokenized pairs (dataset dir/.parquet/.jsonl).")

@@ -31,7 +31,7 @@ from engine.adapters import (
 )
 from engine.batch import PairBatch, batch_norms, make_batch
 from engine.config import TrainConfig, check_choice
-from engine.data import load_pairs, micro_batches
+from engine.data import load_pairs, micro_batches, pair_length
 from engine.losses import LossSpec, Norms, pair_loss
 from engine.model import (
     LoraSpec,
@@ -290,6 +290,20 @@ def prepare_out(out: Path, resume_step: int | None) -> None:
         atomic_write_text(log, "".join(line for line in lines if kept(line)))
 
 
+def refuse_beyond_context(pairs: Sequence, context: int | None) -> None:
+    """Raise ValueError naming the pairs longer than the model's context: one such row
+    (822k tokens, say) would otherwise exhaust memory mid-run, or train past the positions
+    the model knows."""
+    if not context:
+        return
+    long = [p for p in pairs if pair_length(p) > context]
+    if long:
+        first, size = long[0], pair_length(long[0])
+        raise ValueError(f"{len(long)} pair(s) longer than the model's context of {context} "
+                         f"tokens (first: id {first.id!r}, {size} tokens); re-tokenize with "
+                         "--max-length (pomona data tokenize), or drop them")
+
+
 def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
     """Train one adapter as ``cfg`` says; write it to ``cfg.out``; return a summary."""
     cfg.validate()
@@ -308,6 +322,7 @@ def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
     if cfg.warm_start:
         load_adapter_weights(model, Path(cfg.warm_start))
     data = load_pairs(cfg.data)
+    refuse_beyond_context([*data.train, *data.valid], stack.context)
     loss_spec = LossSpec(cfg.loss, cfg.orpo_lambda, cfg.nll_span)
     pad_multiple = resolve_pad_multiple(cfg.pad_multiple)
     resolve_prefix_attention(cfg.prefix_attention, pad_multiple)  # refuse unsafe, before work

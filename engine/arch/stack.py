@@ -90,6 +90,12 @@ class Stack:
         return sorted({w for i in range(len(self.layers)) if (w := self.window(i))})
 
     @property
+    def context(self) -> int | None:
+        """Positions the model was built for (config ``max_position_embeddings``), if any."""
+        value = getattr(getattr(self.text, "args", None), "max_position_embeddings", None)
+        return int(value) if value else None
+
+    @property
     def donors(self) -> set[int]:
         return set(self.donor_of.values())
 

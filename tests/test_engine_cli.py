@@ -1,0 +1,45 @@
+"""`python -m engine train` as a user meets its errors: one line, exit 2, never a
+traceback or argparse's page of usage."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.batch import Pair
+from engine.data import write_pairs_jsonl
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def train(*args: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "engine", "train", *args],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "usage:" not in proc.stderr, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    return line
+
+
+def test_train_mistakes_are_one_line(tiny_model: Path, tiny_data: Path, tmp_path: Path) -> None:
+    """A file where --out should be a folder was a traceback (only ValueError was caught);
+    a negative number without '=' printed argparse's whole usage."""
+    taken = tmp_path / "taken"
+    taken.write_text("not a folder")
+    line = train("--model", str(tiny_model), "--data", str(tiny_data), "--out", str(taken))
+    assert "taken" in line
+    line = train("--model", str(tiny_model), "--data", str(tiny_data), "--learning-rate",
+                 "-1e-4")
+    assert "--learning-rate=-1e-4" in line
+
+
+def test_pairs_beyond_the_context_are_refused_by_id(tiny_model: Path, tmp_path: Path) -> None:
+    """A row longer than the model's context (4096 here) would exhaust memory mid-run."""
+    pairs = [Pair("ok", [5] * 20, [6] * 5, [7] * 5), Pair("huge", [5] * 5000, [6], [7])]
+    data = write_pairs_jsonl(pairs, tmp_path / "pairs.jsonl", split="train")
+    line = train("--model", str(tiny_model), "--data", str(data), "--out", str(tmp_path / "o"))
+    assert "'huge'" in line and "4096" in line and "--max-length" in line
