@@ -100,7 +100,9 @@ def dump_dom(page: str, tmp: Path) -> str:
     dom = subprocess.run(
         [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
          "--virtual-time-budget=30000", "--dump-dom", page],
-        capture_output=True, text=True, timeout=180)
+        capture_output=True, text=True, timeout=180,
+        # ./run preloads OpenBLAS for MLX; Chromium's GPU process aborts under it
+        env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
     assert dom.returncode == 0, dom.stderr[-2000:]
     return dom.stdout
 
