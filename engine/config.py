@@ -145,19 +145,7 @@ class TrainConfig:
     def from_yaml(cls, path: str | Path, **overrides: Any) -> TrainConfig:
         """Defaults ← YAML file ← ``overrides`` (CLI). Every problem with the file (unreadable,
         not YAML, a Python tag, a bad key or value) is a ValueError naming it."""
-        import yaml
-
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{path}: no such config file") from None
-        except (OSError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path}: cannot read: {err}") from err
-        except yaml.YAMLError as err:  # malformed, or a tag such as !!python/object
-            where = getattr(err, "problem_mark", None)
-            line = f" (line {where.line + 1})" if where is not None else ""
-            raise ValueError(f"{path}: not valid YAML{line}: "
-                             f"{getattr(err, 'problem', None) or err}") from None
+        data = read_yaml(path, "config file") or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of config fields, got "
                              f"{type(data).__name__}")
@@ -170,6 +158,25 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def read_yaml(path: str | Path, what: str) -> Any:
+    """``yaml.safe_load`` of a file; every problem (missing, unreadable, not YAML, a
+    Python tag) is one error naming the file and the line: FileNotFoundError or
+    ValueError."""
+    import yaml
+
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such {what}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: cannot read: {err}") from None
+    except yaml.YAMLError as err:  # malformed, or a tag such as !!python/object
+        mark = getattr(err, "problem_mark", None)
+        line = f" (line {mark.line + 1})" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).replace("\n", " ")
+        raise ValueError(f"{path}: not valid YAML{line}: {problem}") from None
 
 
 _KINDS = {"bool": "true or false", "int": "an integer", "float": "a number",

@@ -305,18 +305,12 @@ def _pruning(raw: Any, search: str) -> dict[str, int]:
 
 def load_spec(path: str | Path) -> SweepSpec:
     """Read and validate a YAML spec file."""
-    import yaml
+    from engine.config import read_yaml
 
-    path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = read_yaml(path, "sweep spec")
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such sweep spec") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise SpecError(f"{path}: cannot read: {err}") from None
-    except yaml.YAMLError as err:  # malformed, or a tag such as !!python/object
-        mark = getattr(err, "problem_mark", None)
-        line = f" (line {mark.line + 1})" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err).replace("\n", " ")
-        raise SpecError(f"{path}: not valid YAML{line}: {problem}") from None
+        raise
+    except ValueError as err:
+        raise SpecError(str(err)) from None
     return parse_spec(data, str(path))
