@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_causal_mask
 
-from engine.recompute import recomputed
+from engine.recompute import after, recomputed
 
 
 @dataclass(frozen=True)
@@ -133,10 +133,11 @@ def blockwise_attention(sdpa, queries: mx.array, keys: mx.array, values: mx.arra
         return sdpa(q, ks, vs, cache, scale, mask, *args, **kwargs)
 
     fn = recomputed(one) if recompute else one
-    outs = []
+    outs: list[mx.array] = []
     for a, q in zip(starts, q_blocks, strict=True):
         own = tile_of[off + a]  # the block's own keys; the window's rest lies before
         seen = range(own + 1) if window is None else [i for i in (own - 1, own) if i >= 0]
+        q = after(q, outs[-1] if outs else None)  # one block's scores alive at a time
         outs.append(fn(q, *[k_tiles[i] for i in seen], *[v_tiles[i] for i in seen]))
     return mx.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]
 

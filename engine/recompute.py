@@ -23,22 +23,34 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 
+def after(x: mx.array, previous: mx.array | None) -> mx.array:
+    """``x``, evaluated only once ``previous`` is: MLX otherwise evaluates independent
+    pieces breadth-first, every piece's intermediates alive at once (CPU, Gemma 4 E4B's
+    MLP at 2048 tokens in 256-row pieces: 1148 MB unchained, 500 MB chained)."""
+    return x if previous is None else mx.depends(x, previous)
+
+
 def recomputed(fn: Callable[..., mx.array]) -> Callable[..., mx.array]:
     """``fn(*arrays) → array`` whose backward recomputes ``fn`` and returns every input's
     gradient as a view of ONE array: evaluating any of them computes all, so a piece's
     intermediates and their gradients are freed together. (Separate gradients let MLX
     compute every attention block's dQ first and keep all blocks' score gradients alive
-    for the dK/dV pass: O(L²) again.)"""
+    for the dK/dV pass: O(L²) again.) Each piece's backward also waits for the previous
+    one's (``after``), so one piece's backward is alive at a time."""
     f = mx.custom_function(fn)
+    last: list[mx.array | None] = [None]
 
     @f.vjp
     def f_vjp(primals, cotangent, output):
         # One input or one output comes as a bare array, several as a tuple.
         cot = cotangent[0] if isinstance(cotangent, (list, tuple)) else cotangent
         primals = list(primals) if isinstance(primals, (list, tuple)) else [primals]
+        if last[0] is not None:
+            primals = list(mx.depends(primals, [last[0]]))
         _, grads = mx.vjp(fn, primals, [cot])
         kind = grads[0].dtype
         flat = mx.concatenate([g.astype(kind).reshape(-1) for g in grads])
+        last[0] = flat
         out, at = [], 0
         for g in grads:
             out.append(flat[at : at + g.size].reshape(g.shape).astype(g.dtype))
@@ -69,8 +81,10 @@ class ChunkedMLP:
                 self.update(tree_unflatten(list(zip(names, values, strict=True))))
 
         run = recomputed(piece)
-        outs = [run(x[:, s : s + self.mlp_chunk], *values)
-                for s in range(0, t, self.mlp_chunk)]
+        outs: list[mx.array] = []
+        for s in range(0, t, self.mlp_chunk):  # each chunk after the one before
+            piece_in = after(x[:, s : s + self.mlp_chunk], outs[-1] if outs else None)
+            outs.append(run(piece_in, *values))
         return mx.concatenate(outs, axis=1)
 
 
