@@ -138,11 +138,23 @@ def attach_lora(model: nn.Module, spec: LoraSpec, seed: int) -> int:
     return sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
 
 
+class _Dropouts:
+    """The model's live KeyedDropouts, found once (a plain object: not a module child)."""
+
+    def __init__(self, model: nn.Module):
+        self.sites = [m for _, m in model.named_modules()
+                      if isinstance(m, KeyedDropout) and m.p > 0]
+
+
 def set_dropout_seed(model: nn.Module, seed: int) -> None:
-    """Give every KeyedDropout the micro-step's ``seed``."""
-    for _, m in model.named_modules():
-        if isinstance(m, KeyedDropout):
-            m.seed = seed
+    """Give every KeyedDropout the micro-step's ``seed`` (walking the module tree once per
+    model, not once per micro-batch: that walk is host time on every step)."""
+    found = getattr(model, "_pomona_dropouts", None)
+    if found is None:
+        found = _Dropouts(model)
+        model._pomona_dropouts = found
+    for m in found.sites:
+        m.seed = seed
 
 
 def checked_stack(model: nn.Module) -> Stack:

@@ -8,6 +8,7 @@ leaves through callbacks (``on_metrics``) and ``metrics.jsonl``; nothing here pr
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -185,6 +186,7 @@ def scoring_layout(prefix_share: str, pad_id: int) -> Callable[[list], PairBatch
     return lambda pairs: choose_layout(pairs, cfg, pad, pad_id)
 
 
+@functools.cache  # asked first on the main thread: the batch thread reads the answer
 def _is_cuda() -> bool:
     return mx.cuda.is_available() and mx.default_device() == mx.gpu
 
@@ -290,6 +292,37 @@ def prepare_out(out: Path, resume_step: int | None) -> None:
         atomic_write_text(log, "".join(line for line in lines if kept(line)))
 
 
+class Prefetch:
+    """Builds the next step's micro-batches on a worker thread while this step runs: the
+    numpy layouts then cost no device time (MLX releases the GIL while it evaluates).
+    The order is the iterator's own, so runs stay deterministic; ``steps`` bounds it."""
+
+    def __init__(self, make: Callable[[], list], steps: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.make, self.left = make, steps
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pomona-batches")
+        self.pending = self.pool.submit(make) if steps > 0 else None
+
+    def next(self) -> list:
+        micro = self.pending.result()
+        self.left -= 1
+        self.pending = self.pool.submit(self.make) if self.left > 0 else None
+        if self.pending is None:
+            self.pool.shutdown(wait=False)
+        return micro
+
+
+def apply_update(model: nn.Module, optimizer: optim.AdamW, grads: Grads, clip: float) -> float:
+    """Clip (``clip`` > 0) and apply one update, evaluated with the gradient norm in one
+    barrier (no host sync between the norm and the update); returns the norm."""
+    tree = grads_to_tree(grads)
+    clipped, norm = optim.clip_grad_norm(tree, clip if clip > 0 else float("inf"))
+    optimizer.update(model, clipped if clip > 0 else tree)
+    mx.eval(norm, model.trainable_parameters(), optimizer.state)
+    return float(norm)
+
+
 def refuse_beyond_context(pairs: Sequence, context: int | None) -> None:
     """Raise ValueError naming the pairs longer than the model's context: one such row
     (822k tokens, say) would otherwise exhaust memory mid-run, or train past the positions
@@ -358,21 +391,19 @@ def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
     window, result = Window(), TrainResult(out=str(out), steps=start, trainable_params=trainable,
                                            rejected_rows=dict(data.rejected))
     total_tokens, total_seconds = 0, 0.0
+    prefetch = Prefetch(lambda: [batch_of(next(batches)) for _ in range(cfg.grad_accum)],
+                        cfg.steps - start)
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
-        micro = [batch_of(next(batches)) for _ in range(cfg.grad_accum)]
+        micro = prefetch.next()  # built on a thread while the last step ran
         loss, sums, grads = step_grads(model, stack, micro, loss_spec, cfg, step)
-        tree = grads_to_tree(grads)
-        if cfg.grad_clip > 0:
-            tree, norm = optim.clip_grad_norm(tree, cfg.grad_clip)
-        else:
-            _, norm = optim.clip_grad_norm(tree, float("inf"))
-        grad_norm = float(norm)
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            raise NonFiniteLoss(f"step {step}: loss {loss}, grad norm {grad_norm} on pairs "
+        if not math.isfinite(loss):
+            raise NonFiniteLoss(f"step {step}: loss {loss} on pairs "
                                 f"{[i for b in micro for i in b.ids][:8]}")
-        optimizer.update(model, tree)
-        mx.eval(model.trainable_parameters(), optimizer.state)
+        grad_norm = apply_update(model, optimizer, grads, cfg.grad_clip)
+        if not math.isfinite(grad_norm):  # the run stops: this update is never saved
+            raise NonFiniteLoss(f"step {step}: grad norm {grad_norm} on pairs "
+                                f"{[i for b in micro for i in b.ids][:8]}")
         lr = float(optimizer.learning_rate)  # the rate this update used
         seconds = time.perf_counter() - t0
         tokens = sum(pair_batch(b).tokens for b in micro)
