@@ -10,7 +10,8 @@
 #
 # Sections: ops (attention block by op, 4k and 8k), engine-8k|engine-4k|engine-2k (memory
 # rows and prefix rows at segment sizes 0/1/2/4), q4 (a 4-bit base), gemma4 (Gemma 4 E4B's
-# text decoder at 8k, 4-bit and bf16: plain, checkpoint, seg1, seg2, seg1p), trl (ORPOTrainer +
+# text decoder at 8k, 4-bit and bf16: plain, checkpoint, seg1, seg2, seg1p), train (the real
+# trainer end to end beside TRL: pomona bench train --trl), trl (ORPOTrainer +
 # PEFT, with and without gradient checkpointing, 4k and 8k). Every result is one JSON file
 # in OUT_DIR. Model: 16 layers, hidden 2048, GQA 32/8, intermediate 5632, vocab 32000, bf16.
 set -euo pipefail
@@ -59,6 +60,14 @@ for section in "${@:1:$#-1}"; do
       g4 4 8192 seg1p seg1p:1 seg1 seg2 checkpoint plain
       g4 0 8192 seg1p seg1 seg2 checkpoint plain
       g4 0 2048 plain checkpoint seg1 seg1p ;;
+    train)  # the real trainer end to end beside TRL (issue 15): one pair at 2k/4k/8k, 8 x 1k
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/trl .trlwhl/*.whl
+      for shape in "2048 1" "4096 1" "8192 1" "1024 8"; do
+        set -- $shape
+        (source .whl/activate.sh && PYTHONPATH="/tmp/trl:$PYTHONPATH" python3 -m flows.cli \
+          bench train --seq "$1" --pairs "$2" --trl --peak-tflops 681 --json) \
+          > "$out/train_$1x$2.json" || echo "bench train $1x$2 failed" >&2
+      done ;;
     trl)  # torch only: MLX stays off the path (transformers imports mlx when it can)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/trl .trlwhl/*.whl
       for s in 4096 8192; do

@@ -4,8 +4,9 @@
 
 Runs in a torch environment (no MLX on the path: transformers imports mlx when it can).
 A random-init llama (hidden 2048, 16 layers, GQA 32/8, intermediate 5632, vocab 32000,
-bf16, SDPA attention), LoRA r=16 (alpha 32) on q/k/v/o, batch 1, one pair per step whose
-two sequences are exactly ``--seq`` tokens (prompt:response 4:1, BOS and EOS included).
+bf16, SDPA attention), LoRA r=16 (alpha 32) on q/k/v/o, ``--batch`` pairs per step (1 by
+default) whose two sequences are exactly ``--seq`` tokens (prompt:response 4:1, BOS and
+EOS included).
 A word-level tokenizer maps the text "w17 w4051 ..." to exactly those ids, so TRL's own
 tokenization path runs and the lengths are the ones asked for.
 
@@ -50,7 +51,8 @@ def _dataset(a: argparse.Namespace):
         return " ".join(f"w{rng.randrange(3, a.vocab)}" for _ in range(n))
 
     rows = [{"prompt": text(prompt_len), "chosen": " " + text(resp_len),
-             "rejected": " " + text(resp_len)} for _ in range(a.warmup + a.steps + 1)]
+             "rejected": " " + text(resp_len)}
+            for _ in range((a.warmup + a.steps + 1) * a.batch)]
     return Dataset.from_list(rows)
 
 
@@ -77,7 +79,7 @@ def run(a: argparse.Namespace) -> dict:
                 torch.cuda.reset_peak_memory_stats()
 
     with tempfile.TemporaryDirectory() as out:
-        args = ORPOConfig(output_dir=out, per_device_train_batch_size=1,
+        args = ORPOConfig(output_dir=out, per_device_train_batch_size=a.batch,
                           gradient_accumulation_steps=1, max_steps=a.warmup + a.steps,
                           max_length=a.seq, learning_rate=1e-5, bf16=True,
                           gradient_checkpointing=a.gradient_checkpointing,
@@ -92,7 +94,7 @@ def run(a: argparse.Namespace) -> dict:
     steps = [b - c for b, c in zip(marks[a.warmup:], marks[a.warmup - 1:], strict=False)]
     step_s = statistics.median(steps)
     return {"name": "trl" + ("_gc" if a.gradient_checkpointing else ""), "seq": a.seq,
-            "step_s": step_s, "tokens_per_s": 2 * a.seq / step_s,
+            "pairs": a.batch, "step_s": step_s, "tokens_per_s": 2 * a.seq * a.batch / step_s,
             "peak_mb": torch.cuda.max_memory_allocated() / 2**20,
             "reserved_mb": torch.cuda.max_memory_reserved() / 2**20,
             "steps_s": steps, "torch": torch.__version__,
@@ -105,6 +107,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", type=int, default=4096, help="Tokens per sequence (pair = 2).")
+    p.add_argument("--batch", type=int, default=1, help="Pairs per step.")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--gradient-checkpointing", action="store_true")

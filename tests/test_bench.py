@@ -73,3 +73,23 @@ def test_ops_bench_splits_the_attention_block() -> None:
     assert {"q_proj", "q_proj_base", "q_proj_mlx_lm", "rope_q", "sdpa", "o_proj", "block",
             "block_norope"} <= set(ops)
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in out["rows"])
+
+
+def test_train_bench_runs_the_real_trainer(tmp_path, capsys) -> None:
+    """`pomona bench train`: the trainer's steady-state step on pairs of exactly --seq
+    tokens (tokens/s counts both sequences of every pair), and TRL's row says why it is
+    missing here rather than vanishing."""
+    from tasks.train_bench import main
+
+    args = ["--seq", "96", "--pairs", "2", "--layers", "2", "--hidden", "64", "--heads", "4",
+            "--kv-heads", "2", "--intermediate", "128", "--vocab", "512", "--dtype", "float32",
+            "--warmup", "1", "--steps", "2", "--head-chunk", "32", "--peak-tflops", "1",
+            "--trl", "--json", "--work", str(tmp_path)]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    pomona, trl = out["rows"]
+    assert pomona["name"] == "pomona" and pomona["pairs"] == 2 and len(pomona["steps_s"]) == 2
+    assert pomona["tokens_per_s"] == pytest.approx(2 * 96 * 2 / pomona["step_s"])
+    assert 0 < pomona["mfu"] and pomona["peak_mb"] > 0
+    assert trl["name"] == "trl" and "not installed" in trl["error"]
+    assert (tmp_path / "run" / "adapters.safetensors").exists()  # the trainer really ran

@@ -55,7 +55,7 @@ def test_every_help_page_prints() -> None:
     assert ["data", "tokenize"] in verbs and ["train"] in verbs
     pages = [[*v, "--help"] for v in verbs] + [["model", "--help"], ["data", "--help"]]
     pages += [["bench", k, "--help"] for k in
-              ("memory", "prefix", "attention", "profile", "ops", "tokenize")]
+              ("memory", "prefix", "attention", "profile", "ops", "tokenize", "train")]
     for args in pages:
         result = runner.invoke(app, args)
         assert result.exit_code == 0, (args, result.output, result.exception)

@@ -1,0 +1,170 @@
+"""End-to-end training benchmark: the real trainer against TRL's ORPOTrainer, one run.
+
+    pomona bench train --seq 4096 [--pairs 1] [--steps 8] [--warmup 3] [--trl] [--json]
+
+Pomona side: ``pomona model init`` at the benchmark shape (a random-init llama, like
+``benchmarks/trl_orpo.py``'s), a tokenized dataset of pairs whose two sequences are
+exactly ``--seq`` tokens (prompt:response 4:1), then ``engine.trainer.train`` — the path
+users run, data order, layouts, update and metrics included — reporting every step.
+Step time = the median of the steps after ``--warmup`` (each step's wall time as the
+trainer measures it: batches, forward, backward, update); tokens/s counts both sequences
+of every pair; peak = MLX's peak over the timed steps.
+
+TRL side (``--trl``, needs torch, transformers, peft and trl; CUDA): the same shape and
+pairs per step through ``benchmarks/trl_orpo.py``, with and without gradient
+checkpointing, in fresh processes. MFU: the FLOPs of the pairs as two plain forwards and
+backwards (4 per frozen weight per token, the head at the loss positions, causal
+attention ×3) over the step time and ``--peak-tflops`` — the same useful work for every
+row, so a row that saves work (prefix sharing) shows it as a higher MFU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pomona bench train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq", type=int, default=4096, help="Tokens per sequence (pair = 2).")
+    p.add_argument("--pairs", type=int, default=1, help="Pairs per optimizer step.")
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--intermediate", type=int, default=5632)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--dtype", default="bfloat16", help="float32 on CPU.")
+    p.add_argument("--segment-size", type=int, default=1)
+    p.add_argument("--head-chunk", type=int, default=512)
+    p.add_argument("--prefix-share", default="auto")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--trl", action="store_true", help="Also run TRL (torch + trl installed).")
+    p.add_argument("--peak-tflops", type=float, default=0.0,
+                   help="The device's dense matmul peak for MFU (H200 bf16: 681); 0 = none.")
+    p.add_argument("--work", help="Keep the model and data here (default: a temporary dir).")
+    p.add_argument("--json", action="store_true", help="Print one JSON object.")
+    return p
+
+
+def _model_and_data(a: argparse.Namespace, work: Path) -> tuple[Path, Path]:
+    import numpy as np
+
+    from engine.batch import Pair
+    from engine.data import write_pairs_jsonl
+    from tasks.model_factory import ModelSpec, init_model
+
+    model = work / "model"
+    if not model.exists():
+        init_model(ModelSpec(layers=a.layers, hidden=a.hidden, heads=a.heads,
+                             kv_heads=a.kv_heads, intermediate=a.intermediate, vocab=a.vocab,
+                             dtype=a.dtype, max_position=max(4096, a.seq + 1)), model)
+    rng = np.random.default_rng(0)
+    prompt = a.seq * 4 // 5
+    response = a.seq + 1 - prompt  # a sequence of seq + 1 tokens feeds seq inputs
+    pairs = [Pair(f"b{i}", rng.integers(10, a.vocab, prompt).tolist(),
+                  rng.integers(10, a.vocab, response).tolist(),
+                  rng.integers(10, a.vocab, response).tolist())
+             for i in range(a.pairs * (a.warmup + a.steps))]
+    return model, write_pairs_jsonl(pairs, work / "pairs.jsonl", split="train")
+
+
+def pomona_row(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The trainer's steady-state step on the benchmark's pairs."""
+    from engine.config import TrainConfig
+    from engine.trainer import train
+
+    model, data = _model_and_data(a, work)
+    records: list[dict[str, Any]] = []
+
+    class Collect:
+        def on_metrics(self, record: dict[str, Any]) -> None:
+            if record["split"] == "train":
+                records.append(record)
+
+    cfg = TrainConfig(model=str(model), data=str(data), out=str(work / "run"),
+                      steps=a.warmup + a.steps, batch_size=a.pairs, report_every=1,
+                      val_every=0, learning_rate=1e-5, lora_rank=16, lora_scale=2.0,
+                      lora_keys=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                 "self_attn.o_proj"), segment_size=a.segment_size,
+                      head_chunk=a.head_chunk, prefix_share=a.prefix_share, warmup_steps=0)
+    train(cfg, [Collect()])
+    timed = records[a.warmup:]
+    tokens = 2 * a.seq * a.pairs
+    steps = [tokens / r["tokens_per_sec"] for r in timed]
+    step_s = statistics.median(steps)
+    return {"name": "pomona", "seq": a.seq, "pairs": a.pairs, "step_s": step_s,
+            "tokens_per_s": tokens / step_s, "steps_s": steps,
+            "peak_mb": max(r["peak_memory_gb"] for r in timed) * 1e9 / 2**20,
+            "prefix_share_rate": statistics.mean(r["prefix_share_rate"] for r in timed)}
+
+
+def trl_rows(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """TRL's ORPOTrainer + PEFT, with and without checkpointing (fresh processes)."""
+    if not all(importlib.util.find_spec(m) for m in ("torch", "trl", "peft")):
+        return [{"name": "trl", "error": "torch, trl and peft are not installed here"}]
+    rows = []
+    for gc in ([], ["--gradient-checkpointing"]):
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "trl_orpo.py"), "--seq", str(a.seq),
+               "--batch", str(a.pairs), "--layers", str(a.layers), "--vocab", str(a.vocab),
+               "--warmup", str(a.warmup), "--steps", str(a.steps), "--json", *gc]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            rows.append({"name": "trl" + ("_gc" if gc else ""),
+                         "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300]})
+        else:
+            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return rows
+
+
+def useful_flops(a: argparse.Namespace) -> float:
+    """FLOPs of one step's pairs as two plain forwards + backwards to the activations
+    (LoRA's own are negligible): 4 per frozen layer weight per token, the head at the
+    response and NLL positions, causal attention (QKᵀ and PV, ×3 with the backward)."""
+    d_head = a.hidden // a.heads
+    layer = (a.hidden * (a.heads + 2 * a.kv_heads) * d_head + a.heads * d_head * a.hidden
+             + 3 * a.hidden * a.intermediate)
+    tokens = 2 * a.seq * a.pairs
+    loss_tokens = (a.seq + (a.seq + 1 - a.seq * 4 // 5)) * a.pairs  # full NLL + rejected
+    attention = 3 * 4 * a.seq * (a.seq / 2) * a.heads * d_head * 2 * a.pairs * a.layers
+    return 4 * layer * a.layers * tokens + 4 * a.hidden * a.vocab * loss_tokens + attention
+
+
+def main(argv: list[str]) -> int:
+    a = parser().parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(a.work or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        rows = [pomona_row(a, work)]
+    if a.trl:
+        rows += trl_rows(a)
+    flops = useful_flops(a)
+    for r in rows:
+        if "step_s" in r and a.peak_tflops:
+            r["mfu"] = flops / r["step_s"] / (a.peak_tflops * 1e12)
+    by = {r["name"]: r for r in rows if "error" not in r}
+    ratios = {f"pomona_vs_{n}": by["pomona"]["tokens_per_s"] / r["tokens_per_s"]
+              for n, r in by.items() if n != "pomona"}
+    if a.json:
+        print(json.dumps({"config": vars(a), "rows": rows, "ratios": ratios,
+                          "useful_tflop_per_step": flops / 1e12}))
+        return 0
+    for r in rows:
+        print(f"{r['name']:>10}  " + (r.get("error") or
+              f"{r['step_s'] * 1e3:8.1f} ms/step  {r['tokens_per_s'] / 1e3:7.1f}k tok/s  "
+              f"peak {r['peak_mb'] * 2**20 / 1e9:6.2f} GB"
+              + (f"  MFU {r['mfu']:.0%}" if "mfu" in r else "")))
+    for k, v in ratios.items():
+        print(f"{k:>24}  {v:.2f}x")
+    return 0
