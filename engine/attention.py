@@ -18,6 +18,7 @@ Any other mask passes through unchanged.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import sys
@@ -83,6 +84,9 @@ def partition(cuts: tuple[int, ...]):
 # dim ≤ 128) would materialise [B, H, L, L] scores; they attend in query blocks of this
 # many rows instead, each recomputed in the backward (Gemma 4's 512-wide global heads).
 FUSED_HEAD_DIM, FULL_BLOCK = 128, 512
+# Sliding layers attend in blocks of at most this many query rows (a 4096-token window in
+# one block would hold 4096 × 8192 scores per head).
+SLIDING_BLOCK = 512
 
 
 def full_block(queries: mx.array) -> int:
@@ -96,32 +100,34 @@ def attend(sdpa, queries: mx.array, keys: mx.array, values: mx.array, cache, sca
     """Causal attention of the last Lq of Lk positions (keys within ``window``, if any)."""
     if window is not None and keys.shape[2] > window:
         return blockwise_attention(sdpa, queries, keys, values, cache, scale, window,
-                                   window, True, *args, **kwargs)
+                                   min(window, SLIDING_BLOCK), *args, recompute=True, **kwargs)
     block = full_block(queries)
     if window is None and block:
         return blockwise_attention(sdpa, queries, keys, values, cache, scale, None, block,
-                                   True, *args, **kwargs)
+                                   *args, recompute=True, **kwargs)
     return sdpa(queries, keys, values, cache, scale, "causal", *args, **kwargs)
 
 
 def blockwise_attention(sdpa, queries: mx.array, keys: mx.array, values: mx.array, cache,
-                        scale: float, window: int | None, block: int, recompute: bool,
-                        *args, **kwargs) -> mx.array:
+                        scale: float, window: int | None, block: int, *args,
+                        recompute: bool, **kwargs) -> mx.array:
     """Causal attention (within ``window`` keys, or all) in query blocks of ``block`` rows.
 
-    Query block [a, b) (off = Lk − Lq) sees keys [off + a − window, off + b): with a
-    window of ``block`` keys, its own key tile and the one before; without one, every tile
-    up to its own. Keys and values are cut once on one grid (``partition``), so every
-    tile's gradient sums its readers'. ``recompute``: each block's scores are recomputed in
-    the backward (``recomputed``) instead of kept. Exactly mlx-lm's masks, block by block.
+    Keys and values are cut once into tiles on one grid (``partition``): at the query
+    blocks' starts, and every ``block`` keys back before them (one tile there without a
+    window). Query block [a, b) (off = Lk − Lq) reads the tiles from the one holding key
+    off + a − window + 1 (or the first) up to its own, so every tile's gradient sums its
+    readers'. ``recompute``: each block's scores are recomputed in the backward
+    (``recomputed``), and blocks run one after another (``after``). Exactly mlx-lm's
+    masks, block by block.
     """
     lq, lk = queries.shape[2], keys.shape[2]
     off = lk - lq
     starts = list(range(0, lq, block))
     before = range(off, 0, -block) if window is not None else [off]
     key_cuts = sorted({*(off + a for a in starts[1:]), *before} - {0, lk})
+    tile_starts = [0, *key_cuts]
     k_tiles, v_tiles = partition(tuple(key_cuts))(keys), partition(tuple(key_cuts))(values)
-    tile_of = {lo: i for i, lo in enumerate([0, *key_cuts])}  # tile start → index
     q_blocks = partition(tuple(starts[1:]))(queries)
 
     def one(q: mx.array, *tiles: mx.array) -> mx.array:
@@ -135,8 +141,9 @@ def blockwise_attention(sdpa, queries: mx.array, keys: mx.array, values: mx.arra
     fn = recomputed(one) if recompute else one
     outs: list[mx.array] = []
     for a, q in zip(starts, q_blocks, strict=True):
-        own = tile_of[off + a]  # the block's own keys; the window's rest lies before
-        seen = range(own + 1) if window is None else [i for i in (own - 1, own) if i >= 0]
+        own = tile_starts.index(off + a)  # the block's own keys
+        lo = 0 if window is None else max(0, off + a - window + 1)
+        seen = range(bisect.bisect_right(tile_starts, lo) - 1, own + 1)
         q = after(q, outs[-1] if outs else None)  # one block's scores alive at a time
         outs.append(fn(q, *[k_tiles[i] for i in seen], *[v_tiles[i] for i in seen]))
     return mx.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]

@@ -37,9 +37,6 @@ class CausalMasks:
 
     positions = None
 
-    def __init__(self, length: int):
-        self.length = length
-
     def __call__(self, window: int | None) -> Any:
         return Window(window)  # engine/attention.attend: "causal" unless blocks pay
 

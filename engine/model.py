@@ -161,16 +161,17 @@ def checked_stack(model: nn.Module) -> Stack:
     """The model's Stack (engine/arch), refused (ValueError) unless it reproduces the
     model's own logits and LoRA gradients past its largest sliding window: training,
     probes and scoring all read the model through it."""
-    from engine.arch import make_stack, supported
+    from engine.arch import FAMILIES, make_stack, model_type, supported
     from engine.arch.check import check_stack
 
-    stack = make_stack(model)
+    kind = model_type(model)
     try:
+        stack = make_stack(model)
         check_stack(model, stack)
-    except ValueError as err:
-        if stack.listed:
+    except Exception as err:  # an unlisted family fails in any way it likes: say so
+        if kind in FAMILIES:
             raise
-        raise ValueError(f"model_type {stack.model_type!r} has no Pomona adapter and the "
-                         f"llama-like decomposition does not fit it ({err}); supported: "
-                         f"{supported()}") from err
+        raise ValueError(f"model_type {kind!r} has no Pomona adapter and the llama-like "
+                         f"decomposition does not fit it ({type(err).__name__}: {err}); "
+                         f"supported: {supported()}") from err
     return stack

@@ -16,7 +16,8 @@ pieces cut that further, both exact:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -48,7 +49,8 @@ def recomputed(fn: Callable[..., mx.array]) -> Callable[..., mx.array]:
         if last[0] is not None:
             primals = list(mx.depends(primals, [last[0]]))
         _, grads = mx.vjp(fn, primals, [cot])
-        kind = grads[0].dtype
+        # One dtype for the pack: float32 if any gradient is (LoRA factors under bf16).
+        kind = mx.float32 if any(g.dtype == mx.float32 for g in grads) else grads[0].dtype
         flat = mx.concatenate([g.astype(kind).reshape(-1) for g in grads])
         last[0] = flat
         out, at = [], 0
@@ -86,6 +88,20 @@ class ChunkedMLP:
             piece_in = after(x[:, s : s + self.mlp_chunk], outs[-1] if outs else None)
             outs.append(run(piece_in, *values))
         return mx.concatenate(outs, axis=1)
+
+
+@contextmanager
+def mlp_chunks(layers: list[nn.Module], tokens: int) -> Iterator[None]:
+    """Inside: the layers' MLPs chunked at ``tokens`` (0: whole); the setting is put back
+    after (``--verify`` compares a chunked run with whole MLPs)."""
+    before = [getattr(getattr(layer, "mlp", None), "mlp_chunk", 0) for layer in layers]
+    chunk_mlps(layers, tokens)
+    try:
+        yield
+    finally:
+        for layer, value in zip(layers, before, strict=True):
+            if isinstance(getattr(layer, "mlp", None), ChunkedMLP):
+                layer.mlp.mlp_chunk = value
 
 
 def chunk_mlps(layers: list[nn.Module], tokens: int) -> None:

@@ -59,7 +59,7 @@ def layout_masks(model: nn.Module, batch: PairBatch | PrefixBatch) -> Iterator[M
         with shared_positions(install_prefix_rope(model), batch) as masks:
             yield masks
     else:
-        yield CausalMasks(batch.inputs.shape[1])
+        yield CausalMasks()
 
 
 def plain_value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch,

@@ -44,7 +44,7 @@ from engine.model import (
     set_dropout_seed,
 )
 from engine.prefix import PrefixBatch, pair_batch, split_prefix_batch, uses_split
-from engine.recompute import chunk_mlps
+from engine.recompute import chunk_mlps, mlp_chunks
 from engine.scoring import evaluate
 from engine.segmented import Grads, grads_to_tree, value_and_grad
 
@@ -229,9 +229,13 @@ class Window:
 
 
 def verify_paths(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch,
-                 spec: LossSpec, cfg: TrainConfig, rtol: float = 1e-4) -> dict[str, float]:
-    """One step through the configured path and the plain dense two-forward path; raise if
-    they differ."""
+                 spec: LossSpec, cfg: TrainConfig, rtol: float | None = None
+                 ) -> dict[str, float]:
+    """One step through the configured path and the plain dense two-forward path (whole
+    MLPs); raise if they differ by more than ``rtol`` (default: the load check's tolerance
+    for the model's dtype, engine/arch/check.py)."""
+    from engine.arch.check import TOLERANCE
+
     pairs = pair_batch(batch)
     norms = batch_norms([pairs])
     resp, nll = mx.array(pairs.resp_mask), mx.array(pairs.nll_mask)
@@ -240,7 +244,11 @@ def verify_paths(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch,
         return pair_loss(lp, resp, nll, spec, norms)
 
     set_dropout_seed(model, 0)
-    ref_loss, _, ref = value_and_grad(model, stack, pairs, fn)
+    with mlp_chunks(stack.layers, 0):
+        ref_loss, _, ref = value_and_grad(model, stack, pairs, fn)
+    if rtol is None:
+        dtype = stack.embed(mx.array(pairs.inputs[:1, :1])).dtype
+        rtol = TOLERANCE.get(dtype, 3e-2)
     loss, _, got = value_and_grad(model, stack, batch, fn, cfg.segment_size, cfg.head_chunk,
                                   cfg.inflight)
     scale = max(max(float(mx.abs(g).max()) for g in ref.values()), 1e-12)

@@ -106,6 +106,8 @@ class ModelSpec:
         if self.kv_shared_layers is not None and not 0 <= self.kv_shared_layers < self.layers:
             raise ValueError(f"kv_shared_layers={self.kv_shared_layers}: must be in "
                              f"[0, layers={self.layers})")
+        if self.arch.startswith("gemma4"):
+            self._check_gemma4_sharing()
         if self.experts and self.experts_per_token > self.experts:
             raise ValueError(f"experts_per_token={self.experts_per_token} > experts="
                              f"{self.experts}")
@@ -120,6 +122,21 @@ class ModelSpec:
             raise ValueError(f"quantize needs hidden ({self.hidden}) and intermediate "
                              f"({self.intermediate}) to be multiples of q_group_size "
                              f"({self.q_group_size})")
+
+    def _check_gemma4_sharing(self) -> None:
+        """Each KV-shared layer reads the last earlier layer of its type: one must exist
+        (mlx-lm fails with a bare KeyError otherwise)."""
+        from tasks.model_configs import gemma4_text
+
+        config = gemma4_text(self)
+        types, shared = config["layer_types"], config["num_kv_shared_layers"]
+        first = self.layers - shared
+        for i in range(first, self.layers):
+            if types[i] not in types[:first]:
+                raise ValueError(
+                    f"gemma4: layer {i} ({types[i]}) shares K/V, but no earlier layer of that "
+                    f"type has its own (layers {self.layers}, kv_shared_layers {shared}, every "
+                    f"{self.window_pattern or 6}th full): use more layers or fewer shared")
 
     @property
     def tied(self) -> bool:

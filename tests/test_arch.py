@@ -287,3 +287,40 @@ def test_chunked_recomputed_mlps_stay_exact(arch: str, family_dir) -> None:
     assert any(".mlp." in n for n, _ in lora_modules(model))
     chunk_mlps(stack.layers, 16)
     assert check_family(model, stack, LossSpec("orpo", 0.5, "full")) > 0
+
+
+def _olmo3(window: int = WINDOW):
+    """An unlisted family with sliding layers from its config's ``layer_types`` (mlx-lm's
+    olmo3: three sliding layers to one full), LoRA attached as in training."""
+    from mlx_lm.models import olmo3
+
+    args = olmo3.ModelArgs(model_type="olmo3", hidden_size=64, num_hidden_layers=4,
+                           intermediate_size=128, num_attention_heads=4, rms_norm_eps=1e-5,
+                           vocab_size=BASE.vocab, max_position_embeddings=4096,
+                           sliding_window=window, rope_theta=10000.0, num_key_value_heads=2)
+    model = olmo3.Model(args)
+    model.set_dtype(mx.float32)
+    attach_lora(model, LoraSpec(rank=4, scale=2.0), seed=0)
+    rng = np.random.default_rng(7)
+    for _, m in lora_modules(model):
+        m.lora_b = mx.array(rng.normal(0, 0.05, m.lora_b.shape).astype(np.float32))
+    return model
+
+
+def test_an_unlisted_windowed_family_is_exact_through_the_generic_stack() -> None:
+    """olmo3 is not listed: the llama-like Stack reads its windows from ``layer_types``
+    and passes the check, and every lever is then exact on it."""
+    model = _olmo3()
+    stack = checked_stack(model)
+    assert not stack.listed and stack.windows == [WINDOW]
+    assert check_family(model, stack, LossSpec("orpo", 0.5, "full")) > 0
+
+
+def test_an_unlisted_window_the_stack_misses_is_refused(monkeypatch) -> None:
+    """The review's olmo3 case: a Stack blind to the window passed a 64-token check with
+    window 64, then trained every layer on full attention. The check now runs past every
+    window an unlisted config declares, so the blind Stack is refused, with the list."""
+    monkeypatch.setattr(Stack, "window", lambda self, i: None)
+    model = _olmo3(window=64)
+    with pytest.raises(ValueError, match=r"no Pomona adapter.*supported: gemma3_text"):
+        checked_stack(model)

@@ -61,7 +61,7 @@ def test_blocked_full_attention_with_recompute(lq: int, lk: int, block: int) -> 
     cot = mx.random.normal((1, 4, lq, 8), key=kc)
 
     def ours(q, k, v):
-        return blockwise_attention(sdpa, q, k, v, None, 0.35, None, block, True)
+        return blockwise_attention(sdpa, q, k, v, None, 0.35, None, block, recompute=True)
 
     def ref(q, k, v):
         return sdpa(q, k, v, None, 0.35, "causal")
@@ -71,6 +71,31 @@ def test_blocked_full_attention_with_recompute(lq: int, lk: int, block: int) -> 
     assert float(mx.abs(out[0] - out_ref[0]).max()) <= 1e-5
     for g, r in zip(grads, grads_ref, strict=True):
         assert float(mx.abs(g - r).max()) <= 1e-5
+
+
+@pytest.mark.parametrize(("lq", "lk", "window", "block"), [
+    (64, 64, 40, 16), (50, 90, 33, 8), (100, 100, 64, 16), (17, 17, 9, 4)])
+def test_windows_wider_than_a_block(lq: int, lk: int, window: int, block: int) -> None:
+    """A window over several key tiles (Mistral's 4096 in 512-row blocks): catches a block
+    that reads only the tile before its own."""
+    key = mx.random.key(lq * 31 + window)
+    kq, kk, kv, kc = mx.random.split(key, 4)
+    q = mx.random.normal((1, 4, lq, 8), key=kq)
+    k = mx.random.normal((1, 2, lk, 8), key=kk)
+    v = mx.random.normal((1, 2, lk, 8), key=kv)
+    cot = mx.random.normal((1, 4, lq, 8), key=kc)
+    dense = create_causal_mask(lq, offset=lk - lq, window_size=window)
+    for recompute in (False, True):
+        def ours(q, k, v, recompute=recompute):
+            return blockwise_attention(sdpa, q, k, v, None, 0.35, window, block,
+                                       recompute=recompute)
+
+        out, grads = mx.vjp(ours, [q, k, v], [cot])
+        ref, grads_ref = mx.vjp(lambda q, k, v: sdpa(q, k, v, None, 0.35, dense), [q, k, v],
+                                [cot])
+        assert float(mx.abs(out[0] - ref[0]).max()) <= 1e-5
+        for g, r in zip(grads, grads_ref, strict=True):
+            assert float(mx.abs(g - r).max()) <= 1e-5
 
 
 def test_full_layers_block_only_wide_heads_on_a_gpu() -> None:

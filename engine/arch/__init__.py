@@ -57,7 +57,4 @@ def make_stack(model: nn.Module) -> Stack:
             raise ValueError(f"model_type {kind!r} is not supported (no embed_tokens/layers/"
                              f"norm layout to segment); supported: {supported()}")
         factory = Stack
-    stack = factory(model, text)
-    stack.model_type = kind
-    stack.listed = kind in FAMILIES
-    return stack
+    return factory(model, text, model_type=kind, listed=kind in FAMILIES)

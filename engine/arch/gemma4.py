@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.gemma4_text import logit_softcap
 
 from engine.arch.stack import Stack, State
@@ -28,8 +29,8 @@ from engine.masks import Masks
 class Gemma4(Stack):
     family = "gemma4"
 
-    def __init__(self, model, text):
-        super().__init__(model, text)
+    def __init__(self, model: nn.Module, text: nn.Module, **kwargs: Any):
+        super().__init__(model, text, **kwargs)
         self.donor_of = {j: d for j, d in enumerate(self.inner.previous_kvs) if d != j}
 
     def embed(self, tokens: mx.array) -> mx.array:

@@ -36,11 +36,12 @@ class Stack:
     """The llama-likes' decomposition; families override the hooks below."""
 
     family = "llama-like"
-    model_type = "?"  # set by engine.arch.make_stack
-    listed = True  # False: an unlisted model_type on trial (the load-time check decides)
 
-    def __init__(self, model: nn.Module, text: nn.Module):
+    def __init__(self, model: nn.Module, text: nn.Module, model_type: str = "?",
+                 listed: bool = True):
         self.model, self.text = model, text  # text: the decoder (a multimodal model's part)
+        self.model_type = model_type
+        self.listed = listed  # False: an unlisted model_type on trial (the check decides)
         self.inner = text.model
         self.layers: list[nn.Module] = list(self.inner.layers)
         first = self.layers[0]
@@ -59,9 +60,14 @@ class Stack:
         return [{} for _ in self.layers]
 
     def window(self, i: int) -> int | None:
-        """Layer i's sliding window, or None for full causal attention."""
-        if getattr(self.layers[i], "use_sliding", False):  # llama.py / ministral3.py
-            return int(self.inner.sliding_window)
+        """Layer i's sliding window, or None for full causal attention: a block's
+        ``use_sliding`` (llama.py, ministral3.py) or the config's ``layer_types`` (olmo3)."""
+        args = getattr(self.text, "args", None)
+        types = getattr(args, "layer_types", None) or []
+        if getattr(self.layers[i], "use_sliding", False) or (
+                i < len(types) and types[i] == "sliding_attention"):
+            size = getattr(self.inner, "sliding_window", None) or args.sliding_window
+            return int(size)
         return None
 
     def call(self, i: int, h: mx.array, mask: Any, side: dict[str, Any],
@@ -88,6 +94,15 @@ class Stack:
     def windows(self) -> list[int]:
         """The distinct sliding windows of the stack, ascending."""
         return sorted({w for i in range(len(self.layers)) if (w := self.window(i))})
+
+    @property
+    def declared_windows(self) -> list[int]:
+        """Window-like sizes the config declares, mapped to layers or not: the load check of
+        an unlisted family runs past them all (a window the Stack misses shows there)."""
+        args = getattr(self.text, "args", None)
+        keys = ("sliding_window", "window_size", "sliding_window_size", "attention_chunk_size")
+        return sorted({int(v) for k in keys
+                       if isinstance(v := getattr(args, k, None), int) and v > 0})
 
     @property
     def context(self) -> int | None:
@@ -125,7 +140,7 @@ class Stack:
 
     def hidden(self, tokens: mx.array, masks: Masks | None = None) -> mx.array:
         """Last layer's output [N, T, H] for tokens [N, T] (``masks``: the layout's)."""
-        masks = masks or CausalMasks(tokens.shape[1])
+        masks = masks or CausalMasks()
         h = self.embed(tokens)
         return self.run(0, len(self.layers), h, masks, self.side(tokens, h, masks), {})
 
