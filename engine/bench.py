@@ -96,8 +96,8 @@ def _pair_batch(a: argparse.Namespace, shared: bool = False):
     """One pair (prompt:response 4:1, sequences ``--seq`` tokens); ``shared``: its split
     prefix-shared layout at the engine's ``--pad-multiple``."""
     from engine.batch import Pair, make_batch
+    from engine.layout_policy import resolve_pad_multiple
     from engine.prefix import split_prefix_batch
-    from engine.trainer import resolve_pad_multiple
 
     rng = np.random.default_rng(0)
     p = a.seq * 4 // 5 + 1
@@ -156,10 +156,10 @@ def _head_fn(name: str, stack, a: argparse.Namespace):
 def _prefix_fn(path: str, ratio: str, model, stack, a: argparse.Namespace):
     """One ORPO step, shared or two-forward, at prompt:response ``ratio`` (seq = P + R)."""
     from engine.batch import Pair, batch_norms, make_batch
+    from engine.layout_policy import resolve_pad_multiple
     from engine.losses import LossSpec, pair_loss
     from engine.prefix import split_prefix_batch
     from engine.segmented import value_and_grad
-    from engine.trainer import resolve_pad_multiple
 
     num, den = (int(x) for x in ratio.split(":"))
     p = a.seq * num // (num + den)

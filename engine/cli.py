@@ -105,9 +105,9 @@ def score_parser() -> argparse.ArgumentParser:
 def run_score(argv: list[str]) -> int:
     from engine.adapters import atomic_write_text
     from engine.data import load_pairs
+    from engine.layout_policy import scoring_layout
     from engine.model import checked_stack, load_model
     from engine.scoring import preference_accuracy, score_pairs
-    from engine.trainer import scoring_layout
 
     a = score_parser().parse_args(argv)
     try:

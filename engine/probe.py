@@ -51,9 +51,10 @@ def probe_steps(cfg: TrainConfig, variants: list[dict[str, Any]],
 def _measure(model, stack, chosen: list, c: TrainConfig, pad_id: int,
              repeats: int) -> dict[str, Any]:
     """Peak and speed of ``repeats`` passes over ``chosen`` micro-batches under ``c``."""
+    from engine.layout_policy import choose_layout, resolve_pad_multiple
     from engine.losses import LossSpec
     from engine.prefix import PrefixBatch, pair_batch
-    from engine.trainer import choose_layout, resolve_pad_multiple, step_grads
+    from engine.trainer import step_grads
 
     c.validate()
     pad = resolve_pad_multiple(c.pad_multiple)

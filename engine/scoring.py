@@ -29,7 +29,7 @@ from engine.prefix import (
     to_pair_layout,
 )
 
-# How a group of pairs is laid out for the forward (trainer.choose_layout, or make_batch).
+# How a group of pairs is laid out for the forward (layout_policy.choose_layout, or make_batch).
 Layout = Callable[[list[Pair]], PairBatch | PrefixBatch]
 
 

@@ -8,7 +8,6 @@ leaves through callbacks (``on_metrics``) and ``metrics.jsonl``; nothing here pr
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import time
@@ -30,9 +29,10 @@ from engine.adapters import (
     save_adapters,
     save_checkpoint,
 )
-from engine.batch import PairBatch, batch_norms, make_batch
-from engine.config import TrainConfig, check_choice
+from engine.batch import PairBatch, batch_norms
+from engine.config import TrainConfig
 from engine.data import load_pairs, micro_batches, pair_length
+from engine.layout_policy import choose_layout, resolve_pad_multiple, resolve_prefix_attention
 from engine.losses import LossSpec, Norms, pair_loss
 from engine.model import (
     LoraSpec,
@@ -43,7 +43,7 @@ from engine.model import (
     resolve_lora_keys,
     set_dropout_seed,
 )
-from engine.prefix import PrefixBatch, pair_batch, split_prefix_batch, uses_split
+from engine.prefix import PrefixBatch, pair_batch
 from engine.recompute import chunk_mlps, mlp_chunks
 from engine.scoring import evaluate
 from engine.segmented import Grads, grads_to_tree, value_and_grad
@@ -77,13 +77,6 @@ class TrainResult:
 def lora_spec(cfg: TrainConfig) -> LoraSpec:
     return LoraSpec(cfg.lora_rank, cfg.lora_scale, cfg.lora_dropout, cfg.lora_keys,
                     cfg.lora_layers)
-
-
-def resolve_pad_multiple(pad_multiple: int) -> int:
-    """-1 = auto: 128 on CUDA (fused attention needs it: DESIGN.md), else none."""
-    if pad_multiple >= 0:
-        return pad_multiple
-    return 128 if _is_cuda() else 1
 
 
 def make_optimizer(cfg: TrainConfig) -> optim.AdamW:
@@ -125,70 +118,6 @@ def step_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | Prefi
     sums["micro_batches"] = len(micro)
     sums["shared_batches"] = sum(isinstance(b, PrefixBatch) for b in micro)
     return total, sums, grads
-
-
-def resolve_prefix_attention(attention: str, pad_multiple: int) -> str:
-    """The shared forward's attention on this device (``prefix_attention``).
-
-    On CUDA (MLX 0.32.4, H200) split attention needs ``pad_multiple`` a multiple of 128:
-    its layout then gives every attention call 128-aligned lengths, and MLX's fused
-    attention backward aborted the process (heap corruption) on a query length that was a
-    multiple of 128 over a longer key length that was not. Otherwise auto means mask there.
-    """
-    if not _is_cuda() or pad_multiple % 128 == 0:
-        return attention
-    if attention == "split":
-        raise ValueError(f"prefix_attention=split needs pad_multiple a multiple of 128 on "
-                         f"CUDA (got {pad_multiple}): MLX's fused attention backward "
-                         "crashes on unaligned split shapes; use auto or mask")
-    return "mask"
-
-
-# H200, bf16, one pair at 4:1 (docs/performance.md): 128-aligned split attention was
-# 0.66x two forwards' step time at 8k tokens and 0.75-0.79x at 4k, but 1.29x at 2k.
-CUDA_SPLIT_MIN_TOKENS = 4096
-
-
-def choose_layout(pairs: list, cfg: TrainConfig, pad_multiple: int, pad_id: int
-                  ) -> PairBatch | PrefixBatch:
-    """The shared layout where ``cfg.prefix_share`` asks for it and it applies.
-
-    auto takes it where it saves enough tokens: split attention (one-row micro-batches)
-    from 25% (CPU: gains from 1:1 prompt:response), the array mask from 1/3 (its attention
-    computes masked blocks too). On CUDA auto never takes the mask (it leaves MLX's fused
-    attention) and takes split only from CUDA_SPLIT_MIN_TOKENS fed tokens, where it was
-    measured faster.
-    """
-    two = make_batch(pairs, cfg.nll_span, pad_multiple, pad_id)
-    if cfg.prefix_share == "off":
-        return two
-    attention = resolve_prefix_attention(cfg.prefix_attention, pad_multiple)
-    cuda_auto = cfg.prefix_share == "auto" and _is_cuda()
-    if cuda_auto and not uses_split(attention, len(pairs)):
-        return two  # the [B, 1, L, L] mask is not even built
-    shared = split_prefix_batch(pairs, cfg.nll_span, pad_multiple, pad_id,
-                                attention=attention, two=two)
-    if shared is None:
-        return two  # counted: prefix_share_rate falls
-    if cfg.prefix_share == "on":
-        return shared
-    if cuda_auto and shared.inputs.shape[1] < CUDA_SPLIT_MIN_TOKENS:
-        return two
-    needed = 0.25 if shared.split is not None else 1 / 3
-    return two if shared.fed > (1 - needed) * two.tokens else shared
-
-
-def scoring_layout(prefix_share: str, pad_id: int) -> Callable[[list], PairBatch | PrefixBatch]:
-    """``choose_layout`` for forward-only scoring (full-span NLL, this device's padding)."""
-    check_choice("prefix_share", prefix_share)
-    cfg = TrainConfig(nll_span="full", prefix_share=prefix_share)
-    pad = resolve_pad_multiple(-1)
-    return lambda pairs: choose_layout(pairs, cfg, pad, pad_id)
-
-
-@functools.cache  # asked first on the main thread: the batch thread reads the answer
-def _is_cuda() -> bool:
-    return mx.cuda.is_available() and mx.default_device() == mx.gpu
 
 
 class Window:

@@ -26,9 +26,9 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, orpo_lambda: fl
     ``prefix_share`` as in training (one forward per pair where it pays)."""
     from engine.adapters import atomic_write_text
     from engine.data import load_pairs
+    from engine.layout_policy import scoring_layout
     from engine.model import checked_stack, load_model
     from engine.scoring import preference_accuracy, score_pairs
-    from engine.trainer import scoring_layout
 
     loaded, tokenizer = load_model(model, adapter)
     stack = checked_stack(loaded)

@@ -101,16 +101,16 @@ def test_split_attention_equals_two_forwards(fixture: str, pad: int, request) ->
 
 def test_cuda_takes_split_attention_only_when_aligned(monkeypatch) -> None:
     """Unaligned split shapes crashed MLX's CUDA attention backward: mask there, or refuse."""
-    from engine import trainer
+    from engine import layout_policy as policy
 
-    assert trainer.resolve_prefix_attention("split", 1) == "split"  # CPU: as asked
-    monkeypatch.setattr(trainer, "_is_cuda", lambda: True)
-    assert trainer.resolve_prefix_attention("auto", 128) == "auto"
-    assert trainer.resolve_prefix_attention("split", 256) == "split"
-    assert trainer.resolve_prefix_attention("auto", 64) == "mask"
-    assert trainer.resolve_prefix_attention("mask", 1) == "mask"
+    assert policy.resolve_prefix_attention("split", 1) == "split"  # CPU: as asked
+    monkeypatch.setattr(policy, "is_cuda", lambda: True)
+    assert policy.resolve_prefix_attention("auto", 128) == "auto"
+    assert policy.resolve_prefix_attention("split", 256) == "split"
+    assert policy.resolve_prefix_attention("auto", 64) == "mask"
+    assert policy.resolve_prefix_attention("mask", 1) == "mask"
     with pytest.raises(ValueError, match="needs pad_multiple a multiple of 128 on CUDA"):
-        trainer.resolve_prefix_attention("split", 1)
+        policy.resolve_prefix_attention("split", 1)
 
 
 @pytest.mark.unit
@@ -157,7 +157,7 @@ def test_split_attention_with_an_aligned_prompt_and_a_tiny_response(tiny_model: 
 def test_cuda_auto_takes_aligned_split_from_4k_tokens(monkeypatch) -> None:
     """auto on CUDA: split where measured faster (≥ 4096 fed tokens), two forwards below,
     never the array mask; CPU keeps the token-saving rule."""
-    from engine import trainer
+    from engine import layout_policy as policy
     from engine.config import TrainConfig
 
     def pair(prompt: int) -> Pair:
@@ -165,14 +165,14 @@ def test_cuda_auto_takes_aligned_split_from_4k_tokens(monkeypatch) -> None:
 
     cfg = TrainConfig(prefix_share="auto")
     long, short = [pair(4 * 1640)], [pair(4 * 410)]  # ~8k and ~2k tokens per sequence
-    assert isinstance(trainer.choose_layout(short, cfg, 1, 0), PrefixBatch)  # CPU
-    monkeypatch.setattr(trainer, "_is_cuda", lambda: True)
-    assert isinstance(trainer.choose_layout(long, cfg, 128, 0), PrefixBatch)
-    assert trainer.choose_layout(long, cfg, 128, 0).split is not None
-    assert not isinstance(trainer.choose_layout(short, cfg, 128, 0), PrefixBatch)
-    assert not isinstance(trainer.choose_layout(long * 2, cfg, 128, 0), PrefixBatch)  # mask
+    assert isinstance(policy.choose_layout(short, cfg, 1, 0), PrefixBatch)  # CPU
+    monkeypatch.setattr(policy, "is_cuda", lambda: True)
+    assert isinstance(policy.choose_layout(long, cfg, 128, 0), PrefixBatch)
+    assert policy.choose_layout(long, cfg, 128, 0).split is not None
+    assert not isinstance(policy.choose_layout(short, cfg, 128, 0), PrefixBatch)
+    assert not isinstance(policy.choose_layout(long * 2, cfg, 128, 0), PrefixBatch)  # mask
     on = TrainConfig(prefix_share="on")
-    assert isinstance(trainer.choose_layout(short, on, 128, 0), PrefixBatch)
+    assert isinstance(policy.choose_layout(short, on, 128, 0), PrefixBatch)
 
 
 @pytest.mark.unit
@@ -221,7 +221,7 @@ def test_scoring_shares_the_prefix_and_keeps_row_order(tiny_model: Path, head_ch
     shared = evaluate(model, stack, pairs, spec, 3, head_chunk=head_chunk,
                       layout=lambda g: split_prefix_batch(g, "response", attention="mask"))
     assert shared == pytest.approx(plain, abs=1e-5) and plain["rows"] == 7
-    from engine.trainer import scoring_layout
+    from engine.layout_policy import scoring_layout
 
     with pytest.raises(ValueError, match="prefix_share='maybe'"):
         scoring_layout("maybe", 0)
