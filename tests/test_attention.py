@@ -21,31 +21,33 @@ def sdpa(q, k, v, cache, scale, mask):
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
+def inputs(lq: int, lk: int, seed: int, rows: int = 1) -> list[mx.array]:
+    """Random q [rows, 4, lq, 8], k and v [rows, 2, lk, 8] (GQA), and a cotangent like q."""
+    kq, kk, kv, kc = mx.random.split(mx.random.key(seed), 4)
+    return [mx.random.normal((rows, 4, lq, 8), key=kq), mx.random.normal((rows, 2, lk, 8), key=kk),
+            mx.random.normal((rows, 2, lk, 8), key=kv), mx.random.normal((rows, 4, lq, 8), key=kc)]
+
+
+def assert_same_attention(ours, mask, q, k, v, cot) -> None:
+    """Output and the three input gradients of ``ours`` equal dense ``sdpa`` under ``mask``
+    within 1e-5."""
+    out, grads = mx.vjp(ours, [q, k, v], [cot])
+    ref, grads_ref = mx.vjp(lambda q, k, v: sdpa(q, k, v, None, 0.35, mask), [q, k, v], [cot])
+    assert float(mx.abs(out[0] - ref[0]).max()) <= 1e-5
+    for g, r in zip(grads, grads_ref, strict=True):
+        assert float(mx.abs(g - r).max()) <= 1e-5
+
+
 @pytest.mark.parametrize(("lq", "lk", "window"), [
     (37, 37, 8), (64, 64, 16), (16, 16, 16), (40, 100, 16), (33, 41, 8), (5, 70, 16),
     (70, 70, 1), (50, 50, 49), (48, 48, 7)])
 def test_windowed_equals_dense_mask(lq: int, lk: int, window: int) -> None:
     """Catches a block that misses the window's earliest key, sees one too many, or whose
     key tiles' gradients are not summed over the two blocks that read them."""
-    key = mx.random.key(lq * 1000 + lk)
-    kq, kk, kv, kc = mx.random.split(key, 4)
-    q = mx.random.normal((2, 4, lq, 8), key=kq)
-    k = mx.random.normal((2, 2, lk, 8), key=kk)
-    v = mx.random.normal((2, 2, lk, 8), key=kv)
-    cot = mx.random.normal((2, 4, lq, 8), key=kc)
+    q, k, v, cot = inputs(lq, lk, lq * 1000 + lk, rows=2)
     dense = create_causal_mask(lq, offset=lk - lq, window_size=window)
-
-    def ours(q, k, v):
-        return attention.attend(sdpa, q, k, v, None, 0.35, window)
-
-    def ref(q, k, v):
-        return sdpa(q, k, v, None, 0.35, dense)
-
-    out, grads = mx.vjp(ours, [q, k, v], [cot])
-    out_ref, grads_ref = mx.vjp(ref, [q, k, v], [cot])
-    assert float(mx.abs(out[0] - out_ref[0]).max()) <= 1e-5
-    for g, r in zip(grads, grads_ref, strict=True):
-        assert float(mx.abs(g - r).max()) <= 1e-5
+    assert_same_attention(lambda q, k, v: attention.attend(sdpa, q, k, v, None, 0.35, window),
+                          dense, q, k, v, cot)
 
 
 @pytest.mark.parametrize(("lq", "lk", "block"), [(37, 37, 8), (64, 64, 16), (20, 50, 8),
@@ -53,24 +55,11 @@ def test_windowed_equals_dense_mask(lq: int, lk: int, window: int) -> None:
 def test_blocked_full_attention_with_recompute(lq: int, lk: int, block: int) -> None:
     """Wide-head full layers on a GPU: query blocks over every earlier key tile, each
     recomputed in the backward; catches a block that drops the prefix keys."""
-    key = mx.random.key(lq + 7 * lk)
-    kq, kk, kv, kc = mx.random.split(key, 4)
-    q = mx.random.normal((1, 4, lq, 8), key=kq)
-    k = mx.random.normal((1, 2, lk, 8), key=kk)
-    v = mx.random.normal((1, 2, lk, 8), key=kv)
-    cot = mx.random.normal((1, 4, lq, 8), key=kc)
-
-    def ours(q, k, v):
-        return blockwise_attention(sdpa, q, k, v, None, 0.35, None, block, recompute=True)
-
-    def ref(q, k, v):
-        return sdpa(q, k, v, None, 0.35, "causal")
-
-    out, grads = mx.vjp(ours, [q, k, v], [cot])
-    out_ref, grads_ref = mx.vjp(ref, [q, k, v], [cot])
-    assert float(mx.abs(out[0] - out_ref[0]).max()) <= 1e-5
-    for g, r in zip(grads, grads_ref, strict=True):
-        assert float(mx.abs(g - r).max()) <= 1e-5
+    q, k, v, cot = inputs(lq, lk, lq + 7 * lk)
+    assert_same_attention(
+        lambda q, k, v: blockwise_attention(sdpa, q, k, v, None, 0.35, None, block,
+                                            recompute=True),
+        "causal", q, k, v, cot)
 
 
 @pytest.mark.parametrize(("lq", "lk", "window", "block"), [
@@ -78,24 +67,13 @@ def test_blocked_full_attention_with_recompute(lq: int, lk: int, block: int) -> 
 def test_windows_wider_than_a_block(lq: int, lk: int, window: int, block: int) -> None:
     """A window over several key tiles (Mistral's 4096 in 512-row blocks): catches a block
     that reads only the tile before its own."""
-    key = mx.random.key(lq * 31 + window)
-    kq, kk, kv, kc = mx.random.split(key, 4)
-    q = mx.random.normal((1, 4, lq, 8), key=kq)
-    k = mx.random.normal((1, 2, lk, 8), key=kk)
-    v = mx.random.normal((1, 2, lk, 8), key=kv)
-    cot = mx.random.normal((1, 4, lq, 8), key=kc)
+    q, k, v, cot = inputs(lq, lk, lq * 31 + window)
     dense = create_causal_mask(lq, offset=lk - lq, window_size=window)
     for recompute in (False, True):
-        def ours(q, k, v, recompute=recompute):
-            return blockwise_attention(sdpa, q, k, v, None, 0.35, window, block,
-                                       recompute=recompute)
-
-        out, grads = mx.vjp(ours, [q, k, v], [cot])
-        ref, grads_ref = mx.vjp(lambda q, k, v: sdpa(q, k, v, None, 0.35, dense), [q, k, v],
-                                [cot])
-        assert float(mx.abs(out[0] - ref[0]).max()) <= 1e-5
-        for g, r in zip(grads, grads_ref, strict=True):
-            assert float(mx.abs(g - r).max()) <= 1e-5
+        assert_same_attention(
+            lambda q, k, v, r=recompute: blockwise_attention(sdpa, q, k, v, None, 0.35, window,
+                                                             block, recompute=r),
+            dense, q, k, v, cot)
 
 
 def test_full_layers_block_only_wide_heads_on_a_gpu() -> None:
