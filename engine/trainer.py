@@ -32,6 +32,7 @@ from engine.adapters import (
 from engine.batch import PairBatch, batch_norms
 from engine.config import TrainConfig
 from engine.data import load_pairs, micro_batches, pair_length
+from engine.distributed import SINGLE, Ranks, init_ranks
 from engine.layout_policy import choose_layout, resolve_pad_multiple, resolve_prefix_attention
 from engine.losses import LossSpec, Norms, pair_loss
 from engine.model import (
@@ -72,6 +73,8 @@ class TrainResult:
     peak_memory_gb: float = 0.0
     tokens_per_sec: float = 0.0
     seconds: float = 0.0
+    world_size: int = 1  # processes the run's batches were split over (engine/distributed.py)
+    rank_pairs: list[int] = field(default_factory=list)  # pairs each rank trained
 
 
 def lora_spec(cfg: TrainConfig) -> LoraSpec:
@@ -97,11 +100,12 @@ def make_optimizer(cfg: TrainConfig) -> optim.AdamW:
 
 
 def step_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | PrefixBatch],
-               spec: LossSpec, cfg: TrainConfig, step: int
+               spec: LossSpec, cfg: TrainConfig, step: int, ranks: Ranks = SINGLE
                ) -> tuple[float, dict[str, float], Grads]:
-    """Summed loss, metric sums and grads of one optimizer step's micro-batches."""
+    """Summed loss, metric sums and grads of one optimizer step's micro-batches (this
+    rank's shards; with several ranks, normalised and summed over all of them)."""
     layouts = [pair_batch(b) for b in micro]
-    norms: Norms = batch_norms(layouts)
+    norms: Norms = ranks.sum_norms(batch_norms(layouts))
     total, sums, grads = 0.0, {}, {}
     for i, (b, pb) in enumerate(zip(micro, layouts, strict=True)):
         set_dropout_seed(model, (cfg.seed * 1_000_003 + step) * 1009 + i)
@@ -114,10 +118,13 @@ def step_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | Prefi
         total += float(loss)
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + float(v)
-    sums["pairs"], sums["nll_tokens"] = norms.pairs, norms.nll_tokens
     sums["micro_batches"] = len(micro)
     sums["shared_batches"] = sum(isinstance(b, PrefixBatch) for b in micro)
-    return total, sums, grads
+    sums["loss"], sums["tokens"] = total, sum(pb.tokens for pb in layouts)
+    sums = ranks.sum_floats(sums)
+    total = sums.pop("loss")
+    sums["pairs"], sums["nll_tokens"] = norms.pairs, norms.nll_tokens
+    return total, sums, ranks.sum_arrays(grads)
 
 
 class Window:
@@ -278,6 +285,10 @@ def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
     """Train one adapter as ``cfg`` says; write it to ``cfg.out``; return a summary."""
     cfg.validate()
     started = time.perf_counter()
+    ranks = init_ranks()
+    if cfg.batch_size % ranks.size:
+        raise ValueError(f"batch_size={cfg.batch_size} does not split over {ranks.size} "
+                         "ranks: make it a multiple of the number of ranks")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.memory_limit_gb > 0:
@@ -304,7 +315,8 @@ def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
         Path(cfg.resume) if cfg.resume else None)
     if ckpt is not None:
         start = int(load_checkpoint(model, optimizer, ckpt)["step"])
-    prepare_out(out, start if ckpt is not None else None)
+    if ranks.main:
+        prepare_out(out, start if ckpt is not None else None)
 
     def batch_of(pairs: list) -> PairBatch | PrefixBatch:
         return choose_layout(pairs, cfg, pad_multiple, pad_id)
@@ -319,7 +331,8 @@ def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
         rec = {"step": step, "split": "valid",
                **{f"val/{k}": v for k, v in metrics.items()},
                "val/rows_skipped": sum(data.rejected.values())}
-        _emit(rec, out, callbacks)
+        if ranks.main:
+            _emit(rec, out, callbacks)
         return rec
 
     model.train()
@@ -328,12 +341,14 @@ def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
     window, result = Window(), TrainResult(out=str(out), steps=start, trainable_params=trainable,
                                            rejected_rows=dict(data.rejected))
     total_tokens, total_seconds = 0, 0.0
-    prefetch = Prefetch(lambda: [batch_of(next(batches)) for _ in range(cfg.grad_accum)],
-                        cfg.steps - start)
+    prefetch = Prefetch(lambda: [batch_of(ranks.shard(next(batches)))
+                                 for _ in range(cfg.grad_accum)], cfg.steps - start)
+    trained = 0  # this rank's pairs
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
         micro = prefetch.next()  # built on a thread while the last step ran
-        loss, sums, grads = step_grads(model, stack, micro, loss_spec, cfg, step)
+        loss, sums, grads = step_grads(model, stack, micro, loss_spec, cfg, step, ranks)
+        trained += sum(len(b.ids) for b in micro)
         if not math.isfinite(loss):
             raise NonFiniteLoss(f"step {step}: loss {loss} on pairs "
                                 f"{[i for b in micro for i in b.ids][:8]}")
@@ -343,27 +358,31 @@ def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
                                 f"{[i for b in micro for i in b.ids][:8]}")
         lr = float(optimizer.learning_rate)  # the rate this update used
         seconds = time.perf_counter() - t0
-        tokens = sum(pair_batch(b).tokens for b in micro)
+        tokens = int(sums.pop("tokens"))  # every rank's
         window.add(loss, sums, grad_norm, tokens, seconds)
         total_tokens, total_seconds = total_tokens + tokens, total_seconds + seconds
         result.steps = step
         if step % cfg.report_every == 0 or step == cfg.steps:
             result.final = window.record(step, lr)
             result.peak_memory_gb = max(result.peak_memory_gb, result.final["peak_memory_gb"])
-            _emit(result.final, out, callbacks)
+            if ranks.main:
+                _emit(result.final, out, callbacks)
             window.reset()
         if data.valid and ((cfg.val_every and step % cfg.val_every == 0) or step == cfg.steps):
             rec = validate(step)
             if not result.best_val or rec["val/loss"] < result.best_val["val/loss"]:
                 result.best_val = rec
-        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and ranks.main:
             save_checkpoint(model, optimizer, out, step, {"seed": cfg.seed}, spec, num_layers)
             prune_checkpoints(out, cfg.keep_checkpoints)
 
-    extra = {"model": cfg.model, "pomona": {"steps": result.steps, "loss": cfg.loss,
-                                            "orpo_lambda": cfg.orpo_lambda, "seed": cfg.seed}}
-    save_adapters(model, out, spec, num_layers, extra)
+    result.world_size, result.rank_pairs = ranks.size, ranks.gather_counts(trained)
     result.tokens_per_sec = total_tokens / max(total_seconds, 1e-9)
     result.seconds = time.perf_counter() - started
-    atomic_write_text(out / "summary.json", json.dumps(result.__dict__, indent=2) + "\n")
+    if ranks.main:
+        extra = {"model": cfg.model, "pomona": {"steps": result.steps, "loss": cfg.loss,
+                                                "orpo_lambda": cfg.orpo_lambda, "seed": cfg.seed,
+                                                "world_size": ranks.size}}
+        save_adapters(model, out, spec, num_layers, extra)
+        atomic_write_text(out / "summary.json", json.dumps(result.__dict__, indent=2) + "\n")
     return result

@@ -1,0 +1,95 @@
+"""Data parallel over ``mx.distributed``: one run's global batches split across processes.
+
+Launched by ``mlx.launch`` (ring over TCP, jaccl over Thunderbolt, nccl on CUDA), every rank
+runs the same trainer on the same data and seed. Each takes its shard of every global
+micro-batch (pairs r, r + W, r + 2W, … of the batch every rank draws alike), so no pair is
+trained twice and none is skipped. The step's normalisers (pairs, NLL tokens) are summed
+over ranks before the loss and the gradients and metric sums after it: every rank then
+applies the update one process would on the union batch (mlx-lm's trainer averages
+gradients per rank instead, which weighs a token-mean NLL wrongly when ranks hold
+different token counts). Only rank 0 writes files.
+
+    mlx.launch -n 2 --backend ring python -m engine train --config run.yaml
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from engine.losses import Norms
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the run (a single process: rank 0 of 1, no group)."""
+
+    group: Any = None  # mx.distributed.Group
+    rank: int = 0
+    size: int = 1
+    stream: Any = None  # where collectives run (the CPU for ring on Metal: GPU timeouts)
+
+    @property
+    def main(self) -> bool:
+        """Whether this rank writes adapters, metrics and checkpoints."""
+        return self.rank == 0
+
+    def shard(self, pairs: Sequence) -> list:
+        """This rank's pairs of a global micro-batch."""
+        return list(pairs[self.rank :: self.size])
+
+    def sum(self, x: mx.array) -> mx.array:
+        if self.size == 1:
+            return x
+        return mx.distributed.all_sum(x, group=self.group, stream=self.stream)
+
+    def sum_norms(self, norms: Norms) -> Norms:
+        if self.size == 1:
+            return norms
+        both = self.sum(mx.array([norms.nll_tokens, norms.pairs], mx.float32)).tolist()
+        return Norms(nll_tokens=float(both[0]), pairs=float(both[1]))
+
+    def sum_floats(self, values: dict[str, float]) -> dict[str, float]:
+        if self.size == 1 or not values:
+            return values
+        keys = sorted(values)
+        summed = self.sum(mx.array([values[k] for k in keys], mx.float32)).tolist()
+        return dict(zip(keys, summed, strict=True))
+
+    def sum_arrays(self, arrays: dict[str, mx.array]) -> dict[str, mx.array]:
+        """All-sum a dict of arrays in one collective (one float32 buffer)."""
+        if self.size == 1:
+            return arrays
+        keys = sorted(arrays)
+        flat = self.sum(mx.concatenate([arrays[k].astype(mx.float32).reshape(-1)
+                                        for k in keys]))
+        out, at = {}, 0
+        for k in keys:
+            a = arrays[k]
+            out[k] = flat[at : at + a.size].reshape(a.shape).astype(a.dtype)
+            at += a.size
+        return out
+
+    def gather_counts(self, count: int) -> list[int]:
+        """Every rank's ``count``, in rank order."""
+        if self.size == 1:
+            return [count]
+        one_hot = mx.zeros((self.size,), mx.float32).at[self.rank].add(float(count))
+        return [int(v) for v in self.sum(one_hot).tolist()]
+
+
+SINGLE = Ranks()  # one process
+
+
+def init_ranks() -> Ranks:
+    """The run's ranks: ``mx.distributed.init()`` under mlx.launch, else a single process."""
+    if not mx.distributed.is_available():
+        return SINGLE
+    group = mx.distributed.init()
+    if group.size() == 1:
+        return SINGLE
+    on_metal = mx.default_device() == mx.gpu and not mx.cuda.is_available()
+    return Ranks(group, group.rank(), group.size(), mx.cpu if on_metal else None)
