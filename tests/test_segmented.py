@@ -38,11 +38,11 @@ def lora_model(path: Path, dropout: float = 0.0, num_layers: int = -1):
     return model, stack
 
 
-def run(model, stack, batch, spec, k=0, chunk=0):
+def run(model, stack, batch, spec, k=0, chunk=0, inflight=2):
     norms = batch_norms([batch])
     resp, nll = mx.array(batch.resp_mask), mx.array(batch.nll_mask)
     return value_and_grad(model, stack, batch, lambda lp: pair_loss(lp, resp, nll, spec, norms),
-                          k, chunk)
+                          k, chunk, inflight)
 
 
 def assert_same(got, ref) -> None:
@@ -78,18 +78,30 @@ def test_segmented_equals_plain(fixture: str, span: str, request) -> None:
             assert_same(run(model, stack, batch, spec, k=k), ref)
 
 
-@pytest.mark.parametrize("depth", ["1", "2", "3"])
-def test_lora_on_last_layers_only_and_any_inflight_depth(depth: str, tiny_model: Path,
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_lora_on_last_layers_only_and_any_inflight_depth(depth: int, tiny_model: Path,
                                                          monkeypatch) -> None:
-    """The backward stops at the lowest LoRA segment; evaluation depth changes nothing."""
-    monkeypatch.setenv("POMONA_SEG_INFLIGHT", depth)
+    """The backward stops at the lowest LoRA segment; the evaluation depth (``inflight``,
+    segments and head pieces evaluated at once) changes no number. (This test once set an
+    environment variable nothing read, so all three depths were the same run.)"""
+    from engine import inflight
+
+    seen: list[int] = []
+    real = inflight.InFlight.__init__
+
+    def record(self, depth: int = 2) -> None:
+        seen.append(depth)
+        real(self, depth)
+
     model, stack = lora_model(tiny_model, num_layers=2)  # LoRA on layers 2 and 3 of 4
     batch = make_batch(tokenized_pairs(tiny_model, 2, seed=3), "full", pad_multiple=8)
     spec = LossSpec("orpo", 0.5, "full")
     ref = run(model, stack, batch, spec)
     assert all(".layers.2." in n or ".layers.3." in n for n in ref[2])
+    monkeypatch.setattr(inflight.InFlight, "__init__", record)
     for k, chunk in ((1, 0), (1, 16), (3, 0), (2, 5)):
-        assert_same(run(model, stack, batch, spec, k=k, chunk=chunk), ref)
+        assert_same(run(model, stack, batch, spec, k=k, chunk=chunk, inflight=depth), ref)
+    assert seen and set(seen) == {depth}  # the depth reached the engine
 
 
 @pytest.mark.parametrize("fixture", ["tiny_model", "tiny_model_q4", "tiny_qwen2"])
@@ -163,3 +175,20 @@ def test_lora_product_runs_in_the_input_dtype(tiny_model: Path) -> None:
 
     grads = mx.grad(loss)(m.trainable_parameters())
     assert grads["lora_a"].dtype == grads["lora_b"].dtype == mx.float32
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_scoring_equals_dense(chunk: int, tiny_model: Path) -> None:
+    """Validation and `pomona score` with a bounded head (``head_chunk``) give the dense
+    head's per-pair numbers: catches a chunk boundary that drops or repeats a position.
+    Tolerance 1e-5 absolute on mean log-probs of order 1 (float32)."""
+    from engine.scoring import score_pairs
+
+    model, stack = lora_model(tiny_model)
+    pairs = tokenized_pairs(tiny_model, 5, seed=13)
+    dense = score_pairs(model, stack, pairs, 0.3, 2, 0)
+    chunked = score_pairs(model, stack, pairs, 0.3, 2, chunk)
+    assert [r["id"] for r in chunked] == [r["id"] for r in dense]
+    for a, b in zip(chunked, dense, strict=True):
+        for key in ("chosen_logp_mean", "rejected_logp_mean", "nll", "orpo_loss"):
+            assert a[key] == pytest.approx(b[key], abs=1e-5), (key, a["id"])
