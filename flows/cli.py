@@ -67,7 +67,8 @@ def model_init(
     = None,
     kv_shared_layers: Annotated[int | None, typer.Option(
         help="gemma4: the last N layers reuse earlier K/V (default layers // 3).")] = None,
-    ple: Annotated[int, typer.Option(help="gemma4: per-layer input width (0 = none).")] = 16,
+    ple: Annotated[int | None, typer.Option(help="gemma4: per-layer input width (default 16; "
+                                                  "0 = none).")] = None,
     experts: Annotated[int, typer.Option(help="gemma4 / qwen3_moe: experts per MoE block.")]
     = 0,
     quantize: Annotated[int | None, typer.Option(help="4 or 8: quantize via mlx_lm.convert.")]

@@ -128,7 +128,8 @@ def gemma4_text(spec: ModelSpec) -> dict[str, Any]:
               "global_head_dim": 2 * spec.head_dim, "hidden_activation": "gelu_pytorch_tanh",
               "sliding_window": spec.window or 32, "sliding_window_pattern": pattern,
               "layer_types": _layer_types(spec, pattern), "num_kv_shared_layers": shared,
-              "hidden_size_per_layer_input": spec.ple, "vocab_size_per_layer_input": spec.vocab,
+              "hidden_size_per_layer_input": 16 if spec.ple is None else spec.ple,
+              "vocab_size_per_layer_input": spec.vocab,
               "final_logit_softcapping": 30.0, "use_double_wide_mlp": True,
               "attention_k_eq_v": False}
     if spec.experts:

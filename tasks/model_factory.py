@@ -17,7 +17,7 @@ import io
 import json
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +69,7 @@ class ModelSpec:
     window_pattern: int = 0  # every Nth layer full, the rest sliding (0: the family's own)
     rope_scaling: str | None = None  # llama: "llama3"
     kv_shared_layers: int | None = None  # gemma4: last N layers reuse K/V (None: layers // 3)
-    ple: int = 16  # gemma4: per-layer input width (0: none)
+    ple: int | None = None  # gemma4: per-layer input width (None: 16; 0: none)
     experts: int = 0  # gemma4 / qwen3_moe: experts per MoE block (qwen3_moe: 0 means 4)
     experts_per_token: int = 2
 
@@ -97,8 +97,9 @@ class ModelSpec:
             raise ValueError(f"vocab={self.vocab}: byte-level BPE needs at least "
                              f"{256 + len(SPECIAL_TOKENS)} (256 bytes + special tokens)")
         for name in ("window", "window_pattern", "ple", "experts"):
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+        self._check_features()
         if self.window_pattern == 1:
             raise ValueError("window_pattern=1 leaves no sliding layer; use window 0 instead")
         if self.rope_scaling not in (None, "llama3"):
@@ -108,9 +109,10 @@ class ModelSpec:
                              f"[0, layers={self.layers})")
         if self.arch.startswith("gemma4"):
             self._check_gemma4_sharing()
-        if self.experts and self.experts_per_token > self.experts:
-            raise ValueError(f"experts_per_token={self.experts_per_token} > experts="
-                             f"{self.experts}")
+        experts = self.experts or (4 if self.arch == "qwen3_moe" else 0)
+        if experts and not 1 <= self.experts_per_token <= experts:
+            raise ValueError(f"experts_per_token={self.experts_per_token}: must be in "
+                             f"[1, experts={experts}]")
         if self.arch == "gemma3_text" and self.layers < (self.window_pattern or 6):
             raise ValueError(f"gemma3_text needs layers >= window_pattern "
                              f"({self.window_pattern or 6}): mlx-lm reads the first full "
@@ -122,6 +124,23 @@ class ModelSpec:
             raise ValueError(f"quantize needs hidden ({self.hidden}) and intermediate "
                              f"({self.intermediate}) to be multiples of q_group_size "
                              f"({self.q_group_size})")
+
+    def _check_features(self) -> None:
+        """A setting the architecture has no use for is refused, not silently dropped."""
+        gemma4 = ("gemma4_text", "gemma4")
+        windowed = ("llama", "mistral", "ministral3", "gemma3_text", *gemma4)
+        used = {"window": windowed, "window_pattern": windowed, "rope_scaling": ("llama",
+                "mistral"), "kv_shared_layers": gemma4, "ple": gemma4,
+                "experts": (*gemma4, "qwen3_moe"), "experts_per_token": (*gemma4, "qwen3_moe")}
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, archs in used.items():
+            if getattr(self, name) != defaults[name] and self.arch not in archs:
+                raise ValueError(f"{name}={getattr(self, name)!r}: arch {self.arch} has no "
+                                 f"use for it (only {', '.join(archs)})")
+        if self.window_pattern and not self.window and self.arch in ("llama", "mistral",
+                                                                     "ministral3"):
+            raise ValueError(f"window_pattern={self.window_pattern} without a window: set "
+                             "--window too")
 
     def _check_gemma4_sharing(self) -> None:
         """Each KV-shared layer reads the last earlier layer of its type: one must exist

@@ -24,7 +24,8 @@ def init_args(name: str, out: Path) -> list[str]:
     args = ["model", "init", "--out", str(out)]
     for key in ("arch", "layers", "hidden", "heads", "kv_heads", "intermediate", "vocab",
                 "window", "window_pattern", "ple", "experts"):
-        args += [f"--{key.replace('_', '-')}", str(spec[key])]
+        if spec[key] is not None:
+            args += [f"--{key.replace('_', '-')}", str(spec[key])]
     if spec["rope_scaling"]:
         args += ["--rope-scaling", spec["rope_scaling"]]
     if spec["kv_shared_layers"] is not None:

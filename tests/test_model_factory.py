@@ -111,6 +111,12 @@ def test_qwen2_variant(tiny_qwen2: Path) -> None:
         ({"quantize": 3}, "quantize"),
         ({"quantize": 4, "hidden": 96}, "hidden"),
         ({"layers": 0}, "layers"),
+        ({"arch": "qwen2", "window": 8}, "window=8: arch qwen2 has no use"),  # was ignored
+        ({"experts": 4}, "experts=4: arch llama"),
+        ({"window_pattern": 3}, "window_pattern=3 without a window"),
+        ({"arch": "phi3", "ple": 8}, "ple=8"),
+        ({"arch": "qwen3_moe", "experts_per_token": 5}, "experts_per_token=5"),
+        ({"arch": "gemma4_text", "layers": 6}, "layer 5 .full_attention. shares K/V"),
     ],
 )
 def test_bad_spec_names_the_field(change: dict, field: str) -> None:
