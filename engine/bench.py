@@ -390,15 +390,30 @@ def _attention_table(argv: list[str], a: argparse.Namespace) -> int:
     return 0
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
-    a = parser().parse_args(argv)
+def parse(argv: list[str], kind: str = "memory") -> argparse.Namespace:
+    """The arguments, with a preset applied; a value no row could use is an error (exit 2)."""
+    p = parser()
+    a = p.parse_args(argv)
     if a.preset:
         vars(a).update(PRESETS[a.preset])
+    for name in ("layers", "hidden", "heads", "kv_heads", "vocab", "repeats", "inflight",
+                 "window"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: must be at least 1")
+    for name in ("head_chunk", "mlp_chunk", "segment_size", "ple", "head_dim", "intermediate"):
+        if getattr(a, name) < 0:
+            p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: must be >= 0")
+    if a.seq < 8:
+        p.error(f"--seq {a.seq}: a pair needs at least 8 tokens per sequence")
+    if not 0 <= a.kv_shared < a.layers:
+        p.error(f"--kv-shared {a.kv_shared}: must be in [0, layers={a.layers})")
+    if a.arch != "llama" and kind in ("profile", "ops"):
+        p.error(f"bench {kind} times llama blocks only (--arch {a.arch})")
     return a
 
 
 def main(argv: list[str], kind: str = "memory") -> int:
-    a = parse(argv)
+    a = parse(argv, kind)
     if a.row:
         print(json.dumps(run_row(a.row, a)))
         return 0

@@ -141,12 +141,45 @@ def useful_flops(a: argparse.Namespace) -> float:
     return 4 * layer * a.layers * tokens + 4 * a.hidden * a.vocab * loss_tokens + attention
 
 
+SHAPE = ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "dtype")
+
+
+def claim_work(work: Path, a: argparse.Namespace) -> None:
+    """Use ``--work`` only if it is empty or this benchmark's own folder of the same model
+    shape: it writes a model, pairs.jsonl and run/ there, and reuses the model."""
+    marker, shape = work / "bench_train.json", {k: getattr(a, k) for k in SHAPE}
+    if work.exists() and any(work.iterdir()):
+        if not marker.exists():
+            raise ValueError(f"--work {work}: not empty and not a `pomona bench train` folder; "
+                             "give an empty or new one")
+        if json.loads(marker.read_text()) != shape:
+            raise ValueError(f"--work {work}: holds a model of another shape "
+                             f"({marker.read_text().strip()}); give an empty or new folder")
+    work.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps(shape) + "\n")
+
+
+def check_args(a: argparse.Namespace) -> None:
+    for name, least in (("seq", 8), ("pairs", 1), ("steps", 1), ("warmup", 0),
+                        ("layers", 1), ("hidden", 1), ("heads", 1), ("kv_heads", 1)):
+        if getattr(a, name) < least:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(a, name)}: must be at "
+                             f"least {least}")
+    if a.peak_tflops < 0:
+        raise ValueError(f"--peak-tflops {a.peak_tflops}: must be >= 0")
+
+
 def main(argv: list[str]) -> int:
     a = parser().parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(a.work or tmp)
-        work.mkdir(parents=True, exist_ok=True)
-        rows = [pomona_row(a, work)]
+    try:
+        check_args(a)
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(a.work or tmp)
+            claim_work(work, a)
+            rows = [pomona_row(a, work)]
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if a.trl:
         rows += trl_rows(a)
     flops = useful_flops(a)

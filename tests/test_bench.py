@@ -93,3 +93,15 @@ def test_train_bench_runs_the_real_trainer(tmp_path, capsys) -> None:
     assert pomona["mfu"] > 0 and pomona["peak_mb"] > 0
     assert trl["name"] == "trl" and "not installed" in trl["error"]
     assert (tmp_path / "run" / "adapters.safetensors").exists()  # the trainer really ran
+
+
+def test_train_bench_never_writes_into_a_foreign_folder(tmp_path, capsys) -> None:
+    """--work gets a model, pairs.jsonl and run/: a folder that is not one of its own is
+    refused and left as it was; a bad count is one line, exit 2."""
+    from tasks.train_bench import main
+
+    (tmp_path / "thesis.txt").write_text("mine")
+    assert main(["--work", str(tmp_path), "--seq", "64"]) == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["thesis.txt"]
+    assert main(["--pairs", "0"]) == 2
+    assert "--pairs 0: must be at least 1" in capsys.readouterr().err
