@@ -71,8 +71,8 @@ class ChunkedMLP:
         t = x.shape[-2]
         if not self.mlp_chunk or t <= self.mlp_chunk or x.ndim != 3:
             return super().__call__(x, *args, **kwargs)
-        names = [k for k, _ in tree_flatten(self.trainable_parameters())]
-        values = [v for _, v in tree_flatten(self.trainable_parameters())]
+        flat = tree_flatten(self.trainable_parameters())  # once: this runs every step
+        names, values = [k for k, _ in flat], [v for _, v in flat]
         base = super().__call__
 
         def piece(h: mx.array, *params: mx.array) -> mx.array:

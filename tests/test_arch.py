@@ -76,11 +76,16 @@ def family_dir(tmp_path_factory: pytest.TempPathFactory):
 def lora_family(path: Path, keys: tuple[str, ...] | None = None):
     """The model with LoRA (non-zero B, so A gets gradients too) and its checked stack."""
     model, _ = mlx_lm.load(str(path))
+    return with_lora(model, keys), checked_stack(model)
+
+
+def with_lora(model, keys: tuple[str, ...] | None = None):
+    """``model`` with LoRA attached and B drawn non-zero (so A gets gradients too)."""
     attach_lora(model, LoraSpec(rank=4, scale=2.0, keys=keys), seed=0)
     rng = np.random.default_rng(7)
     for _, m in lora_modules(model):
         m.lora_b = mx.array(rng.normal(0, 0.05, m.lora_b.shape).astype(np.float32))
-    return model, checked_stack(model)
+    return model
 
 
 def family_pairs(n: int, seed: int) -> list[Pair]:
@@ -300,11 +305,7 @@ def _olmo3(window: int = WINDOW):
                            sliding_window=window, rope_theta=10000.0, num_key_value_heads=2)
     model = olmo3.Model(args)
     model.set_dtype(mx.float32)
-    attach_lora(model, LoraSpec(rank=4, scale=2.0), seed=0)
-    rng = np.random.default_rng(7)
-    for _, m in lora_modules(model):
-        m.lora_b = mx.array(rng.normal(0, 0.05, m.lora_b.shape).astype(np.float32))
-    return model
+    return with_lora(model)
 
 
 def test_an_unlisted_windowed_family_is_exact_through_the_generic_stack() -> None:
