@@ -48,15 +48,17 @@ for section in "${@:1:$#-1}"; do
         done ;;
     gemma4)  # Gemma 4 E4B's text decoder (issue 13): one 8k pair, 4-bit then bf16, and a
              # 2k bf16 anchor where plain fits; a row per file (a crash loses one row)
-      g4() {  # g4 QUANT SEQ ROW...
-        local q=$1 s=$2; shift 2
+      g4() {  # g4 QUANT SEQ ROW...   (LIMIT=GiB: MLX's memory limit, the engine's
+        local q=$1 s=$2; shift 2       # memory_limit_gb)
         for row in "$@"; do
           mlx memory --preset e4b --dtype bfloat16 --quantize "$q" --seq "$s" --repeats 2 \
-            --head-chunk 256 --mlp-chunk "${MLP_CHUNK:-1024}" --json --rows "$row" \
-            > "$out/gemma4_e4b_q${q}_${s}_${row/:/-}.json" \
+            --head-chunk 256 --mlp-chunk "${MLP_CHUNK:-1024}" --memory-limit-gb "${LIMIT:-0}" \
+            --json --rows "$row" > "$out/gemma4_e4b_q${q}_${s}_${row/:/-}_lim${LIMIT:-0}.json" \
             || echo "row $row (q$q, $s) failed" >&2
         done
       }
+      LIMIT=9.3 g4 4 8192 seg1p:1 seg1p
+      LIMIT=8 g4 4 8192 seg1p:1
       g4 4 8192 seg1p seg1p:1 seg1 seg2 checkpoint plain
       g4 0 8192 seg1p seg1 seg2 checkpoint plain
       g4 0 2048 plain checkpoint seg1 seg1p ;;
@@ -64,8 +66,8 @@ for section in "${@:1:$#-1}"; do
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/trl .trlwhl/*.whl
       for shape in "2048 1" "4096 1" "8192 1" "1024 8"; do
         set -- $shape
-        (source .whl/activate.sh && PYTHONPATH="/tmp/trl:$PYTHONPATH" python3 -m flows.cli \
-          bench train --seq "$1" --pairs "$2" --trl --peak-tflops 681 --json) \
+        (source .whl/activate.sh && PYTHONPATH="/tmp/trl:$PYTHONPATH" python3 -m \
+          tasks.train_bench --seq "$1" --pairs "$2" --trl --peak-tflops 681 --json) \
           > "$out/train_$1x$2.json" || echo "bench train $1x$2 failed" >&2
       done ;;
     trl)  # torch only: MLX stays off the path (transformers imports mlx when it can)

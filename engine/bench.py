@@ -213,6 +213,8 @@ def run_row(row: str, a: argparse.Namespace) -> dict[str, Any]:
         name, _, depth = row.partition(":")
     if depth:
         a = argparse.Namespace(**{**vars(a), "inflight": int(depth)})
+    if a.memory_limit_gb:
+        mx.set_memory_limit(int(a.memory_limit_gb * 2**30))  # as TrainConfig's
     model, stack = _model(a)
     if a.mlp_chunk and name.startswith("seg"):  # the engine's lever; baselines stay mlx-lm's
         from engine.recompute import chunk_mlps
@@ -275,6 +277,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--inflight", type=int, default=2,
                    help="Segments / head pieces evaluated at once (the engine's inflight).")
+    p.add_argument("--memory-limit-gb", type=float, default=0.0,
+                   help="MLX's memory limit in GiB (the engine's memory_limit_gb): past it, "
+                        "evaluation waits for queued work to free its buffers (0 = MLX's "
+                        "default).")
     p.add_argument("--rows", default="", help="Only these rows (comma-separated names).")
     p.add_argument("--ratios", default="1:1,4:1,16:1", help="prefix: prompt:response ratios.")
     p.add_argument("--segment-size", type=int, default=0,
@@ -400,7 +406,8 @@ def parse(argv: list[str], kind: str = "memory") -> argparse.Namespace:
                  "window"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: must be at least 1")
-    for name in ("head_chunk", "mlp_chunk", "segment_size", "ple", "head_dim", "intermediate"):
+    for name in ("head_chunk", "mlp_chunk", "segment_size", "ple", "head_dim", "intermediate",
+                 "memory_limit_gb"):
         if getattr(a, name) < 0:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: must be >= 0")
     if a.seq < 8:

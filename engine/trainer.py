@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -281,9 +282,27 @@ def refuse_beyond_context(pairs: Sequence, context: int | None) -> None:
                          "--max-length (pomona data tokenize), or drop them")
 
 
+@contextmanager
+def memory_limit(gib: float) -> Iterator[None]:
+    """Inside: MLX's memory limit at ``gib`` GiB (0: unchanged); the old one after."""
+    if gib <= 0:
+        yield
+        return
+    before = mx.set_memory_limit(int(gib * 2**30))
+    try:
+        yield
+    finally:
+        mx.set_memory_limit(before)
+
+
 def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
     """Train one adapter as ``cfg`` says; write it to ``cfg.out``; return a summary."""
     cfg.validate()
+    with memory_limit(cfg.memory_limit_gb):
+        return _train(cfg, callbacks)
+
+
+def _train(cfg: TrainConfig, callbacks: Sequence[Callback]) -> TrainResult:
     started = time.perf_counter()
     ranks = init_ranks()
     if cfg.batch_size % ranks.size:
@@ -291,8 +310,6 @@ def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
                          "ranks: make it a multiple of the number of ranks")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    if cfg.memory_limit_gb > 0:
-        mx.set_memory_limit(int(cfg.memory_limit_gb * 2**30))
     model, tokenizer = load_model(cfg.model)
     spec = resolve_lora_keys(model, lora_spec(cfg))  # the family's targets, saved explicitly
     trainable = attach_lora(model, spec, cfg.seed)

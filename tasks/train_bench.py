@@ -201,3 +201,7 @@ def main(argv: list[str]) -> int:
     for k, v in ratios.items():
         print(f"{k:>24}  {v:.2f}x")
     return 0
+
+
+if __name__ == "__main__":  # the GPU machine has no typer: python -m tasks.train_bench ...
+    raise SystemExit(main(sys.argv[1:]))

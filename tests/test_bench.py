@@ -40,6 +40,26 @@ def test_memory_bench_on_a_4bit_base() -> None:
     assert seg1["act_mb"] < plain["act_mb"]
 
 
+def test_memory_limit_reaches_mlx_and_a_negative_one_is_refused(capsys) -> None:
+    """``--memory-limit-gb`` is MLX's limit for the row, in GiB as the engine's
+    ``memory_limit_gb`` (a GB/GiB mix-up or a dropped flag fails); below 0, exit 2."""
+    import mlx.core as mx
+
+    from engine.bench import parse, run_row
+
+    a = parse([*TOY, "--seq", "64", "--head-chunk", "32", "--memory-limit-gb", "0.5"])
+    before = mx.set_memory_limit(2**40)
+    try:
+        assert run_row("seg1", a)["step_s"] > 0
+        assert mx.set_memory_limit(2**40) == 2**29
+    finally:
+        mx.set_memory_limit(before)
+    with pytest.raises(SystemExit) as exit_:
+        parse(["--memory-limit-gb", "-1"])
+    assert exit_.value.code == 2 and "--memory-limit-gb -1.0: must be >= 0" in \
+        capsys.readouterr().err
+
+
 def test_prefix_bench_rows() -> None:
     out = bench("prefix", *TOY, "--seq", "96", "--ratios", "4:1")
     assert {(r["ratio"], r["path"]) for r in out["rows"]} == {

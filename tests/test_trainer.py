@@ -254,3 +254,33 @@ def test_prefix_share_rate_counts_shared_and_fallen_back_batches(tiny_model, tmp
         rates[name] = [r["prefix_share_rate"] for r in rows if r["split"] == "train"]
     assert rates == {"long": [1.0, 1.0], "short": [0.0, 0.0], "forced": [1.0, 1.0],
                      "off": [0.0, 0.0]}
+
+
+def test_memory_limit_is_applied_then_restored_and_changes_no_number(tiny_model, tiny_data,
+                                                                     tmp_path) -> None:
+    """``memory_limit_gb`` sets MLX's limit for the run only (a later run in the process
+    must not inherit it) and, being a wait, not a change of maths, gives the same adapter
+    and losses. Catches a limit set in the wrong unit (GB vs GiB), left behind, or dropped."""
+    from engine import trainer
+
+    seen = []
+    real = trainer.mx.set_memory_limit
+
+    def spy(limit: int) -> int:
+        seen.append(limit)
+        return real(limit)
+
+    before = mx.set_memory_limit(2**40)  # a known value to come back to
+    try:
+        trainer.mx.set_memory_limit = spy
+        train(cfg(tiny_model, tiny_data, tmp_path / "limited", memory_limit_gb=0.5))
+        trainer.mx.set_memory_limit = real
+        assert seen == [2**29, 2**40]  # 0.5 GiB for the run, then the limit it found
+        assert mx.set_memory_limit(2**40) == 2**40
+        train(cfg(tiny_model, tiny_data, tmp_path / "free"))
+    finally:
+        trainer.mx.set_memory_limit = real
+        mx.set_memory_limit(before)
+    a, b = adapters(tmp_path / "limited"), adapters(tmp_path / "free")
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert losses(tmp_path / "limited") == losses(tmp_path / "free")
