@@ -85,9 +85,10 @@ def trial_task(trial: TrialRun, run: Callable[[], Summary]) -> Summary:
     with MetricsTail(metrics, lambda line: logger.info("%s: %s", trial.id, line)):
         summary = run()
     log = logger.info if summary["status"] in ("completed", "pruned") else logger.warning
-    log("trial %s %s%s on %s (pid %s)", trial.id, summary["status"],
-        f": {summary['reason']}" if summary.get("reason") else "", summary.get("node"),
-        summary.get("pid"))
+    where = (f"{summary['world_size']} ranks: " + ", ".join(summary["hosts"])
+             if summary.get("hosts") else f"{summary.get('node')} (pid {summary.get('pid')})")
+    log("trial %s %s%s on %s", trial.id, summary["status"],
+        f": {summary['reason']}" if summary.get("reason") else "", where)
     if summary.get("traceback"):
         logger.warning("%s", summary["traceback"])
     return summary

@@ -51,16 +51,26 @@ def _run_probe(config: dict[str, Any], sizes: list[int]) -> dict[int, float]:
     return {int(r["segment_size"]): float(r.get("peak_gb", float("inf"))) for r in rows}
 
 
+def per_rank(config: dict[str, Any], ranks: int) -> dict[str, Any]:
+    """The config one rank of a ``ranks`` gang trains: its share of every batch."""
+    if ranks == 1:
+        return config
+    from engine.config import TrainConfig
+
+    return {**config, "batch_size": config.get("batch_size", TrainConfig().batch_size) // ranks}
+
+
 def resolve_auto(trials: list[tuple[str, dict[str, Any]]], budget_gb: float,
-                 placement: Placement, fingerprint: str, cache: Path
+                 placement: Placement, fingerprint: str, cache: Path, ranks: int = 1
                  ) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, str]]:
     """Trials with every ``segment_size: auto`` replaced by the size that fits the budget,
-    and, per resolved trial, the probed peaks it was chosen from (JSON, for the results)."""
+    and, per resolved trial, the probed peaks it was chosen from (JSON, for the results).
+    With ``ranks`` > 1 each rank holds a 1/ranks share of the batch: probed at that."""
     import ray
 
     known: dict[str, dict[str, float]] = json.loads(cache.read_text()) if cache.exists() else {}
-    todo = {key: c for _, c in trials if c.get("segment_size") == "auto"
-            and (key := probe_key(c, fingerprint)) not in known}
+    todo = {key: per_rank(c, ranks) for _, c in trials if c.get("segment_size") == "auto"
+            and (key := probe_key(per_rank(c, ranks), fingerprint)) not in known}
     if todo:
         probe = placement.fresh_task(_run_probe)
         refs = {key: probe.remote({k: v for k, v in c.items() if k != "out"},
@@ -72,7 +82,8 @@ def resolve_auto(trials: list[tuple[str, dict[str, Any]]], budget_gb: float,
     out, notes = [], {}
     for trial_id, config in trials:
         if config.get("segment_size") == "auto":
-            peaks = {int(k): v for k, v in known[probe_key(config, fingerprint)].items()}
+            peaks = {int(k): v for k, v in
+                     known[probe_key(per_rank(config, ranks), fingerprint)].items()}
             size = largest_fitting({k: v * AUTO_HEADROOM for k, v in peaks.items()}, budget_gb)
             if size is None:
                 raise SpecError(f"trial {trial_id}: no segment size fits memory_budget_gb="

@@ -91,9 +91,11 @@ def plan(spec: SweepSpec, out: Path) -> list[tuple[str, dict[str, Any]]]:
     return [(t.id, trial_config(spec, out, t.id, t.params)) for t in spec.trials()]
 
 
-def check_cluster(placement: Placement, resources: dict[str, float], expected: int = 1) -> int:
-    """Slots the cluster offers for ``placement``; raise when it offers none, or, for GPUs
-    and custom resources (a lab's Macs), fewer than the ``expected`` concurrent trials."""
+def check_cluster(placement: Placement, resources: dict[str, float], expected: int = 1,
+                  ranks: int = 1) -> int:
+    """Concurrent trials the cluster offers for ``placement`` (each ``ranks`` slots); raise
+    when it cannot hold one, or, for GPUs and custom resources (a lab's Macs), fewer than
+    the ``expected`` concurrent trials."""
     if placement.resource:
         have, what = resources.get(placement.resource, 0), f"'{placement.resource}' resources"
     elif placement.gpus:
@@ -104,11 +106,15 @@ def check_cluster(placement: Placement, resources: dict[str, float], expected: i
             "real head is unreachable")
     if have < 1:
         raise RuntimeError(f"the Ray cluster offers no {what} (it has {resources}); {hint}")
-    if (placement.gpus or placement.resource) and have < expected:
-        raise RuntimeError(f"the sweep expects {expected} {what} (max_concurrent) but the Ray "
-                           f"cluster offers {int(have)} (it has {resources}); {hint}, or lower "
-                           "max_concurrent")
-    return int(have)
+    if have < ranks:
+        raise RuntimeError(f"one trial needs {ranks} {what} (ranks_per_trial) but the Ray "
+                           f"cluster offers {int(have)} (it has {resources}); {hint}, or "
+                           "lower ranks_per_trial")
+    if (placement.gpus or placement.resource) and have < expected * ranks:
+        raise RuntimeError(f"the sweep expects {expected * ranks} {what} (max_concurrent "
+                           f"{expected} × ranks_per_trial {ranks}) but the Ray cluster offers "
+                           f"{int(have)} (it has {resources}); {hint}, or lower max_concurrent")
+    return int(have // ranks)
 
 
 def previous_results(out: Path) -> dict[str, dict[str, Any]]:
@@ -136,7 +142,8 @@ def run_sweep(spec: SweepSpec, out: Path, placement: Placement | None = None,
     import ray
 
     sweep = _SweepRun(spec, Path(out), placement or Placement(), progress)
-    slots = check_cluster(sweep.placement, ray.cluster_resources(), spec.max_concurrent)
+    slots = check_cluster(sweep.placement, ray.cluster_resources(), spec.max_concurrent,
+                          spec.ranks_per_trial)
     concurrent = min(slots, spec.max_concurrent)
     source, study = sweep.optuna_source() if spec.search == "optuna" else sweep.list_source()
     sweep.emit("plan", {**sweep.plan_counts, "slots": concurrent})
@@ -145,7 +152,8 @@ def run_sweep(spec: SweepSpec, out: Path, placement: Placement | None = None,
         rows = run_trials(_Recording(source, sweep.configs), sweep.placement, concurrent,
                           time_limit_s=spec.time_limit_s, retries=spec.retries,
                           retry_delay_s=spec.retry_delay_s, study=study, metric=spec.metric,
-                          on_event=sweep.on_event, wrap=wrap)
+                          on_event=sweep.on_event, wrap=wrap,
+                          ranks_per_trial=spec.ranks_per_trial)
     except TrialsInterrupted as stop:
         sweep.write(stop.rows)
         raise
@@ -209,7 +217,8 @@ class _SweepRun:
         if not any(c.get("segment_size") == "auto" for _, c in trials):
             return trials
         resolved, notes = resolve_auto(trials, self.spec.memory_budget_gb, self.placement,
-                                       self.fingerprint, self.out / "probes.json")
+                                       self.fingerprint, self.out / "probes.json",
+                                       self.spec.ranks_per_trial)
         self.notes.update(notes)
         return resolved
 

@@ -18,6 +18,7 @@
     retries: 2              # re-runs of a trial whose process or node died
     retry_delay_s: 5
     memory_budget_gb: 0     # per trial: MLX's memory limit, and what segment_size: auto fits
+    ranks_per_trial: 1      # > 1: each trial data parallel over that many GPUs (Macs)
     seed: 0
 
 Every error names the key and file that is wrong. Parameter names are TrainConfig fields;
@@ -47,7 +48,8 @@ KINDS = ("choice", "uniform", "loguniform", "int")
 SEARCHES = ("grid", "random", "optuna")
 TOP_KEYS = {"name", "model", "data", "fixed", "grid", "space", "search", "num_samples",
             "metric", "mode", "max_concurrent", "time_limit_s", "seed", "pruning",
-            "memory_budget_gb", "retries", "retry_delay_s", "kind", "probe_batches"}
+            "memory_budget_gb", "retries", "retry_delay_s", "kind", "probe_batches",
+            "ranks_per_trial"}
 PRUNING_DEFAULTS = {"startup_trials": 2, "warmup_steps": 0}
 CONFIG_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 FIELD_TYPES = get_type_hints(TrainConfig)
@@ -107,6 +109,7 @@ class SweepSpec:
     retry_delay_s: float = 5.0
     kind: str = "train"  # train | memory
     probe_batches: int = 8
+    ranks_per_trial: int = 1  # > 1: a trial is a gang of ranks (tasks/gang.py)
 
     def trials(self) -> list[Trial]:
         """Grid points × ``num_samples`` draws from ``space`` (random search), in order.
@@ -254,7 +257,7 @@ def _parse(data: Any) -> SweepSpec:
     counts = {key: _setting(data, key, default, integer=True, minimum=minimum)
               for key, default, minimum in (("num_samples", 1, 1), ("max_concurrent", 1, 1),
                                             ("retries", 2, 0), ("probe_batches", 8, 1),
-                                            ("seed", 0, 0))}
+                                            ("seed", 0, 0), ("ranks_per_trial", 1, 1))}
     seconds = {key: _setting(data, key, default)
                for key, default in (("time_limit_s", 0), ("retry_delay_s", 5),
                                     ("memory_budget_gb", 0))}
@@ -278,10 +281,36 @@ def _parse(data: Any) -> SweepSpec:
     if kind == "memory" and (search != "grid" or autos):
         raise SpecError("kind: memory measures grid points (search: grid, explicit segment "
                         "sizes)")
+    if counts["ranks_per_trial"] > 1:
+        _check_ranks(counts["ranks_per_trial"], kind, fixed, grid, space)
     return SweepSpec(
         name=data["name"], model=data["model"], data=data["data"], fixed=fixed, grid=grid,
         space={k: _dist(k, v) for k, v in space.items()}, search=search, metric=metric,
         mode=mode, pruning=pruning, kind=kind, **counts, **seconds)
+
+
+def _check_ranks(ranks: int, kind: str, fixed: dict, grid: dict, space: dict) -> None:
+    """Every batch size a trial may get splits over ``ranks`` (each rank takes its share of
+    every global batch), known before any rank starts."""
+    if kind == "memory":
+        raise SpecError("ranks_per_trial: a memory sweep measures one process per point")
+    if "batch_size" in space:
+        raw = space["batch_size"]
+        values = raw.get("choice") if isinstance(raw, dict) else None
+        if not isinstance(values, list):
+            raise SpecError(f"space.batch_size: with ranks_per_trial {ranks} give a choice of "
+                            "multiples of it (a range would draw sizes the ranks cannot split)")
+        sources = [("space.batch_size", values)]
+    elif "batch_size" in grid:
+        sources = [("grid.batch_size", grid["batch_size"])]
+    else:
+        sources = [("fixed.batch_size" if "batch_size" in fixed else "batch_size (default)",
+                    [fixed.get("batch_size", TrainConfig().batch_size)])]
+    for where, values in sources:
+        bad = [v for v in values if not isinstance(v, int) or v % ranks]
+        if bad:
+            raise SpecError(f"{where}={bad[0]!r}: must be a multiple of ranks_per_trial={ranks} "
+                            "(each rank trains its share of every batch)")
 
 
 def _listed(value: Any) -> list:

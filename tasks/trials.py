@@ -255,6 +255,8 @@ class _Runner:
     live: dict[str, Any] = field(default_factory=dict)  # trial id -> actor
     lock: threading.Lock = field(default_factory=threading.Lock)
     actor_cls: Any = None  # TrialActor as a Ray actor class, made once per run
+    ranks: int = 1  # > 1: each trial a gang of ranks (tasks/gang.py)
+    gang_wait_s: float = 120.0  # how long a gang may wait for its placement group
 
     def __post_init__(self) -> None:
         import ray
@@ -285,6 +287,11 @@ class _Runner:
     def _attempt(self, trial: TrialRun, attempt: int, first: float) -> Summary | None:
         """One actor's run; None when the actor died and the trial may be retried."""
         import ray
+
+        if self.ranks > 1:
+            from tasks.gang import run_gang
+
+            return run_gang(self, trial, attempt, first)
 
         actor = self.actor_cls.remote()
         with self.lock:
@@ -320,9 +327,10 @@ class _Runner:
 
         self.stopping.set()
         with self.lock:
-            actors = list(self.live.values())
-        for actor in actors:
-            ray.kill(actor)
+            held = list(self.live.values())
+        for actors in held:  # one actor per trial, or a gang's list
+            for actor in actors if isinstance(actors, list) else [actors]:
+                ray.kill(actor)
 
 
 def _summary(trial: TrialRun, status: str, reason: str, started: float,
@@ -335,7 +343,8 @@ def run_trials(source: TrialSource | list[TrialRun] | list[tuple[str, dict[str, 
                placement: Placement, max_concurrent: int, results: Path | None = None,
                time_limit_s: float = 0.0, retries: int = 2, retry_delay_s: float = 5.0,
                study: Any = None, metric: str = "val/loss",
-               on_event: EventHook | None = None, wrap: Wrap | None = None) -> list[Summary]:
+               on_event: EventHook | None = None, wrap: Wrap | None = None,
+               ranks_per_trial: int = 1) -> list[Summary]:
     """Run the source's trials on the connected Ray cluster, ``max_concurrent`` at a time.
 
     Returns the summaries in the order trials were asked (written to ``results`` if
@@ -344,10 +353,12 @@ def run_trials(source: TrialSource | list[TrialRun] | list[tuple[str, dict[str, 
     KeyboardInterrupt carrying the summaries so far) is raised. ``wrap(trial, run)``
     runs each trial's ``run()`` (the flow makes it a Prefect task run); worker threads
     run in a copy of the caller's context, so such task runs nest in the caller's flow run.
+    ``ranks_per_trial`` > 1 runs each trial as a gang of that many ranks (tasks/gang.py).
     """
     if isinstance(source, list):
         source = ListSource([t if isinstance(t, TrialRun) else TrialRun(*t) for t in source])
-    runner = _Runner(placement, time_limit_s, retries, retry_delay_s, study, metric, on_event)
+    runner = _Runner(placement, time_limit_s, retries, retry_delay_s, study, metric, on_event,
+                     ranks=ranks_per_trial)
     summaries: dict[str, Summary] = {}
     order: list[str] = []
     order_lock = threading.Lock()

@@ -1,0 +1,170 @@
+"""One trial as a gang of ranks (``ranks_per_trial`` N): data parallel over several Macs.
+
+A gang holds one Ray placement group of N bundles, each what one trial would hold alone
+(a GPU: one Mac mini; a custom resource; or a CPU slot). Strategy SPREAD: ranks land on
+different nodes when there are enough (GPU bundles on a cluster of one-GPU Macs always
+do), and pack where they must (a laptop, tests). One fresh actor per bundle reports its
+node's IP and a free port; the driver builds the ring hostfile from them (rank r listens
+on entry r, as ``mlx.launch --backend ring`` writes it) and every rank starts the same
+trial with ``MLX_RANK`` and ``MLX_HOSTFILE`` set, so ``engine.distributed.init_ranks``
+joins the ring. Rank 0 writes the adapter and its summary is the trial's.
+
+If any rank dies, the others would wait in a collective forever: every rank is killed
+and the attempt counts as lost (retried like a lost single actor). A rank that returns a
+failure (a bad config, a non-finite loss), or rank 0 pruned by the study (it alone emits
+metrics), ends the trial at once, the rest killed. The time limit kills every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+from typing import Any
+
+from tasks.trials import (
+    Placement,
+    Summary,
+    TrialActor,
+    TrialRun,
+    _summary,
+    run_trial,
+    where,
+)
+
+
+def bundle(placement: Placement) -> dict[str, float]:
+    """What one rank holds, as a placement-group bundle."""
+    if placement.resource:
+        return {placement.resource: 1}
+    if placement.gpus:
+        return {"GPU": 1}
+    return {"CPU": placement.cpus}
+
+
+def gang_capacity(placement: Placement, resources: dict[str, float]) -> int:
+    """Ranks the cluster could hold at once for ``placement`` (one gang needs N)."""
+    b = bundle(placement)
+    return int(min(resources.get(k, 0) // v for k, v in b.items()))
+
+
+def node_address() -> str:
+    """This node's IP as Ray knows it (what other nodes reach it by)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def free_port(ip: str) -> int:
+    """A TCP port free on ``ip`` now (the ring binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((ip, 0))
+        return int(s.getsockname()[1])
+
+
+class RankActor(TrialActor):
+    """The process one rank of a gang runs in."""
+
+    def address(self) -> dict[str, Any]:
+        ip = node_address()
+        return {"ip": ip, "port": free_port(ip), **where()}
+
+    def run_rank(self, trial_id: str, config: dict[str, Any], hosts: list[list[str]],
+                 rank: int, study: Any = None, number: int | None = None,
+                 metric: str = "val/loss") -> Summary:
+        fd, path = tempfile.mkstemp(prefix="pomona-hostfile-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(hosts, f)
+        os.environ.update({"MLX_RANK": str(rank), "MLX_HOSTFILE": path})
+        try:
+            return {**run_trial(trial_id, config, study, number, metric), "rank": rank}
+        finally:
+            os.unlink(path)
+
+
+def run_gang(runner: Any, trial: TrialRun, attempt: int, first: float) -> Summary | None:
+    """One attempt of ``trial`` as ``runner.ranks`` ranks; None when a rank was lost."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    n = runner.ranks
+    pg = placement_group([bundle(runner.placement)] * n, strategy="SPREAD")
+    actors: list[Any] = []
+    try:
+        ready, _ = ray.wait([pg.ready()], timeout=runner.gang_wait_s)
+        if not ready:
+            return _failed(trial, f"gang: the cluster did not grant {n} × "
+                           f"{bundle(runner.placement)} within {runner.gang_wait_s:g} s",
+                           first, attempt)
+        cls = ray.remote(max_restarts=0, max_task_retries=0)(RankActor)
+        for i in range(n):
+            strategy = PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                        placement_group_bundle_index=i)
+            actors.append(cls.options(**runner.placement.options(),
+                                      scheduling_strategy=strategy).remote())
+        with runner.lock:
+            runner.live[trial.id] = actors
+        places = ray.get([a.address.remote() for a in actors])
+        hosts = [[f"{p['ip']}:{p['port']}"] for p in places]
+        runner.event("running", {"trial_id": trial.id, "attempt": attempt, **places[0],
+                                 "hosts": [f"{p['node']} ({p['ip']}:{p['port']}, pid "
+                                           f"{p['pid']})" for p in places],
+                                 "pids": [p["pid"] for p in places]})
+        # Only rank 0 reports to the study (it alone emits metrics); if it is pruned, the
+        # others are killed with the gang.
+        refs = [a.run_rank.remote(trial.id, trial.config, hosts, i,
+                                  *((runner.study, trial.number, runner.metric) if i == 0
+                                    else ()))
+                for i, a in enumerate(actors)]
+        return _wait_all(runner, trial, refs, attempt, first)
+    except ray.exceptions.RayActorError as err:
+        return _lost(runner, trial, attempt, first, err)
+    finally:
+        with runner.lock:
+            runner.live.pop(trial.id, None)
+        for a in actors:
+            ray.kill(a)
+        remove_placement_group(pg)
+
+
+def _wait_all(runner: Any, trial: TrialRun, refs: list, attempt: int,
+              first: float) -> Summary | None:
+    """Rank 0's summary once every rank finished; a lost rank → None; a failed one → it."""
+    import ray
+
+    deadline = time.time() + runner.time_limit_s if runner.time_limit_s else None
+    results: dict[int, Summary] = {}
+    pending = list(refs)
+    while pending:
+        left = None if deadline is None else max(deadline - time.time(), 0.0)
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not done:
+            return _failed(trial, f"time_limit: over {runner.time_limit_s:g} s (every rank "
+                           "killed)", first, attempt)
+        try:
+            summary = ray.get(done[0])
+        except ray.exceptions.RayActorError as err:
+            return _lost(runner, trial, attempt, first, err)
+        results[refs.index(done[0])] = summary
+        if summary.get("status") in ("failed", "pruned"):  # the others would wait forever
+            return {**summary, "reason": f"rank {summary.get('rank')}: {summary['reason']}",
+                    "world_size": len(refs)}
+    main = results[0]
+    return {**main, "world_size": len(refs),
+            "hosts": [f"{r.get('node')} (pid {r.get('pid')})" for _, r in sorted(results.items())]}
+
+
+def _lost(runner: Any, trial: TrialRun, attempt: int, first: float,
+          err: Exception) -> Summary | None:
+    if runner.stopping.is_set():
+        return _summary(trial, "cancelled", "sweep interrupted", first, attempt + 1)
+    runner.event("lost", {"trial_id": trial.id, "attempt": attempt,
+                          "reason": ("a rank died: " + str(err).splitlines()[0])[:200]})
+    return None
+
+
+def _failed(trial: TrialRun, reason: str, first: float, attempt: int) -> Summary:
+    return _summary(trial, "failed", reason, first, attempt + 1)

@@ -1,0 +1,97 @@
+"""A trial as a gang of ranks (``ranks_per_trial``) on a real local Ray: the ranks join one
+MLX ring, train one adapter together, and a rank killed mid-trial retries the whole gang."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tasks.trials import Placement, run_trials
+
+pytestmark = pytest.mark.slow
+
+
+def _trial(model: Path, data: Path, out: Path, name: str, **extra) -> tuple[str, dict]:
+    return (name, {"model": str(model), "data": str(data), "out": str(out / name), "steps": 3,
+                   "batch_size": 4, "lora_rank": 4, "learning_rate": 1e-3, "val_every": 0,
+                   "report_every": 1, "seed": 0, **extra})
+
+
+def test_a_gang_of_two_trains_one_adapter_as_one_process_would(ray_cluster, tiny_model,
+                                                                tiny_data, tmp_path) -> None:
+    """Two ranks in two Ray actors, one placement group: the trial completes once, rank 0's
+    adapter equals a one-process run on the same batches (the ring really summed: a gang
+    whose ranks trained alone would have half-batch gradients), and the summary says how
+    many ranks and which processes. Catches a missing rank offset or hostfile."""
+    events: list[tuple[str, dict]] = []
+    gang = run_trials([_trial(tiny_model, tiny_data, tmp_path, "gang")], Placement(),
+                      max_concurrent=1, ranks_per_trial=2,
+                      on_event=lambda kind, s: events.append((kind, s)))
+    one = run_trials([_trial(tiny_model, tiny_data, tmp_path, "one")], Placement(),
+                     max_concurrent=1)
+    assert gang[0]["status"] == one[0]["status"] == "completed", gang[0].get("reason")
+    assert gang[0]["world_size"] == 2 and gang[0]["rank"] == 0 and len(gang[0]["hosts"]) == 2
+    running = [s for k, s in events if k == "running"]
+    assert len(running) == 1 and len(set(running[0]["pids"])) == 2
+    summary = json.loads((tmp_path / "gang" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and sum(summary["rank_pairs"]) == 3 * 4
+    assert summary["rank_pairs"] == [6, 6]
+    a = mx.load(str(tmp_path / "gang" / "adapters.safetensors"))
+    b = mx.load(str(tmp_path / "one" / "adapters.safetensors"))
+    for k in b:
+        err = np.linalg.norm(np.array(a[k]) - np.array(b[k])) / np.linalg.norm(np.array(b[k]))
+        assert err <= 1e-5, (k, err)
+
+
+def test_a_rank_killed_mid_trial_retries_the_gang(ray_cluster, tiny_model, tiny_data,
+                                                  tmp_path) -> None:
+    """Rank 1's process is killed while the trial runs: rank 0 would wait in the ring
+    forever, so the gang is killed and the trial retried, and the retry completes."""
+    killed: list[int] = []
+    metrics = tmp_path / "t" / "metrics.jsonl"
+
+    def kill_once_training(pid: int) -> None:  # mid-trial: after rank 0's first report
+        deadline = time.time() + 120
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text()):
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+
+    def on_event(kind: str, s: dict) -> None:
+        if kind == "running" and not killed:
+            killed.append(s["pids"][1])
+            threading.Thread(target=kill_once_training, args=(s["pids"][1],)).start()
+
+    events: list[str] = []
+    rows = run_trials([_trial(tiny_model, tiny_data, tmp_path, "t", steps=60)], Placement(),
+                      max_concurrent=1, ranks_per_trial=2, retry_delay_s=0.5,
+                      on_event=lambda k, s: (events.append(k), on_event(k, s)))
+    assert killed and rows[0]["status"] == "completed", rows[0].get("reason")
+    assert rows[0]["attempts"] == 2 and "lost" in events and "retry" in events
+
+
+def test_spec_refuses_a_batch_the_ranks_cannot_split() -> None:
+    """Before any rank starts: every batch size a trial may get must split over the ranks,
+    and the cluster must hold one gang."""
+    from tasks.sweep import check_cluster
+    from tasks.sweep_spec import SpecError, parse_spec
+
+    base = {"name": "g", "model": "m", "data": "d", "ranks_per_trial": 2}
+    assert parse_spec({**base, "fixed": {"batch_size": 4}}).ranks_per_trial == 2
+    for extra, where in (({"fixed": {"batch_size": 3}}, "fixed.batch_size=3"),
+                         ({"grid": {"batch_size": [4, 6, 5]}}, "grid.batch_size=5"),
+                         ({"space": {"batch_size": {"int": [2, 8]}}}, "space.batch_size"),
+                         ({"ranks_per_trial": 3}, "batch_size (default)=4")):
+        with pytest.raises(SpecError, match=f"{re.escape(where)}.*ranks_per_trial"):
+            parse_spec({**base, **extra})
+    with pytest.raises(RuntimeError, match=r"one trial needs 4 GPUs .* offers 2"):
+        check_cluster(Placement(gpus=1), {"CPU": 8.0, "GPU": 2.0}, ranks=4)
+    assert check_cluster(Placement(gpus=1), {"GPU": 8.0}, expected=2, ranks=4) == 2
