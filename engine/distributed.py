@@ -14,8 +14,12 @@ different token counts). Only rank 0 writes files.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -85,11 +89,57 @@ SINGLE = Ranks()  # one process
 
 
 def init_ranks() -> Ranks:
-    """The run's ranks: ``mx.distributed.init()`` under mlx.launch, else a single process."""
+    """The run's ranks: ``mx.distributed.init()`` under mlx.launch, else a single process.
+    A ring hostfile without this rank's entry, or ranks on different MLX / mlx-lm versions,
+    raise ValueError before any training (one says which, on every rank)."""
     if not mx.distributed.is_available():
         return SINGLE
+    check_hostfile(os.environ.get("MLX_HOSTFILE"), os.environ.get("MLX_RANK"))
     group = mx.distributed.init()
     if group.size() == 1:
         return SINGLE
     on_metal = mx.default_device() == mx.gpu and not mx.cuda.is_available()
-    return Ranks(group, group.rank(), group.size(), mx.cpu if on_metal else None)
+    ranks = Ranks(group, group.rank(), group.size(), mx.cpu if on_metal else None)
+    check_versions(ranks, versions())
+    return ranks
+
+
+def check_hostfile(path: str | None, rank: str | None) -> None:
+    """The ring hostfile ``mlx.launch`` (or a sweep's gang) wrote: a JSON list with one
+    non-empty list of "ip:port" per rank, and an entry for ``rank``. MLX itself would
+    hang or abort on a missing entry."""
+    if not path or rank is None:
+        return
+    try:
+        hosts = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"MLX_HOSTFILE {path}: not a readable JSON hostfile ({err})") from None
+    if not isinstance(hosts, list) or not all(
+            isinstance(h, list) and h and all(isinstance(a, str) and ":" in a for a in h)
+            for h in hosts):
+        raise ValueError(f"MLX_HOSTFILE {path}: expected one list of \"ip:port\" per rank, "
+                         f"got {json.dumps(hosts)[:200]}")
+    if not rank.isdigit() or int(rank) >= len(hosts):
+        raise ValueError(f"MLX_HOSTFILE {path}: no entry for rank {rank} (it lists "
+                         f"{len(hosts)} rank(s))")
+
+
+def versions() -> str:
+    """What every rank must run alike: MLX and mlx-lm."""
+    from importlib.metadata import version
+
+    return f"mlx {mx.__version__}, mlx-lm {version('mlx-lm')}"
+
+
+def check_versions(ranks: Ranks, mine: str) -> None:
+    """Raise ValueError on every rank unless all ranks report ``mine`` alike (each rank
+    puts a digest of its versions in its row; one sum shows every row to every rank)."""
+    digest = list(hashlib.sha256(mine.encode()).digest()[:6])
+    rows = mx.zeros((ranks.size, len(digest)), mx.float32)
+    rows = rows.at[ranks.rank].add(mx.array(digest, mx.float32))
+    seen = ranks.sum(rows).astype(mx.int32).tolist()
+    differ = [r for r, row in enumerate(seen) if row != seen[0]]
+    if differ:
+        raise ValueError(f"ranks run different versions: rank(s) {differ} differ from rank 0 "
+                         f"(this is rank {ranks.rank}: {mine}); install the same MLX and "
+                         "mlx-lm on every machine")

@@ -43,13 +43,15 @@ def uneven_pairs(n: int) -> list[Pair]:
             for i in range(n)]
 
 
-def train(model: Path, data: Path, out: Path, ranks: int,
-          *extra: str) -> subprocess.CompletedProcess:
-    args = ["-m", "engine", "train", "--model", str(model), "--data", str(data), "--out",
+def train(model: Path, data: Path, out: Path, ranks: int, *extra: str,
+          program: tuple[str, ...] = ("-m", "engine"), env_extra: dict | None = None
+          ) -> subprocess.CompletedProcess:
+    args = [*program, "train", "--model", str(model), "--data", str(data), "--out",
             str(out), "--steps", "4", "--batch-size", "6", "--segment-size", "1",
             "--head-chunk", "16", "--prefix-share", "on", "--val-every", "0",
             "--report-every", "1", "--learning-rate", "1e-3", "--seed", "3", *extra]
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+           **(env_extra or {})}
     cmd = ([sys.executable, *args] if ranks == 1 else
            [LAUNCH, "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_port()),
             sys.executable, *args])
@@ -90,3 +92,49 @@ def test_a_batch_the_ranks_cannot_split_is_refused(tiny_model: Path, tmp_path: P
     text = run.stdout + run.stderr
     assert "batch_size=6 does not split over 4 ranks" in text
     assert "exited with code 2" in text and not (tmp_path / "out" / "adapters.safetensors").exists()
+
+
+OTHER_MLX_ON_RANK_1 = """import os, runpy, sys
+import mlx.core as mx
+if os.environ.get("MLX_RANK") == "1":
+    mx.__version__ = "0.0.1-other"  # as if that Mac had another MLX installed
+sys.argv = ["engine", *sys.argv[1:]]
+runpy.run_module("engine", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_ranks_on_different_mlx_versions_are_refused(tiny_model: Path, tmp_path: Path) -> None:
+    """Rank 1 reports another MLX: the ranks stop before training with one line naming
+    the rank that differs and the speaker's own versions (mixed versions would train
+    silently wrong or hang in a collective)."""
+    data = write_pairs_jsonl(uneven_pairs(12), tmp_path / "pairs.jsonl", split="train")
+    script = tmp_path / "other_mlx.py"
+    script.write_text(OTHER_MLX_ON_RANK_1)
+    run = train(tiny_model, data, tmp_path / "out", 2, program=(str(script),))
+    text = run.stdout + run.stderr
+    assert "ranks run different versions: rank(s) [1] differ from rank 0" in text, text[-2000:]
+    # Either rank may say it first; mlx.launch then stops the other (exit 2, or -15).
+    assert "exited with code 2" in text and "exited with code 0" not in text
+    assert not (tmp_path / "out" / "adapters.safetensors").exists()
+
+
+def test_a_hostfile_without_this_rank_is_refused_by_name(tiny_model: Path, tmp_path: Path
+                                                          ) -> None:
+    """A hostfile listing fewer ranks than MLX_RANK needs (a Mac left out of it), or a
+    malformed one, is one line naming the file, before MLX would hang waiting for it."""
+    from engine.distributed import check_hostfile
+
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"]]))
+    check_hostfile(str(hosts), "1")
+    with pytest.raises(ValueError, match=r"hosts.json: no entry for rank 2 \(it lists 2"):
+        check_hostfile(str(hosts), "2")
+    for bad in ('["127.0.0.1:5000"]', "[[]]", "{"):
+        hosts.write_text(bad)
+        with pytest.raises(ValueError, match="hosts.json"):
+            check_hostfile(str(hosts), "0")
+    hosts.write_text(json.dumps([["127.0.0.1:5000"]]))
+    data = write_pairs_jsonl(uneven_pairs(12), tmp_path / "pairs.jsonl", split="train")
+    run = train(tiny_model, data, tmp_path / "out", 1,
+                env_extra={"MLX_HOSTFILE": str(hosts), "MLX_RANK": "1"})
+    assert run.returncode == 2 and "no entry for rank 1 (it lists 1 rank(s))" in run.stderr
