@@ -125,3 +125,21 @@ def test_train_bench_never_writes_into_a_foreign_folder(tmp_path, capsys) -> Non
     assert [p.name for p in tmp_path.iterdir()] == ["thesis.txt"]
     assert main(["--pairs", "0"]) == 2
     assert "--pairs 0: must be at least 1" in capsys.readouterr().err
+
+
+
+def test_allreduce_cost_counts_lora_parameters_as_the_formula_does() -> None:
+    """docs/cluster.md's gradient bytes: r·(in + out) per adapted linear. Llama 3.1 8B,
+    q/k/v/o, r=16: 32 layers × 16 × (2·(4096 + 4096) + 2·(4096 + 1024)) = 13,631,488;
+    all linears add the MLP's 3 × 16 × (4096 + 14336) per layer."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "allreduce_cost.py"
+    spec = importlib.util.spec_from_file_location("allreduce_cost", path)
+    cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cost)
+    llama8b = cost.models()["Llama 3.1 8B"]
+    qkvo = 32 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024))
+    assert cost.lora_params(llama8b, cost.QKVO) == qkvo == 13_631_488
+    assert cost.lora_params(llama8b) == qkvo + 32 * 3 * 16 * (4096 + 14336)

@@ -131,7 +131,7 @@ def test_a_hostfile_without_this_rank_is_refused_by_name(tiny_model: Path, tmp_p
         check_hostfile(str(hosts), "2")
     for bad in ('["127.0.0.1:5000"]', "[[]]", "{"):
         hosts.write_text(bad)
-        with pytest.raises(ValueError, match="hosts.json"):
+        with pytest.raises(ValueError, match=r"hosts\.json"):
             check_hostfile(str(hosts), "0")
     hosts.write_text(json.dumps([["127.0.0.1:5000"]]))
     data = write_pairs_jsonl(uneven_pairs(12), tmp_path / "pairs.jsonl", split="train")
