@@ -100,8 +100,21 @@ def init_ranks() -> Ranks:
         return SINGLE
     on_metal = mx.default_device() == mx.gpu and not mx.cuda.is_available()
     ranks = Ranks(group, group.rank(), group.size(), mx.cpu if on_metal else None)
+    if mx.default_device() == mx.cpu and ranks.rank > 0:
+        own_jit_cache(ranks.rank)
     check_versions(ranks, versions())
     return ranks
+
+
+def own_jit_cache(rank: int) -> None:
+    """Point MLX's CPU kernel cache (``$TMPDIR/mlx/<version>/cpu``) at a folder of this
+    rank's own. Ranks on one host otherwise compile the same kernels into the same files at
+    once and one loads another's half-written library ("Could not load C++ shared library
+    ... invalid ELF header"), which then stays in the cache for every later process. The
+    folder is stable per rank, so its kernels are still compiled once."""
+    base = Path(os.environ.get("TMPDIR") or "/tmp") / f"pomona-rank-{rank}"
+    base.mkdir(parents=True, exist_ok=True)
+    os.environ["TMPDIR"] = str(base)
 
 
 def check_hostfile(path: str | None, rank: str | None) -> None:

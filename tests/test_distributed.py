@@ -71,8 +71,15 @@ def test_ranks_train_the_one_process_adapter(ranks: int, tiny_model: Path,
     data = write_pairs_jsonl(uneven_pairs(24), tmp_path / "pairs.jsonl", split="train")
     one = train(tiny_model, data, tmp_path / "one", 1)
     assert one.returncode == 0, one.stderr[-3000:]
+    caches = [Path(os.environ.get("TMPDIR") or "/tmp") / f"pomona-rank-{r}" / "mlx"
+              for r in range(1, ranks)]
+    for cache in caches:
+        shutil.rmtree(cache, ignore_errors=True)
     many = train(tiny_model, data, tmp_path / "many", ranks)
     assert many.returncode == 0, many.stderr[-3000:]
+    # Ranks > 0 compiled their CPU kernels into caches of their own (no half-written
+    # library of one rank loaded by another: engine/distributed.own_jit_cache).
+    assert all(cache.is_dir() for cache in caches)
     summary = json.loads((tmp_path / "many" / "summary.json").read_text())
     assert summary["world_size"] == ranks and summary["rank_pairs"] == [24 // ranks] * ranks
     assert losses(tmp_path / "many") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
