@@ -4,6 +4,10 @@
     python -m engine score --model DIR [--adapter DIR] --data PATH --out FILE.jsonl
 """
 
-from engine.cli import main
+from engine.blas import ensure_fast_blas
+
+ensure_fast_blas()  # Linux CPU: re-run with OpenBLAS preloaded (engine/blas.py)
+
+from engine.cli import main  # noqa: E402
 
 raise SystemExit(main())

@@ -339,7 +339,10 @@ def ui(
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point (on a Linux CPU, first OpenBLAS: engine/blas.py)."""
+    from engine.blas import ensure_fast_blas
+
+    ensure_fast_blas()
     app()
 
 
