@@ -54,11 +54,10 @@ class TrainConfig:
                            "step; 0 = off (docs/performance.md, Gemma 4).")
     inflight: int = _f(2, "Segments evaluated at once in the segmented backward: 1 = least "
                           "memory; 2 = the device runs one while Python builds the next "
-                          "(H200, 2k tokens: 1.6x faster, ~1.8x the activations).")
+                          "(faster, more activations: docs/performance.md).")
     prefix_share: str = _f("auto", "One forward over [prompt | chosen | rejected]: on, off, or "
-                                   "auto (on where the batch saves >= 25% of tokens with split "
-                                   "attention, 1/3 with the mask; on CUDA only split, from 4096 "
-                                   "fed tokens: measured faster there, slower at 2k).")
+                                   "auto (where it was measured faster: engine/layout_policy.py, "
+                                   "docs/performance.md).")
     prefix_attention: str = _f("auto", "Shared forward's attention: mask (block-sparse array), "
                                        "split (two fused causal calls; batch_size 1; on CUDA "
                                        "pad_multiple a multiple of 128) or auto (split for "
@@ -89,13 +88,10 @@ class TrainConfig:
     warm_start: str | None = _f(None, "Adapter directory to start the LoRA weights from.")
     verify: bool = _f(False, "Before training, check this path's loss and gradients "
                              "against the plain dense path on the first batch.")
-    memory_limit_gb: float = _f(0.0, "MLX's memory limit in GiB (mx.set_memory_limit); 0 = "
-                                     "MLX's default. Past it, evaluation waits for queued "
-                                     "GPU work to finish and free its buffers: peak stays "
-                                     "near what a step needs (Gemma 4 E4B, 4-bit, 8k on an "
-                                     "H200: 14.7 GiB at the default, 9.4 at 9.3; "
-                                     "docs/performance.md). A 16 GB Mac mini wants ~9. "
-                                     "A soft limit, never an error.")
+    memory_limit_gb: float = _f(0.0, "MLX's memory limit in GiB; past it, evaluation waits for "
+                                     "queued GPU work to free its buffers, so peak stays near "
+                                     "what a step needs (a 16 GB Mac mini: ~9; "
+                                     "docs/performance.md). 0 = MLX's default.")
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field (types, ranges, required paths)."""
