@@ -1,4 +1,5 @@
-"""Argument parsing for ``python -m engine`` (and ``pomona train``/``pomona score``).
+"""Argument parsing for ``python -m engine`` (and ``pomona train``/``pomona score``): argparse
+subparsers pick the command, and each command parses its own arguments.
 
 Options are generated from TrainConfig's fields, so the CLI, YAML and the dataclass can
 never disagree. Precedence: CLI > YAML (--config) > defaults.
@@ -129,23 +130,48 @@ def run_score(argv: list[str]) -> int:
     return 0
 
 
+USAGE = """Train, score or benchmark one adapter with no Prefect and no Ray.
+
+    python -m engine train --model DIR --data PATH --out DIR [--config YAML] [--steps N ...]
+    python -m engine score --model DIR [--adapter DIR] --data PATH --out FILE.jsonl
+    python -m engine bench memory|prefix|attention|profile|ops [...]
+
+Each command's --help lists its options."""
+COMMANDS = {"train": "Train one LoRA adapter (ORPO or SFT).",
+            "score": "Score preference pairs under a model (+ adapter).",
+            "bench": "Benchmark the engine's levers (memory, prefix, attention, profile, ops)."}
+BENCH_KINDS = {"memory": "Memory rows: plain, checkpointing, segment sizes, heads.",
+               "prefix": "Two forwards against the shared forward, per prompt:response ratio.",
+               "attention": "MLX's fused attention at query:key shapes.",
+               "profile": "Where one segmented step's time goes.",
+               "ops": "The attention block op by op."}
+
+
+def command_parser(prog: str, commands: dict[str, str],
+                   description: str | None = None) -> argparse.ArgumentParser:
+    """A parser that picks the subcommand; each subcommand parses its own arguments."""
+    p = OneLineParser(prog=prog, description=description,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="{" + ",".join(commands) + "}")
+    for name, help_ in commands.items():
+        sub.add_parser(name, help=help_, add_help=False)  # its --help is its own parser's
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": run_train, "score": run_score, "bench": run_bench}
-    if not argv or argv[0] not in commands:
-        asked = bool(argv) and argv[0] in ("-h", "--help")
-        print(__doc__ or "", "usage: python -m engine {train,score,bench} ... (each: --help)",
-              sep="\n", file=sys.stdout if asked else sys.stderr)
-        return 0 if asked else 2
-    return commands[argv[0]](argv[1:])
+    try:
+        args, rest = command_parser("python -m engine", COMMANDS, USAGE).parse_known_args(argv)
+    except SystemExit as done:  # --help (0) or a missing/unknown command (2): a return code
+        return int(done.code or 0)
+    return {"train": run_train, "score": run_score, "bench": run_bench}[args.command](rest)
 
 
 def run_bench(argv: list[str]) -> int:
     from engine import bench
 
-    if not argv or argv[0] not in ("memory", "prefix", "attention", "profile", "ops"):
-        asked = bool(argv) and argv[0] in ("-h", "--help")
-        print("usage: python -m engine bench {memory,prefix,attention,profile,ops} [--help]",
-              file=sys.stdout if asked else sys.stderr)
-        return 0 if asked else 2
-    return bench.main(argv[1:], argv[0])
+    try:
+        args, rest = command_parser("python -m engine bench", BENCH_KINDS).parse_known_args(argv)
+    except SystemExit as done:
+        return int(done.code or 0)
+    return bench.main(rest, args.command)
