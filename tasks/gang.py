@@ -122,6 +122,8 @@ def run_gang(runner: Any, trial: TrialRun, attempt: int, first: float) -> Summar
         return _wait_all(runner, trial, refs, attempt, first)
     except ray.exceptions.RayActorError as err:
         return _lost(runner, trial, attempt, first, err)
+    except ray.exceptions.RayError as err:  # e.g. an argument that would not unpickle
+        return _failed(trial, f"{type(err).__name__}: {err}"[:500], first, attempt)
     finally:
         with runner.lock:
             runner.live.pop(trial.id, None)
