@@ -13,7 +13,6 @@ relative (float32; the paths reorder attention and logsumexp sums only).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,40 +24,16 @@ from engine import segmented
 from engine.arch import make_stack
 from engine.arch.check import check_length, check_stack
 from engine.arch.stack import Stack
-from engine.batch import Pair, batch_norms, make_batch
+from engine.batch import batch_norms, make_batch
 from engine.losses import LossSpec, pair_loss
-from engine.model import LoraSpec, attach_lora, checked_stack, lora_modules
+from engine.model import checked_stack, lora_modules
 from engine.prefix import split_prefix_batch
 from engine.segmented import plain_value_and_grad, value_and_grad
-from tasks.model_factory import ModelSpec, init_model
-from tests.test_segmented import assert_same
+from tasks.model_factory import init_model
+from tests.family_specs import BASE, MOE, SPECS, WINDOW, family_pairs
+from tests.parity import assert_same, with_lora
 
 pytestmark = pytest.mark.integration
-
-WINDOW = 16
-SEQ = 3 * WINDOW + 8  # every two-forward row is at least this long
-BASE = ModelSpec(layers=4, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=512)
-SPECS = {  # pomona model init --arch A, with each family's hard features switched on
-    "llama": replace(BASE, rope_scaling="llama3", window=WINDOW),
-    "mistral": replace(BASE, arch="mistral", window=WINDOW),
-    "qwen2": replace(BASE, arch="qwen2"),
-    "qwen3": replace(BASE, arch="qwen3"),
-    "phi3": replace(BASE, arch="phi3"),
-    "minicpm": replace(BASE, arch="minicpm"),
-    # max_position 1024: Llama-4 query scaling starts at position 16, inside the test rows
-    "ministral3": replace(BASE, arch="ministral3", window=WINDOW, max_position=1024),
-    "gemma3_text": replace(BASE, arch="gemma3_text", layers=6, window=WINDOW),
-    # 12 layers, 5:1 → full layers 5 and 11; the last 4 share K/V: donors 7 (sliding, read
-    # by 8, 9, 10) and 5 (full, read by 11)
-    "gemma4_text": replace(BASE, arch="gemma4_text", layers=12, window=WINDOW,
-                           kv_shared_layers=4, ple=16),
-}
-MOE = {
-    "qwen3_moe": replace(BASE, arch="qwen3_moe", experts=4),
-    "gemma4_moe": replace(SPECS["gemma4_text"], experts=4),
-    "gemma4": replace(SPECS["gemma4_text"], arch="gemma4"),  # multimodal checkpoint
-}
-
 
 @pytest.fixture(scope="session")
 def family_dir(tmp_path_factory: pytest.TempPathFactory):
@@ -77,23 +52,6 @@ def lora_family(path: Path, keys: tuple[str, ...] | None = None):
     """The model with LoRA (non-zero B, so A gets gradients too) and its checked stack."""
     model, _ = mlx_lm.load(str(path))
     return with_lora(model, keys), checked_stack(model)
-
-
-def with_lora(model, keys: tuple[str, ...] | None = None):
-    """``model`` with LoRA attached and B drawn non-zero (so A gets gradients too)."""
-    attach_lora(model, LoraSpec(rank=4, scale=2.0, keys=keys), seed=0)
-    rng = np.random.default_rng(7)
-    for _, m in lora_modules(model):
-        m.lora_b = mx.array(rng.normal(0, 0.05, m.lora_b.shape).astype(np.float32))
-    return model
-
-
-def family_pairs(n: int, seed: int) -> list[Pair]:
-    """Ragged pairs whose every sequence is at least SEQ tokens (prompt ≥ 40)."""
-    rng = np.random.default_rng(seed)
-    ids = lambda k: rng.integers(5, BASE.vocab, k).tolist()  # noqa: E731
-    return [Pair(f"p{seed}-{i}", ids(40 + 5 * i), ids(SEQ - 40 + 3 * i), ids(SEQ - 38 + i))
-            for i in range(n)]
 
 
 def loss_fn(batch, spec: LossSpec):

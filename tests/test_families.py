@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from engine.data import write_pairs_jsonl
 from flows.cli import app
-from tests.test_arch import MOE, SPECS, family_pairs
+from tests.family_specs import MOE, SPECS, family_pairs
 
 pytestmark = pytest.mark.integration
 runner = CliRunner()

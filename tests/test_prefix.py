@@ -17,7 +17,7 @@ from engine.losses import LossSpec, pair_loss
 from engine.prefix import PrefixBatch, split_prefix_batch
 from engine.segmented import value_and_grad
 from tests.pairs import tokenized_pairs
-from tests.test_segmented import assert_same, lora_model
+from tests.parity import assert_same, lora_model
 
 pytestmark = pytest.mark.integration
 

@@ -1,7 +1,8 @@
 """Every memory lever against plain autograd: same loss, same LoRA gradients.
 
-Tolerance: max |g − g_plain| ≤ 1e-5 · max |g_plain| per tensor, loss to 1e-6 relative
-(float32; the segmented path reorders no sums, the bounded head reorders logsumexp only).
+Tolerance (tests/parity.py): max |g − g_plain| ≤ 1e-5 · max |g_plain| per tensor, loss to
+1e-6 relative (float32; the segmented path reorders no sums, the bounded head reorders
+logsumexp only).
 """
 
 from __future__ import annotations
@@ -10,32 +11,16 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx_lm
-import numpy as np
 import pytest
 
-from engine.arch import make_stack
-from engine.arch.check import check_stack
 from engine.batch import Pair, batch_norms, make_batch
 from engine.losses import LossSpec, pair_loss
-from engine.model import LoraSpec, attach_lora, lora_modules
+from engine.model import lora_modules
 from engine.segmented import segment_ranges, value_and_grad
 from tests.pairs import tokenized_pairs
+from tests.parity import assert_same, lora_model
 
 pytestmark = pytest.mark.integration
-GRAD_RTOL, LOSS_RTOL = 1e-5, 1e-6
-
-
-def lora_model(path: Path, dropout: float = 0.0, num_layers: int = -1):
-    model, _ = mlx_lm.load(str(path))
-    attach_lora(model, LoraSpec(rank=4, scale=2.0, dropout=dropout, num_layers=num_layers),
-                seed=0)
-    rng = np.random.default_rng(7)  # non-zero B, so lora_a gets a gradient too
-    for _, m in lora_modules(model):
-        m.lora_b = mx.array(rng.normal(0, 0.05, m.lora_b.shape).astype(np.float32))
-    stack = make_stack(model)
-    check_stack(model, stack)
-    return model, stack
 
 
 def run(model, stack, batch, spec, k=0, chunk=0, inflight=2):
@@ -43,20 +28,6 @@ def run(model, stack, batch, spec, k=0, chunk=0, inflight=2):
     resp, nll = mx.array(batch.resp_mask), mx.array(batch.nll_mask)
     return value_and_grad(model, stack, batch, lambda lp: pair_loss(lp, resp, nll, spec, norms),
                           k, chunk, inflight)
-
-
-def assert_same(got, ref) -> None:
-    loss, metrics, grads = got
-    ref_loss, ref_metrics, ref_grads = ref
-    assert set(grads) == set(ref_grads) and len(grads) > 0
-    assert float(loss) == pytest.approx(float(ref_loss), rel=LOSS_RTOL)
-    for k in ref_metrics:
-        assert float(metrics[k]) == pytest.approx(float(ref_metrics[k]), rel=1e-5, abs=1e-6)
-    for name, g in ref_grads.items():
-        scale = float(mx.abs(g).max())
-        assert scale > 0, f"{name}: zero reference gradient makes the test vacuous"
-        err = float(mx.abs(grads[name] - g).max())
-        assert err <= GRAD_RTOL * scale, f"{name}: {err:.3g} > {GRAD_RTOL} × {scale:.3g}"
 
 
 def test_segment_ranges_are_contiguous_and_ragged() -> None:

@@ -1,0 +1,56 @@
+"""Test helper: the parity check every optimised path is held to, and the LoRA models it
+runs on (B drawn non-zero, so A gets gradients too).
+
+Tolerance: max |g − g_ref| ≤ 1e-5 · max |g_ref| per tensor; loss to 1e-6 and metrics to
+1e-5 relative (float32: the paths reorder sums only).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+
+from engine.arch import make_stack
+from engine.arch.check import check_stack
+from engine.model import LoraSpec, attach_lora, lora_modules
+
+GRAD_RTOL, LOSS_RTOL = 1e-5, 1e-6
+
+
+def with_lora(model, keys: tuple[str, ...] | None = None, dropout: float = 0.0,
+              num_layers: int = -1):
+    """``model`` with LoRA attached and B drawn non-zero (so A gets gradients too)."""
+    attach_lora(model, LoraSpec(rank=4, scale=2.0, dropout=dropout, keys=keys,
+                                num_layers=num_layers), seed=0)
+    rng = np.random.default_rng(7)
+    for _, m in lora_modules(model):
+        m.lora_b = mx.array(rng.normal(0, 0.05, m.lora_b.shape).astype(np.float32))
+    return model
+
+
+def lora_model(path: Path, dropout: float = 0.0, num_layers: int = -1):
+    """The model at ``path`` with LoRA (``with_lora``) and its checked stack."""
+    model, _ = mlx_lm.load(str(path))
+    with_lora(model, dropout=dropout, num_layers=num_layers)
+    stack = make_stack(model)
+    check_stack(model, stack)
+    return model, stack
+
+
+def assert_same(got, ref) -> None:
+    """(loss, metrics, grads) of a path against the reference's, at the tolerances above."""
+    loss, metrics, grads = got
+    ref_loss, ref_metrics, ref_grads = ref
+    assert set(grads) == set(ref_grads) and len(grads) > 0
+    assert float(loss) == pytest.approx(float(ref_loss), rel=LOSS_RTOL)
+    for k in ref_metrics:
+        assert float(metrics[k]) == pytest.approx(float(ref_metrics[k]), rel=1e-5, abs=1e-6)
+    for name, g in ref_grads.items():
+        scale = float(mx.abs(g).max())
+        assert scale > 0, f"{name}: zero reference gradient makes the test vacuous"
+        err = float(mx.abs(grads[name] - g).max())
+        assert err <= GRAD_RTOL * scale, f"{name}: {err:.3g} > {GRAD_RTOL} × {scale:.3g}"
