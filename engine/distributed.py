@@ -138,10 +138,11 @@ def check_hostfile(path: str | None, rank: str | None) -> None:
 
 
 def versions() -> str:
-    """What every rank must run alike: MLX and mlx-lm."""
-    from importlib.metadata import version
+    """What every rank must run alike: MLX and mlx-lm (a source checkout too: no
+    package metadata needed)."""
+    import mlx_lm
 
-    return f"mlx {mx.__version__}, mlx-lm {version('mlx-lm')}"
+    return f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}"
 
 
 def check_versions(ranks: Ranks, mine: str) -> None:
