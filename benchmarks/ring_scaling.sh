@@ -12,6 +12,10 @@ work="${1:-/tmp/ring-scaling}"
 py="${PYTHON:-.venv/bin/python}"
 launch="$(dirname "$py")/mlx.launch"
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+if [ -e "$work" ] && [ ! -f "$work/bench_train.json" ] && [ -n "$(ls -A "$work")" ]; then
+  echo "error: $work: not empty and not this benchmark's folder; give an empty or new one" >&2
+  exit 2
+fi
 if [ ! -d "$work/model" ]; then
   "$py" -m tasks.train_bench --seq 256 --pairs 4 --layers 8 --hidden 512 --heads 8 \
     --kv-heads 4 --intermediate 1408 --vocab 1024 --dtype float32 --steps 1 --warmup 0 \
@@ -29,6 +33,7 @@ rm -rf "$work/one-all" "$work/one-1" "$work/ring-2"
 echo "1 process, all cores:       $(median "$work/one-all") tokens/s"
 OPENBLAS_NUM_THREADS=1 "$py" "${args[@]}" --out "$work/one-1" > /dev/null 2>&1
 echo "1 process, 1 thread:        $(median "$work/one-1") tokens/s"
-OPENBLAS_NUM_THREADS=1 "$launch" -n 2 --backend ring --starting-port 47311 \
+port=$("$py" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+OPENBLAS_NUM_THREADS=1 "$launch" -n 2 --backend ring --starting-port "$port" \
   "$py" "${args[@]}" --out "$work/ring-2" > /dev/null 2>&1
 echo "2 ring ranks, 1 thread each: $(median "$work/ring-2") tokens/s"
