@@ -8,7 +8,8 @@
 #   # (through the device tool, whose $OUT returns 8 files: OUT_DIR=/tmp/r, then
 #   #  tar czf $OUT/results.tgz -C /tmp/r .)
 #
-# Sections: ops (attention block by op, 4k and 8k), engine-8k|engine-4k|engine-2k (memory
+# Sections: ops (attention block by op, 4k and 8k), batch (split layouts of 1-8 pairs a
+# micro-batch against two forwards), profile-2k, engine-8k|engine-4k|engine-2k (memory
 # rows and prefix rows at segment sizes 0/1/2/4), q4 (a 4-bit base), gemma4 (Gemma 4 E4B's
 # text decoder at 8k, 4-bit and bf16: plain, checkpoint, seg1, seg2, seg1p), train (the real
 # trainer end to end beside TRL: pomona bench train --trl), trl (ORPOTrainer +
@@ -62,6 +63,17 @@ for section in "${@:1:$#-1}"; do
       g4 4 8192 seg1p seg1p:1 seg1 seg2 checkpoint plain
       g4 0 8192 seg1p seg1 seg2 checkpoint plain
       g4 0 2048 plain checkpoint seg1 seg1p ;;
+    batch)  # split layouts of several pairs a micro-batch against two forwards (issue 15)
+      for shape in "1024 8" "1024 4" "2048 2" "2048 1" "4096 1"; do
+        set -- $shape
+        mlx prefix $B --seq "$1" --pairs "$2" --repeats 5 --segment-size 1 --json \
+          --rows "two_forward@4:1,shared@4:1" > "$out/batch_$1x$2.json" \
+          || echo "batch $1x$2 failed" >&2
+      done ;;
+    profile-2k)  # where the 2k split step's time goes, against two forwards (issue 15)
+      mlx profile $B --seq 2048 --segment-size 1 --repeats 5 --json > "$out/profile_2k_two.json"
+      mlx profile $B --seq 2048 --segment-size 1 --repeats 5 --prefix --json \
+        > "$out/profile_2k_split.json" ;;
     train)  # the real trainer end to end beside TRL (issue 15): one pair at 2k/4k/8k, 8 x 1k
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/trl .trlwhl/*.whl
       for shape in "2048 1" "4096 1" "8192 1" "1024 8"; do

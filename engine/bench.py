@@ -166,7 +166,7 @@ def _prefix_fn(path: str, ratio: str, model, stack, a: argparse.Namespace):
     r = a.seq - p + 1
     rng = np.random.default_rng(0)
     ids = lambda n: rng.integers(10, a.vocab, n).tolist()  # noqa: E731
-    pairs = [Pair("bench", ids(p), ids(r), ids(r))]
+    pairs = [Pair(f"bench{i}", ids(p), ids(r), ids(r)) for i in range(a.pairs)]
     pad = resolve_pad_multiple(a.pad_multiple)
     two = make_batch(pairs, "full", pad)
     attention = "mask" if path == "shared_mask" else "split"
@@ -177,7 +177,8 @@ def _prefix_fn(path: str, ratio: str, model, stack, a: argparse.Namespace):
     fn = lambda: value_and_grad(model, stack, batch,  # noqa: E731
                                 lambda lp: pair_loss(lp, resp, nll, spec, norms),
                                 a.segment_size, a.head_chunk, a.inflight)
-    return fn, {"ratio": ratio, "path": path, "prompt_tokens": p, "response_tokens": 2 * r}
+    return fn, {"ratio": ratio, "path": path, "pairs": a.pairs, "prompt_tokens": p,
+                "response_tokens": 2 * r}
 
 
 def _attention_row(shape: str, a: argparse.Namespace) -> dict[str, Any]:
@@ -283,6 +284,7 @@ def parser() -> argparse.ArgumentParser:
                         "default).")
     p.add_argument("--rows", default="", help="Only these rows (comma-separated names).")
     p.add_argument("--ratios", default="1:1,4:1,16:1", help="prefix: prompt:response ratios.")
+    p.add_argument("--pairs", type=int, default=1, help="prefix: pairs per micro-batch.")
     p.add_argument("--segment-size", type=int, default=0,
                    help="prefix: engine segment size; profile: the one profiled (0 = 1).")
     p.add_argument("--pad-multiple", type=int, default=-1,
@@ -403,7 +405,7 @@ def parse(argv: list[str], kind: str = "memory") -> argparse.Namespace:
     if a.preset:
         vars(a).update(PRESETS[a.preset])
     for name in ("layers", "hidden", "heads", "kv_heads", "vocab", "repeats", "inflight",
-                 "window"):
+                 "window", "pairs"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: must be at least 1")
     for name in ("head_chunk", "mlp_chunk", "segment_size", "ple", "head_dim", "intermediate",

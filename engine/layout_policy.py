@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from engine.batch import PairBatch, make_batch
 from engine.config import TrainConfig, check_choice
-from engine.prefix import PrefixBatch, split_prefix_batch, uses_split
+from engine.prefix import PrefixBatch, split_prefix_batch
 
 
 def resolve_pad_multiple(pad_multiple: int) -> int:
@@ -49,29 +49,34 @@ def choose_layout(pairs: list, cfg: TrainConfig, pad_multiple: int, pad_id: int
                   ) -> PairBatch | PrefixBatch:
     """The shared layout where ``cfg.prefix_share`` asks for it and it applies.
 
-    auto takes it where it saves enough tokens: split attention (one-row micro-batches)
-    from 25% (CPU: gains from 1:1 prompt:response), the array mask from 1/3 (its attention
-    computes masked blocks too). On CUDA auto never takes the mask (it leaves MLX's fused
-    attention) and takes split only from CUDA_SPLIT_MIN_TOKENS fed tokens, where it was
-    measured faster.
+    auto takes it where it saves enough of the padded tokens: split attention from 25%
+    (CPU: gains from 1:1 prompt:response), else the array mask from 1/3 (its attention
+    computes masked blocks too; it wins where prompts are too ragged for one split
+    geometry). On CUDA auto never takes the mask (it leaves MLX's fused attention), and
+    split only from CUDA_SPLIT_MIN_TOKENS tokens a micro-batch.
     """
     two = make_batch(pairs, cfg.nll_span, pad_multiple, pad_id)
     if cfg.prefix_share == "off":
         return two
     attention = resolve_prefix_attention(cfg.prefix_attention, pad_multiple)
-    cuda_auto = cfg.prefix_share == "auto" and is_cuda()
-    if cuda_auto and not uses_split(attention, len(pairs)):
-        return two  # the [B, 1, L, L] mask is not even built
-    shared = split_prefix_batch(pairs, cfg.nll_span, pad_multiple, pad_id,
-                                attention=attention, two=two)
-    if shared is None:
-        return two  # counted: prefix_share_rate falls
     if cfg.prefix_share == "on":
-        return shared
-    if cuda_auto and shared.inputs.shape[1] < CUDA_SPLIT_MIN_TOKENS:
-        return two
-    needed = 0.25 if shared.split is not None else 1 / 3
-    return two if shared.fed > (1 - needed) * two.tokens else shared
+        kind = "split" if attention == "auto" else attention
+        return split_prefix_batch(pairs, cfg.nll_span, pad_multiple, pad_id,
+                                  attention=kind, two=two) or two  # None: counted
+    kinds = [k for k in ("split", "mask") if attention in (k, "auto")]
+    if is_cuda():
+        kinds = [k for k in kinds if k == "split"]  # the [B, 1, L, L] mask is not even built
+    for kind in kinds:
+        shared = split_prefix_batch(pairs, cfg.nll_span, pad_multiple, pad_id,
+                                    attention=kind, two=two)
+        if shared is None:
+            return two  # counted: prefix_share_rate falls
+        if is_cuda() and shared.inputs.size < CUDA_SPLIT_MIN_TOKENS:
+            return two
+        needed = 0.25 if kind == "split" else 1 / 3
+        if shared.inputs.size <= (1 - needed) * two.inputs.size:
+            return shared
+    return two
 
 
 def scoring_layout(prefix_share: str, pad_id: int) -> Callable[[list], PairBatch | PrefixBatch]:

@@ -9,9 +9,10 @@ tokens take P_i … P_i+Rr_i−1 as if they followed the prompt — each attenti
 twice, at offset 0 and at offset −Rc_i (MLX's rope takes per-row offsets), and a select
 keeps the right one per token. No model code is forked.
 
-A one-row micro-batch can instead use split attention (``SplitAttention``): two fused
-causal calls per layer and no array mask, in a layout whose lengths are all multiples of
-``pad_multiple`` — what MLX's fused attention on CUDA needs, forward and backward.
+A micro-batch can instead use split attention (``SplitAttention``): two fused causal
+calls per layer and no array mask, in a layout whose lengths are all multiples of
+``pad_multiple`` — what MLX's fused attention on CUDA needs, forward and backward. Its
+rows share one geometry: prompt tails past the shortest prompt run in both branches.
 
 After the last layer the concatenation's hidden states are gathered into the two-forward
 layout ([2B, T], ``engine/batch.py``): the first response token of both branches is
@@ -64,11 +65,6 @@ def pair_batch(batch: PairBatch | PrefixBatch) -> PairBatch:
     return batch.pairs if isinstance(batch, PrefixBatch) else batch
 
 
-def uses_split(attention: str, rows: int) -> bool:
-    """Whether ``attention`` (mask | split | auto) lays ``rows`` pairs out for split."""
-    return attention == "split" or (attention == "auto" and rows == 1)
-
-
 def _row_mask(p: int, rc: int, rr: int, width: int) -> np.ndarray:
     m = np.zeros((width, width), bool)
     n = p + rc + rr
@@ -83,26 +79,26 @@ def _row_mask(p: int, rc: int, rr: int, width: int) -> np.ndarray:
 def split_prefix_batch(pairs: Sequence[Pair], nll_span: str = "full",
                        pad_multiple: int = 0, pad_id: int = 0,
                        prompts: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
-                       attention: str = "auto", two: PairBatch | None = None
+                       attention: str = "split", two: PairBatch | None = None
                        ) -> PrefixBatch | None:
     """The shared layout of ``pairs``, or None when any row's two prompts differ.
 
     ``prompts`` optionally gives each row's (chosen-branch, rejected-branch) prompt tokens
     when they were tokenized apart; Pomona's datasets share ``prompt_ids`` by
     construction, so only foreign data can fall back. ``two``: the pairs' two-forward
-    batch when the caller has built it already. ``attention``: "mask" (block-sparse
-    array, any rows), "split" (SplitAttention, one row) or "auto" (split for one row).
+    batch when the caller has built it already. ``attention``: "split"
+    (SplitAttention) or "mask" (a block-sparse array).
     """
     if prompts is not None and any(list(a) != list(b) for a, b in prompts):
         return None
     if any(len(p.prompt) == 0 for p in pairs):
         return None
     two = two or make_batch(pairs, nll_span, pad_multiple, pad_id)
-    if uses_split(attention, len(pairs)):
-        if len(pairs) != 1:
-            raise ValueError("split attention needs a one-row micro-batch (batch_size 1)")
-        return _split_layout(pairs[0], two, pad_multiple, pad_id)
-    return _mask_layout(pairs, two, pad_multiple, pad_id)
+    if attention == "mask":
+        return _mask_layout(pairs, two, pad_multiple, pad_id)
+    if attention != "split":
+        raise ValueError(f"attention={attention!r}: split or mask")
+    return _split_layout(pairs, two, pad_multiple, pad_id)
 
 
 def _mask_layout(pairs: Sequence[Pair], two: PairBatch, pad_multiple: int, pad_id: int
@@ -131,38 +127,47 @@ def _mask_layout(pairs: Sequence[Pair], two: PairBatch, pad_multiple: int, pad_i
     return PrefixBatch(two, tokens, mask, rejected, shift, gather, fed=sum(lengths))
 
 
-def _split_layout(pr: Pair, two: PairBatch, pad_multiple: int, pad_id: int) -> PrefixBatch:
-    """One row in SplitAttention's layout (its docstring), aligned to ``pad_multiple``.
+def _split_layout(pairs: Sequence[Pair], two: PairBatch, pad_multiple: int, pad_id: int
+                  ) -> PrefixBatch:
+    """Rows in SplitAttention's layout (its docstring), one geometry for all of them.
 
+    ``shared`` is the shortest prompt rounded down to ``pad_multiple``; the rest of each
+    prompt runs in both branches, and each branch is right-padded to the batch's longest,
+    so every row cuts at the same places and attention stays two batched fused calls.
     Each branch's last token is only ever a target, so it is not fed: at 8k tokens that
     keeps the chosen branch at 8192 rather than one token into another 128-block.
     """
-    p = len(pr.prompt)
-    shared = p if pad_multiple <= 1 else p // pad_multiple * pad_multiple
-    tail = list(pr.prompt[shared:])  # runs in both branches (< pad_multiple tokens)
-    chosen, rejected_ = [*tail, *pr.chosen][:-1], [*tail, *pr.rejected][:-1]
-    c, r = len(chosen), len(rejected_)
+    m = max(pad_multiple, 1)
+    shared = min(len(p.prompt) for p in pairs) // m * m
+    branches = [([*p.prompt[shared:], *p.chosen][:-1], [*p.prompt[shared:], *p.rejected][:-1])
+                for p in pairs]
+    c = max(len(ch) for ch, _ in branches)
+    r = max(len(rj) for _, rj in branches)
     first = round_up(shared + c, pad_multiple)
     width = first + round_up(r, pad_multiple)
-    tokens = np.full((1, width), pad_id, np.int32)
-    tokens[0, : shared + c] = [*pr.prompt[:shared], *chosen]
-    tokens[0, first : first + r] = rejected_
-    rejected = np.zeros((1, width), bool)
-    rejected[0, first : first + r] = True
-    gather = np.zeros((2, two.inputs.shape[1]), np.int32)
-    gather[0, : shared + c] = np.arange(shared + c)
-    gather[1, :shared] = np.arange(shared)
-    gather[1, shared : shared + r] = first + np.arange(r)
+    b = len(pairs)
+    tokens = np.full((b, width), pad_id, np.int32)
+    rejected = np.zeros((b, width), bool)
+    gather = np.zeros((2 * b, two.inputs.shape[1]), np.int32)
+    for i, (pr, (ch, rj)) in enumerate(zip(pairs, branches, strict=True)):
+        base = i * width
+        tokens[i, : shared + len(ch)] = [*pr.prompt[:shared], *ch]
+        tokens[i, first : first + len(rj)] = rj
+        rejected[i, first : first + len(rj)] = True
+        gather[i, : shared + len(ch)] = base + np.arange(shared + len(ch))
+        gather[b + i, :shared] = base + np.arange(shared)
+        gather[b + i, shared : shared + len(rj)] = base + first + np.arange(len(rj))
     # The rejected branch's token at concat j sits at position j − first + shared.
-    shift = np.array([shared - first], np.int32)
-    return PrefixBatch(two, tokens, None, rejected, shift, gather, fed=shared + c + r,
+    shift = np.full(b, shared - first, np.int32)
+    fed = sum(shared + len(ch) + len(rj) for ch, rj in branches)
+    return PrefixBatch(two, tokens, None, rejected, shift, gather, fed=fed,
                        split=SplitAttention(shared, first, c, r))
 
 
 class _RopeState:
     shift: mx.array | None = None  # [B] offsets for rejected tokens
     select: mx.array | None = None  # [B, 1, L, 1] True where the token is rejected
-    split: SplitAttention | None = None  # one row: the rejected branch is a suffix
+    split: SplitAttention | None = None  # split layout: the rejected branch is a suffix
 
 
 class PrefixRope(nn.Module):
@@ -273,9 +278,9 @@ def from_pair_layout(cot: mx.array, batch: PrefixBatch) -> mx.array:
         return flat.reshape(b, length, width)
     s, c, r, _ = _spans(batch)
     a = batch.split.first
-    parts = [cot[:1, :s] + cot[1:, :s], cot[:1, s : s + c],
-             mx.zeros((1, a - s - c, width), cot.dtype), cot[1:, s : s + r],
-             mx.zeros((1, length - a - r, width), cot.dtype)]
+    parts = [cot[:b, :s] + cot[b:, :s], cot[:b, s : s + c],
+             mx.zeros((b, a - s - c, width), cot.dtype), cot[b:, s : s + r],
+             mx.zeros((b, length - a - r, width), cot.dtype)]
     return mx.concatenate(parts, axis=1)
 
 

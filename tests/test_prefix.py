@@ -37,7 +37,7 @@ def test_shared_equals_two_forwards(fixture: str, n: int, span: str, request) ->
     model, stack = lora_model(path)
     pairs = tokenized_pairs(path, n, seed=5 + n)  # ragged prompts and responses
     two = make_batch(pairs, span)
-    shared = split_prefix_batch(pairs, span)
+    shared = split_prefix_batch(pairs, span, attention="mask")
     assert shared is not None and shared.fed < two.tokens
     spec = LossSpec("orpo", 0.3, span)
     ref = run(model, stack, two, two, spec)
@@ -50,7 +50,7 @@ def test_rope_positions_and_mask_really_matter(tiny_model: Path) -> None:
     model, stack = lora_model(tiny_model)
     pairs = tokenized_pairs(tiny_model, 2, seed=9)
     two = make_batch(pairs, "full")
-    shared = split_prefix_batch(pairs, "full")
+    shared = split_prefix_batch(pairs, "full", attention="mask")
     spec = LossSpec()
     ref_result = run(model, stack, two, two, spec)
     ref = float(ref_result[0])
@@ -94,9 +94,23 @@ def test_split_attention_equals_two_forwards(fixture: str, pad: int, request) ->
     masked = split_prefix_batch(pairs, "full", pad_multiple=pad, attention="mask")
     assert masked.mask is not None
     assert_same(run(model, stack, masked, masked.pairs, spec), ref)
-    with pytest.raises(ValueError, match="one-row"):
-        bad = split_prefix_batch(tokenized_pairs(path, 2, seed=1), attention="split")
-        run(model, stack, bad, bad.pairs, spec)
+
+
+@pytest.mark.parametrize("pad", [1, 16])
+def test_batched_split_rows_share_one_geometry_and_equal_two_forwards(tiny_model: Path,
+                                                                      pad: int) -> None:
+    """Ragged rows in one split layout: the shortest prompt sets the shared part, the
+    other prompts' tails run in both branches; loss and grads as two forwards."""
+    model, stack = lora_model(tiny_model)
+    pairs = tokenized_pairs(tiny_model, 3, seed=13)
+    assert len({len(p.prompt) for p in pairs}) > 1
+    two = make_batch(pairs, "full")
+    ref = run(model, stack, two, two, LossSpec())
+    shared = split_prefix_batch(pairs, "full", pad_multiple=pad, attention="split")
+    assert shared.inputs.shape[0] == 3 and shared.mask is None
+    assert shared.split.shared == min(len(p.prompt) for p in pairs) // pad * pad
+    for k, chunk in ((0, 0), (1, 16), (2, 0)):
+        assert_same(run(model, stack, shared, shared.pairs, LossSpec(), k, chunk), ref)
 
 
 def test_cuda_takes_split_attention_only_when_aligned(monkeypatch) -> None:
@@ -155,8 +169,9 @@ def test_split_attention_with_an_aligned_prompt_and_a_tiny_response(tiny_model: 
 
 @pytest.mark.unit
 def test_cuda_auto_takes_aligned_split_from_4k_tokens(monkeypatch) -> None:
-    """auto on CUDA: split where measured faster (≥ 4096 fed tokens), two forwards below,
-    never the array mask; CPU keeps the token-saving rule."""
+    """auto on CUDA: split where measured faster (≥ 4096 tokens a micro-batch), two
+    forwards below, never the array mask; CPU: split, else the mask, where it saves enough
+    of the padded tokens."""
     from engine import layout_policy as policy
     from engine.config import TrainConfig
 
@@ -165,12 +180,17 @@ def test_cuda_auto_takes_aligned_split_from_4k_tokens(monkeypatch) -> None:
 
     cfg = TrainConfig(prefix_share="auto")
     long, short = [pair(4 * 1640)], [pair(4 * 410)]  # ~8k and ~2k tokens per sequence
-    assert isinstance(policy.choose_layout(short, cfg, 1, 0), PrefixBatch)  # CPU
+    assert policy.choose_layout(short * 2, cfg, 1, 0).split is not None  # CPU: split first
+    ragged = [Pair("a", [3] * 4, [5, 5], [6, 6]), Pair("b", [4] * 100, [5, 5], [6, 6])]
+    assert policy.choose_layout(ragged, cfg, 1, 0).mask is not None  # tails cost too much
+    long_answers = [Pair("c", [3] * 4, [5] * 40, [6] * 40)]
+    assert not isinstance(policy.choose_layout(long_answers, cfg, 1, 0), PrefixBatch)
     monkeypatch.setattr(policy, "is_cuda", lambda: True)
     assert isinstance(policy.choose_layout(long, cfg, 128, 0), PrefixBatch)
     assert policy.choose_layout(long, cfg, 128, 0).split is not None
     assert not isinstance(policy.choose_layout(short, cfg, 128, 0), PrefixBatch)
-    assert not isinstance(policy.choose_layout(long * 2, cfg, 128, 0), PrefixBatch)  # mask
+    assert policy.choose_layout(long * 2, cfg, 128, 0).split is not None  # rows: split too
+    assert policy.choose_layout(short * 4, cfg, 128, 0).split is not None  # 4 × 2k tokens
     on = TrainConfig(prefix_share="on")
     assert isinstance(policy.choose_layout(short, on, 128, 0), PrefixBatch)
 
@@ -178,21 +198,27 @@ def test_cuda_auto_takes_aligned_split_from_4k_tokens(monkeypatch) -> None:
 @pytest.mark.unit
 @pytest.mark.parametrize("p", [5, 16, 37])
 def test_split_layout_slices_match_the_gather_and_its_scatter(p: int) -> None:
-    """to_pair_layout / from_pair_layout by slices == by the gather index (and scatter-add)."""
+    """to_pair_layout / from_pair_layout by slices == by the gather index (and scatter-add),
+    for ragged rows (prompts p and p + 11, responses of different lengths)."""
     from engine.prefix import from_pair_layout, to_pair_layout
 
-    pair = Pair("x", list(range(3, 3 + p)), [7] * 9, [8] * 4)
-    b = split_prefix_batch([pair], "full", 8, attention="split")
-    length, t = b.inputs.shape[1], b.gather.shape[1]
-    h = mx.random.normal((1, length, 6), key=mx.random.key(p))
-    by_index = h.reshape(length, 6)[mx.array(b.gather)]
-    live = np.zeros((2, t, 1), np.float32)  # positions the loss reads; pads get no cotangent
-    live[0, : p + 9 - 1] = live[1, : p + 4 - 1] = 1
+    pairs = [Pair("x", list(range(3, 3 + p)), [7] * 9, [8] * 4),
+             Pair("y", list(range(4, 15 + p)), [7] * 2, [8] * 13)]
+    b = split_prefix_batch(pairs, "full", 8, attention="split")
+    rows, length = b.inputs.shape
+    t = b.gather.shape[1]
+    h = mx.random.normal((rows, length, 6), key=mx.random.key(p))
+    by_index = h.reshape(rows * length, 6)[mx.array(b.gather)]
+    live = np.zeros((2 * rows, t, 1), np.float32)  # positions the loss reads; pads get none
+    for i, pr in enumerate(pairs):
+        live[i, : len(pr.prompt) + len(pr.chosen) - 1] = 1
+        live[rows + i, : len(pr.prompt) + len(pr.rejected) - 1] = 1
     got = to_pair_layout(h, b)
     assert mx.array_equal(got * mx.array(live), by_index * mx.array(live))
-    cot = mx.random.normal((2, t, 6), key=mx.random.key(p + 1)) * mx.array(live)
-    ref = mx.zeros((length, 6)).at[mx.array(b.gather.reshape(-1))].add(cot.reshape(-1, 6))
-    assert mx.allclose(from_pair_layout(cot, b), ref.reshape(1, length, 6), atol=1e-6)
+    cot = mx.random.normal((2 * rows, t, 6), key=mx.random.key(p + 1)) * mx.array(live)
+    ref = mx.zeros((rows * length, 6)).at[mx.array(b.gather.reshape(-1))].add(
+        cot.reshape(-1, 6))
+    assert mx.allclose(from_pair_layout(cot, b), ref.reshape(rows, length, 6), atol=1e-6)
 
 
 @pytest.mark.parametrize("head_chunk", [0, 16])
@@ -210,8 +236,7 @@ def test_scoring_shares_the_prefix_and_keeps_row_order(tiny_model: Path, head_ch
                "split": lambda g: split_prefix_batch(g, "full", pad_multiple=8,
                                                      attention="split")}
     for name, layout in layouts.items():
-        size = 1 if name == "split" else 3
-        got = score_pairs(model, stack, pairs, 0.3, size, head_chunk, layout)
+        got = score_pairs(model, stack, pairs, 0.3, 3, head_chunk, layout)
         assert [r["id"] for r in got] == [p.id for p in pairs]
         for a, b in zip(got, ref, strict=True):
             for key in ("chosen_logp_mean", "rejected_logp_mean", "nll", "orpo_loss"):
