@@ -40,9 +40,9 @@ def resolve_prefix_attention(attention: str, pad_multiple: int) -> str:
     return "mask"
 
 
-# H200, bf16, one pair at 4:1 (docs/performance.md): 128-aligned split attention was
-# 0.66x two forwards' step time at 8k tokens and 0.75-0.79x at 4k, but 1.29x at 2k.
-CUDA_SPLIT_MIN_TOKENS = 4096
+# H200, bf16, 4:1 pairs (docs/performance.md): split was 0.70-0.79x two forwards' step
+# time from one 2k pair (2560 tokens) to 8 pairs of 1k; smaller micro-batches unmeasured.
+CUDA_SPLIT_MIN_TOKENS = 2048
 
 
 def choose_layout(pairs: list, cfg: TrainConfig, pad_multiple: int, pad_id: int

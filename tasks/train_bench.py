@@ -10,6 +10,10 @@ Step time = the median of the steps after ``--warmup`` (each step's wall time as
 trainer measures it: batches, forward, backward, update); tokens/s counts both sequences
 of every pair; peak = MLX's peak over the timed steps.
 
+Engine row: the engine's own step (forward + backward, no update) on the same model
+and first batch, in the same process after training — the ceiling; the pomona row's
+``phases_ms`` say where the rest of its step goes (batches, step_grads, update).
+
 TRL side (``--trl``, needs torch, transformers, peft and trl; CUDA): the same shape and
 pairs per step through ``benchmarks/trl_orpo.py``, with and without gradient
 checkpointing, in fresh processes. MFU: the FLOPs of the pairs as two plain forwards and
@@ -27,6 +31,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +89,6 @@ def _model_and_data(a: argparse.Namespace, work: Path) -> tuple[Path, Path]:
 
 def pomona_row(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     """The trainer's steady-state step on the benchmark's pairs."""
-    from engine.config import TrainConfig
     from engine.trainer import train
 
     model, data = _model_and_data(a, work)
@@ -93,13 +99,9 @@ def pomona_row(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             if record["split"] == "train":
                 records.append(record)
 
-    cfg = TrainConfig(model=str(model), data=str(data), out=str(work / "run"),
-                      steps=a.warmup + a.steps, batch_size=a.pairs, report_every=1,
-                      val_every=0, learning_rate=1e-5, lora_rank=16, lora_scale=2.0,
-                      lora_keys=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                 "self_attn.o_proj"), segment_size=a.segment_size,
-                      head_chunk=a.head_chunk, prefix_share=a.prefix_share, warmup_steps=0)
-    train(cfg, [Collect()])
+    cfg = bench_config(a, model, data, work)
+    with timed_phases() as phases:
+        train(cfg, [Collect()])
     timed = records[a.warmup:]
     tokens = 2 * a.seq * a.pairs
     steps = [tokens / r["tokens_per_sec"] for r in timed]
@@ -107,7 +109,88 @@ def pomona_row(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {"name": "pomona", "seq": a.seq, "pairs": a.pairs, "step_s": step_s,
             "tokens_per_s": tokens / step_s, "steps_s": steps,
             "peak_mb": max(r["peak_memory_gb"] for r in timed) * 1e9 / 2**20,
-            "prefix_share_rate": statistics.mean(r["prefix_share_rate"] for r in timed)}
+            "prefix_share_rate": statistics.mean(r["prefix_share_rate"] for r in timed),
+            "phases_ms": {k: statistics.median(v[a.warmup:]) * 1e3 for k, v in phases.items()}}
+
+
+def bench_config(a: argparse.Namespace, model: Path, data: Path, work: Path):
+    """The benchmark's TrainConfig: LoRA r16 on q/k/v/o, as TRL's side."""
+    from engine.config import TrainConfig
+
+    return TrainConfig(model=str(model), data=str(data), out=str(work / "run"),
+                       steps=a.warmup + a.steps, batch_size=a.pairs, report_every=1,
+                       val_every=0, learning_rate=1e-5, lora_rank=16, lora_scale=2.0,
+                       lora_keys=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                  "self_attn.o_proj"), segment_size=a.segment_size,
+                       head_chunk=a.head_chunk, prefix_share=a.prefix_share, warmup_steps=0)
+
+
+@contextmanager
+def timed_phases() -> Iterator[dict[str, list[float]]]:
+    """Inside: the trainer's step phases timed, each call's seconds appended per name —
+    waiting for the prefetched batches, forward + backward + its metrics (step_grads),
+    and the clip + AdamW update."""
+    from engine import trainer
+
+    phases: dict[str, list[float]] = {"batches": [], "step_grads": [], "update": []}
+
+    def timed(name: str, fn: Callable) -> Callable:
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            phases[name].append(time.perf_counter() - t0)
+            return out
+        return run
+
+    saved = trainer.step_grads, trainer.make_update, trainer.Prefetch.next
+    trainer.step_grads = timed("step_grads", saved[0])
+    trainer.make_update = lambda *args, **kw: timed("update", saved[1](*args, **kw))
+    trainer.Prefetch.next = timed("batches", saved[2])
+    try:
+        yield phases
+    finally:
+        trainer.step_grads, trainer.make_update, trainer.Prefetch.next = saved
+
+
+def engine_row(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The engine's own step (forward + backward, no update: what ``engine bench``
+    times) on the trainer's model and first batch, in this process: the ceiling the
+    trainer's step is held to."""
+    import mlx.core as mx
+
+    from engine.batch import batch_norms
+    from engine.data import load_pairs
+    from engine.layout_policy import choose_layout, resolve_pad_multiple
+    from engine.losses import LossSpec, pair_loss
+    from engine.model import attach_lora, checked_stack, load_model
+    from engine.prefix import pair_batch
+    from engine.segmented import value_and_grad
+    from engine.trainer import lora_spec
+
+    model_dir, data = _model_and_data(a, work)
+    cfg = bench_config(a, model_dir, data, work)
+    model, tokenizer = load_model(cfg.model)
+    attach_lora(model, lora_spec(cfg), cfg.seed)
+    stack = checked_stack(model)
+    batch = choose_layout(load_pairs(cfg.data).train[: a.pairs], cfg,
+                          resolve_pad_multiple(cfg.pad_multiple), tokenizer.pad_token_id or 0)
+    pb = pair_batch(batch)
+    norms, spec = batch_norms([pb]), LossSpec(cfg.loss, cfg.orpo_lambda, cfg.nll_span)
+    resp, nll = mx.array(pb.resp_mask), mx.array(pb.nll_mask)
+    times = []
+    for i in range(a.warmup + a.steps):
+        if i == a.warmup:
+            mx.reset_peak_memory()
+        t0 = time.perf_counter()
+        mx.eval(value_and_grad(model, stack, batch,
+                               lambda lp: pair_loss(lp, resp, nll, spec, norms),
+                               cfg.segment_size, cfg.head_chunk, cfg.inflight))
+        if i >= a.warmup:
+            times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    return {"name": "engine", "seq": a.seq, "pairs": a.pairs, "step_s": step_s,
+            "tokens_per_s": 2 * a.seq * a.pairs / step_s, "steps_s": times,
+            "peak_mb": mx.get_peak_memory() / 2**20, "shared": batch is not pb}
 
 
 def trl_rows(a: argparse.Namespace) -> list[dict[str, Any]]:
@@ -176,7 +259,7 @@ def main(argv: list[str]) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(a.work or tmp)
             claim_work(work, a)
-            rows = [pomona_row(a, work)]
+            rows = [pomona_row(a, work), engine_row(a, work)]
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -188,7 +271,8 @@ def main(argv: list[str]) -> int:
             r["mfu"] = flops / r["step_s"] / (a.peak_tflops * 1e12)
     by = {r["name"]: r for r in rows if "error" not in r}
     ratios = {f"pomona_vs_{n}": by["pomona"]["tokens_per_s"] / r["tokens_per_s"]
-              for n, r in by.items() if n != "pomona"}
+              for n, r in by.items() if n not in ("pomona", "engine")}
+    ratios["trainer_step_vs_engine_step"] = by["pomona"]["step_s"] / by["engine"]["step_s"]
     if a.json:
         print(json.dumps({"config": vars(a), "rows": rows, "ratios": ratios,
                           "useful_tflop_per_step": flops / 1e12}))
@@ -198,6 +282,8 @@ def main(argv: list[str]) -> int:
               f"{r['step_s'] * 1e3:8.1f} ms/step  {r['tokens_per_s'] / 1e3:7.1f}k tok/s  "
               f"peak {r['peak_mb'] * 2**20 / 1e9:6.2f} GB"
               + (f"  MFU {r['mfu']:.0%}" if "mfu" in r else "")))
+        if "phases_ms" in r:
+            print(" " * 12 + "  ".join(f"{k} {v:.1f} ms" for k, v in r["phases_ms"].items()))
     for k, v in ratios.items():
         print(f"{k:>24}  {v:.2f}x")
     return 0

@@ -168,8 +168,8 @@ def test_split_attention_with_an_aligned_prompt_and_a_tiny_response(tiny_model: 
 
 
 @pytest.mark.unit
-def test_cuda_auto_takes_aligned_split_from_4k_tokens(monkeypatch) -> None:
-    """auto on CUDA: split where measured faster (≥ 4096 tokens a micro-batch), two
+def test_cuda_auto_takes_aligned_split_from_2k_tokens(monkeypatch) -> None:
+    """auto on CUDA: split where measured faster (≥ 2048 tokens a micro-batch), two
     forwards below, never the array mask; CPU: split, else the mask, where it saves enough
     of the padded tokens."""
     from engine import layout_policy as policy
@@ -179,7 +179,7 @@ def test_cuda_auto_takes_aligned_split_from_4k_tokens(monkeypatch) -> None:
         return Pair("x", list(range(3, 3 + prompt)), [5] * (prompt // 4), [6] * (prompt // 4))
 
     cfg = TrainConfig(prefix_share="auto")
-    long, short = [pair(4 * 1640)], [pair(4 * 410)]  # ~8k and ~2k tokens per sequence
+    long, short = [pair(4 * 1640)], [pair(4 * 205)]  # ~8k and ~1k tokens per sequence
     assert policy.choose_layout(short * 2, cfg, 1, 0).split is not None  # CPU: split first
     ragged = [Pair("a", [3] * 4, [5, 5], [6, 6]), Pair("b", [4] * 100, [5, 5], [6, 6])]
     assert policy.choose_layout(ragged, cfg, 1, 0).mask is not None  # tails cost too much
@@ -190,7 +190,7 @@ def test_cuda_auto_takes_aligned_split_from_4k_tokens(monkeypatch) -> None:
     assert policy.choose_layout(long, cfg, 128, 0).split is not None
     assert not isinstance(policy.choose_layout(short, cfg, 128, 0), PrefixBatch)
     assert policy.choose_layout(long * 2, cfg, 128, 0).split is not None  # rows: split too
-    assert policy.choose_layout(short * 4, cfg, 128, 0).split is not None  # 4 × 2k tokens
+    assert policy.choose_layout(short * 2, cfg, 128, 0).split is not None  # 2 × 1k tokens
     on = TrainConfig(prefix_share="on")
     assert isinstance(policy.choose_layout(short, on, 128, 0), PrefixBatch)
 
