@@ -159,15 +159,12 @@ def _add_state(acc: dict[int, State], more: dict[int, State]) -> None:
 
 def segmented_value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch,
                              loss_of_logps: LossOfLogps, segment_size: int,
-                             head_chunk: int = 0, inflight: int = 2, drain: bool = True
-                             ) -> Result:
+                             head_chunk: int = 0, inflight: int = 2) -> Result:
     """Loss, metrics and LoRA grads via the segmented backward (module docstring).
 
     A PrefixBatch runs one forward over [prompt | chosen | rejected] (engine/prefix.py);
     its last hidden state is gathered into the two-forward layout before the head.
     ``inflight``: segments (and head chunks) being evaluated at once (engine/inflight.py).
-    ``drain`` False returns while the last stage still runs (its arrays queued), so the
-    caller can queue more work behind it before it waits.
     """
     prefix = batch if isinstance(batch, PrefixBatch) else None
     pairs = prefix.pairs if prefix else batch
@@ -210,8 +207,7 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch | 
             flight.push(*([cot] if cot is not None else []), seg_grads, d_state)
             grads.update(seg_grads)
             phase_done(f"backward {seg.start}-{seg.end}")
-        if drain:
-            flight.drain()
+        flight.drain()
     return loss, metrics, grads
 
 
@@ -255,19 +251,18 @@ def shared_plain_value_and_grad(model: nn.Module, stack: Stack, batch: PrefixBat
 
 def value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch,
                    loss_of_logps: LossOfLogps, segment_size: int = 0,
-                   head_chunk: int = 0, inflight: int = 2, drain: bool = True) -> Result:
+                   head_chunk: int = 0, inflight: int = 2) -> Result:
     """Dispatch: plain autograd when both levers are off, else the staged path.
 
     ``head_chunk`` > 0 with ``segment_size`` 0 runs all layers as one segment, since the
     bounded head needs its own stage. A PrefixBatch takes the shared forward either way.
-    ``drain``: see ``segmented_value_and_grad`` (the plain path returns unevaluated).
     """
     if segment_size <= 0 and head_chunk <= 0:
         if isinstance(batch, PrefixBatch):
             return shared_plain_value_and_grad(model, stack, batch, loss_of_logps)
         return plain_value_and_grad(model, stack, batch, loss_of_logps)
     return segmented_value_and_grad(model, stack, batch, loss_of_logps, segment_size,
-                                    head_chunk, inflight, drain)
+                                    head_chunk, inflight)
 
 
 def grads_to_tree(grads: Grads) -> dict:

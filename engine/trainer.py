@@ -100,65 +100,32 @@ def make_optimizer(cfg: TrainConfig) -> optim.AdamW:
                        bias_correction=cfg.bias_correction)
 
 
-@dataclass
-class StepArrays:
-    """One optimizer step's sums as arrays (the last stage possibly still running)."""
-
-    loss: mx.array
-    metrics: dict[str, mx.array]
-    grads: Grads  # summed over micro-batches and ranks
-    counts: dict[str, float]  # micro_batches, shared_batches, tokens (this rank's)
-    norms: Norms  # every rank's
-
-
-def step_arrays(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | PrefixBatch],
-                spec: LossSpec, cfg: TrainConfig, step: int, ranks: Ranks = SINGLE
-                ) -> StepArrays:
-    """Summed loss, metrics and grads of one optimizer step's micro-batches (this rank's
-    shards; with several ranks, normalised and summed over all of them). The last
-    micro-batch is left evaluating: the caller queues the update behind it before the
-    host waits (``step_floats``), so the update's dispatch costs no device time."""
-    layouts = [pair_batch(b) for b in micro]
-    norms: Norms = ranks.sum_norms(batch_norms(layouts))
-    loss_sum: mx.array | None = None
-    sums: dict[str, mx.array] = {}
-    grads: Grads = {}
-    for i, (b, pb) in enumerate(zip(micro, layouts, strict=True)):
-        set_dropout_seed(model, (cfg.seed * 1_000_003 + step) * 1009 + i)
-        resp, nll = mx.array(pb.resp_mask), mx.array(pb.nll_mask)
-        last = i == len(micro) - 1
-        loss, metrics, g = value_and_grad(
-            model, stack, b, lambda lp, r=resp, n=nll: pair_loss(lp, r, n, spec, norms),
-            cfg.segment_size, cfg.head_chunk, cfg.inflight, drain=not last)
-        grads = g if not grads else {k: grads[k] + g[k] for k in grads}
-        loss_sum = loss if loss_sum is None else loss_sum + loss
-        sums = {k: sums[k] + v if k in sums else v for k, v in metrics.items()}
-        if not last:  # one micro-batch's buffers alive at a time
-            mx.eval(loss_sum, sums, grads)
-    counts = {"micro_batches": len(micro),
-              "shared_batches": sum(isinstance(b, PrefixBatch) for b in micro),
-              "tokens": sum(pb.tokens for pb in layouts)}
-    return StepArrays(loss_sum, sums, ranks.sum_arrays(grads), counts, norms)
-
-
-def step_floats(arrays: StepArrays, ranks: Ranks = SINGLE) -> tuple[float, dict[str, float]]:
-    """The step's loss and metric sums on the host (waits for the device), over ranks."""
-    mx.eval(arrays.loss, arrays.metrics)
-    sums = {k: float(v) for k, v in arrays.metrics.items()}
-    sums.update(arrays.counts, loss=float(arrays.loss))
-    sums = ranks.sum_floats(sums)
-    total = sums.pop("loss")
-    sums["pairs"], sums["nll_tokens"] = arrays.norms.pairs, arrays.norms.nll_tokens
-    return total, sums
-
-
 def step_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | PrefixBatch],
                spec: LossSpec, cfg: TrainConfig, step: int, ranks: Ranks = SINGLE
                ) -> tuple[float, dict[str, float], Grads]:
-    """``step_arrays`` read on the host: loss, metric sums and (evaluated) grads."""
-    arrays = step_arrays(model, stack, micro, spec, cfg, step, ranks)
-    mx.eval(arrays.grads)
-    return (*step_floats(arrays, ranks), arrays.grads)
+    """Summed loss, metric sums and grads of one optimizer step's micro-batches (this
+    rank's shards; with several ranks, normalised and summed over all of them)."""
+    layouts = [pair_batch(b) for b in micro]
+    norms: Norms = ranks.sum_norms(batch_norms(layouts))
+    total, sums, grads = 0.0, {}, {}
+    for i, (b, pb) in enumerate(zip(micro, layouts, strict=True)):
+        set_dropout_seed(model, (cfg.seed * 1_000_003 + step) * 1009 + i)
+        resp, nll = mx.array(pb.resp_mask), mx.array(pb.nll_mask)
+        loss, metrics, g = value_and_grad(
+            model, stack, b, lambda lp, r=resp, n=nll: pair_loss(lp, r, n, spec, norms),
+            cfg.segment_size, cfg.head_chunk, cfg.inflight)
+        grads = g if not grads else {k: grads[k] + g[k] for k in grads}
+        mx.eval(loss, metrics, grads)
+        total += float(loss)
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+    sums["micro_batches"] = len(micro)
+    sums["shared_batches"] = sum(isinstance(b, PrefixBatch) for b in micro)
+    sums["loss"], sums["tokens"] = total, sum(pb.tokens for pb in layouts)
+    sums = ranks.sum_floats(sums)
+    total = sums.pop("loss")
+    sums["pairs"], sums["nll_tokens"] = norms.pairs, norms.nll_tokens
+    return total, sums, ranks.sum_arrays(grads)
 
 
 class Window:
@@ -292,12 +259,11 @@ class Prefetch:
 
 
 def make_update(model: nn.Module, optimizer: optim.AdamW, clip: float
-                ) -> Callable[[Grads], mx.array]:
+                ) -> Callable[[Grads], float]:
     """``update(grads) → norm``: clip (``clip`` > 0) and apply one AdamW update as ONE
-    compiled function, queued (``async_eval``) behind the step's last stage; the caller
-    reads the norm. Uncompiled, each LoRA array's clip and AdamW step are ~15 small
-    kernels (2k a step for 128 arrays), launched one by one while the device waits. Call
-    after the optimizer state is loaded."""
+    compiled function, evaluated with the norm in one barrier. Uncompiled, each LoRA
+    array's clip and AdamW step are ~15 small kernels (2k a step for 128 arrays), launched
+    one by one while the device waits. Call after the optimizer state is loaded."""
     optimizer.init(model.trainable_parameters())  # the state compile reads and writes
     state = [model.state, optimizer.state]
 
@@ -308,10 +274,10 @@ def make_update(model: nn.Module, optimizer: optim.AdamW, clip: float
 
     compiled = mx.compile(step, inputs=state, outputs=state)
 
-    def update(grads: Grads) -> mx.array:
+    def update(grads: Grads) -> float:
         norm = compiled(grads_to_tree(grads))
-        mx.async_eval(norm, state)
-        return norm
+        mx.eval(norm, state)
+        return float(norm)
 
     return update
 
@@ -413,15 +379,13 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback]) -> TrainResult:
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
         micro = prefetch.next()  # built on a thread while the last step ran
-        arrays = step_arrays(model, stack, micro, loss_spec, cfg, step, ranks)
-        norm = update(arrays.grads)  # queued behind the backward's last stage
-        loss, sums = step_floats(arrays, ranks)
+        loss, sums, grads = step_grads(model, stack, micro, loss_spec, cfg, step, ranks)
         trained += sum(len(b.ids) for b in micro)
-        if not math.isfinite(loss):  # the run stops: this update is never saved
+        if not math.isfinite(loss):
             raise NonFiniteLoss(f"step {step}: loss {loss} on pairs "
                                 f"{[i for b in micro for i in b.ids][:8]}")
-        grad_norm = float(norm)
-        if not math.isfinite(grad_norm):
+        grad_norm = update(grads)
+        if not math.isfinite(grad_norm):  # the run stops: this update is never saved
             raise NonFiniteLoss(f"step {step}: grad norm {grad_norm} on pairs "
                                 f"{[i for b in micro for i in b.ids][:8]}")
         lr = float(optimizer.learning_rate)  # the rate this update used

@@ -12,7 +12,7 @@ of every pair; peak = MLX's peak over the timed steps.
 
 Engine row: the engine's own step (forward + backward, no update) on the same model
 and first batch, in the same process after training — the ceiling; the pomona row's
-``phases_ms`` say where its step goes (batches, forward_backward, update, wait).
+``phases_ms`` say where the rest of its step goes (batches, step_grads, update).
 
 TRL side (``--trl``, needs torch, transformers, peft and trl; CUDA): the same shape and
 pairs per step through ``benchmarks/trl_orpo.py``, with and without gradient
@@ -127,14 +127,12 @@ def bench_config(a: argparse.Namespace, model: Path, data: Path, work: Path):
 
 @contextmanager
 def timed_phases() -> Iterator[dict[str, list[float]]]:
-    """Inside: the trainer's step phases timed on the host, each call's seconds appended
-    per name — waiting for the prefetched batches, dispatching forward + backward (its
-    stages evaluated as they go, the last left running), queueing the update, and
-    waiting for both to read the loss and metrics."""
+    """Inside: the trainer's step phases timed, each call's seconds appended per name —
+    waiting for the prefetched batches, forward + backward + its metrics (step_grads),
+    and the clip + AdamW update."""
     from engine import trainer
 
-    phases: dict[str, list[float]] = {"batches": [], "forward_backward": [], "update": [],
-                                      "wait": []}
+    phases: dict[str, list[float]] = {"batches": [], "step_grads": [], "update": []}
 
     def timed(name: str, fn: Callable) -> Callable:
         def run(*args, **kwargs):
@@ -144,18 +142,14 @@ def timed_phases() -> Iterator[dict[str, list[float]]]:
             return out
         return run
 
-    names = ("step_arrays", "step_floats", "make_update")
-    saved = [getattr(trainer, n) for n in names] + [trainer.Prefetch.next]
-    trainer.step_arrays = timed("forward_backward", saved[0])
-    trainer.step_floats = timed("wait", saved[1])
-    trainer.make_update = lambda *args, **kw: timed("update", saved[2](*args, **kw))
-    trainer.Prefetch.next = timed("batches", saved[3])
+    saved = trainer.step_grads, trainer.make_update, trainer.Prefetch.next
+    trainer.step_grads = timed("step_grads", saved[0])
+    trainer.make_update = lambda *args, **kw: timed("update", saved[1](*args, **kw))
+    trainer.Prefetch.next = timed("batches", saved[2])
     try:
         yield phases
     finally:
-        for n, fn in zip(names, saved, strict=False):
-            setattr(trainer, n, fn)
-        trainer.Prefetch.next = saved[3]
+        trainer.step_grads, trainer.make_update, trainer.Prefetch.next = saved
 
 
 def engine_row(a: argparse.Namespace, work: Path) -> dict[str, Any]:
