@@ -1,6 +1,9 @@
 """What one optimizer update costs beside the step: the trainer's compiled clip + AdamW on
 the benchmark's LoRA arrays (16 layers, r16 on q/k/v/o, hidden 2048, kv 512), host
-dispatch and evaluation apart, against variants (issue 15's trainer-vs-engine gap).
+dispatch and evaluation apart, against variants (issue 15's trainer-vs-engine gap):
+uncompiled (``eager``), without clipping, and ``flat_concat`` — an AdamW-shaped update
+(not the trainer's exact maths) over one concatenation of every array, sliced back: what
+fusing across arrays would save. Results: docs/performance.md (end to end).
 
     python3 benchmarks/update_cost.py [--layers 16] [--hidden 2048] [--kv 512] [--rank 16]
 """
@@ -94,7 +97,7 @@ def main() -> None:
         nonlocal m, v, params
         p, m, v = flat_step(params, grads, m, v)
         offs, out = 0, []
-        for x, n in zip(params, sizes):
+        for x, n in zip(params, sizes, strict=True):
             out.append(p[offs:offs + n].reshape(x.shape))
             offs += n
         params = out

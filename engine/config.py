@@ -58,10 +58,10 @@ class TrainConfig:
     prefix_share: str = _f("auto", "One forward over [prompt | chosen | rejected]: on, off, or "
                                    "auto (where it was measured faster: engine/layout_policy.py, "
                                    "docs/performance.md).")
-    prefix_attention: str = _f("auto", "Shared forward's attention: mask (block-sparse array), "
-                                       "split (two fused causal calls; batch_size 1; on CUDA "
-                                       "pad_multiple a multiple of 128) or auto (split for "
-                                       "one-row micro-batches where allowed, else mask).")
+    prefix_attention: str = _f("auto", "Shared forward's attention: split (two fused causal "
+                                       "calls; on CUDA pad_multiple a multiple of 128), mask "
+                                       "(block-sparse array) or auto (split, else mask where "
+                                       "prompts are too ragged; CUDA: split only).")
     pad_multiple: int = _f(-1, "Pad sequence length to a multiple of this; -1 = auto "
                                "(128 on CUDA, where fused attention needs it; else 1).")
     steps: int = _f(100, "Optimizer steps.")
