@@ -2,7 +2,7 @@
 
 Names follow mlx-lm where it has one (``lora_scale`` = α/r as in its adapter_config) and
 TRL otherwise; λ is ``orpo_lambda`` (TRL's ``beta``, the paper's λ, the official code's
-``alpha``).
+``alpha``). Loss defaults live once, in engine/losses.py.
 """
 
 from __future__ import annotations
@@ -14,12 +14,21 @@ from functools import cache
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from engine.losses import (
+    LOSSES,
+    ORPO_LAMBDA,
+    SIMPO_BETA,
+    SIMPO_GAMMA,
+    SIMPO_NLL_WEIGHT,
+    LossSpec,
+)
+
 
 def _f(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
-CHOICES = {"loss": ("orpo", "sft"), "nll_span": ("full", "response"),
+CHOICES = {"loss": LOSSES, "nll_span": ("full", "response"),
            "lr_schedule": ("cosine", "constant"), "prefix_share": ("auto", "on", "off"),
            "prefix_attention": ("auto", "mask", "split")}
 
@@ -38,8 +47,13 @@ class TrainConfig:
     data: str = _f("", "Tokenized pairs: a dataset directory, .parquet or .jsonl with "
                        "prompt_ids/chosen_ids/rejected_ids (and optional id, split).")
     out: str = _f("runs/train", "Output directory: adapters, metrics.jsonl, checkpoints.")
-    loss: str = _f("orpo", "orpo, or sft (NLL on the chosen sequence only).")
-    orpo_lambda: float = _f(0.1, "λ weighting the odds-ratio term (TRL's beta).")
+    loss: str = _f("orpo", "orpo, simpo (reference-free, length-normalised margin), or sft "
+                           "(NLL on the chosen sequence only): engine/losses.py.")
+    orpo_lambda: float = _f(ORPO_LAMBDA, "ORPO: λ weighting the odds-ratio term (TRL's beta).")
+    simpo_beta: float = _f(SIMPO_BETA, "SimPO: β scaling the mean log-probs (TRL CPO's beta).")
+    simpo_gamma: float = _f(SIMPO_GAMMA, "SimPO: target margin γ (TRL's simpo_gamma).")
+    simpo_nll_weight: float = _f(SIMPO_NLL_WEIGHT, "SimPO: weight of the chosen NLL term "
+                                                   "(0 = pure SimPO; TRL's cpo_alpha).")
     nll_span: str = _f("full", "NLL over prompt+response (full) or the response only.")
     lora_rank: int = _f(8, "LoRA rank r.")
     lora_scale: float = _f(20.0, "LoRA scale (α/r), as in mlx-lm's adapter_config.")
@@ -125,7 +139,7 @@ class TrainConfig:
             raise ValueError("mlp_chunk with lora_dropout > 0: masks would differ from the "
                              "unchunked path; set one of them to 0")
         for name in ("learning_rate", "grad_clip", "weight_decay", "min_lr_ratio",
-                     "orpo_lambda", "memory_limit_gb"):
+                     "orpo_lambda", "simpo_beta", "simpo_nll_weight", "memory_limit_gb"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         for name in ("adam_beta1", "adam_beta2"):
@@ -133,6 +147,11 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be in [0, 1)")
         if self.adam_eps <= 0:
             raise ValueError(f"adam_eps={self.adam_eps}: must be > 0")
+
+    def loss_spec(self) -> LossSpec:
+        """The loss this run trains, validates and scores with."""
+        return LossSpec(self.loss, self.orpo_lambda, self.nll_span, self.simpo_beta,
+                        self.simpo_gamma, self.simpo_nll_weight)
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with ``changes``, each coerced to its field's type (``coerce``); unknown

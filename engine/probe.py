@@ -52,14 +52,13 @@ def _measure(model, stack, chosen: list, c: TrainConfig, pad_id: int,
              repeats: int) -> dict[str, Any]:
     """Peak and speed of ``repeats`` passes over ``chosen`` micro-batches under ``c``."""
     from engine.layout_policy import choose_layout, resolve_pad_multiple
-    from engine.losses import LossSpec
     from engine.prefix import PrefixBatch, pair_batch
     from engine.trainer import step_grads
 
     c.validate()
     pad = resolve_pad_multiple(c.pad_multiple)
     layouts = [choose_layout(pairs, c, pad, pad_id) for pairs in chosen]
-    loss_spec = LossSpec(c.loss, c.orpo_lambda, c.nll_span)
+    loss_spec = c.loss_spec()
     step_grads(model, stack, layouts[:1], loss_spec, c, 0)  # warm-up: kernels, allocator
     mx.clear_cache()
     mx.reset_peak_memory()

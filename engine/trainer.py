@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -335,7 +335,7 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback]) -> TrainResult:
         load_adapter_weights(model, Path(cfg.warm_start))
     data = load_pairs(cfg.data)
     refuse_beyond_context([*data.train, *data.valid], stack.context)
-    loss_spec = LossSpec(cfg.loss, cfg.orpo_lambda, cfg.nll_span)
+    loss_spec = cfg.loss_spec()
     pad_multiple = resolve_pad_multiple(cfg.pad_multiple)
     resolve_prefix_attention(cfg.prefix_attention, pad_multiple)  # refuse unsafe, before work
     pad_id = tokenizer.pad_token_id or 0
@@ -412,8 +412,10 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback]) -> TrainResult:
     result.tokens_per_sec = total_tokens / max(total_seconds, 1e-9)
     result.seconds = time.perf_counter() - started
     if ranks.main:
+        weights = {k: v for k, v in asdict(cfg.loss_spec()).items()
+                   if k.startswith(f"{cfg.loss}_")}  # the trained loss's own weights
         extra = {"model": cfg.model, "pomona": {"steps": result.steps, "loss": cfg.loss,
-                                                "orpo_lambda": cfg.orpo_lambda, "seed": cfg.seed,
+                                                **weights, "seed": cfg.seed,
                                                 "world_size": ranks.size}}
         save_adapters(model, out, spec, num_layers, extra)
         atomic_write_text(out / "summary.json", json.dumps(result.__dict__, indent=2) + "\n")

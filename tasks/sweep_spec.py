@@ -21,7 +21,8 @@
     ranks_per_trial: 1      # > 1: each trial data parallel over that many GPUs (Macs)
     seed: 0
 
-Every error names the key and file that is wrong. Parameter names are TrainConfig fields;
+Every error names the key and file that is wrong. Parameter names are TrainConfig fields
+(``loss`` too: a search over it ranks on a metric every loss shares, ACROSS_LOSSES);
 ``segment_size: auto`` is allowed with a ``memory_budget_gb`` (resolved per trial from a
 memory probe: tasks/memory_probe.py).
 Distributions: ``choice: [..]``, ``uniform: [lo, hi]``, ``loguniform: [lo, hi]``,
@@ -268,6 +269,7 @@ def _parse(data: Any) -> SweepSpec:
     if not isinstance(metric, str) or not metric.startswith("val/"):
         raise SpecError(f"metric={metric!r}: expected a validation metric such as val/loss "
                         "or val/rewards/accuracies")
+    _check_metric_across_losses(metric, grid, space)
     pruning = _pruning(data.get("pruning", False), search)
     budget = seconds["memory_budget_gb"]
     autos = [w for w, sec in (("fixed", fixed), ("grid", grid))
@@ -311,6 +313,25 @@ def _check_ranks(ranks: int, kind: str, fixed: dict, grid: dict, space: dict) ->
         if bad:
             raise SpecError(f"{where}={bad[0]!r}: must be a multiple of ranks_per_trial={ranks} "
                             "(each rank trains its share of every batch)")
+
+
+# Validation metrics every loss reports on one scale: what trials of different losses are
+# ranked on (val/loss and the rewards are each loss's own: λ·ℓ for ORPO, β·ℓ for SimPO).
+ACROSS_LOSSES = ("val/rewards/accuracies", "val/nll_loss", "val/logps/chosen",
+                 "val/logps/rejected")
+
+
+def _check_metric_across_losses(metric: str, grid: dict, space: dict) -> None:
+    """A search over ``loss`` must rank trials on a metric every loss shares."""
+    dist = space.get("loss")
+    losses = set(grid.get("loss", [])) | set(dist.get("choice", []) if isinstance(dist, dict)
+                                             else [])
+    if len(losses) > 1 and metric not in ACROSS_LOSSES:
+        raise SpecError(f"metric={metric}: not comparable across losses {sorted(losses)}; "
+                        f"rank a search over loss on one of {', '.join(ACROSS_LOSSES)}")
+    if "sft" in losses and len(losses) > 1 and "rewards" in metric:
+        raise SpecError(f"metric={metric}: sft reports no rewards; rank on val/nll_loss or "
+                        "val/logps/*")
 
 
 def _listed(value: Any) -> list:

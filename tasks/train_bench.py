@@ -161,7 +161,7 @@ def engine_row(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     from engine.batch import batch_norms
     from engine.data import load_pairs
     from engine.layout_policy import choose_layout, resolve_pad_multiple
-    from engine.losses import LossSpec, pair_loss
+    from engine.losses import pair_loss
     from engine.model import attach_lora, checked_stack, load_model
     from engine.prefix import pair_batch
     from engine.segmented import value_and_grad
@@ -175,7 +175,7 @@ def engine_row(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     batch = choose_layout(load_pairs(cfg.data).train[: a.pairs], cfg,
                           resolve_pad_multiple(cfg.pad_multiple), tokenizer.pad_token_id or 0)
     pb = pair_batch(batch)
-    norms, spec = batch_norms([pb]), LossSpec(cfg.loss, cfg.orpo_lambda, cfg.nll_span)
+    norms, spec = batch_norms([pb]), cfg.loss_spec()
     resp, nll = mx.array(pb.resp_mask), mx.array(pb.nll_mask)
     times = []
     for i in range(a.warmup + a.steps):

@@ -1,4 +1,5 @@
-"""ORPO/SFT loss maths against an independent float64 numpy reference (Hong et al. 2024)."""
+"""ORPO, SimPO and SFT loss maths against independent float64 numpy references (Hong et al.
+2024; Meng et al. 2024)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.losses import LossSpec, Norms, log1mexp, orpo_pair_terms, pair_loss
+from engine.losses import (
+    LossSpec,
+    Norms,
+    log1mexp,
+    orpo_pair_terms,
+    pair_loss,
+    per_pair_losses,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -30,6 +38,52 @@ def np_reference(lp, resp, nll_mask, lam, kind):
     odds_r = np.exp(lr) / (1 - np.exp(lr))
     ratio = np.log(odds_w / odds_r)
     return nll + lam * np.mean(-np.log(1 / (1 + np.exp(-ratio)))), lw, lr
+
+
+def np_simpo(lp, resp, nll_mask, beta, gamma, nll_weight):
+    """Float64 SimPO (Eq. 6) from its definition: β/|y|·log π(y) over response tokens, the
+    margin γ, and CPO's optional NLL term; returns (loss, reward margins β·ℓw − β·ℓr)."""
+    lp, resp, nll_mask = (a.astype(np.float64) for a in (lp, resp, nll_mask))
+    b = lp.shape[0] // 2
+    scaled = beta / resp.sum(1) * (lp * resp).sum(1)  # β/|y| · log π(y)
+    margin = scaled[:b] - scaled[b:] - gamma
+    pair = np.log1p(np.exp(-margin))  # −log σ(m)
+    nll = -(lp * nll_mask).sum() / nll_mask.sum()
+    return nll_weight * nll + pair.mean(), scaled[:b] - scaled[b:]
+
+
+@pytest.mark.parametrize("span", ["full", "response"])
+@pytest.mark.parametrize("nll_weight", [0.0, 1.0])
+def test_simpo_matches_float64_reference(span: str, nll_weight: float) -> None:
+    """Loss within 1e-6 of float64; rewards β·ℓ and accuracies as TRL's CPOTrainer."""
+    rng = np.random.default_rng(4)
+    lp, resp, nll = _batch(rng, b=5, span=span)
+    spec = LossSpec("simpo", nll_span=span, simpo_beta=2.5, simpo_gamma=1.4,
+                    simpo_nll_weight=nll_weight)
+    loss, metrics = pair_loss(mx.array(lp), mx.array(resp), mx.array(nll), spec,
+                              Norms(float(nll.sum()), 5.0))
+    want, margins = np_simpo(lp, resp, nll, 2.5, 1.4, nll_weight)
+    assert float(loss) == pytest.approx(want, rel=1e-6, abs=1e-6)
+    assert float(metrics["rewards/margins"]) / 5 == pytest.approx(margins.mean(), rel=1e-5)
+    assert float(metrics["rewards/accuracies"]) / 5 == pytest.approx(np.mean(margins > 0))
+    assert "log_odds_ratio" not in metrics  # ORPO's own extras stay ORPO's
+
+
+def test_per_pair_losses_are_the_batch_loss_one_pair_at_a_time() -> None:
+    """Scoring's per-pair loss equals pair_loss on that pair alone, for every loss."""
+    rng = np.random.default_rng(6)
+    lp, resp, nll = _batch(rng, b=4)
+    for spec in (LossSpec("orpo", 0.3), LossSpec("simpo", simpo_nll_weight=0.5),
+                 LossSpec("sft")):
+        means = (lp * resp).sum(1) / resp.sum(1)
+        nll_means = -(lp * nll).sum(1)[:4] / nll.sum(1)[:4]
+        got, _ = per_pair_losses(mx.array(means[:4]), mx.array(means[4:]),
+                                 mx.array(nll_means), spec)
+        for i in range(4):
+            rows = [i, 4 + i]
+            alone, _ = pair_loss(mx.array(lp[rows]), mx.array(resp[rows]), mx.array(nll[rows]),
+                                 spec, Norms(float(nll[rows].sum()), 1.0))
+            assert float(got[i]) == pytest.approx(float(alone), rel=1e-5), spec.kind
 
 
 @pytest.mark.parametrize("x", [-1e-6, -1e-3, -0.1, -0.6931, -0.6932, -1.0, -5.0, -30.0, -80.0])

@@ -250,3 +250,20 @@ def test_scoring_shares_the_prefix_and_keeps_row_order(tiny_model: Path, head_ch
 
     with pytest.raises(ValueError, match="prefix_share='maybe'"):
         scoring_layout("maybe", 0)
+
+
+@pytest.mark.parametrize("spec", [LossSpec("simpo", simpo_nll_weight=0.5),
+                                  LossSpec("simpo", nll_span="response")])
+def test_simpo_runs_every_lever_unchanged(tiny_model: Path, spec: LossSpec) -> None:
+    """SimPO through the segmented backward, the bounded head and both shared layouts
+    equals autograd over two forwards: that code sees only the scalar loss of the token
+    log-probs, so a new loss needs no change there."""
+    model, stack = lora_model(tiny_model)
+    pairs = tokenized_pairs(tiny_model, 3, seed=17)
+    two = make_batch(pairs, spec.nll_span)
+    ref = run(model, stack, two, two, spec)
+    assert_same(run(model, stack, two, two, spec, 1, 16), ref)
+    for attention, pad in (("split", 8), ("mask", 0)):
+        shared = split_prefix_batch(pairs, spec.nll_span, pad, attention=attention)
+        for k, chunk in ((0, 0), (1, 16), (2, 0)):
+            assert_same(run(model, stack, shared, shared.pairs, spec, k, chunk), ref)

@@ -18,11 +18,17 @@ def test_sweep_flow_runs_each_trial_as_a_task_run(prefect_api, ray_cluster, tiny
     spec = tmp_path / "flow.yaml"
     spec.write_text(f"name: Flow_Test\nmodel: {tiny_model}\ndata: {tiny_data}\n"
                     "max_concurrent: 2\nfixed: {steps: 2, batch_size: 2, lora_rank: 4, "
-                    "val_every: 1, val_batches: 1}\ngrid: {seed: [0, 1, 2]}\n")
+                    "val_every: 1, val_batches: 1}\ngrid: {loss: [orpo, simpo, sft]}\n"
+                    "metric: val/nll_loss\n")  # the loss searched like any key
     state = sweep_flow(str(spec), str(tmp_path / "out"), return_state=True)
     assert state.is_completed(), state
     rows = state.result()
     assert [r["status"] for r in rows] == ["completed"] * 3
+    import pyarrow.parquet as pq
+
+    results = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()
+    assert sorted(r["param/loss"] for r in results) == ["orpo", "sft", "simpo"]
+    assert all(r["best/val/nll_loss"] > 0 for r in results)  # ranked on a metric all share
     with get_client(sync_client=True) as client:
         flow_run = client.read_flow_run(state.state_details.flow_run_id)
         task_runs = client.read_task_runs()
