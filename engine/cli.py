@@ -94,7 +94,8 @@ def score_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="Tokenized pairs (dataset dir/.parquet/.jsonl).")
     p.add_argument("--out", required=True, help="Output JSONL, one object per pair.")
     p.add_argument("--orpo-lambda", type=float, default=0.1, help="λ for the orpo_loss column.")
-    p.add_argument("--split", default="all", choices=["all", "train", "valid"])
+    p.add_argument("--split", default="all", choices=["all", "train", "valid", "test"],
+                   help="Which pairs to score: train, valid (ranked on), test (reported).")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--head-chunk", type=int, default=0, help="Bounded head chunk (0 = dense).")
     p.add_argument("--prefix-share", default="auto", choices=CHOICES["prefix_share"],
@@ -118,7 +119,10 @@ def run_score(argv: list[str]) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    pairs = {"all": data.train + data.valid, "train": data.train, "valid": data.valid}[a.split]
+    pairs = data.train + data.valid + data.test if a.split == "all" else data.split(a.split)
+    if not pairs:
+        print(f"error: {a.data}: no {a.split} pairs to score", file=sys.stderr)
+        return 2
     rows = score_pairs(model, stack, pairs, a.orpo_lambda, a.batch_size,
                        a.head_chunk, scoring_layout(a.prefix_share, tokenizer.pad_token_id or 0))
     out = Path(a.out)

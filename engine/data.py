@@ -4,6 +4,11 @@ Reads the data contract of DESIGN.md — a dataset directory of Parquet/Arrow sh
 ``manifest.json``, a single ``.parquet``/``.arrow`` file, or ``.jsonl`` with the same
 columns: ``prompt_ids``, ``chosen_ids``, ``rejected_ids`` (and optional ``id``, ``split``).
 Unusable rows are counted by reason, never silently dropped or trained on as NaN.
+
+Three splits: ``train``; ``valid``, which training reports and a sweep ranks and prunes on;
+and ``test``, read only by the final evaluation, so the number a leaderboard reports was
+never used to choose anything. Datasets written before the test split existed carry
+``split`` values of train/valid only: they load with an empty ``test``.
 """
 
 from __future__ import annotations
@@ -20,12 +25,36 @@ import numpy as np
 from engine.batch import Pair
 
 COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+SPLITS = ("train", "valid", "test")
+VALID_FRACTION = 0.1
+TEST_FRACTION = 0.1
 
 
-def stable_split(row_id: str, valid_fraction: float = 0.1) -> str:
-    """train/valid by a hash of the id: adding rows never moves old rows across splits."""
-    h = int.from_bytes(hashlib.blake2b(row_id.encode(), digest_size=8).digest(), "big")
-    return "valid" if h / 2**64 < valid_fraction else "train"
+def check_fractions(valid_fraction: float, test_fraction: float) -> None:
+    """Raise ValueError unless both shares lie in [0, 1] and leave room for train."""
+    for name, value in (("valid_fraction", valid_fraction), ("test_fraction", test_fraction)):
+        if not 0 <= value <= 1:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: must be between 0 and 1")
+    if valid_fraction + test_fraction > 1:
+        raise ValueError(f"--valid-fraction {valid_fraction} + --test-fraction {test_fraction}"
+                         " is over 1: nothing would be left to train on")
+
+
+def stable_split(row_id: str, valid_fraction: float = VALID_FRACTION,
+                 test_fraction: float = TEST_FRACTION) -> str:
+    """train/valid/test by a hash of the id: adding rows never moves old rows across splits.
+
+    u = hash / 2**64: valid below ``valid_fraction`` (as before the test split existed, so
+    valid keeps its rows), test in the next ``test_fraction``, carved out of old train."""
+    u = int.from_bytes(hashlib.blake2b(row_id.encode(), digest_size=8).digest(), "big") / 2**64
+    if u < valid_fraction:
+        return "valid"
+    return "test" if u < valid_fraction + test_fraction else "train"
+
+
+def split_counts(splits: list[str]) -> dict[str, int]:
+    """Rows per split (a manifest's ``rows``)."""
+    return {name: splits.count(name) for name in SPLITS}
 
 
 @dataclass
@@ -34,7 +63,14 @@ class PairSet:
 
     train: list[Pair] = field(default_factory=list)
     valid: list[Pair] = field(default_factory=list)
+    test: list[Pair] = field(default_factory=list)
     rejected: Counter = field(default_factory=Counter)
+
+    def split(self, name: str) -> list[Pair]:
+        """The pairs of split ``name`` (train, valid or test)."""
+        if name not in SPLITS:
+            raise ValueError(f"unknown split {name!r}: expected one of {', '.join(SPLITS)}")
+        return getattr(self, name)
 
 
 def _read_table(path: Path):
@@ -62,8 +98,12 @@ def _read_table(path: Path):
                      ".parquet, .arrow or .jsonl")
 
 
-def load_pairs(path: str | Path, valid_fraction: float = 0.1) -> PairSet:
-    """All usable pairs of ``path`` by split (``split`` column, else a stable id hash)."""
+def load_pairs(path: str | Path, valid_fraction: float = VALID_FRACTION,
+               test_fraction: float = TEST_FRACTION) -> PairSet:
+    """All usable pairs of ``path`` by split: the ``split`` column where a row has one
+    (train/valid/test; a dataset written before the test split has none in test), else a
+    stable hash of the id."""
+    check_fractions(valid_fraction, test_fraction)
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"data not found: {path}")
@@ -83,8 +123,12 @@ def load_pairs(path: str | Path, valid_fraction: float = 0.1) -> PairSet:
         if (reason := pair.problem()) is not None:
             out.rejected[reason] += 1
             continue
-        split = splits[i] if splits else stable_split(pair.id, valid_fraction)
-        (out.valid if split == "valid" else out.train).append(pair)
+        split = (splits[i] if splits else None) or stable_split(pair.id, valid_fraction,
+                                                                  test_fraction)
+        if split not in SPLITS:
+            raise ValueError(f"{path}: row {i} (id {pair.id!r}) has split {split!r}; expected "
+                             f"one of {', '.join(SPLITS)}, or none for a hash of the id")
+        out.split(split).append(pair)
     return out
 
 

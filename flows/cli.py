@@ -128,7 +128,10 @@ def data_tokenize(
         help="Max prompt+response tokens per branch; default: the model's context length "
              "(config.json); 0 = none.")] = None,
     max_prompt_length: Annotated[int, typer.Option(help="Max prompt tokens; 0 = none.")] = 0,
-    valid_fraction: Annotated[float, typer.Option(help="Share of ids in valid.")] = 0.1,
+    valid_fraction: Annotated[float, typer.Option(
+        help="Share of ids in valid (what training reports and sweeps rank on).")] = 0.1,
+    test_fraction: Annotated[float, typer.Option(
+        help="Share of ids in test (what the leaderboard reports; never ranked on).")] = 0.1,
     max_bad_fraction: Annotated[float, typer.Option(help="Fail above this share of bad "
                                                          "rows.")] = 0.05,
     preprocess: Annotated[bool, typer.Option(help="Run preprocess after.")] = True,
@@ -137,20 +140,23 @@ def data_tokenize(
     from flows.data_cli import run_tokenize
 
     run_tokenize(console, input, model, out, layout, chat_template, max_length,
-                 max_prompt_length, valid_fraction, max_bad_fraction, preprocess)
+                 max_prompt_length, valid_fraction, test_fraction, max_bad_fraction, preprocess)
 
 
 @data_app.command("preprocess")
 def data_preprocess(
     path: Annotated[Path, typer.Argument(help="A tokenized dataset directory.")],
     out: Annotated[Path | None, typer.Option(help="Write here (default: in place).")] = None,
-    valid_fraction: Annotated[float | None, typer.Option(help="Re-split with this share.")]
-    = None,
+    valid_fraction: Annotated[float | None, typer.Option(
+        help="Re-split with this share in valid (default: the dataset's).")] = None,
+    test_fraction: Annotated[float | None, typer.Option(
+        help="Re-split with this share in test, taken from train (default: the dataset's; "
+             "0.1 for one tokenized before the test split).")] = None,
 ) -> None:
-    """split_prefix, de-duplication and the stable train/valid split."""
+    """split_prefix, de-duplication and the stable train/valid/test split."""
     from flows.data_cli import run_preprocess
 
-    run_preprocess(console, path, out, valid_fraction)
+    run_preprocess(console, path, out, valid_fraction, test_fraction)
 
 
 @data_app.command("stats")

@@ -44,9 +44,10 @@ def _warn_outliers(console: Console, report: TokenizeReport) -> None:
 
 def run_tokenize(console: Console, input: Path, model: str, out: Path, layout: str | None,
                  chat_template: str, max_length: int | None, max_prompt_length: int,
-                 valid_fraction: float, max_bad_fraction: float, preprocess: bool) -> None:
+                 valid_fraction: float, test_fraction: float, max_bad_fraction: float,
+                 preprocess: bool) -> None:
     options = TokenizeOptions(layout, chat_template, max_length, max_prompt_length,
-                              valid_fraction, max_bad_fraction)
+                              valid_fraction, test_fraction, max_bad_fraction)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     try:
         with Progress(*columns, console=console, transient=True) as bar:
@@ -69,14 +70,14 @@ def run_tokenize(console: Console, input: Path, model: str, out: Path, layout: s
                       f"{bad} rejected (see {escape(str(rejects_paths(out)[0]))})")
     _warn_outliers(console, report)
     if preprocess and not (report.cache_hit and (read_manifest(out) or {}).get("preprocessed")):
-        run_preprocess(console, out, None, None)
+        run_preprocess(console, out, None, None, None)
     run_stats(console, out)
 
 
 def run_preprocess(console: Console, path: Path, out: Path | None,
-                   valid_fraction: float | None) -> None:
+                   valid_fraction: float | None, test_fraction: float | None) -> None:
     try:
-        r = preprocess_dataset(path, out, valid_fraction)
+        r = preprocess_dataset(path, out, valid_fraction, test_fraction)
     except USER_ERRORS as err:
         raise _exit(console, str(err)) from err
     console.print(f"preprocessed {r.rows:,} pairs: {r.duplicates_removed} duplicates removed, "
@@ -102,8 +103,9 @@ def _stats_table(path: Path, m: dict) -> Table:
     table.add_column("what")
     table.add_column("value", justify="right")
     rows = m["rows"]
-    table.add_row("rows (train / valid)", f"{rows['total']:,} ({rows['train']:,} / "
-                                          f"{rows['valid']:,})")
+    test = f"{rows['test']:,}" if "test" in rows else "none: tokenized before the test split"
+    table.add_row("rows (train / valid / test)", f"{rows['total']:,} ({rows['train']:,} / "
+                                                 f"{rows['valid']:,} / {test})")
     table.add_row("rows read", f"{rows.get('read', rows['total']):,}")
     for reason, n in sorted(m.get("rejects", {}).items(), key=lambda kv: -kv[1]):
         table.add_row(f"rejected: {reason}", f"{n:,}")

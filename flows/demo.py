@@ -3,9 +3,10 @@
 Builds a tiny llama-family model (random init + a locally trained tokenizer), writes a
 synthetic preference task (sort a list; rejected = a near miss), then runs the pipeline
 flow (flows/pipeline.py): tokenize → preprocess → a two-trial Ray sweep
-(flows/configs/demo.yaml) → held-out evaluation of every adapter and of the base model →
-leaderboard and best adapter. Prints the leaderboard, and where to watch it in the Prefect
-UI when a server is running (`pomona ui` starts one).
+(flows/configs/demo.yaml, ranked on validation) → evaluation of every adapter and of the
+base model on the validation and the test split → leaderboard and best adapter. Prints the
+leaderboard, base → best on the test split (rows no choice read), and where to watch it in
+the Prefect UI when a server is running (`pomona ui` starts one).
 """
 
 from __future__ import annotations
@@ -44,31 +45,47 @@ def run_demo(out: Path, console: Console, address: str | None = None) -> dict[st
     console.print(leaderboard_table(board))
     base = next(r for r in board if r["trial_id"] == "base")
     best = next(r for r in board if r.get("rank") == 1)
-    console.print(f"held-out preference accuracy: base model {base['eval/accuracy']:.2f} → "
-                  f"best adapter {best['eval/accuracy']:.2f} ({best['trial_id']}); "
-                  f"exported to {summary['best_adapter']}; "
+    console.print(before_after(base, best))
+    console.print(f"best adapter ({best['trial_id']}) exported to {summary['best_adapter']}; "
                   f"{time.perf_counter() - started:.0f} s in all")
     console.print(f"leaderboard: {out / 'leaderboard.md'}")
     api = os.environ.get("PREFECT_API_URL")
     console.print(f"Prefect UI: {api.removesuffix('/api')}" if api else
                   "Prefect UI: start one with `pomona ui`, then run again with "
                   "PREFECT_API_URL set to watch the flow run live.")
-    return {"model": str(model_dir), "accuracy_before": base["eval/accuracy"],
-            "accuracy_after": best["eval/accuracy"], "best_adapter": summary["best_adapter"]}
+    return {"model": str(model_dir), "accuracy_before": base["eval/test/accuracy"],
+            "accuracy_after": best["eval/test/accuracy"], "best_adapter": summary["best_adapter"]}
+
+
+def before_after(base: dict[str, Any], best: dict[str, Any]) -> str:
+    """Base → best preference accuracy on the test split; without one, says so and prints
+    validation under its own name (the split the best was chosen on)."""
+    val = (f"validation (ranked on): {_fmt(base.get('eval/valid/accuracy'), '.2f')} → "
+           f"{_fmt(best.get('eval/valid/accuracy'), '.2f')}")
+    if best.get("eval/test/accuracy") is None or base.get("eval/test/accuracy") is None:
+        missing = best.get("eval/test/missing") or base.get("eval/test/missing")
+        return f"[yellow]no test accuracy:[/] {missing}\n{val}"
+    return (f"test preference accuracy: base model {base['eval/test/accuracy']:.2f} → best "
+            f"adapter {best['eval/test/accuracy']:.2f} ({best['eval/test/rows']} test pairs); "
+            f"{val}")
 
 
 def leaderboard_table(board: list[dict[str, Any]]) -> Table:
     """Compact enough for an 80-column terminal (rich's width when output is not a tty)."""
-    table = Table(title="pomona demo: leaderboard (held-out split)")
-    for col in ("#", "trial", "lr", "val acc", "eval acc", "margin", "tok/s"):
+    table = Table(title="pomona demo: leaderboard (ranked on validation; test reported)")
+    for col in ("#", "trial", "lr", "val acc", "test acc", "test margin", "tok/s"):
         table.add_column(col, no_wrap=True)
     for r in board:
         lr = r.get("param/learning_rate")
-        best = r.get("best/val/rewards/accuracies")
         place = str(r["rank"]) if r.get("rank") else ("" if r["status"] in ("soup", "baseline")
                                                       else r["status"])
         table.add_row(place, r["trial_id"], f"{lr:g}" if lr else "-",
-                      f"{best:.3f}" if best is not None else "-", f"{r['eval/accuracy']:.3f}",
-                      f"{r['eval/margin']:+.3f}",
-                      f"{r['tokens_per_sec']:,.0f}" if r.get("tokens_per_sec") else "-")
+                      _fmt(r.get("eval/valid/accuracy"), ".3f"),
+                      _fmt(r.get("eval/test/accuracy"), ".3f"),
+                      _fmt(r.get("eval/test/margin"), "+.3f"),
+                      _fmt(r.get("tokens_per_sec"), ",.0f"))
     return table
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)

@@ -106,7 +106,7 @@ def evaluation_key(context: Any, inputs: dict[str, Any]) -> str:
 def evaluate_task(name: str, model: str, adapter: str | None, data: str, orpo_lambda: float,
                   generations: int, out: str, placement: Placement,
                   settings: EvalSettings | None = None) -> dict[str, Any]:
-    """Held-out metrics of one adapter (or the base), computed in a Ray task on a GPU/slot."""
+    """Valid and test metrics of one adapter (or the base), in a Ray task on a GPU/slot."""
     import ray
 
     settings = settings or EvalSettings()
@@ -114,8 +114,11 @@ def evaluate_task(name: str, model: str, adapter: str | None, data: str, orpo_la
     metrics = ray.get(remote.remote(model, adapter, data, orpo_lambda, settings.batch_size,
                                     settings.head_chunk, generations, out,
                                     prefix_share=settings.prefix_share))
-    get_run_logger().info("%s: %s", name, {k: round(v, 4) if isinstance(v, float) else v
-                                           for k, v in metrics.items()})
+    logger = get_run_logger()
+    logger.info("%s: %s", name, {k: round(v, 4) if isinstance(v, float) else v
+                                 for k, v in metrics.items() if k != "eval/test/missing"})
+    if metrics.get("eval/test/missing"):
+        logger.warning("%s: %s", name, metrics["eval/test/missing"])
     return metrics
 
 

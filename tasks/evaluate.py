@@ -1,9 +1,14 @@
-"""Evaluate an adapter (or the untrained base) on the held-out split.
+"""Evaluate an adapter (or the untrained base) on the validation and the test split.
 
-Metrics, each over the validation pairs: ``eval/orpo_loss`` (full-span NLL − λ·log σ(log
-odds), per pair, as ``pomona score``), ``eval/nll``, ``eval/accuracy`` (share of pairs
-with ℓw > ℓr, mean response log-probs), ``eval/margin`` (mean ℓw − ℓr) and
-``eval/log_odds``. Optionally the first N held-out prompts are continued with the adapter
+Metrics, each under ``eval/<split>/`` for split valid and test, over that split's pairs:
+``orpo_loss`` (full-span NLL − λ·log σ(log odds), per pair, as ``pomona score``), ``nll``,
+``accuracy`` (share of pairs with ℓw > ℓr, mean response log-probs), ``margin`` (mean
+ℓw − ℓr), ``log_odds`` and ``rows``. Valid is what training reported and the sweep ranked
+on; test was never used to choose anything, so it is the number a leaderboard reports. A
+dataset with no test rows (tokenized before the test split, a ``split`` column naming only
+train/valid, or too few rows) gets ``eval/test/*`` = None, 0 rows, and its reason in
+``eval/test/missing``: never the validation numbers under the test name. Optionally the
+first N test prompts (valid ones when there is no test split) are continued with the adapter
 (``mlx_lm.generate``, greedy) and stored beside their chosen and rejected responses in
 ``generations.jsonl`` for side-by-side reading. Runs where it is called: the sweep runs
 it in a Ray task on a trial's placement, so models load on GPUs, not on the driver.
@@ -12,46 +17,78 @@ it in a Ray task on a trial's placement, so models load on GPUs, not on the driv
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+EVAL_SPLITS = ("valid", "test")
+METRICS = ("orpo_loss", "nll", "accuracy", "margin", "log_odds")
+log = logging.getLogger(__name__)
 
 
 def evaluate_adapter(model: str, adapter: str | None, data: str, orpo_lambda: float = 0.1,
                      batch_size: int = 8, head_chunk: int = 0, generations: int = 0,
                      out: str | None = None, max_tokens: int = 64,
                      prefix_share: str = "auto") -> dict[str, Any]:
-    """The held-out metrics of ``adapter`` (None: the base model) on ``data``;
+    """The valid and test metrics of ``adapter`` (None: the base model) on ``data``;
     ``prefix_share`` as in training (one forward per pair where it pays)."""
     from engine.adapters import atomic_write_text
     from engine.data import load_pairs
     from engine.layout_policy import scoring_layout
     from engine.model import checked_stack, load_model
-    from engine.scoring import preference_accuracy, score_pairs
+    from engine.scoring import score_pairs
 
+    pairs = load_pairs(data)
+    if not pairs.valid and not pairs.test:
+        raise ValueError(f"{data}: no validation or test split to evaluate on")
     loaded, tokenizer = load_model(model, adapter)
     stack = checked_stack(loaded)
-    pairs = load_pairs(data).valid
-    if not pairs:
-        raise ValueError(f"{data}: no validation split to evaluate on")
-    rows = score_pairs(loaded, stack, pairs, orpo_lambda, batch_size, head_chunk,
-                       scoring_layout(prefix_share, tokenizer.pad_token_id or 0))
-    metrics: dict[str, Any] = {
-        "eval/orpo_loss": float(np.mean([r["orpo_loss"] for r in rows])),
-        "eval/nll": float(np.mean([r["nll"] for r in rows])),
-        "eval/accuracy": preference_accuracy(rows),
-        "eval/margin": float(np.mean([r["chosen_logp_mean"] - r["rejected_logp_mean"]
-                                      for r in rows])),
-        "eval/log_odds": float(np.mean([r["log_odds"] for r in rows])),
-        "eval/rows": len(rows)}
+    layout = scoring_layout(prefix_share, tokenizer.pad_token_id or 0)
+    metrics: dict[str, Any] = {}
+    for split in EVAL_SPLITS:
+        held_out = pairs.split(split)
+        rows = score_pairs(loaded, stack, held_out, orpo_lambda, batch_size, head_chunk,
+                           layout) if held_out else []
+        metrics.update(split_metrics(split, rows))
+    if not pairs.test:
+        metrics["eval/test/missing"] = missing_test_reason(data)
+        log.warning("%s", metrics["eval/test/missing"])
     if generations and out:
-        texts = generate_samples(loaded, tokenizer, pairs[:generations], max_tokens)
+        source = "test" if pairs.test else "valid"
+        texts = generate_samples(loaded, tokenizer, pairs.split(source)[:generations],
+                                 max_tokens)
         path = Path(out) / "generations.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, "".join(json.dumps(t) + "\n" for t in texts))
+        atomic_write_text(path, "".join(json.dumps({**t, "split": source}) + "\n"
+                                        for t in texts))
         metrics["generations"] = str(path)
     return metrics
+
+
+def split_metrics(split: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """``eval/<split>/*`` over ``score_pairs`` rows; None for each (0 rows) when empty."""
+    from engine.scoring import preference_accuracy
+
+    keys = [f"eval/{split}/{m}" for m in METRICS]
+    if not rows:
+        return {**dict.fromkeys(keys), f"eval/{split}/rows": 0}
+    values = [float(np.mean([r["orpo_loss"] for r in rows])),
+              float(np.mean([r["nll"] for r in rows])), preference_accuracy(rows),
+              float(np.mean([r["chosen_logp_mean"] - r["rejected_logp_mean"] for r in rows])),
+              float(np.mean([r["log_odds"] for r in rows]))]
+    return {**dict(zip(keys, values, strict=True)), f"eval/{split}/rows": len(rows)}
+
+
+def missing_test_reason(data: str) -> str:
+    """Why ``data`` has no test metrics, and how to get a test split."""
+    fix = ("re-tokenize it, or run `pomona data preprocess` on it: test rows come out of "
+           "train, valid keeps its rows" if Path(data).is_dir() else
+           "give some rows split \"test\", or drop the split column for a hash of the id")
+    return (f"{data}: no test rows (written before the test split, a split column naming only "
+            f"train/valid, or too few rows), so no test metrics; validation numbers are "
+            f"selection-biased, not a substitute. To get a test split, {fix}")
 
 
 def generate_samples(model, tokenizer, pairs: list, max_tokens: int) -> list[dict[str, str]]:

@@ -2,12 +2,14 @@
 the best adapter exported in mlx-lm's format.
 
 Ranked rows are the completed trials, best first by the sweep metric (its best value during
-training, ``best/<metric>``); degenerate (collapsed: zero gradients, or accuracy far
-below chance in validation or on the held-out split), pruned, failed and cancelled trials
-follow, unranked, each with its reason under the table, so nothing is silently dropped.
-The ``base`` row is the untrained model under the same held-out evaluation, the number
-every adapter is read against. Written as ``leaderboard.parquet`` (all columns) and
-``leaderboard.md`` (the readable few).
+training on the validation split, ``best/<metric>``); degenerate (collapsed: zero
+gradients, or accuracy far below chance on either split), pruned, failed and cancelled
+trials follow, unranked, each with its reason under the table, so nothing is silently
+dropped. Validation and test accuracy are separate columns: ranking chose on validation,
+so test (rows no choice ever read) is the number to report; a dataset without test rows
+shows "-" there and says why under the table. The ``base`` row is the untrained model
+under the same evaluation, the number every adapter is read against. Written as
+``leaderboard.parquet`` (all columns) and ``leaderboard.md`` (the readable few).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from tasks.sweep import metric_value
 from tasks.trials import below_chance, write_results
 
 ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
-EVAL_COLUMNS = ("eval/accuracy", "eval/margin", "eval/orpo_loss", "eval/nll")
+EVAL_COLUMNS = ("eval/valid/accuracy", "eval/test/accuracy", "eval/test/margin",
+                "eval/test/orpo_loss", "eval/test/nll")
 
 
 def rank_trials(results: list[dict[str, Any]], evals: dict[str, dict[str, Any]], metric: str,
@@ -50,8 +53,10 @@ def rank_trials(results: list[dict[str, Any]], evals: dict[str, dict[str, Any]],
 
 
 def _held_out_check(row: dict[str, Any]) -> dict[str, Any]:
-    """A completed trial whose held-out accuracy is far below chance is degenerate too."""
-    reason = below_chance(row.get("eval/accuracy"), row.get("eval/rows"), "held-out accuracy")
+    """A completed trial whose valid or test accuracy is far below chance is degenerate."""
+    reason = next(filter(None, (below_chance(row.get(f"eval/{s}/accuracy"),
+                                             row.get(f"eval/{s}/rows"), f"{s} accuracy")
+                                for s in ("test", "valid"))), "")
     if row["status"] == "completed" and reason:
         return {**row, "status": "degenerate", "reason": reason}
     return row
@@ -67,14 +72,18 @@ def markdown(rows: list[dict[str, Any]], metric: str, title: str) -> str:
     params = swept_params([r for r in rows if r.get("status") not in ("baseline", "soup")])
     cols = ["rank", "trial", "status", metric, *EVAL_COLUMNS, "peak GB", "tokens/s", "s",
             *(p.removeprefix("param/") for p in params)]
-    lines = [f"# {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines = [f"# {title}", "", f"Ranked on validation ({metric}, its best in training); "
+             "eval/test/* is the test split, which no choice read: the number to report.", "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = [str(r.get("rank") or ""), r["trial_id"], r["status"],
                  _num(metric_value(r, metric)), *(_num(r.get(c)) for c in EVAL_COLUMNS),
                  _num(r.get("peak_memory_gb"), 2), _num(r.get("tokens_per_sec"), 0),
                  _num(r.get("duration_s"), 0), *(str(r.get(p, "")) for p in params)]
         lines.append("| " + " | ".join(cells) + " |")
-    notes = [f"- {r['trial_id']}: {r['reason']}" for r in rows if r.get("reason")]
+    missing = next((r["eval/test/missing"] for r in rows if r.get("eval/test/missing")), None)
+    notes = [f"- test split: {missing}"] if missing else []
+    notes += [f"- {r['trial_id']}: {r['reason']}" for r in rows if r.get("reason")]
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 

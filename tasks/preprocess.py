@@ -1,10 +1,12 @@
-"""``pomona data preprocess``: split_prefix, de-duplication and the train/valid split.
+"""``pomona data preprocess``: split_prefix, de-duplication and the train/valid/test split.
 
 Per row: ``prefix_shared`` — chosen and rejected begin with the same prompt tokens, so the
 engine can run one forward over [prompt | chosen | rejected] — and the tokens that sharing
 saves (the prompt, computed once instead of twice). Exact duplicate pairs are removed and
-counted. The split is a stable hash of ``id``: adding rows never moves old rows. ``out``
-(default: in place) may only be a new or empty folder or another Pomona dataset.
+counted. The split is a stable hash of ``id``: adding rows never moves old rows. A dataset
+tokenized before the test split existed gets one here (its manifest names no
+``test_fraction``, so the default applies): test rows come out of train, valid keeps its
+rows. ``out`` (default: in place) may only be a new or empty folder or another Pomona dataset.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.data import stable_split
+from engine.data import TEST_FRACTION, check_fractions, split_counts, stable_split
 from tasks.dataset_dir import (
     check_apart,
     check_replaceable,
@@ -39,7 +41,8 @@ class PreprocessReport:
 
 
 def preprocess_dataset(path: str | Path, out: str | Path | None = None,
-                       valid_fraction: float | None = None) -> PreprocessReport:
+                       valid_fraction: float | None = None,
+                       test_fraction: float | None = None) -> PreprocessReport:
     """Preprocess the dataset at ``path`` into ``out`` (default: in place, atomically)."""
     path = Path(path)
     out = Path(out) if out else path
@@ -49,8 +52,11 @@ def preprocess_dataset(path: str | Path, out: str | Path | None = None,
     if out.resolve() != path.resolve():  # in place replaces the input, by design
         check_apart(out, [path])
         check_replaceable(out)
+    options = manifest["options"]
+    valid = options["valid_fraction"] if valid_fraction is None else valid_fraction
+    test = options.get("test_fraction", TEST_FRACTION) if test_fraction is None else test_fraction
+    check_fractions(valid, test)
     cols = read_table(path).to_pydict()
-    fraction = manifest["options"]["valid_fraction"] if valid_fraction is None else valid_fraction
     seen: set[tuple] = set()
     keep: dict[str, list] = {k: [] for k in cols}
     dupes = saved = two_forward = 0
@@ -66,7 +72,7 @@ def preprocess_dataset(path: str | Path, out: str | Path | None = None,
         for k in cols:
             keep[k].append(cols[k][i])
         keep["prefix_shared"][-1] = shared
-        keep["split"][-1] = stable_split(cols["id"][i], fraction)
+        keep["split"][-1] = stable_split(cols["id"][i], valid, test)
         saved += p if shared else 0
         two_forward += 2 * p + c + r
     n = len(keep["id"])
@@ -74,11 +80,10 @@ def preprocess_dataset(path: str | Path, out: str | Path | None = None,
     manifest = {k: v for k, v in manifest.items() if k not in ("schema_version", "shards")}
     manifest.update({
         "preprocessed": True,
-        "rows": {**manifest["rows"], "total": n, "train": keep["split"].count("train"),
-                 "valid": keep["split"].count("valid")},
+        "rows": {**manifest["rows"], "total": n, **split_counts(keep["split"])},
         "duplicates_removed": dupes, "prefix_share_rate": rate, "tokens_saved": saved,
         "tokens_two_forward": two_forward,
-        "options": {**manifest["options"], "valid_fraction": fraction},
+        "options": {**options, "valid_fraction": valid, "test_fraction": test},
     })
     write_dataset(out, keep, manifest)
     return PreprocessReport(str(out), n, dupes, rate, saved, two_forward)

@@ -37,17 +37,25 @@ from tasks.trials import (
     write_results,
 )
 
-CODE_VERSION = "0.2.0"  # bump when training semantics change: invalidates cached trials
+# Bump when training semantics change: invalidates cached trials. 0.3.0: the test split
+# comes out of train, so a .jsonl without a split column trains on fewer rows.
+CODE_VERSION = "0.3.0"
 NOT_PARAMS = ("model", "data", "out")
 FINISHED = ("completed", "degenerate")  # trained to the end: cached on re-runs
 
 
 def data_fingerprint(data: str) -> str:
-    """The dataset manifest's fingerprint, or a hash of the data file."""
+    """The dataset manifest's fingerprint with its split, or a hash of the data file.
+    Preprocess re-splits in place keeping the fingerprint (an old dataset gains a test split
+    out of train): a trial cached before then trained on rows that are test now."""
     path = Path(data)
     manifest = path / "manifest.json"
     if manifest.exists():
-        return json.loads(manifest.read_text())["fingerprint"]
+        m = json.loads(manifest.read_text())
+        options = m.get("options", {})
+        split = [m.get("preprocessed"), options.get("valid_fraction"),
+                 options.get("test_fraction")]
+        return hashlib.sha256(json.dumps([m["fingerprint"], *split]).encode()).hexdigest()
     if path.is_file():
         return hashlib.sha256(path.read_bytes()).hexdigest()
     raise FileNotFoundError(f"sweep data not found: {data}")

@@ -24,7 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from engine.data import stable_split
+from engine.data import (
+    TEST_FRACTION,
+    VALID_FRACTION,
+    check_fractions,
+    split_counts,
+    stable_split,
+)
 from tasks.dataset_dir import (
     RefusedOutput,
     check_apart,
@@ -55,7 +61,8 @@ class TokenizeOptions:
     chat_template: str = "auto"  # auto (use it when the tokenizer has one) | on | off
     max_length: int | None = None  # per branch, prompt + response; None: the model's; 0: none
     max_prompt_length: int = 0
-    valid_fraction: float = 0.1
+    valid_fraction: float = VALID_FRACTION  # ranked and pruned on
+    test_fraction: float = TEST_FRACTION  # reported by the leaderboard, never chosen on
     max_bad_fraction: float = 0.05
     batch_rows: int = 1024
 
@@ -69,10 +76,10 @@ class TokenizeOptions:
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be "
                                  "0 (no limit) or more")
-        for name in ("valid_fraction", "max_bad_fraction"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be "
-                                 "between 0 and 1")
+        if not 0 <= self.max_bad_fraction <= 1:
+            raise ValueError(f"--max-bad-fraction {self.max_bad_fraction}: must be between "
+                             "0 and 1")
+        check_fractions(self.valid_fraction, self.test_fraction)
 
 
 @dataclass
@@ -316,8 +323,7 @@ def _manifest(fp: str, model_dir: Path, options: TokenizeOptions, use_template: 
         "code_version": DATA_CODE_VERSION, "options": asdict(options),
         "chat_template": use_template, "preprocessed": False,
         "sources": [{"path": str(f), "sha256": _sha256(f)} for f in files],
-        "rows": {"total": len(rows["id"]), "train": rows["split"].count("train"),
-                 "valid": rows["split"].count("valid"), "read": got.read},
+        "rows": {"total": len(rows["id"]), **split_counts(rows["split"]), "read": got.read},
         "rejects": dict(Counter(r.reason for r in got.rejects)), "truncation": dict(got.trunc),
         "token_lengths": {k: _length_stats(rows[f"{k}_ids"])
                           for k in ("prompt", "chosen", "rejected")},
@@ -355,7 +361,8 @@ def tokenize_dataset(inputs: str | Path, model: str, out: str | Path,
     got = _read_and_tokenize(inputs, options, PairEncoder(hf_tok), template, progress)
     kept_path, failed_path = rejects_paths(out)
     _fail_if_unusable(got, inputs, files, options.max_bad_fraction, failed_path)
-    got.rows["split"] = [stable_split(i, options.valid_fraction) for i in got.rows["id"]]
+    got.rows["split"] = [stable_split(i, options.valid_fraction, options.test_fraction)
+                         for i in got.rows["id"]]
     got.rows["prefix_shared"] = [None] * len(got.rows["id"])  # set by preprocess
     manifest = _manifest(fp, model_dir, options, use_template, files, got)
     write_dataset(out, got.rows, manifest)

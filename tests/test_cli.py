@@ -111,13 +111,15 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=900, env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "held-out preference accuracy" in proc.stdout and "leaderboard" in proc.stdout
+    assert "test preference accuracy: base model" in proc.stdout, proc.stdout
+    assert "leaderboard" in proc.stdout
     board = pq.read_table(tmp_path / "demo" / "leaderboard.parquet").to_pylist()
     base = next(r for r in board if r["trial_id"] == "base")
     best = next(r for r in board if r.get("rank") == 1)
     assert {r["status"] for r in board} >= {"completed", "baseline"}
     assert best["status"] == "completed"
-    assert best["eval/accuracy"] >= base["eval/accuracy"] + 0.1, board  # it really trains
+    assert best["eval/test/accuracy"] >= base["eval/test/accuracy"] + 0.1, board  # it trains
+    assert best["eval/test/rows"] > 100 and best["eval/valid/rows"] > 100  # ~10% of 2200 each
     adapter = tmp_path / "demo" / "best-adapter"
     model, _ = mlx_lm.load(str(tmp_path / "demo" / "model"), adapter_path=str(adapter))
     assert model is not None

@@ -46,7 +46,8 @@ def test_each_layout_tokenizes_and_the_engine_reads_it(tiny_model, tmp_path, lay
     t = read_table(out)
     assert t.schema.field("prompt_ids").type == pa.list_(pa.int32())
     pairs = load_pairs(out)  # the engine reads it with pyarrow alone
-    assert len(pairs.train) + len(pairs.valid) == 200 and pairs.valid
+    assert len(pairs.train) + len(pairs.valid) + len(pairs.test) == 200
+    assert pairs.valid and pairs.test
 
 
 def test_chat_template_rendering_bos_once_eos_once(tiny_model, tmp_path, tok) -> None:
@@ -206,7 +207,7 @@ def test_stable_split_survives_added_rows(tiny_model, tmp_path) -> None:
     a, b = table(tmp_path / "a"), table(tmp_path / "b")
     split_b = dict(zip(b["id"], b["split"], strict=True))
     assert all(split_b[i] == s for i, s in zip(a["id"], a["split"], strict=True))
-    assert 0 < a["split"].count("valid") < 30
+    assert 0 < a["split"].count("valid") < 30 and 0 < a["split"].count("test") < 30
 
 
 def test_fingerprint_cache(tiny_model, tiny_qwen2, tmp_path) -> None:
@@ -288,7 +289,9 @@ def test_data_cli_tokenize_and_stats(tiny_model, tmp_path) -> None:
     again = CliRunner().invoke(app, args)
     assert "cache hit" in again.output
     stats = CliRunner().invoke(app, ["data", "stats", str(out)])
-    assert stats.exit_code == 0 and "rows (train / valid)" in stats.output
+    m = read_manifest(out)["rows"]
+    assert stats.exit_code == 0 and "rows (train / valid / test)" in stats.output
+    assert f"{m['train']} / {m['valid']} / {m['test']}" in stats.output and m["test"] > 0
     bad = CliRunner().invoke(app, ["data", "stats", str(tmp_path)])
     assert bad.exit_code == 2 and "not a complete Pomona dataset" in bad.output
 

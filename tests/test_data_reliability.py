@@ -254,6 +254,7 @@ def _corrupt_manifest(path: Path) -> None:
 @pytest.mark.parametrize("mistake", [
     "missing input", "input of another type", "missing model", "model without tokenizer",
     "bad layout", "bad chat template", "negative max length", "valid fraction 2",
+    "valid and test fractions over 1",
     "out is a file", "preprocess of a folder", "stats of a hand-edited manifest",
     "synth into a file's path"])
 def test_user_mistakes_exit_2_with_one_line(tiny_model, tmp_path, mistake) -> None:
@@ -269,6 +270,8 @@ def test_user_mistakes_exit_2_with_one_line(tiny_model, tmp_path, mistake) -> No
         "bad chat template": (["--chat-template", "yes"], "--chat-template"),
         "negative max length": (["--max-length", "-1"], "--max-length"),
         "valid fraction 2": (["--valid-fraction", "2"], "--valid-fraction"),
+        "valid and test fractions over 1": (["--valid-fraction", "0.6", "--test-fraction",
+                                             "0.5"], "--test-fraction 0.5 is over 1"),
         "out is a file": (["--out", str(src)], str(src)),
     }
     (tmp_path / "x.txt").write_text("hi")

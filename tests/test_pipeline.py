@@ -3,6 +3,8 @@ tokenize → preprocess → sweep → evaluate → leaderboard; a second run hit
 
 from __future__ import annotations
 
+import json
+
 import mlx_lm
 import pyarrow.parquet as pq
 import pytest
@@ -34,14 +36,21 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
     assert (out / "soup" / "adapters.safetensors").exists()
     trials = [r for r in board if r["trial_id"] not in ("base", "soup")]
     assert len(trials) == 2 and [r["rank"] for r in trials] == [1, 2]
-    assert all(0.0 <= r["eval/accuracy"] <= 1.0 and r["eval/rows"] > 0 for r in board)
+    # Valid (ranked on) and test (reported) are scored apart, on the dataset's own splits.
+    rows = json.loads((out / "data" / "manifest.json").read_text())["rows"]
+    assert rows["valid"] > 0 and rows["test"] > 0
+    for r in board:
+        assert (r["eval/valid/rows"], r["eval/test/rows"]) == (rows["valid"], rows["test"])
+        assert 0.0 <= r["eval/valid/accuracy"] <= 1.0 and 0.0 <= r["eval/test/accuracy"] <= 1.0
+    assert "eval/test/accuracy" in (out / "leaderboard.md").read_text()
     assert summary["best_trial"] == trials[0]["trial_id"]
     best = out / "best-adapter"
     assert (best / "adapters.safetensors").exists() and (best / "adapter_config.json").exists()
     assert (best / "SOURCE").read_text().strip() == trials[0]["trial_id"]
     fused, _ = mlx_lm.load(summary["fused"])  # a standalone model with the adapter inside
     assert fused is not None
-    assert (out / "base" / "generations.jsonl").read_text().count("\n") == 2
+    samples = (out / "base" / "generations.jsonl").read_text().splitlines()
+    assert len(samples) == 2 and all(json.loads(x)["split"] == "test" for x in samples)
     assert "| 1 | " in (out / "leaderboard.md").read_text()
     with get_client(sync_client=True) as client:
         keys = ArtifactFilter(key=ArtifactFilterKey(any_=["pipe-leaderboard"]))

@@ -172,15 +172,19 @@ def test_a_collapsed_trial_is_degenerate_and_kept_off_the_board(tiny_model, tiny
     assert [(r["trial_id"], r["rank"]) for r in board] == [("healthy", 1), ("collapsed", None)]
     text = markdown(board, "val/loss", "t")
     assert "- collapsed: degenerate: zero gradients" in text
-    # Held-out accuracy far below chance on enough pairs also unranks a completed trial;
-    # on a handful of pairs it is noise and does not.
+    # Test or validation accuracy far below chance on enough pairs also unranks a completed
+    # trial; on a handful of pairs it is noise and does not.
     far = {**healthy, "trial_id": "far", "best/val/loss": 0.1}
-    board = rank_trials([healthy, far], {"far": {"eval/accuracy": 0.05, "eval/rows": 40}},
-                        "val/loss", "min")
-    assert [(r["trial_id"], r["status"], r["rank"]) for r in board] == \
-        [("healthy", "completed", 1), ("far", "degenerate", None)]
-    few = rank_trials([far], {"far": {"eval/accuracy": 0.0, "eval/rows": 4}}, "val/loss", "min")
-    assert few[0]["rank"] == 1
+    for split in ("test", "valid"):
+        board = rank_trials([healthy, far], {"far": {f"eval/{split}/accuracy": 0.05,
+                                                     f"eval/{split}/rows": 40}},
+                            "val/loss", "min")
+        assert [(r["trial_id"], r["status"], r["rank"]) for r in board] == \
+            [("healthy", "completed", 1), ("far", "degenerate", None)]
+        assert board[1]["reason"].startswith(f"degenerate: {split} accuracy 0.050 on 40")
+        few = rank_trials([far], {"far": {f"eval/{split}/accuracy": 0.0,
+                                          f"eval/{split}/rows": 4}}, "val/loss", "min")
+        assert few[0]["rank"] == 1
 
 
 # Item 9 -----------------------------------------------------------------------------------

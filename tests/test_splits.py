@@ -1,0 +1,240 @@
+"""The test split (issue 17, item 1): trials are ranked on valid, the board reports test.
+
+Valid keeps every row it had before the test split existed (test comes out of train), a
+``split`` column's "test" is honored, valid and test metrics come from disjoint rows, and
+a dataset with no test rows says so instead of passing validation numbers off as test.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from engine.batch import Pair
+from engine.data import check_fractions, load_pairs, stable_split, write_pairs_jsonl
+from tasks.leaderboard import markdown, rank_trials
+
+IDS = [f"row-{i}" for i in range(4000)]
+
+
+def split_before_test(row_id: str, valid_fraction: float = 0.1) -> str:
+    """stable_split as it was before the test split (the reference old rows must keep)."""
+    h = int.from_bytes(hashlib.blake2b(row_id.encode(), digest_size=8).digest(), "big")
+    return "valid" if h / 2**64 < valid_fraction else "train"
+
+
+@pytest.mark.unit
+def test_valid_keeps_its_rows_and_test_comes_out_of_train() -> None:
+    """Catches a test split carved from valid (or drawn first, shifting valid's range):
+    a row would then move between train and valid, and old runs' validation would change."""
+    old = {i: split_before_test(i) for i in IDS}
+    new = {i: stable_split(i, 0.1, 0.15) for i in IDS}
+    assert all(new[i] == "valid" for i in IDS if old[i] == "valid")
+    assert all(old[i] == "valid" for i in IDS if new[i] == "valid")
+    assert all(old[i] == "train" for i in IDS if new[i] == "test")
+    shares = {s: list(new.values()).count(s) / len(IDS) for s in ("train", "valid", "test")}
+    assert shares["valid"] == pytest.approx(0.1, abs=0.02)
+    assert shares["test"] == pytest.approx(0.15, abs=0.02)  # the fraction is the dial
+    assert all(stable_split(i, 0.1, 0.0) == old[i] for i in IDS)  # no test: as before
+
+
+@pytest.mark.unit
+def test_fractions_are_checked() -> None:
+    check_fractions(0.5, 0.5)
+    for valid, test, named in ((0.6, 0.5, "over 1"), (-0.1, 0.1, "--valid-fraction"),
+                               (0.1, 1.5, "--test-fraction")):
+        with pytest.raises(ValueError, match=named):
+            check_fractions(valid, test)
+
+
+def _pairs(n: int, prefix: str) -> list[Pair]:
+    return [Pair(f"{prefix}{i}", [1, 2, 3], [4, i + 5], [6, i + 5]) for i in range(n)]
+
+
+@pytest.mark.unit
+def test_a_split_column_is_honored_and_checked(tmp_path: Path) -> None:
+    """Catches "test" rows read as train (trained on, then reported) and an unknown split
+    value silently trained on; a row without a value takes the id's hash."""
+    path = tmp_path / "d.jsonl"
+    rows = [write_pairs_jsonl(_pairs(3, s), tmp_path / f"{s}.jsonl", split=s).read_text()
+            for s in ("train", "valid", "test")]
+    hashed = write_pairs_jsonl([Pair(i, [1], [2], [3]) for i in IDS[:50]], tmp_path / "h.jsonl")
+    path.write_text("".join(rows) + hashed.read_text())
+    data = load_pairs(path)
+    for s in ("train", "valid", "test"):
+        named = [p.id for p in data.split(s) if not p.id.startswith("row-")]
+        assert named == [f"{s}0", f"{s}1", f"{s}2"]
+    for i in IDS[:50]:  # rows with no split: the hash decides
+        where = next(s for s in ("train", "valid", "test") if i in {p.id for p in data.split(s)})
+        assert where == stable_split(i)
+    path.write_text(path.read_text() + json.dumps({**json.loads(rows[0].splitlines()[0]),
+                                                   "id": "x", "split": "validation"}) + "\n")
+    with pytest.raises(ValueError, match=r"d.jsonl: row 59 \(id 'x'\) has split 'validation'"):
+        load_pairs(path)
+
+
+@pytest.mark.unit
+def test_the_board_ranks_on_valid_and_reports_test_in_its_own_column() -> None:
+    """Catches ranking on test (b would win), and one accuracy shown under both names."""
+    results = [{"trial_id": t, "status": "completed", "best/val/rewards/accuracies": v}
+               for t, v in (("a", 0.9), ("b", 0.7))]
+    evals = {"a": {"eval/valid/accuracy": 0.875, "eval/valid/rows": 40,
+                   "eval/test/accuracy": 0.625, "eval/test/rows": 40},
+             "b": {"eval/valid/accuracy": 0.75, "eval/valid/rows": 40,
+                   "eval/test/accuracy": 0.8125, "eval/test/rows": 40}}
+    board = rank_trials(results, evals, "val/rewards/accuracies", "max")
+    assert [(r["trial_id"], r["rank"]) for r in board] == [("a", 1), ("b", 2)]
+    text = markdown(board, "val/rewards/accuracies", "t")
+    head, _, a, b = [[c.strip() for c in line.strip("|").split("|")]
+                     for line in text.splitlines() if line.startswith("|")]
+    assert [a[head.index(c)] for c in ("eval/valid/accuracy", "eval/test/accuracy")] == \
+        ["0.8750", "0.6250"]
+    assert [b[head.index(c)] for c in ("eval/valid/accuracy", "eval/test/accuracy")] == \
+        ["0.7500", "0.8125"]
+    assert "test split:" not in text
+
+
+@pytest.mark.unit
+def test_no_test_rows_show_as_missing_on_the_board_and_in_the_demo() -> None:
+    """Catches validation numbers printed as test when a dataset has no test rows."""
+    from flows.demo import before_after
+
+    reason = "d.jsonl: no test rows (...)"
+    missing = {"eval/test/accuracy": None, "eval/test/rows": 0, "eval/test/missing": reason}
+    base = {"trial_id": "base", "status": "baseline", "eval/valid/accuracy": 0.5, **missing}
+    best = {"trial_id": "a", "status": "completed", "best/val/loss": 0.3,
+            "eval/valid/accuracy": 0.8, **missing}
+    board = rank_trials([best], {}, "val/loss", "min", base=base)
+    text = markdown(board, "val/loss", "t")
+    head, _, a, _ = [[c.strip() for c in line.strip("|").split("|")]
+                     for line in text.splitlines() if line.startswith("|")]
+    assert a[head.index("eval/test/accuracy")] == "-"
+    assert a[head.index("eval/valid/accuracy")] == "0.8000"
+    assert f"- test split: {reason}" in text
+    line = before_after(base, board[0])
+    assert "no test accuracy" in line and reason in line and "test preference" not in line
+    assert "validation (ranked on): 0.50 → 0.80" in line
+    ok = {"eval/test/accuracy": 0.55, "eval/test/rows": 30}
+    line = before_after({**base, **ok}, {**board[0], **ok, "eval/test/accuracy": 0.9})
+    assert "test preference accuracy: base model 0.55 → best adapter 0.90 (30 test" in line
+
+
+@pytest.mark.integration
+def test_an_old_dataset_loads_without_test_rows_and_preprocess_carves_them(
+        tiny_model, tmp_path) -> None:
+    """A dataset tokenized before the test split (no test rows, no test_fraction in its
+    manifest) loads with an empty test; preprocess carves test out of train, leaves valid's
+    rows where they were, and changes the data fingerprint trials are cached on."""
+    from tasks.preprocess import preprocess_dataset
+    from tasks.sweep import data_fingerprint
+    from tasks.tokenize import TokenizeOptions, tokenize_dataset
+
+    rows = [{"id": f"s{i}", "prompt": f"Sort: {i} 0", "chosen": f" 0 {i}",
+             "rejected": f" {i} 0"} for i in range(1, 161)]
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "old"
+    tokenize_dataset(src, str(tiny_model), out, TokenizeOptions(test_fraction=0.0))
+    manifest = json.loads((out / "manifest.json").read_text())  # as the old code wrote it
+    del manifest["options"]["test_fraction"], manifest["rows"]["test"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    old = load_pairs(out)
+    assert not old.test and old.valid and old.train
+    before = data_fingerprint(str(out))
+
+    preprocess_dataset(out)
+    new = load_pairs(out)
+    ids = {s: {p.id for p in new.split(s)} for s in ("train", "valid", "test")}
+    assert ids["valid"] == {p.id for p in old.valid}
+    assert new.test and ids["test"] <= {p.id for p in old.train}
+    assert not ids["test"] & ids["valid"] and not ids["test"] & ids["train"]
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["options"]["test_fraction"] == 0.1 and m["rows"]["test"] == len(new.test)
+    assert data_fingerprint(str(out)) != before  # cached trials trained on today's test rows
+
+
+@pytest.mark.integration
+def test_the_test_fraction_is_a_dial_of_tokenize_and_preprocess(tiny_model, tmp_path) -> None:
+    """Catches --test-fraction not reaching the split (CLI → options → manifest → rows)."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    out = tmp_path / "tok"
+    samples = Path(__file__).resolve().parents[1] / "datasets" / "sample" / "explicit.jsonl"
+    result = CliRunner().invoke(app, ["data", "tokenize", "--input", str(samples), "--model",
+                                      str(tiny_model), "--out", str(out), "--test-fraction",
+                                      "0.3"])
+    assert result.exit_code == 0, result.output
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["options"]["test_fraction"] == 0.3 and 40 < m["rows"]["test"] < 80  # of 200
+    assert m["rows"]["test"] == len(load_pairs(out).test)
+    result = CliRunner().invoke(app, ["data", "preprocess", str(out), "--test-fraction", "0"])
+    assert result.exit_code == 0, result.output
+    assert not load_pairs(out).test
+    assert json.loads((out / "manifest.json").read_text())["rows"]["test"] == 0
+
+
+@pytest.fixture(scope="module")
+def mirrored(tiny_model, tmp_path_factory) -> Path:
+    """15 valid pairs, and as test the same pairs with chosen and rejected swapped."""
+    from tests.pairs import tokenized_pairs
+
+    pairs = tokenized_pairs(tiny_model, 15, seed=3, task="sort")
+    tmp = tmp_path_factory.mktemp("mirrored")
+    valid = [Pair(f"v{i}", p.prompt, p.chosen, p.rejected) for i, p in enumerate(pairs)]
+    test = [Pair(f"t{i}", p.prompt, p.rejected, p.chosen) for i, p in enumerate(pairs)]
+    train = tokenized_pairs(tiny_model, 4, seed=4, task="sort")
+    parts = [write_pairs_jsonl(x, tmp / f"{s}.jsonl", split=s).read_text()
+             for x, s in ((train, "train"), (valid, "valid"), (test, "test"))]
+    (tmp / "data.jsonl").write_text("".join(parts))
+    return tmp / "data.jsonl"
+
+
+@pytest.mark.integration
+def test_valid_and_test_metrics_come_from_disjoint_rows(tiny_model, mirrored, tmp_path):
+    """Test is valid mirrored (chosen ↔ rejected), so its margin must be valid's negated
+    and, on 15 pairs (no tie at 0.5), its accuracy 1 − valid's. Scoring one split for both,
+    or both splits' rows for each, gives equal numbers and fails."""
+    from tasks.evaluate import evaluate_adapter
+
+    m = evaluate_adapter(str(tiny_model), None, str(mirrored), generations=2,
+                         out=str(tmp_path), max_tokens=2)
+    assert m["eval/valid/rows"] == m["eval/test/rows"] == 15
+    assert abs(m["eval/valid/margin"]) > 1e-4
+    assert m["eval/test/margin"] == pytest.approx(-m["eval/valid/margin"], abs=1e-4)
+    assert m["eval/test/accuracy"] == pytest.approx(1 - m["eval/valid/accuracy"])
+    assert "eval/test/missing" not in m
+    samples = [json.loads(x) for x in (tmp_path / "generations.jsonl").read_text().splitlines()]
+    assert [(s["id"], s["split"]) for s in samples] == [("t0", "test"), ("t1", "test")]
+
+
+@pytest.mark.integration
+def test_evaluation_without_test_rows_says_so(tiny_model, tiny_data, caplog) -> None:
+    """tiny_data's split column names only train and valid, as datasets written before the
+    test split: test metrics are None with the reason, valid ones are still computed."""
+    from tasks.evaluate import evaluate_adapter
+
+    with caplog.at_level(logging.WARNING, logger="tasks.evaluate"):
+        m = evaluate_adapter(str(tiny_model), None, str(tiny_data))
+    assert m["eval/test/rows"] == 0
+    assert m["eval/test/accuracy"] is None and m["eval/test/margin"] is None
+    assert m["eval/valid/rows"] == 16 and 0 <= m["eval/valid/accuracy"] <= 1
+    assert "no test rows" in m["eval/test/missing"] and str(tiny_data) in m["eval/test/missing"]
+    assert m["eval/test/missing"] in caplog.text
+
+
+@pytest.mark.integration
+def test_score_cli_scores_the_test_split(tiny_model, mirrored, tiny_data, tmp_path) -> None:
+    from engine.cli import run_score
+
+    out = tmp_path / "s.jsonl"
+    base = ["--model", str(tiny_model), "--out", str(out)]
+    assert run_score([*base, "--data", str(mirrored), "--split", "test"]) == 0
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == \
+        [f"t{i}" for i in range(15)]
+    assert run_score([*base, "--data", str(tiny_data), "--split", "test"]) == 2
