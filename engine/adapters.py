@@ -8,6 +8,7 @@ temporary name and renamed, so a crash never leaves a half file under the real n
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from engine.losses import LossSpec
 from engine.model import LoraSpec
 
 ADAPTER_FILE, CONFIG_FILE = "adapters.safetensors", "adapter_config.json"
@@ -54,6 +56,19 @@ def save_adapters(model: nn.Module, out: Path, spec: LoraSpec, num_layers: int,
     config = adapter_config(spec, num_layers, extra or {})
     atomic_write_text(out / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
     return out
+
+
+def trained_loss(adapter_dir: str | Path | None) -> LossSpec | None:
+    """The loss an adapter was trained with (its config's ``pomona`` block), or None for
+    no adapter or one another tool wrote."""
+    path = Path(adapter_dir) / CONFIG_FILE if adapter_dir else None
+    if path is None or not path.is_file():
+        return None
+    block = json.loads(path.read_text()).get("pomona") or {}
+    fields = {f.name for f in dataclasses.fields(LossSpec)} - {"kind"}
+    if "loss" not in block:
+        return None
+    return LossSpec(block["loss"], **{k: v for k, v in block.items() if k in fields})
 
 
 def load_adapter_weights(model: nn.Module, adapter_dir: Path) -> None:

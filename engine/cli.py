@@ -93,7 +93,12 @@ def score_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", help="Adapter directory (mlx-lm format).")
     p.add_argument("--data", required=True, help="Tokenized pairs (dataset dir/.parquet/.jsonl).")
     p.add_argument("--out", required=True, help="Output JSONL, one object per pair.")
-    p.add_argument("--orpo-lambda", type=float, default=0.1, help="λ for the orpo_loss column.")
+    p.add_argument("--loss", choices=CHOICES["loss"],
+                   help="The loss column's loss (default: the adapter's own, else orpo).")
+    for name in ("orpo_lambda", "simpo_beta", "simpo_gamma", "simpo_nll_weight"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=float,
+                       help=f"{_field_help(name)} Default: the adapter's, else "
+                            f"{_default(name)}.".replace("%", "%%"))
     p.add_argument("--split", default="all", choices=["all", "train", "valid", "test"],
                    help="Which pairs to score: train, valid (ranked on), test (reported).")
     p.add_argument("--batch-size", type=int, default=8)
@@ -104,10 +109,19 @@ def score_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _field_help(name: str) -> str:
+    return next(f.metadata["help"] for f in dataclasses.fields(TrainConfig) if f.name == name)
+
+
+def _default(name: str) -> Any:
+    return getattr(TrainConfig(), name)
+
+
 def run_score(argv: list[str]) -> int:
-    from engine.adapters import atomic_write_text
+    from engine.adapters import atomic_write_text, trained_loss
     from engine.data import load_pairs
     from engine.layout_policy import scoring_layout
+    from engine.losses import LossSpec
     from engine.model import checked_stack, load_model
     from engine.scoring import preference_accuracy, score_pairs
 
@@ -123,7 +137,11 @@ def run_score(argv: list[str]) -> int:
     if not pairs:
         print(f"error: {a.data}: no {a.split} pairs to score", file=sys.stderr)
         return 2
-    rows = score_pairs(model, stack, pairs, a.orpo_lambda, a.batch_size,
+    spec = trained_loss(a.adapter) or LossSpec()
+    spec = dataclasses.replace(spec, **{"kind": a.loss or spec.kind, **{
+        k: v for k in ("orpo_lambda", "simpo_beta", "simpo_gamma", "simpo_nll_weight")
+        if (v := getattr(a, k)) is not None}})
+    rows = score_pairs(model, stack, pairs, spec, a.batch_size,
                        a.head_chunk, scoring_layout(a.prefix_share, tokenizer.pad_token_id or 0))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -141,7 +159,7 @@ USAGE = """Train, score or benchmark one adapter with no Prefect and no Ray.
     python -m engine bench memory|prefix|attention|profile|ops [...]
 
 Each command's --help lists its options."""
-COMMANDS = {"train": "Train one LoRA adapter (ORPO or SFT).",
+COMMANDS = {"train": "Train one LoRA adapter (ORPO, SimPO or SFT).",
             "score": "Score preference pairs under a model (+ adapter).",
             "bench": "Benchmark the engine's levers (memory, prefix, attention, profile, ops)."}
 BENCH_KINDS = {"memory": "Memory rows: plain, checkpointing, segment sizes, heads.",

@@ -79,10 +79,12 @@ def choose_layout(pairs: list, cfg: TrainConfig, pad_multiple: int, pad_id: int
     return two
 
 
-def scoring_layout(prefix_share: str, pad_id: int) -> Callable[[list], PairBatch | PrefixBatch]:
-    """``choose_layout`` for forward-only scoring (full-span NLL, this device's padding)."""
+def scoring_layout(prefix_share: str, pad_id: int, nll_span: str = "full"
+                   ) -> Callable[[list], PairBatch | PrefixBatch]:
+    """``choose_layout`` for forward-only scoring (this device's padding; ``nll_span``
+    full for per-pair scores, the trained one for evaluation metrics)."""
     check_choice("prefix_share", prefix_share)
-    cfg = TrainConfig(nll_span="full", prefix_share=prefix_share)
+    cfg = TrainConfig(nll_span=nll_span, prefix_share=prefix_share)
     pad = resolve_pad_multiple(-1)
     return lambda pairs: choose_layout(pairs, cfg, pad, pad_id)
 

@@ -14,9 +14,9 @@ Conventions (DESIGN.md, = TRL's ORPOTrainer and CPOTrainer):
 - NLL: token-mean cross-entropy of the chosen sequence over ``nll_span`` = "full"
   (prompt + response) or "response" (the official code's ``--disable_prompt_loss``).
 
-Adding a loss: one ``PairTerms`` function in PAIR_LOSSES, its NLL weight in ``nll_weight``
-and its fields in LossSpec; the segmented backward, head and prefix code see only the
-scalar loss of the token log-probs.
+SFT is the NLL alone (its rewards the mean log-probs). Adding a loss: one ``PairTerms``
+function in PAIR_LOSSES, its NLL weight in ``nll_weight`` and its fields in LossSpec; the
+segmented backward, head and prefix code see only the scalar loss of the token log-probs.
 
 Reductions are sums divided by normalisers of the *whole* optimizer batch, so gradient
 accumulation over micro-batches adds up to exactly the one-big-batch loss.
@@ -113,8 +113,14 @@ def simpo(lw: mx.array, lr: mx.array, spec: LossSpec) -> PairTerms:
     return PairTerms(-nn.log_sigmoid(chosen - rejected - spec.simpo_gamma), chosen, rejected)
 
 
+def sft(lw: mx.array, lr: mx.array, spec: LossSpec) -> PairTerms:
+    """No pair term; rewards are the mean log-probs themselves, so an SFT run still
+    reports how often it prefers the chosen response (rewards/accuracies)."""
+    return PairTerms(mx.zeros_like(lw), lw, lr)
+
+
 PAIR_LOSSES: dict[str, Callable[[mx.array, mx.array, LossSpec], PairTerms]] = {
-    "orpo": orpo, "simpo": simpo}
+    "orpo": orpo, "simpo": simpo, "sft": sft}
 
 
 def nll_weight(spec: LossSpec) -> float:
@@ -143,8 +149,6 @@ def pair_loss(
     logps = mean_logps(token_logps, resp_mask)
     lw, lr = logps[:b], logps[b:]
     metrics = {"nll_sum": nll_sum, "logps/chosen": lw.sum(), "logps/rejected": lr.sum()}
-    if spec.kind == "sft":
-        return loss, metrics
     terms = PAIR_LOSSES[spec.kind](lw, lr, spec)
     loss = loss + terms.losses.sum() / norms.pairs
     metrics.update(reward_metrics(terms))
@@ -161,10 +165,8 @@ def reward_metrics(terms: PairTerms) -> dict[str, mx.array]:
 
 
 def per_pair_losses(lw: mx.array, lr: mx.array, nll: mx.array, spec: LossSpec
-                    ) -> tuple[mx.array, PairTerms | None]:
+                    ) -> tuple[mx.array, PairTerms]:
     """Each pair's own loss [B] (its NLL mean weighted, plus its pair term) for scoring:
     the batch loss of ``pair_loss`` with every pair alone."""
-    if spec.kind == "sft":
-        return nll, None
     terms = PAIR_LOSSES[spec.kind](lw, lr, spec)
     return nll_weight(spec) * nll + terms.losses, terms

@@ -4,7 +4,7 @@ Uses the same token log-probs as training (dense, or chunked when ``head_chunk``
 evaluation never materialises [tokens, vocab] logits either) and the same layouts: a
 ``Layout`` may return a PrefixBatch, scored in one shared forward like training's. Pairs
 are batched by length (scores are per row, so order is free and pads are the waste).
-The demo's held-out split (211 pairs, CPU, `score_pairs`): 23.1 s in data order, 7.0 s
+The demo's validation split (211 pairs, CPU, `score_pairs`): 23.1 s in data order, 7.0 s
 by length, 4.4 s by length and shared.
 """
 
@@ -19,7 +19,7 @@ import numpy as np
 from engine.batch import Pair, PairBatch, batch_norms, make_batch
 from engine.data import pair_length
 from engine.head import dense_logps, token_logps
-from engine.losses import LossSpec, mean_logps, orpo_pair_terms, pair_loss
+from engine.losses import LossSpec, mean_logps, pair_loss, per_pair_losses
 from engine.model import Stack
 from engine.prefix import (
     PrefixBatch,
@@ -98,11 +98,13 @@ def evaluate(model: nn.Module, stack: Stack, pairs: Sequence[Pair], spec: LossSp
     return out
 
 
-def score_pairs(model: nn.Module, stack: Stack, pairs: Sequence[Pair], orpo_lambda: float,
+def score_pairs(model: nn.Module, stack: Stack, pairs: Sequence[Pair], spec: LossSpec,
                 batch_size: int = 8, head_chunk: int = 0,
                 layout: Layout | None = None) -> list[dict]:
     """Per pair, in ``pairs``' order: id, chosen/rejected mean log-prob, full-span NLL,
-    log-odds, ORPO loss. ``layout`` must lay pairs out with ``nll_span`` full."""
+    its loss under ``spec`` (``per_pair_losses``, with the full-span NLL) and the loss's
+    extras (ORPO: log_odds_ratio, log_odds_chosen). ``layout`` must lay pairs out with
+    ``nll_span`` full."""
     layout = layout or (lambda g: make_batch(g, "full"))
     rows: list[dict] = [{} for _ in pairs]
     model.eval()
@@ -115,13 +117,13 @@ def score_pairs(model: nn.Module, stack: Stack, pairs: Sequence[Pair], orpo_lamb
         k = len(idx)
         lw, lr = logps[:k], logps[k:]
         nll = -mean_logps(lp[:k], nll_mask[:k])
-        log_odds, log_sig = orpo_pair_terms(lw, lr)
-        loss = nll - orpo_lambda * log_sig
-        mx.eval(lw, lr, nll, log_odds, loss)
+        loss, terms = per_pair_losses(lw, lr, nll, spec)
+        mx.eval(lw, lr, nll, loss, terms.extra)
         for j, i in enumerate(idx):
             rows[i] = {"id": pairs[i].id, "chosen_logp_mean": float(lw[j]),
                        "rejected_logp_mean": float(lr[j]), "nll": float(nll[j]),
-                       "log_odds": float(log_odds[j]), "orpo_loss": float(loss[j])}
+                       "loss": float(loss[j]),
+                       **{name: float(v[j]) for name, v in terms.extra.items()}}
     return rows
 
 

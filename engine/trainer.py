@@ -412,8 +412,8 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback]) -> TrainResult:
     result.tokens_per_sec = total_tokens / max(total_seconds, 1e-9)
     result.seconds = time.perf_counter() - started
     if ranks.main:
-        weights = {k: v for k, v in asdict(cfg.loss_spec()).items()
-                   if k.startswith(f"{cfg.loss}_")}  # the trained loss's own weights
+        weights = {k: v for k, v in asdict(cfg.loss_spec()).items()  # the loss's own
+                   if k.startswith(f"{cfg.loss}_") or k == "nll_span"}  # (adapters.trained_loss)
         extra = {"model": cfg.model, "pomona": {"steps": result.steps, "loss": cfg.loss,
                                                 **weights, "seed": cfg.seed,
                                                 "world_size": ranks.size}}

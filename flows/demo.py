@@ -53,21 +53,24 @@ def run_demo(out: Path, console: Console, address: str | None = None) -> dict[st
     console.print(f"Prefect UI: {api.removesuffix('/api')}" if api else
                   "Prefect UI: start one with `pomona ui`, then run again with "
                   "PREFECT_API_URL set to watch the flow run live.")
-    return {"model": str(model_dir), "accuracy_before": base["eval/test/accuracy"],
-            "accuracy_after": best["eval/test/accuracy"], "best_adapter": summary["best_adapter"]}
+    return {"model": str(model_dir), "accuracy_before": base[TEST_ACC],
+            "accuracy_after": best[TEST_ACC], "best_adapter": summary["best_adapter"]}
+
+
+# The board's accuracy columns (tasks/evaluate.py: TRL's names, under each split).
+VALID_ACC, TEST_ACC = "eval/valid/rewards/accuracies", "eval/test/rewards/accuracies"
 
 
 def before_after(base: dict[str, Any], best: dict[str, Any]) -> str:
     """Base → best preference accuracy on the test split; without one, says so and prints
     validation under its own name (the split the best was chosen on)."""
-    val = (f"validation (ranked on): {_fmt(base.get('eval/valid/accuracy'), '.2f')} → "
-           f"{_fmt(best.get('eval/valid/accuracy'), '.2f')}")
-    if best.get("eval/test/accuracy") is None or base.get("eval/test/accuracy") is None:
+    val = (f"validation (ranked on): {_fmt(base.get(VALID_ACC), '.2f')} → "
+           f"{_fmt(best.get(VALID_ACC), '.2f')}")
+    if best.get(TEST_ACC) is None or base.get(TEST_ACC) is None:
         missing = best.get("eval/test/missing") or base.get("eval/test/missing")
         return f"[yellow]no test accuracy:[/] {missing}\n{val}"
-    return (f"test preference accuracy: base model {base['eval/test/accuracy']:.2f} → best "
-            f"adapter {best['eval/test/accuracy']:.2f} ({best['eval/test/rows']} test pairs); "
-            f"{val}")
+    return (f"test preference accuracy: base model {base[TEST_ACC]:.2f} → best "
+            f"adapter {best[TEST_ACC]:.2f} ({best['eval/test/rows']} test pairs); {val}")
 
 
 def leaderboard_table(board: list[dict[str, Any]]) -> Table:
@@ -80,9 +83,8 @@ def leaderboard_table(board: list[dict[str, Any]]) -> Table:
         place = str(r["rank"]) if r.get("rank") else ("" if r["status"] in ("soup", "baseline")
                                                       else r["status"])
         table.add_row(place, r["trial_id"], f"{lr:g}" if lr else "-",
-                      _fmt(r.get("eval/valid/accuracy"), ".3f"),
-                      _fmt(r.get("eval/test/accuracy"), ".3f"),
-                      _fmt(r.get("eval/test/margin"), "+.3f"),
+                      _fmt(r.get(VALID_ACC), ".3f"), _fmt(r.get(TEST_ACC), ".3f"),
+                      _fmt(r.get("eval/test/logps/margin"), "+.3f"),
                       _fmt(r.get("tokens_per_sec"), ",.0f"))
     return table
 

@@ -25,7 +25,8 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed, State
 
-from engine.adapters import ADAPTER_FILE
+from engine.adapters import ADAPTER_FILE, CONFIG_FILE, trained_loss
+from engine.losses import LossSpec
 from flows.ray_session import ray_session
 from flows.sweep_flow import artifact_key, sweep_stage
 from tasks.content_key import file_digest, model_fingerprint
@@ -93,25 +94,28 @@ def evaluation_key(context: Any, inputs: dict[str, Any]) -> str:
     """An evaluation depends on the model's and the adapter's bytes, the data's
     fingerprint, the code and its settings, never on paths alone (Prefect's INPUTS policy
     would hash the paths; a model re-made in place keeps its path)."""
-    adapter = inputs["adapter"]
+    adapter, loss = inputs["adapter"], inputs["loss"]
     weights = file_digest(Path(adapter) / ADAPTER_FILE) if adapter else "base"
-    body = json.dumps([model_fingerprint(inputs["model"]), weights,
-                       data_fingerprint(inputs["data"]), inputs["orpo_lambda"],
+    trained = file_digest(Path(adapter) / CONFIG_FILE) if adapter else None  # its own loss
+    body = json.dumps([model_fingerprint(inputs["model"]), weights, trained,
+                       data_fingerprint(inputs["data"]),
+                       dataclasses.asdict(loss) if loss else None,
                        inputs["generations"], inputs["out"], CODE_VERSION])
     return "evaluate-" + hashlib.sha256(body.encode()).hexdigest()[:24]
 
 
 @task(cache_key_fn=evaluation_key, persist_result=True, result_serializer="json", retries=2,
       retry_delay_seconds=5, task_run_name="evaluate-{name}")
-def evaluate_task(name: str, model: str, adapter: str | None, data: str, orpo_lambda: float,
-                  generations: int, out: str, placement: Placement,
+def evaluate_task(name: str, model: str, adapter: str | None, data: str,
+                  loss: LossSpec | None, generations: int, out: str, placement: Placement,
                   settings: EvalSettings | None = None) -> dict[str, Any]:
-    """Valid and test metrics of one adapter (or the base), in a Ray task on a GPU/slot."""
+    """Valid and test metrics of one adapter (or the base), in a Ray task on a GPU/slot,
+    under ``loss`` (None: the adapter's own)."""
     import ray
 
     settings = settings or EvalSettings()
     remote = placement.fresh_task(evaluate_adapter)
-    metrics = ray.get(remote.remote(model, adapter, data, orpo_lambda, settings.batch_size,
+    metrics = ray.get(remote.remote(model, adapter, data, loss, settings.batch_size,
                                     settings.head_chunk, generations, out,
                                     prefix_share=settings.prefix_share))
     logger = get_run_logger()
@@ -193,11 +197,12 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str, metric: str
     done = [r for r in results if r["status"] == "completed"]
     shared = eval_settings(done)  # the base and the soup: what fits every trial's setting
     jobs = {r["trial_id"]: evaluate_task.submit(
-                r["trial_id"], model, r["adapter"], data,
-                float(r.get("param/orpo_lambda") or 0.1), generations,
+                r["trial_id"], model, r["adapter"], data, None, generations,
                 str(Path(r["adapter"])), placement, eval_settings([r]))
             for r in done}
-    base = evaluate_task.submit("base", model, None, data, 0.1, generations,
+    # The base under the first trial's loss: its loss column then reads beside theirs.
+    base_loss = next(filter(None, (trained_loss(r["adapter"]) for r in done)), LossSpec())
+    base = evaluate_task.submit("base", model, None, data, base_loss, generations,
                                 str(out_dir / "base"), placement, shared)
     evals = {name: job.result() for name, job in jobs.items()}
     base_metrics = base.result()
@@ -206,7 +211,8 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str, metric: str
     soup = None
     if soup_k >= 2 and len(top) >= 2:
         path = soup_task(top, str(out_dir / "soup"))
-        soup = {**evaluate_task("soup", model, path, data, 0.1, generations, path, placement,
+        loss = next(filter(None, map(trained_loss, top)), base_loss)  # its best member's
+        soup = {**evaluate_task("soup", model, path, data, loss, generations, path, placement,
                                 shared),
                 "adapter": path}
     summary = aggregate_task(results, evals, base_metrics, metric, mode, str(out_dir), title,

@@ -1,17 +1,20 @@
 """Evaluate an adapter (or the untrained base) on the validation and the test split.
 
-Metrics, each under ``eval/<split>/`` for split valid and test, over that split's pairs:
-``orpo_loss`` (full-span NLL − λ·log σ(log odds), per pair, as ``pomona score``), ``nll``,
-``accuracy`` (share of pairs with ℓw > ℓr, mean response log-probs), ``margin`` (mean
-ℓw − ℓr), ``log_odds`` and ``rows``. Valid is what training reported and the sweep ranked
-on; test was never used to choose anything, so it is the number a leaderboard reports. A
-dataset with no test rows (tokenized before the test split, a ``split`` column naming only
-train/valid, or too few rows) gets ``eval/test/*`` = None, 0 rows, and its reason in
-``eval/test/missing``: never the validation numbers under the test name. Optionally the
-first N test prompts (valid ones when there is no test split) are continued with the adapter
-(``mlx_lm.generate``, greedy) and stored beside their chosen and rejected responses in
-``generations.jsonl`` for side-by-side reading. Runs where it is called: the sweep runs
-it in a Ray task on a trial's placement, so models load on GPUs, not on the driver.
+Metrics, each under ``eval/<split>/`` for split valid and test: what validation reports
+during training, with TRL's names (``engine.scoring.evaluate`` under the adapter's own
+loss, engine/losses.py) — ``loss``, ``nll_loss``, ``rewards/accuracies`` (share of pairs
+with ℓw > ℓr, mean response log-probs: the same for every loss), ``rewards/margins``,
+``logps/chosen``, ``logps/rejected``, the loss's extras (ORPO: ``log_odds_ratio``,
+``log_odds_chosen``), ``rows`` — and ``logps/margin`` (ℓw − ℓr, comparable across losses).
+Valid is what training reported and the sweep ranked on; test was never used to choose
+anything, so it is the number a leaderboard reports. A dataset with no test rows
+(tokenized before the test split, a ``split`` column naming only train/valid, or too few
+rows) gets ``eval/test/*`` = None, 0 rows, and its reason in ``eval/test/missing``: never
+the validation numbers under the test name. Optionally the first N test prompts (valid
+ones when there is no test split) are continued with the adapter (``mlx_lm.generate``,
+greedy) and stored beside their chosen and rejected responses in ``generations.jsonl`` for
+side-by-side reading. Runs where it is called: the sweep runs it in a Ray task on a
+trial's placement, so models load on GPUs, not on the driver.
 """
 
 from __future__ import annotations
@@ -21,37 +24,41 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from engine.losses import LossSpec
 
 EVAL_SPLITS = ("valid", "test")
-METRICS = ("orpo_loss", "nll", "accuracy", "margin", "log_odds")
+# Every split has these (None without rows); the loss's extras come on top.
+METRICS = ("loss", "nll_loss", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected", "logps/margin")
 log = logging.getLogger(__name__)
 
 
-def evaluate_adapter(model: str, adapter: str | None, data: str, orpo_lambda: float = 0.1,
+def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec | None = None,
                      batch_size: int = 8, head_chunk: int = 0, generations: int = 0,
                      out: str | None = None, max_tokens: int = 64,
                      prefix_share: str = "auto") -> dict[str, Any]:
-    """The valid and test metrics of ``adapter`` (None: the base model) on ``data``;
-    ``prefix_share`` as in training (one forward per pair where it pays)."""
-    from engine.adapters import atomic_write_text
+    """The valid and test metrics of ``adapter`` (None: the base model) on ``data``, under
+    ``loss`` (None: the adapter's own, else ORPO's defaults); ``prefix_share`` as in
+    training (one forward per pair where it pays)."""
+    from engine.adapters import atomic_write_text, trained_loss
     from engine.data import load_pairs
     from engine.layout_policy import scoring_layout
     from engine.model import checked_stack, load_model
-    from engine.scoring import score_pairs
+    from engine.scoring import evaluate
 
+    spec = loss or trained_loss(adapter) or LossSpec()
     pairs = load_pairs(data)
     if not pairs.valid and not pairs.test:
         raise ValueError(f"{data}: no validation or test split to evaluate on")
     loaded, tokenizer = load_model(model, adapter)
     stack = checked_stack(loaded)
-    layout = scoring_layout(prefix_share, tokenizer.pad_token_id or 0)
+    layout = scoring_layout(prefix_share, tokenizer.pad_token_id or 0, spec.nll_span)
     metrics: dict[str, Any] = {}
     for split in EVAL_SPLITS:
         held_out = pairs.split(split)
-        rows = score_pairs(loaded, stack, held_out, orpo_lambda, batch_size, head_chunk,
-                           layout) if held_out else []
-        metrics.update(split_metrics(split, rows))
+        values = evaluate(loaded, stack, held_out, spec, batch_size, head_chunk=head_chunk,
+                          layout=layout) if held_out else {}
+        metrics.update(split_metrics(split, values))
     if not pairs.test:
         metrics["eval/test/missing"] = missing_test_reason(data)
         log.warning("%s", metrics["eval/test/missing"])
@@ -67,18 +74,13 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, orpo_lambda: fl
     return metrics
 
 
-def split_metrics(split: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """``eval/<split>/*`` over ``score_pairs`` rows; None for each (0 rows) when empty."""
-    from engine.scoring import preference_accuracy
-
-    keys = [f"eval/{split}/{m}" for m in METRICS]
-    if not rows:
-        return {**dict.fromkeys(keys), f"eval/{split}/rows": 0}
-    values = [float(np.mean([r["orpo_loss"] for r in rows])),
-              float(np.mean([r["nll"] for r in rows])), preference_accuracy(rows),
-              float(np.mean([r["chosen_logp_mean"] - r["rejected_logp_mean"] for r in rows])),
-              float(np.mean([r["log_odds"] for r in rows]))]
-    return {**dict(zip(keys, values, strict=True)), f"eval/{split}/rows": len(rows)}
+def split_metrics(split: str, values: dict[str, Any]) -> dict[str, Any]:
+    """``eval/<split>/*`` from ``engine.scoring.evaluate``'s metrics; None for each of
+    METRICS (0 rows) when the split is empty."""
+    if not values.get("rows"):
+        return {**{f"eval/{split}/{m}": None for m in METRICS}, f"eval/{split}/rows": 0}
+    values = {**values, "logps/margin": values["logps/chosen"] - values["logps/rejected"]}
+    return {f"eval/{split}/{k}": v for k, v in values.items()}
 
 
 def missing_test_reason(data: str) -> str:

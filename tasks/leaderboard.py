@@ -26,8 +26,8 @@ from tasks.sweep import metric_value
 from tasks.trials import below_chance, write_results
 
 ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
-EVAL_COLUMNS = ("eval/valid/accuracy", "eval/test/accuracy", "eval/test/margin",
-                "eval/test/orpo_loss", "eval/test/nll")
+EVAL_COLUMNS = ("eval/valid/rewards/accuracies", "eval/test/rewards/accuracies",
+                "eval/test/logps/margin", "eval/test/loss", "eval/test/nll_loss")
 
 
 def rank_trials(results: list[dict[str, Any]], evals: dict[str, dict[str, Any]], metric: str,
@@ -54,7 +54,7 @@ def rank_trials(results: list[dict[str, Any]], evals: dict[str, dict[str, Any]],
 
 def _held_out_check(row: dict[str, Any]) -> dict[str, Any]:
     """A completed trial whose valid or test accuracy is far below chance is degenerate."""
-    reason = next(filter(None, (below_chance(row.get(f"eval/{s}/accuracy"),
+    reason = next(filter(None, (below_chance(row.get(f"eval/{s}/rewards/accuracies"),
                                              row.get(f"eval/{s}/rows"), f"{s} accuracy")
                                 for s in ("test", "valid"))), "")
     if row["status"] == "completed" and reason:

@@ -316,7 +316,8 @@ def _check_ranks(ranks: int, kind: str, fixed: dict, grid: dict, space: dict) ->
 
 
 # Validation metrics every loss reports on one scale: what trials of different losses are
-# ranked on (val/loss and the rewards are each loss's own: λ·ℓ for ORPO, β·ℓ for SimPO).
+# ranked on (val/loss and the reward values are each loss's own: λ·ℓ for ORPO, β·ℓ for
+# SimPO, ℓ for SFT; which response wins, rewards/accuracies, is the same for all).
 ACROSS_LOSSES = ("val/rewards/accuracies", "val/nll_loss", "val/logps/chosen",
                  "val/logps/rejected")
 
@@ -329,9 +330,6 @@ def _check_metric_across_losses(metric: str, grid: dict, space: dict) -> None:
     if len(losses) > 1 and metric not in ACROSS_LOSSES:
         raise SpecError(f"metric={metric}: not comparable across losses {sorted(losses)}; "
                         f"rank a search over loss on one of {', '.join(ACROSS_LOSSES)}")
-    if "sft" in losses and len(losses) > 1 and "rewards" in metric:
-        raise SpecError(f"metric={metric}: sft reports no rewards; rank on val/nll_loss or "
-                        "val/logps/*")
 
 
 def _listed(value: Any) -> list:

@@ -41,8 +41,9 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
     assert rows["valid"] > 0 and rows["test"] > 0
     for r in board:
         assert (r["eval/valid/rows"], r["eval/test/rows"]) == (rows["valid"], rows["test"])
-        assert 0.0 <= r["eval/valid/accuracy"] <= 1.0 and 0.0 <= r["eval/test/accuracy"] <= 1.0
-    assert "eval/test/accuracy" in (out / "leaderboard.md").read_text()
+        for split in ("valid", "test"):
+            assert 0.0 <= r[f"eval/{split}/rewards/accuracies"] <= 1.0
+    assert "eval/test/rewards/accuracies" in (out / "leaderboard.md").read_text()
     assert summary["best_trial"] == trials[0]["trial_id"]
     best = out / "best-adapter"
     assert (best / "adapters.safetensors").exists() and (best / "adapter_config.json").exists()

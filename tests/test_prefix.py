@@ -230,16 +230,17 @@ def test_scoring_shares_the_prefix_and_keeps_row_order(tiny_model: Path, head_ch
 
     model, stack = lora_model(tiny_model)
     pairs = tokenized_pairs(tiny_model, 7, seed=21)
-    ref = score_pairs(model, stack, pairs, 0.3, 3, head_chunk)  # two forwards
+    ref = score_pairs(model, stack, pairs, LossSpec("orpo", 0.3), 3, head_chunk)  # two
     assert [r["id"] for r in ref] == [p.id for p in pairs]
     layouts = {"mask": lambda g: split_prefix_batch(g, "full", attention="mask"),
                "split": lambda g: split_prefix_batch(g, "full", pad_multiple=8,
                                                      attention="split")}
     for name, layout in layouts.items():
-        got = score_pairs(model, stack, pairs, 0.3, 3, head_chunk, layout)
+        got = score_pairs(model, stack, pairs, LossSpec("orpo", 0.3), 3, head_chunk,
+                          layout)
         assert [r["id"] for r in got] == [p.id for p in pairs]
         for a, b in zip(got, ref, strict=True):
-            for key in ("chosen_logp_mean", "rejected_logp_mean", "nll", "orpo_loss"):
+            for key in ("chosen_logp_mean", "rejected_logp_mean", "nll", "loss"):
                 assert a[key] == pytest.approx(b[key], abs=1e-5), (name, key, a["id"])
     spec = LossSpec("orpo", 0.3, "response")
     plain = evaluate(model, stack, pairs, spec, 3, head_chunk=head_chunk)

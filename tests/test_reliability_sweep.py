@@ -76,7 +76,7 @@ def test_caches_key_on_the_model_bytes_not_its_path(tmp_path: Path, monkeypatch)
     model = init_model(TINY, tmp_path / "model")
     data = tmp_path / "pairs.jsonl"
     data.write_text('{"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3]}\n')
-    inputs = {"model": str(model), "adapter": None, "data": str(data), "orpo_lambda": 0.1,
+    inputs = {"model": str(model), "adapter": None, "data": str(data), "loss": None,
               "generations": 0, "out": "o"}
     before, eval_before = _keys(model, data, tmp_path), evaluation_key(None, inputs)
     init_model(replace(TINY, seed=1), model, overwrite=True)  # same path, new weights
@@ -176,13 +176,13 @@ def test_a_collapsed_trial_is_degenerate_and_kept_off_the_board(tiny_model, tiny
     # trial; on a handful of pairs it is noise and does not.
     far = {**healthy, "trial_id": "far", "best/val/loss": 0.1}
     for split in ("test", "valid"):
-        board = rank_trials([healthy, far], {"far": {f"eval/{split}/accuracy": 0.05,
+        board = rank_trials([healthy, far], {"far": {f"eval/{split}/rewards/accuracies": 0.05,
                                                      f"eval/{split}/rows": 40}},
                             "val/loss", "min")
         assert [(r["trial_id"], r["status"], r["rank"]) for r in board] == \
             [("healthy", "completed", 1), ("far", "degenerate", None)]
         assert board[1]["reason"].startswith(f"degenerate: {split} accuracy 0.050 on 40")
-        few = rank_trials([far], {"far": {f"eval/{split}/accuracy": 0.0,
+        few = rank_trials([far], {"far": {f"eval/{split}/rewards/accuracies": 0.0,
                                           f"eval/{split}/rows": 4}}, "val/loss", "min")
         assert few[0]["rank"] == 1
 

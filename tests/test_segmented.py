@@ -157,9 +157,9 @@ def test_chunked_scoring_equals_dense(chunk: int, tiny_model: Path) -> None:
 
     model, stack = lora_model(tiny_model)
     pairs = tokenized_pairs(tiny_model, 5, seed=13)
-    dense = score_pairs(model, stack, pairs, 0.3, 2, 0)
-    chunked = score_pairs(model, stack, pairs, 0.3, 2, chunk)
+    dense = score_pairs(model, stack, pairs, LossSpec("orpo", 0.3), 2, 0)
+    chunked = score_pairs(model, stack, pairs, LossSpec("orpo", 0.3), 2, chunk)
     assert [r["id"] for r in chunked] == [r["id"] for r in dense]
     for a, b in zip(chunked, dense, strict=True):
-        for key in ("chosen_logp_mean", "rejected_logp_mean", "nll", "orpo_loss"):
+        for key in ("chosen_logp_mean", "rejected_logp_mean", "nll", "loss"):
             assert a[key] == pytest.approx(b[key], abs=1e-5), (key, a["id"])

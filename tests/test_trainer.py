@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -188,8 +189,19 @@ def test_python_m_engine_train_and_score(tiny_model, tiny_data, tmp_path) -> Non
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(x) for x in scores.read_text().splitlines()]
     assert len(rows) == 16
-    assert set(rows[0]) == {"id", "chosen_logp_mean", "rejected_logp_mean", "nll", "log_odds",
-                            "orpo_loss"}
+    assert set(rows[0]) == {"id", "chosen_logp_mean", "rejected_logp_mean", "nll", "loss",
+                            "log_odds_ratio", "log_odds_chosen"}
+    simpo = tmp_path / "simpo.jsonl"  # another loss than the adapter's, asked for by name
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine", "score", "--model", str(tiny_model), "--adapter",
+         str(out), "--data", str(tiny_data), "--out", str(simpo), "--split", "valid",
+         "--loss", "simpo", "--simpo-beta", "3", "--simpo-gamma", "0.5"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    for r in (json.loads(x) for x in simpo.read_text().splitlines()):
+        margin = 3 * (r["chosen_logp_mean"] - r["rejected_logp_mean"]) - 0.5
+        assert set(r) == {"id", "chosen_logp_mean", "rejected_logp_mean", "nll", "loss"}
+        assert r["loss"] == pytest.approx(math.log1p(math.exp(-margin)), rel=1e-4, abs=1e-6)
     bad = subprocess.run([sys.executable, "-m", "engine", "train", "--model", str(tiny_model),
                           "--data", str(tmp_path / "missing.jsonl"), "--out", str(out)],
                          capture_output=True, text=True, timeout=300)
