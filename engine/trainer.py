@@ -334,7 +334,7 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback]) -> TrainResult:
     if cfg.warm_start:
         load_adapter_weights(model, Path(cfg.warm_start))
     data = load_pairs(cfg.data)
-    refuse_beyond_context([*data.train, *data.valid], stack.context)
+    refuse_beyond_context([*data.train, *data.valid, *data.test], stack.context)
     loss_spec = cfg.loss_spec()
     pad_multiple = resolve_pad_multiple(cfg.pad_multiple)
     resolve_prefix_attention(cfg.prefix_attention, pad_multiple)  # refuse unsafe, before work
