@@ -4,10 +4,13 @@ A gang holds one Ray placement group of N bundles, each what one trial would hol
 (a GPU: one Mac mini; a custom resource; or a CPU slot). Strategy SPREAD: ranks land on
 different nodes when there are enough (GPU bundles on a cluster of one-GPU Macs always
 do), and pack where they must (a laptop, tests). One fresh actor per bundle reports its
-node's IP and a free port; the driver builds the ring hostfile from them (rank r listens
-on entry r, as ``mlx.launch --backend ring`` writes it) and every rank starts the same
-trial with ``MLX_RANK`` and ``MLX_HOSTFILE`` set, so ``engine.distributed.init_ranks``
-joins the ring. Rank 0 writes the adapter and its summary is the trial's.
+node's IP, a free port and whether it has a CUDA GPU. On GPU bundles that all have one,
+every rank starts with NCCL's rendezvous at rank 0's address (``MLX_RANK``,
+``MLX_WORLD_SIZE``, ``NCCL_HOST_IP``, ``NCCL_PORT``); otherwise (Macs, CPUs) the driver
+builds the ring hostfile from the addresses (rank r listens on entry r, as ``mlx.launch
+--backend ring`` writes it) and every rank starts with ``MLX_RANK`` and ``MLX_HOSTFILE``.
+Either way ``engine.distributed.init_ranks`` joins the group, as under ``mlx.launch``.
+Rank 0 writes the adapter and its summary is the trial's.
 
 If any rank dies, the others would wait in a collective forever: every rank is killed
 and the attempt counts as lost (retried like a lost single actor). A rank that returns a
@@ -64,24 +67,53 @@ def free_port(ip: str) -> int:
         return int(s.getsockname()[1])
 
 
+def rendezvous(places: list[dict[str, Any]], gpus: bool) -> dict[str, Any]:
+    """How the ranks find each other: NCCL at rank 0's address when every rank holds a
+    CUDA GPU, else the ring over every rank's address (rank r listens on entry r)."""
+    if gpus and all(p.get("cuda") for p in places):
+        return {"backend": "nccl", "host": places[0]["ip"], "port": places[0]["port"],
+                "size": len(places)}
+    return {"backend": "ring", "hosts": [[f"{p['ip']}:{p['port']}"] for p in places]}
+
+
+def rank_environment(meeting: dict[str, Any], rank: int, hostfile: str | None
+                     ) -> dict[str, str]:
+    """What ``mlx.launch`` exports for ``rank`` (ring: ``hostfile`` holds the hosts)."""
+    if meeting["backend"] == "nccl":
+        return {"MLX_RANK": str(rank), "MLX_WORLD_SIZE": str(meeting["size"]),
+                "NCCL_HOST_IP": meeting["host"], "NCCL_PORT": str(meeting["port"])}
+    return {"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
+
+
+def has_cuda() -> bool:
+    import mlx.core as mx
+
+    return mx.cuda.is_available()
+
+
 class RankActor(TrialActor):
     """The process one rank of a gang runs in."""
 
     def address(self) -> dict[str, Any]:
         ip = node_address()
-        return {"ip": ip, "port": free_port(ip), **where()}
+        return {"ip": ip, "port": free_port(ip), "cuda": has_cuda(), **where()}
 
-    def run_rank(self, trial_id: str, config: dict[str, Any], hosts: list[list[str]],
+    def run_rank(self, trial_id: str, config: dict[str, Any], meeting: dict[str, Any],
                  rank: int, study: Any = None, number: int | None = None,
                  metric: str = "val/loss") -> Summary:
-        fd, path = tempfile.mkstemp(prefix="pomona-hostfile-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(hosts, f)
-        os.environ.update({"MLX_RANK": str(rank), "MLX_HOSTFILE": path})
+        path = None
+        if meeting["backend"] == "ring":
+            fd, path = tempfile.mkstemp(prefix="pomona-hostfile-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump(meeting["hosts"], f)
+        for name in ("MLX_HOSTFILE", "MLX_WORLD_SIZE", "NCCL_HOST_IP", "NCCL_PORT"):
+            os.environ.pop(name, None)  # a reused process: nothing of another backend
+        os.environ.update(rank_environment(meeting, rank, path))
         try:
             return {**run_trial(trial_id, config, study, number, metric), "rank": rank}
         finally:
-            os.unlink(path)
+            if path:
+                os.unlink(path)
 
 
 def run_gang(runner: Any, trial: TrialRun, attempt: int, first: float) -> Summary | None:
@@ -108,14 +140,15 @@ def run_gang(runner: Any, trial: TrialRun, attempt: int, first: float) -> Summar
         with runner.lock:
             runner.live[trial.id] = actors
         places = ray.get([a.address.remote() for a in actors])
-        hosts = [[f"{p['ip']}:{p['port']}"] for p in places]
+        meeting = rendezvous(places, bool(runner.placement.gpus))
         runner.event("running", {"trial_id": trial.id, "attempt": attempt, **places[0],
+                                 "backend": meeting["backend"],
                                  "hosts": [f"{p['node']} ({p['ip']}:{p['port']}, pid "
                                            f"{p['pid']})" for p in places],
                                  "pids": [p["pid"] for p in places]})
         # Only rank 0 reports to the study (it alone emits metrics); if it is pruned, the
         # others are killed with the gang.
-        refs = [a.run_rank.remote(trial.id, trial.config, hosts, i,
+        refs = [a.run_rank.remote(trial.id, trial.config, meeting, i,
                                   *((runner.study, trial.number, runner.metric) if i == 0
                                     else ()))
                 for i, a in enumerate(actors)]

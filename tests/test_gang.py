@@ -95,3 +95,22 @@ def test_spec_refuses_a_batch_the_ranks_cannot_split() -> None:
     with pytest.raises(RuntimeError, match=r"one trial needs 4 GPUs .* offers 2"):
         check_cluster(Placement(gpus=1), {"CPU": 8.0, "GPU": 2.0}, ranks=4)
     assert check_cluster(Placement(gpus=1), {"GPU": 8.0}, expected=2, ranks=4) == 2
+
+
+@pytest.mark.unit
+def test_gpu_gangs_meet_over_nccl_and_the_rest_over_the_ring() -> None:
+    """Every rank on a CUDA GPU: NCCL's rendezvous at rank 0's address, as mlx.launch
+    --backend nccl exports it (measured by hand on two H200s: docs/performance.md); CPU
+    slots or any rank without CUDA: the ring hostfile, one entry per rank in rank order."""
+    from tasks.gang import rank_environment, rendezvous
+
+    places = [{"ip": "10.0.0.1", "port": 5001, "cuda": True},
+              {"ip": "10.0.0.2", "port": 5002, "cuda": True}]
+    nccl = rendezvous(places, gpus=True)
+    assert rank_environment(nccl, 1, None) == {
+        "MLX_RANK": "1", "MLX_WORLD_SIZE": "2", "NCCL_HOST_IP": "10.0.0.1", "NCCL_PORT": "5001"}
+    for ring in (rendezvous(places, gpus=False),
+                 rendezvous([places[0], {**places[1], "cuda": False}], gpus=True)):
+        assert ring == {"backend": "ring", "hosts": [["10.0.0.1:5001"], ["10.0.0.2:5002"]]}
+        assert rank_environment(ring, 0, "/tmp/h.json") == {"MLX_RANK": "0",
+                                                           "MLX_HOSTFILE": "/tmp/h.json"}
