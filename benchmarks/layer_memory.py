@@ -31,8 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine import attention
 from engine.bench import _model, _pair_batch
 from engine.bench import parser as bench_parser
+from engine.prefix_patch import layout_masks
 from engine.recompute import chunk_mlps
-from engine.segmented import _Segment, layout_masks
+from engine.segmented import _Segment
 
 
 def _measure(fn) -> float:

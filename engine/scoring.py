@@ -21,13 +21,8 @@ from engine.data import pair_length
 from engine.head import dense_logps, token_logps
 from engine.losses import LossSpec, mean_logps, pair_loss, per_pair_losses
 from engine.model import Stack
-from engine.prefix import (
-    PrefixBatch,
-    install_prefix_rope,
-    pair_batch,
-    shared_positions,
-    to_pair_layout,
-)
+from engine.prefix import PrefixBatch, pair_batch, to_pair_layout
+from engine.prefix_patch import layout_masks
 
 # How a group of pairs is laid out for the forward (layout_policy.choose_layout, or make_batch).
 Layout = Callable[[list[Pair]], PairBatch | PrefixBatch]
@@ -39,7 +34,7 @@ def forward_logps(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch
     pairs = pair_batch(batch)
     targets = mx.array(pairs.targets)
     if isinstance(batch, PrefixBatch):
-        with shared_positions(install_prefix_rope(model), batch) as mask:
+        with layout_masks(model, batch) as mask:
             h = to_pair_layout(stack.hidden(mx.array(batch.inputs), mask), batch)
     else:
         h = stack.hidden(mx.array(pairs.inputs))

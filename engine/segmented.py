@@ -19,8 +19,7 @@ cotangent of that output.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,14 +29,9 @@ from engine.arch.stack import Stack, State
 from engine.batch import PairBatch
 from engine.head import bounded_head_grad, dense_logps, token_logps
 from engine.inflight import InFlight, phase_done
-from engine.masks import CausalMasks, Masks
-from engine.prefix import (
-    PrefixBatch,
-    from_pair_layout,
-    install_prefix_rope,
-    shared_positions,
-    to_pair_layout,
-)
+from engine.masks import Masks
+from engine.prefix import PrefixBatch, from_pair_layout, to_pair_layout
+from engine.prefix_patch import layout_masks
 
 LossOfLogps = Callable[[mx.array], tuple[mx.array, dict[str, mx.array]]]
 Grads = dict[str, mx.array]
@@ -49,17 +43,6 @@ def segment_ranges(n_layers: int, k: int) -> list[tuple[int, int]]:
     if k <= 0:
         raise ValueError(f"segment_size must be positive here, got {k}")
     return [(s, min(s + k, n_layers)) for s in range(0, n_layers, k)]
-
-
-@contextmanager
-def layout_masks(model: nn.Module, batch: PairBatch | PrefixBatch) -> Iterator[Masks]:
-    """The masks (per sliding window) and positions of ``batch``'s layout; for a shared
-    layout, the ropes give rejected tokens prompt-relative positions inside."""
-    if isinstance(batch, PrefixBatch):
-        with shared_positions(install_prefix_rope(model), batch) as masks:
-            yield masks
-    else:
-        yield CausalMasks()
 
 
 def plain_value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch,

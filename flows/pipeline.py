@@ -1,11 +1,11 @@
 """The pipeline flow: tokenize → preprocess → sweep → evaluate → aggregate.
 
-Each stage is a task run (the sweep: one task run per trial, tasks/trials.py on Ray), so
-the Prefect UI shows the whole run: the dataset's size and rejects, every trial, every
-evaluation, and a markdown artifact with the leaderboard. The sweep spec's model and data
-are replaced by the pipeline's own. Stages are plain functions underneath
-(tasks/tokenize.py, tasks/preprocess.py, tasks/sweep.py, tasks/evaluate.py,
-tasks/leaderboard.py), each also reachable from the CLI.
+Each stage is a task run (tasks/pipeline_tasks.py; the sweep: one task run per trial,
+tasks/trial_task.py, on Ray), so the Prefect UI shows the whole run: the dataset's size
+and rejects, every trial, every evaluation, and a markdown artifact with the leaderboard.
+The sweep spec's model and data are replaced by the pipeline's own. Stages are plain
+functions underneath (tasks/tokenize.py, tasks/preprocess.py, tasks/sweep.py,
+tasks/evaluate.py, tasks/leaderboard.py), each also reachable from the CLI.
 
 Nothing here is ever pickled, whatever PREFECT_RESULTS_PERSIST_BY_DEFAULT says: stages that
 leave their results as files persist no task result, evaluations persist theirs as JSON
@@ -15,146 +15,28 @@ leave their results as files persist no task result, evaluations persist theirs 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
-from prefect.cache_policies import NO_CACHE
-from prefect.states import Failed, State
+from prefect import flow, get_run_logger
 
-from engine.adapters import ADAPTER_FILE, CONFIG_FILE, trained_loss
+from engine.adapters import trained_loss
 from engine.losses import LossSpec
 from flows.ray_session import ray_session
-from flows.sweep_flow import artifact_key, sweep_stage
-from tasks.content_key import file_digest, model_fingerprint
-from tasks.evaluate import evaluate_adapter
-from tasks.leaderboard import export_best, rank_trials, swept_params, write_leaderboard
-from tasks.plots import curves_png, inline_png, metric_vs_params_png
-from tasks.preprocess import preprocess_dataset
-from tasks.soup import make_soup
-from tasks.sweep import CODE_VERSION, check_model, data_fingerprint
+from flows.sweep_flow import sweep_stage
+from tasks.leaderboard import rank_trials
+from tasks.pipeline_tasks import (
+    aggregate_task,
+    eval_settings,
+    evaluate_task,
+    fuse_task,
+    preprocess_task,
+    soup_task,
+    tokenize_task,
+)
+from tasks.sweep import check_model
 from tasks.sweep_spec import load_spec
-from tasks.tokenize import tokenize_dataset
 from tasks.trials import Placement
-
-
-@task(cache_policy=NO_CACHE, persist_result=False)
-def tokenize_task(raw: str, model: str, out: str) -> dict[str, Any] | State:
-    """Raw preference files → an Arrow dataset directory (cached on its fingerprint).
-
-    A data mistake (no rows, too many bad ones, an unreadable file, a refused --out) ends
-    the run Failed with its one-line message: the user's error, not a traceback."""
-    try:
-        report = tokenize_dataset(raw, model, out)
-    except (ValueError, OSError) as err:
-        return Failed(message=str(err))
-    get_run_logger().info("tokenized %s rows (%s tokens)%s; rejects: %s", report.rows,
-                          report.tokens, " [cache hit]" if report.cache_hit else "",
-                          report.rejects)
-    return {"path": out, "rows": report.rows, "tokens": report.tokens,
-            "cache_hit": report.cache_hit}
-
-
-@task(cache_policy=NO_CACHE, persist_result=False)
-def preprocess_task(path: str) -> dict[str, Any]:
-    """Find each pair's shared prompt prefix (split_prefix_batch's input)."""
-    report = preprocess_dataset(path)
-    get_run_logger().info("prefix sharing saves %.0f%% of tokens", 100 * report.saved_fraction)
-    return {"saved_fraction": report.saved_fraction}
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalSettings:
-    """How an evaluation runs: batch size, LM-head chunk (0 = dense), prefix sharing."""
-
-    batch_size: int = 8
-    head_chunk: int = 0
-    prefix_share: str = "auto"
-
-
-def eval_settings(rows: list[dict[str, Any]]) -> EvalSettings:
-    """Settings that work where ``rows``' trials trained: their smallest batch; if any
-    bounded its head, the smallest chunk (dense [2B, T, vocab] logits at batch 8 would
-    outgrow a 16 GB Mac mini that trained a large-vocabulary model with head_chunk); and
-    prefix sharing off if any trial turned it off (an architecture it cannot wrap)."""
-    if not rows:
-        return EvalSettings()
-    chunks = [int(r.get("param/head_chunk") or 0) for r in rows]
-    shares = {r.get("param/prefix_share") or "auto" for r in rows}
-    return EvalSettings(batch_size=min(int(r.get("param/batch_size") or 8) for r in rows),
-                        head_chunk=min((c for c in chunks if c > 0), default=0),
-                        prefix_share="off" if "off" in shares else
-                        "on" if shares == {"on"} else "auto")
-
-
-def evaluation_key(context: Any, inputs: dict[str, Any]) -> str:
-    """An evaluation depends on the model's and the adapter's bytes, the data's
-    fingerprint, the code and its settings, never on paths alone (Prefect's INPUTS policy
-    would hash the paths; a model re-made in place keeps its path)."""
-    adapter, loss = inputs["adapter"], inputs["loss"]
-    weights = file_digest(Path(adapter) / ADAPTER_FILE) if adapter else "base"
-    trained = file_digest(Path(adapter) / CONFIG_FILE) if adapter else None  # its own loss
-    body = json.dumps([model_fingerprint(inputs["model"]), weights, trained,
-                       data_fingerprint(inputs["data"]),
-                       dataclasses.asdict(loss) if loss else None,
-                       inputs["generations"], inputs["out"], CODE_VERSION])
-    return "evaluate-" + hashlib.sha256(body.encode()).hexdigest()[:24]
-
-
-@task(cache_key_fn=evaluation_key, persist_result=True, result_serializer="json", retries=2,
-      retry_delay_seconds=5, task_run_name="evaluate-{name}")
-def evaluate_task(name: str, model: str, adapter: str | None, data: str,
-                  loss: LossSpec | None, generations: int, out: str, placement: Placement,
-                  settings: EvalSettings | None = None) -> dict[str, Any]:
-    """Valid and test metrics of one adapter (or the base), in a Ray task on a GPU/slot,
-    under ``loss`` (None: the adapter's own)."""
-    import ray
-
-    settings = settings or EvalSettings()
-    remote = placement.fresh_task(evaluate_adapter)
-    metrics = ray.get(remote.remote(model, adapter, data, loss, settings.batch_size,
-                                    settings.head_chunk, generations, out,
-                                    prefix_share=settings.prefix_share))
-    logger = get_run_logger()
-    logger.info("%s: %s", name, {k: round(v, 4) if isinstance(v, float) else v
-                                 for k, v in metrics.items() if k != "eval/test/missing"})
-    if metrics.get("eval/test/missing"):
-        logger.warning("%s: %s", name, metrics["eval/test/missing"])
-    return metrics
-
-
-@task(cache_policy=NO_CACHE, persist_result=False)
-def soup_task(adapters: list[str], out: str) -> str:
-    """The top adapters averaged in ΔW and re-factored to rank r (tasks/soup.py)."""
-    path = make_soup([Path(a) for a in adapters], Path(out))
-    get_run_logger().info("soup of %s → %s", adapters, path)
-    return str(path)
-
-
-@task(cache_policy=NO_CACHE, persist_result=False)
-def aggregate_task(results: list[dict[str, Any]], evals: dict[str, dict[str, Any]],
-                   base: dict[str, Any], metric: str, mode: str, out: str, title: str,
-                   soup: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Rank, write leaderboard.parquet/.md, export the best adapter, publish the board."""
-    rows = rank_trials(results, evals, metric, mode, base, soup)
-    parquet, md = write_leaderboard(rows, Path(out), metric, title)
-    best = export_best(rows, Path(out))
-    plots = Path(out) / "plots"
-    trials = [r for r in rows if r["status"] not in ("baseline", "soup")]
-    curves = curves_png(trials, metric, plots / "curves.png")
-    by_param = metric_vs_params_png(trials, metric, swept_params(trials), plots / "params.png")
-    memory = Path(out) / "memory.png"  # a memory sweep's Pareto plot, when one ran here
-    create_markdown_artifact(
-        md.read_text() + "\n" + inline_png(curves, "training and validation curves")
-        + inline_png(by_param, f"{metric} against each swept parameter")
-        + inline_png(memory if memory.exists() else None, "memory: peak vs throughput"),
-        key=artifact_key(title, "leaderboard"), description=f"{md}; best adapter: {best}")
-    return {"leaderboard": str(parquet), "markdown": str(md),
-            "best_adapter": str(best) if best else None,
-            "best_trial": next((r["trial_id"] for r in rows if r.get("rank") == 1), None)}
 
 
 def check_pipeline_inputs(raw: str, model: str, spec: str) -> None:
@@ -222,21 +104,6 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str, metric: str
     get_run_logger().info("leaderboard: %s; best adapter: %s", summary["markdown"],
                           summary["best_adapter"])
     return summary
-
-
-@task(cache_policy=NO_CACHE, persist_result=False)
-def fuse_task(model: str, adapter: str, out: str) -> str:
-    """The best adapter fused into the base weights (``mlx_lm fuse``), a standalone model."""
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, "-m", "mlx_lm", "fuse", "--model", model, "--adapter-path",
-           adapter, "--save-path", out]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"mlx_lm fuse failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    get_run_logger().info("fused %s into %s", adapter, out)
-    return out
 
 
 @flow(name="pomona-leaderboard", result_serializer="json")

@@ -183,10 +183,10 @@ def test_gemma4_per_layer_inputs_and_softcap_matter(family_dir, monkeypatch) -> 
 def test_rejected_positions_matter_in_shared_layouts(family_dir, monkeypatch) -> None:
     """Ministral 3's query scale and a sliding window read logical positions: counting a
     rejected token at its concatenation index breaks parity."""
-    from engine import prefix
+    from engine import prefix_patch
 
     model, stack = lora_family(family_dir("ministral3"))
-    monkeypatch.setattr(prefix, "logical_positions",
+    monkeypatch.setattr(prefix_patch, "logical_positions",
                         lambda b: np.broadcast_to(np.arange(b.inputs.shape[1], dtype=np.int32),
                                                   b.inputs.shape).copy())
     assert _parity_fails(model, stack)

@@ -97,8 +97,8 @@ def test_ops_bench_splits_the_attention_block() -> None:
 
 def test_train_bench_runs_the_real_trainer(tmp_path, capsys) -> None:
     """`pomona bench train`: the trainer's steady-state step on pairs of exactly --seq
-    tokens (tokens/s counts both sequences of every pair), and TRL's row says why it is
-    missing here rather than vanishing."""
+    tokens (tokens/s counts both sequences of every pair), its phases, the engine's own
+    step beside it, and TRL's row says why it is missing here rather than vanishing."""
     from tasks.train_bench import main
 
     args = ["--seq", "96", "--pairs", "2", "--layers", "2", "--hidden", "64", "--heads", "4",
@@ -107,10 +107,16 @@ def test_train_bench_runs_the_real_trainer(tmp_path, capsys) -> None:
             "--trl", "--json", "--work", str(tmp_path)]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    pomona, trl = out["rows"]
+    pomona, engine, trl = out["rows"]
     assert pomona["name"] == "pomona" and pomona["pairs"] == 2 and len(pomona["steps_s"]) == 2
     assert pomona["tokens_per_s"] == pytest.approx(2 * 96 * 2 / pomona["step_s"])
     assert pomona["mfu"] > 0 and pomona["peak_mb"] > 0
+    phases = pomona["phases_ms"]  # where the trainer's step goes, each phase timed
+    assert set(phases) == {"batches", "step_grads", "update"}
+    assert 0 < phases["step_grads"] < pomona["step_s"] * 1e3 and phases["update"] > 0
+    assert engine["name"] == "engine" and len(engine["steps_s"]) == 2 and engine["shared"]
+    assert out["ratios"]["trainer_step_vs_engine_step"] == pytest.approx(
+        pomona["step_s"] / engine["step_s"])
     assert trl["name"] == "trl" and "not installed" in trl["error"]
     assert (tmp_path / "run" / "adapters.safetensors").exists()  # the trainer really ran
 

@@ -67,9 +67,9 @@ def test_caches_key_on_the_model_bytes_not_its_path(tmp_path: Path, monkeypatch)
     """The issue: re-initialising the model in place with another seed gave "2 trials: 2
     cached" and the old adapters were reused; the pipeline's evaluation cache did the same.
     Would catch: a cache key built from the model path string."""
-    from flows.pipeline import evaluation_key
     from tasks.content_key import file_digest
     from tasks.model_factory import init_model
+    from tasks.pipeline_tasks import evaluation_key
     from tests.conftest import TINY
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -244,12 +244,14 @@ def test_no_prefect_task_or_flow_would_pickle_its_result() -> None:
     from prefect import Flow, Task
 
     import flows
+    import tasks
 
     found = []
-    for info in pkgutil.iter_modules(flows.__path__):
-        module = importlib.import_module(f"flows.{info.name}")
-        found += [(f"{info.name}.{name}", obj) for name, obj in vars(module).items()
-                  if isinstance(obj, (Task, Flow)) and obj.__module__ == module.__name__]
+    for package in (flows, tasks):  # flows in flows/, their tasks in tasks/
+        for info in pkgutil.iter_modules(package.__path__):
+            module = importlib.import_module(f"{package.__name__}.{info.name}")
+            found += [(f"{module.__name__}.{name}", obj) for name, obj in vars(module).items()
+                      if isinstance(obj, (Task, Flow)) and obj.__module__ == module.__name__]
     assert len(found) >= 10, found
     pickled = [name for name, obj in found if obj.persist_result is not False and
                getattr(obj.result_serializer, "type", obj.result_serializer) != "json"]
