@@ -103,12 +103,15 @@ def test_batched_split_rows_share_one_geometry_and_equal_two_forwards(tiny_model
     other prompts' tails run in both branches; loss and grads as two forwards."""
     model, stack = lora_model(tiny_model)
     pairs = tokenized_pairs(tiny_model, 3, seed=13)
-    assert len({len(p.prompt) for p in pairs}) > 1
+    longer = pairs[1]  # a prompt 20 tokens longer: its tail outgrows the padding
+    pairs[1] = Pair(longer.id, [*longer.prompt, *longer.prompt[1:21]], longer.chosen,
+                    longer.rejected)
     two = make_batch(pairs, "full")
     ref = run(model, stack, two, two, LossSpec())
     shared = split_prefix_batch(pairs, "full", pad_multiple=pad, attention="split")
     assert shared.inputs.shape[0] == 3 and shared.mask is None
     assert shared.split.shared == min(len(p.prompt) for p in pairs) // pad * pad
+    assert max(len(p.prompt) for p in pairs) - shared.split.shared > max(pad, 16)
     for k, chunk in ((0, 0), (1, 16), (2, 0)):
         assert_same(run(model, stack, shared, shared.pairs, LossSpec(), k, chunk), ref)
 
