@@ -64,11 +64,15 @@ def trained_loss(adapter_dir: str | Path | None) -> LossSpec | None:
     path = Path(adapter_dir) / CONFIG_FILE if adapter_dir else None
     if path is None or not path.is_file():
         return None
-    block = json.loads(path.read_text()).get("pomona") or {}
-    fields = {f.name for f in dataclasses.fields(LossSpec)} - {"kind"}
-    if "loss" not in block:
-        return None
-    return LossSpec(block["loss"], **{k: v for k, v in block.items() if k in fields})
+    try:
+        block = json.loads(path.read_text()).get("pomona") or {}
+        if "loss" not in block:
+            return None
+        fields = {f.name for f in dataclasses.fields(LossSpec)} - {"kind"}
+        return LossSpec(block["loss"], **{k: v for k, v in block.items() if k in fields})
+    except (ValueError, AttributeError, TypeError) as err:  # not JSON, not a mapping, a bad value
+        raise ValueError(f"{path}: its pomona block does not name a loss Pomona knows "
+                         f"({err})") from None
 
 
 def load_adapter_weights(model: nn.Module, adapter_dir: Path) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from engine.config import CHOICES, TrainConfig
+from engine.losses import LossSpec
 
 
 def _arg_type(hint: Any) -> tuple[Any, dict[str, Any]]:
@@ -86,6 +87,9 @@ def run_train(argv: list[str]) -> int:
     return 0
 
 
+LOSS_WEIGHTS = ("orpo_lambda", "simpo_beta", "simpo_gamma", "simpo_nll_weight")
+
+
 def score_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m engine score",
                       description="Score preference pairs under a model (+ adapter).")
@@ -95,7 +99,7 @@ def score_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="Output JSONL, one object per pair.")
     p.add_argument("--loss", choices=CHOICES["loss"],
                    help="The loss column's loss (default: the adapter's own, else orpo).")
-    for name in ("orpo_lambda", "simpo_beta", "simpo_gamma", "simpo_nll_weight"):
+    for name in LOSS_WEIGHTS:
         p.add_argument(f"--{name.replace('_', '-')}", type=float,
                        help=f"{_field_help(name)} Default: the adapter's, else "
                             f"{_default(name)}.".replace("%", "%%"))
@@ -117,11 +121,19 @@ def _default(name: str) -> Any:
     return getattr(TrainConfig(), name)
 
 
+def score_loss(a: argparse.Namespace, own: LossSpec) -> LossSpec:
+    """The score's loss: the adapter's own (``own``), each flag given replacing its value,
+    checked as TrainConfig checks a run's (a negative β or a NaN is refused by name)."""
+    cfg = TrainConfig().replace(loss=a.loss or own.kind, nll_span=own.nll_span, **{
+        k: getattr(own, k) if getattr(a, k) is None else getattr(a, k) for k in LOSS_WEIGHTS})
+    cfg.check_values()
+    return cfg.loss_spec()
+
+
 def run_score(argv: list[str]) -> int:
     from engine.adapters import atomic_write_text, trained_loss
     from engine.data import load_pairs
     from engine.layout_policy import scoring_layout
-    from engine.losses import LossSpec
     from engine.model import checked_stack, load_model
     from engine.scoring import preference_accuracy, score_pairs
 
@@ -137,10 +149,11 @@ def run_score(argv: list[str]) -> int:
     if not pairs:
         print(f"error: {a.data}: no {a.split} pairs to score", file=sys.stderr)
         return 2
-    spec = trained_loss(a.adapter) or LossSpec()
-    spec = dataclasses.replace(spec, **{"kind": a.loss or spec.kind, **{
-        k: v for k in ("orpo_lambda", "simpo_beta", "simpo_gamma", "simpo_nll_weight")
-        if (v := getattr(a, k)) is not None}})
+    try:
+        spec = score_loss(a, trained_loss(a.adapter) or LossSpec())
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     rows = score_pairs(model, stack, pairs, spec, a.batch_size,
                        a.head_chunk, scoring_layout(a.prefix_share, tokenizer.pad_token_id or 0))
     out = Path(a.out)

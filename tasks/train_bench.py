@@ -87,11 +87,10 @@ def _model_and_data(a: argparse.Namespace, work: Path) -> tuple[Path, Path]:
     return model, write_pairs_jsonl(pairs, work / "pairs.jsonl", split="train")
 
 
-def pomona_row(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+def pomona_row(a: argparse.Namespace, work: Path, model: Path, data: Path) -> dict[str, Any]:
     """The trainer's steady-state step on the benchmark's pairs."""
     from engine.trainer import train
 
-    model, data = _model_and_data(a, work)
     records: list[dict[str, Any]] = []
 
     class Collect:
@@ -152,7 +151,8 @@ def timed_phases() -> Iterator[dict[str, list[float]]]:
         trainer.step_grads, trainer.make_update, trainer.Prefetch.next = saved
 
 
-def engine_row(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+def engine_row(a: argparse.Namespace, work: Path, model_dir: Path, data: Path
+               ) -> dict[str, Any]:
     """The engine's own step (forward + backward, no update: what ``engine bench``
     times) on the trainer's model and first batch, in this process: the ceiling the
     trainer's step is held to."""
@@ -167,7 +167,6 @@ def engine_row(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     from engine.segmented import value_and_grad
     from engine.trainer import lora_spec
 
-    model_dir, data = _model_and_data(a, work)
     cfg = bench_config(a, model_dir, data, work)
     model, tokenizer = load_model(cfg.model)
     attach_lora(model, lora_spec(cfg), cfg.seed)
@@ -259,7 +258,8 @@ def main(argv: list[str]) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(a.work or tmp)
             claim_work(work, a)
-            rows = [pomona_row(a, work), engine_row(a, work)]
+            model, data = _model_and_data(a, work)
+            rows = [pomona_row(a, work, model, data), engine_row(a, work, model, data)]
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -43,3 +43,26 @@ def test_pairs_beyond_the_context_are_refused_by_id(tiny_model: Path, tmp_path: 
     data = write_pairs_jsonl(pairs, tmp_path / "pairs.jsonl", split="train")
     line = train("--model", str(tiny_model), "--data", str(data), "--out", str(tmp_path / "o"))
     assert "'huge'" in line and "4096" in line and "--max-length" in line
+
+
+def test_score_loss_mistakes_are_one_line(tiny_model: Path, tiny_data: Path, tmp_path: Path,
+                                          capsys) -> None:
+    """A negative or NaN loss weight, and an adapter whose config names an unknown loss,
+    are refused by name before anything is scored (were: scored silently / a traceback)."""
+    import json
+
+    from engine.adapters import trained_loss
+    from engine.cli import run_score
+
+    base = ["--model", str(tiny_model), "--data", str(tiny_data), "--out",
+            str(tmp_path / "s.jsonl")]
+    for flag, value, name in (("--simpo-beta", "-1", "simpo_beta"),
+                              ("--orpo-lambda", "nan", "orpo_lambda")):
+        assert run_score([*base, "--loss", "simpo", flag, value]) == 2
+        assert name in capsys.readouterr().err
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"pomona": {"loss": "dpo"}}))
+    with pytest.raises(ValueError, match=r"adapter_config\.json.*dpo"):
+        trained_loss(adapter)
+    assert not (tmp_path / "s.jsonl").exists()
