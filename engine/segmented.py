@@ -190,7 +190,8 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch | 
             flight.push(*([cot] if cot is not None else []), seg_grads, d_state)
             grads.update(seg_grads)
             phase_done(f"backward {seg.start}-{seg.end}")
-        flight.drain()
+        # Not drained: the last stages are queued (async_eval), and the trainer queues its
+        # update behind them before it waits; a caller that reads the grads waits there.
     return loss, metrics, grads
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
+from mlx.utils import tree_flatten
 
 from engine.adapters import (
     atomic_write_text,
@@ -100,32 +101,66 @@ def make_optimizer(cfg: TrainConfig) -> optim.AdamW:
                        bias_correction=cfg.bias_correction)
 
 
-def step_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | PrefixBatch],
-               spec: LossSpec, cfg: TrainConfig, step: int, ranks: Ranks = SINGLE
-               ) -> tuple[float, dict[str, float], Grads]:
-    """Summed loss, metric sums and grads of one optimizer step's micro-batches (this
-    rank's shards; with several ranks, normalised and summed over all of them)."""
+@dataclass
+class StepGrads:
+    """One optimizer step's loss, metrics and grads, dispatched to the device but not yet
+    read: the trainer queues the update behind them and then waits once (``read``)."""
+
+    losses: list[mx.array]
+    metrics: list[dict[str, mx.array]]
+    grads: Grads
+    counts: dict[str, float]  # micro_batches, shared_batches, tokens (host numbers)
+    norms: Norms
+
+    def read(self, ranks: Ranks = SINGLE) -> tuple[float, dict[str, float]]:
+        """Summed loss and metric sums as host floats (with several ranks, every rank's)."""
+        mx.eval(self.losses, self.metrics)
+        total, sums = 0.0, {}
+        for loss, metrics in zip(self.losses, self.metrics, strict=True):
+            total += float(loss)
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        sums.update(self.counts)
+        sums["loss"] = total
+        sums = ranks.sum_floats(sums)
+        total = sums.pop("loss")
+        sums["pairs"], sums["nll_tokens"] = self.norms.pairs, self.norms.nll_tokens
+        return total, sums
+
+
+def dispatch_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | PrefixBatch],
+                   spec: LossSpec, cfg: TrainConfig, step: int, ranks: Ranks = SINGLE
+                   ) -> StepGrads:
+    """Loss, metrics and grads of one optimizer step's micro-batches (this rank's shards;
+    with several ranks, normalised and summed over all of them), the last micro-batch's
+    backward still running on return: nothing here waits for it."""
     layouts = [pair_batch(b) for b in micro]
     norms: Norms = ranks.sum_norms(batch_norms(layouts))
-    total, sums, grads = 0.0, {}, {}
+    losses, metric_list, grads = [], [], {}
     for i, (b, pb) in enumerate(zip(micro, layouts, strict=True)):
+        if i:  # bound the accumulation: the earlier micro-batches finish first
+            mx.eval(losses, metric_list, grads)
         set_dropout_seed(model, (cfg.seed * 1_000_003 + step) * 1009 + i)
         resp, nll = mx.array(pb.resp_mask), mx.array(pb.nll_mask)
         loss, metrics, g = value_and_grad(
             model, stack, b, lambda lp, r=resp, n=nll: pair_loss(lp, r, n, spec, norms),
             cfg.segment_size, cfg.head_chunk, cfg.inflight)
         grads = g if not grads else {k: grads[k] + g[k] for k in grads}
-        mx.eval(loss, metrics, grads)
-        total += float(loss)
-        for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + float(v)
-    sums["micro_batches"] = len(micro)
-    sums["shared_batches"] = sum(isinstance(b, PrefixBatch) for b in micro)
-    sums["loss"], sums["tokens"] = total, sum(pb.tokens for pb in layouts)
-    sums = ranks.sum_floats(sums)
-    total = sums.pop("loss")
-    sums["pairs"], sums["nll_tokens"] = norms.pairs, norms.nll_tokens
-    return total, sums, ranks.sum_arrays(grads)
+        losses.append(loss)
+        metric_list.append(metrics)
+    counts = {"micro_batches": len(micro),
+              "shared_batches": sum(isinstance(b, PrefixBatch) for b in micro),
+              "tokens": sum(pb.tokens for pb in layouts)}
+    return StepGrads(losses, metric_list, ranks.sum_arrays(grads), counts, norms)
+
+
+def step_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | PrefixBatch],
+               spec: LossSpec, cfg: TrainConfig, step: int, ranks: Ranks = SINGLE
+               ) -> tuple[float, dict[str, float], Grads]:
+    """``dispatch_grads``, waited for: summed loss, metric sums and evaluated grads."""
+    pending = dispatch_grads(model, stack, micro, spec, cfg, step, ranks)
+    mx.eval(pending.grads)
+    return (*pending.read(ranks), pending.grads)
 
 
 class Window:
@@ -259,27 +294,60 @@ class Prefetch:
 
 
 def make_update(model: nn.Module, optimizer: optim.AdamW, clip: float
-                ) -> Callable[[Grads], float]:
-    """``update(grads) → norm``: clip (``clip`` > 0) and apply one AdamW update as ONE
-    compiled function, evaluated with the norm in one barrier. Uncompiled, each LoRA
-    array's clip and AdamW step are ~15 small kernels (2k a step for 128 arrays), launched
-    one by one while the device waits. Call after the optimizer state is loaded."""
+                ) -> Callable[[Grads], mx.array]:
+    """``update(grads) → norm``: clip (``clip`` > 0) and one AdamW update as ONE compiled
+    function over the trainable arrays alone, queued (``async_eval``) and returned unread,
+    so the host launches its small kernels while the backward's last stage still runs.
+    Host time is the cost here (~128 arrays): the frozen weights stay out of compile's
+    inputs, and the trees it takes are filled in place, not rebuilt from names each call.
+    Call after the optimizer state is loaded."""
     optimizer.init(model.trainable_parameters())  # the state compile reads and writes
-    state = [model.state, optimizer.state]
+    params, grads_tree = _Tree(model.trainable_parameters()), _Tree(model.trainable_parameters())
 
-    def step(tree: dict) -> mx.array:
+    def step(tree: dict, current: dict) -> tuple[mx.array, dict]:
         clipped, norm = optim.clip_grad_norm(tree, clip if clip > 0 else float("inf"))
-        optimizer.update(model, clipped if clip > 0 else tree)
+        return norm, optimizer.apply_gradients(clipped if clip > 0 else tree, current)
+
+    compiled = mx.compile(step, inputs=optimizer.state, outputs=optimizer.state)
+
+    def update(grads: Grads) -> mx.array:
+        tree = grads_tree.fill(grads) if grads.keys() == grads_tree.paths.keys() else (
+            grads_to_tree(grads))  # grads for a subset: the tree they name
+        norm, new = compiled(tree, params.fill(params.read(model)))
+        params.write(model, new, grads)
+        mx.async_eval(norm, optimizer.state, list(params.read(model).values()))
         return norm
 
-    compiled = mx.compile(step, inputs=state, outputs=state)
-
-    def update(grads: Grads) -> float:
-        norm = compiled(grads_to_tree(grads))
-        mx.eval(norm, state)
-        return float(norm)
-
     return update
+
+
+class _Tree:
+    """A nested parameter tree (dicts and lists) with each leaf's path resolved once, so
+    reading, filling and writing its ~128 leaves skips mlx.utils' name parsing."""
+
+    def __init__(self, tree: dict):
+        self.tree = tree
+        self.paths = {k: [int(p) if p.isdigit() else p for p in k.split(".")]
+                      for k, _ in tree_flatten(tree)}
+
+    @staticmethod
+    def _parent(root: Any, path: list) -> Any:
+        for p in path[:-1]:
+            root = root[p]
+        return root
+
+    def fill(self, flat: dict[str, mx.array]) -> dict:
+        for k, path in self.paths.items():
+            self._parent(self.tree, path)[path[-1]] = flat[k]
+        return self.tree
+
+    def read(self, root: Any) -> dict[str, mx.array]:
+        return {k: self._parent(root, path)[path[-1]] for k, path in self.paths.items()}
+
+    def write(self, root: Any, new: dict, names: Iterable[str]) -> None:
+        for k in names:
+            path = self.paths[k]
+            self._parent(root, path)[path[-1]] = self._parent(new, path)[path[-1]]
 
 
 def refuse_beyond_context(pairs: Sequence, context: int | None) -> None:
@@ -379,12 +447,16 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback]) -> TrainResult:
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
         micro = prefetch.next()  # built on a thread while the last step ran
-        loss, sums, grads = step_grads(model, stack, micro, loss_spec, cfg, step, ranks)
+        pending = dispatch_grads(model, stack, micro, loss_spec, cfg, step, ranks)
+        # The update is queued before the host waits: one barrier a step. A non-finite
+        # step still stops the run before anything is saved.
+        norm = update(pending.grads)
+        loss, sums = pending.read(ranks)
+        grad_norm = float(norm)
         trained += sum(len(b.ids) for b in micro)
         if not math.isfinite(loss):
             raise NonFiniteLoss(f"step {step}: loss {loss} on pairs "
                                 f"{[i for b in micro for i in b.ids][:8]}")
-        grad_norm = update(grads)
         if not math.isfinite(grad_norm):  # the run stops: this update is never saved
             raise NonFiniteLoss(f"step {step}: grad norm {grad_norm} on pairs "
                                 f"{[i for b in micro for i in b.ids][:8]}")

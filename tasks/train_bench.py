@@ -12,7 +12,7 @@ of every pair; peak = MLX's peak over the timed steps.
 
 Engine row: the engine's own step (forward + backward, no update) on the same model
 and first batch, in the same process after training — the ceiling; the pomona row's
-``phases_ms`` say where the rest of its step goes (batches, step_grads, update).
+``phases_ms`` say where the rest of its step goes (batches, step_grads, update, wait).
 
 TRL side (``--trl``, needs torch, transformers, peft and trl; CUDA): the same shape and
 pairs per step through ``benchmarks/trl_orpo.py``, with and without gradient
@@ -109,7 +109,7 @@ def pomona_row(a: argparse.Namespace, work: Path, model: Path, data: Path) -> di
             "tokens_per_s": tokens / step_s, "steps_s": steps,
             "peak_mb": max(r["peak_memory_gb"] for r in timed) * 1e9 / 2**20,
             "prefix_share_rate": statistics.mean(r["prefix_share_rate"] for r in timed),
-            "phases_ms": {k: statistics.median(v[a.warmup:]) * 1e3 for k, v in phases.items()}}
+            "phases_ms": phase_medians(phases, steps, a.warmup)}
 
 
 def bench_config(a: argparse.Namespace, model: Path, data: Path, work: Path):
@@ -126,9 +126,10 @@ def bench_config(a: argparse.Namespace, model: Path, data: Path, work: Path):
 
 @contextmanager
 def timed_phases() -> Iterator[dict[str, list[float]]]:
-    """Inside: the trainer's step phases timed, each call's seconds appended per name —
-    waiting for the prefetched batches, forward + backward + its metrics (step_grads),
-    and the clip + AdamW update."""
+    """Inside: the trainer's step phases timed on the host, each call's seconds appended
+    per name: waiting for the prefetched batches, dispatching the forward + backward
+    (``step_grads``: it returns with the last stage still queued) and the clip + AdamW
+    update. What a step spends beyond them is the wait for the device (``wait``)."""
     from engine import trainer
 
     phases: dict[str, list[float]] = {"batches": [], "step_grads": [], "update": []}
@@ -141,14 +142,23 @@ def timed_phases() -> Iterator[dict[str, list[float]]]:
             return out
         return run
 
-    saved = trainer.step_grads, trainer.make_update, trainer.Prefetch.next
-    trainer.step_grads = timed("step_grads", saved[0])
+    saved = trainer.dispatch_grads, trainer.make_update, trainer.Prefetch.next
+    trainer.dispatch_grads = timed("step_grads", saved[0])
     trainer.make_update = lambda *args, **kw: timed("update", saved[1](*args, **kw))
     trainer.Prefetch.next = timed("batches", saved[2])
     try:
         yield phases
     finally:
-        trainer.step_grads, trainer.make_update, trainer.Prefetch.next = saved
+        trainer.dispatch_grads, trainer.make_update, trainer.Prefetch.next = saved
+
+
+def phase_medians(phases: dict[str, list[float]], steps: list[float], warmup: int
+                  ) -> dict[str, float]:
+    """Median milliseconds of each phase over the timed steps, and of the ``wait``: the
+    step's time beyond its phases (one call of each a step)."""
+    timed = {k: v[warmup:] for k, v in phases.items()}
+    wait = [s - sum(v[i] for v in timed.values()) for i, s in enumerate(steps)]
+    return {k: statistics.median(v) * 1e3 for k, v in {**timed, "wait": wait}.items()}
 
 
 def engine_row(a: argparse.Namespace, work: Path, model_dir: Path, data: Path

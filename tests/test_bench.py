@@ -112,8 +112,9 @@ def test_train_bench_runs_the_real_trainer(tmp_path, capsys) -> None:
     assert pomona["tokens_per_s"] == pytest.approx(2 * 96 * 2 / pomona["step_s"])
     assert pomona["mfu"] > 0 and pomona["peak_mb"] > 0
     phases = pomona["phases_ms"]  # where the trainer's step goes, each phase timed
-    assert set(phases) == {"batches", "step_grads", "update"}
+    assert set(phases) == {"batches", "step_grads", "update", "wait"}
     assert 0 < phases["step_grads"] < pomona["step_s"] * 1e3 and phases["update"] > 0
+    assert sum(phases.values()) == pytest.approx(pomona["step_s"] * 1e3, rel=0.2)
     assert engine["name"] == "engine" and len(engine["steps_s"]) == 2 and engine["shared"]
     assert out["ratios"]["trainer_step_vs_engine_step"] == pytest.approx(
         pomona["step_s"] / engine["step_s"])

@@ -1,0 +1,142 @@
+"""The device timeline of the trainer's steady steps, then of the engine's own step.
+
+torch's profiler (CUPTI) records every CUDA kernel in the process, MLX's included, so on
+the GPU machine (torch installed) this shows where a step's device time goes: per step,
+its span, kernel count, summed kernel time, the longest idle gaps (with the host phase
+running then: ``dispatch`` = forward + backward, ``update``, ``read``) and the kernels
+that take the most time. Issue 15 used it to find the update's host cost.
+
+    python3 benchmarks/kernel_timeline.py --seq 4096 --out /tmp/t  # repo root on PYTHONPATH
+
+Steps whose host phases are unlabelled are the engine's (``value_and_grad`` alone, on the
+trainer's first batch). Results: docs/results/h200-2026-11-30-update/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from engine import trainer
+from tasks import train_bench
+
+
+def labelled(name: str, fn):
+    def run(*args, **kwargs):
+        with record_function(name):
+            return fn(*args, **kwargs)
+    return run
+
+
+def trace_trainer(prof: profile, a: argparse.Namespace, model: Path, data: Path, work: Path
+                  ) -> None:
+    """Train; the profiler starts after the warm-up steps; each step opens ``step``."""
+    make_update = trainer.make_update
+    trainer.dispatch_grads = labelled("dispatch", trainer.dispatch_grads)
+    trainer.make_update = lambda *x, **k: labelled("update", make_update(*x, **k))
+    trainer.StepGrads.read = labelled("read", trainer.StepGrads.read)
+    trainer.Prefetch.next = labelled("step", trainer.Prefetch.next)
+
+    class StartAfterWarmup:
+        def on_metrics(self, record: dict) -> None:
+            if record["split"] == "train" and record["step"] == a.warmup:
+                prof.start()
+
+    trainer.train(train_bench.bench_config(a, model, data, work), [StartAfterWarmup()])
+
+
+def trace_engine(a: argparse.Namespace, model_dir: Path, data: Path, work: Path) -> None:
+    import mlx.core as mx
+
+    from engine.batch import batch_norms
+    from engine.data import load_pairs
+    from engine.layout_policy import choose_layout, resolve_pad_multiple
+    from engine.losses import pair_loss
+    from engine.model import attach_lora, checked_stack, load_model
+    from engine.prefix import pair_batch
+    from engine.segmented import value_and_grad
+
+    cfg = train_bench.bench_config(a, model_dir, data, work)
+    model, tokenizer = load_model(cfg.model)
+    attach_lora(model, trainer.lora_spec(cfg), cfg.seed)
+    stack = checked_stack(model)
+    batch = choose_layout(load_pairs(cfg.data).train[: a.pairs], cfg,
+                          resolve_pad_multiple(cfg.pad_multiple), tokenizer.pad_token_id or 0)
+    pb = pair_batch(batch)
+    norms, spec = batch_norms([pb]), cfg.loss_spec()
+    resp, nll = mx.array(pb.resp_mask), mx.array(pb.nll_mask)
+    for i in range(a.warmup + a.steps):
+        with record_function("step" if i >= a.warmup else "warmup"):
+            pass
+        t0 = time.perf_counter()
+        mx.eval(value_and_grad(model, stack, batch,
+                               lambda lp: pair_loss(lp, resp, nll, spec, norms),
+                               cfg.segment_size, cfg.head_chunk, cfg.inflight))
+        print(f"engine step {(time.perf_counter() - t0) * 1e3:.1f} ms", flush=True)
+    with record_function("step"):
+        pass
+
+
+def report(trace: Path, gaps: int = 4) -> None:
+    events = json.loads(trace.read_text())["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    phases = [e for e in events if e.get("cat") == "user_annotation"]
+    starts = sorted(e["ts"] for e in phases if e["name"] == "step")[1:]  # the first
+    for s0, s1 in itertools.pairwise(starts):  # profiled step pays the profiler's start
+        ks = [k for k in kernels if s0 <= k["ts"] < s1]
+        if not ks or s1 - s0 > 5e5:  # the gap between the trainer and the engine
+            continue
+        idle = []
+        for p, q in itertools.pairwise(ks):
+            end = p["ts"] + p["dur"]
+            where = [x["name"] for x in phases if x["ts"] <= end <= x["ts"] + x["dur"]]
+            idle.append((q["ts"] - end, end - s0, p["name"][:48], q["name"][:48], where))
+        print(f"step: span {(s1 - s0) / 1e3:.2f} ms, {len(ks)} kernels, kernel time "
+              f"{sum(k['dur'] for k in ks) / 1e3:.2f} ms, first kernel at "
+              f"{(ks[0]['ts'] - s0) / 1e3:.2f} ms")
+        for g, at, before, after, where in sorted(idle, reverse=True)[:gaps]:
+            print(f"  idle {g / 1e3:.2f} ms at {at / 1e3:.1f} ms ({where}): {before} -> {after}")
+        for x in phases:
+            if s0 <= x["ts"] < s1 and x["name"] != "step":
+                print(f"  host {x['name']}: from {(x['ts'] - s0) / 1e3:.1f} ms, "
+                      f"{x['dur'] / 1e3:.2f} ms")
+        count, spent = Counter(), Counter()
+        for k in ks:
+            count[k["name"][:60]] += 1
+            spent[k["name"][:60]] += k["dur"]
+        print("  most time:", "; ".join(f"{n} ×{count[n]} {t / 1e3:.2f} ms"
+                                        for n, t in spent.most_common(4)))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--pairs", type=int, default=1)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--out", type=Path, default=Path("/tmp/kernel-timeline"))
+    args = p.parse_args()
+    a = train_bench.parser().parse_args(["--seq", str(args.seq), "--pairs", str(args.pairs),
+                                         "--steps", str(args.steps), "--warmup", "3"])
+    work = args.out / f"work-{args.seq}x{args.pairs}"
+    work.mkdir(parents=True, exist_ok=True)
+    model, data = train_bench._model_and_data(a, work)
+    torch.zeros(1, device="cuda")  # CUPTI attaches to the context MLX shares
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    trace_trainer(prof, a, model, data, work)
+    trace_engine(a, model, data, work)
+    prof.stop()
+    trace = args.out / f"trace_{args.seq}x{args.pairs}.json"
+    prof.export_chrome_trace(str(trace))
+    report(trace)
+
+
+if __name__ == "__main__":
+    main()
