@@ -1,6 +1,6 @@
 """What data parallel sends each step: LoRA gradient bytes and ring all-reduce time.
 
-    python benchmarks/allreduce_cost.py        # the table in docs/cluster.md
+    python -m benchmarks allreduce        # the table in docs/cluster.md
 
 Counts r·(in + out) over each model's default LoRA targets (engine/arch: every attention
 and MLP linear) and over q/k/v/o, at published shapes built by mlx-lm's own classes
@@ -12,15 +12,11 @@ link's nominal rate.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import mlx.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from benchmarks.engine_bench import PRESETS, _model_args
 from engine.arch import make_stack
-from engine.bench import PRESETS, _model_args
 
 RANK = 16
 QKVO = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
@@ -53,7 +49,10 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f}" if seconds >= 0.01 else f"{seconds * 1e3:.1f}"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="python -m benchmarks allreduce", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter
+                            ).parse_args(argv)  # no options: --help, or refuse what it gets
     print("| model | LoRA r=16 on | params | bytes a step | "
           + " | ".join(f"{name}, ms (2 / 4 / 8 ranks)" for name, _ in LINKS) + " |")
     print("|---" * (4 + len(LINKS)) + "|")

@@ -22,7 +22,7 @@ export PYTHONUNBUFFERED=1
 B="--layers 16 --hidden 2048 --heads 32 --kv-heads 8 --intermediate 5632 --vocab 32000
    --dtype bfloat16 --head-chunk 512"
 
-mlx() { (source .whl/activate.sh && python3 -m engine bench "$@"); }
+mlx() { (source .whl/activate.sh && python3 -m benchmarks "$@"); }
 
 engine() {  # engine SEQ REPEATS
   local seq=$1 n=$2
@@ -79,7 +79,7 @@ for section in "${@:1:$#-1}"; do
       for shape in "2048 1" "4096 1" "8192 1" "1024 8"; do
         set -- $shape
         (source .whl/activate.sh && PYTHONPATH="/tmp/trl:$PYTHONPATH" python3 -m \
-          tasks.train_bench --seq "$1" --pairs "$2" --trl --peak-tflops 681 --json) \
+          benchmarks train --seq "$1" --pairs "$2" --trl --peak-tflops 681 --json) \
           > "$out/train_$1x$2.json" || echo "bench train $1x$2 failed" >&2
       done ;;
     trl)  # torch only: MLX stays off the path (transformers imports mlx when it can)

@@ -4,9 +4,9 @@ torch's profiler (CUPTI) records every CUDA kernel in the process, MLX's include
 the GPU machine (torch installed) this shows where a step's device time goes: per step,
 its span, kernel count, summed kernel time, the longest idle gaps (with the host phase
 running then: ``dispatch`` = forward + backward, ``update``, ``read``) and the kernels
-that take the most time. Issue 15 used it to find the update's host cost.
+that take the most time. Issue 15 used it to find the update's host cost. Needs torch.
 
-    python3 benchmarks/kernel_timeline.py --seq 4096 --out /tmp/t  # repo root on PYTHONPATH
+    python -m benchmarks timeline --seq 4096 --out /tmp/t  # repo root on PYTHONPATH
 
 Steps whose host phases are unlabelled are the engine's (``value_and_grad`` alone, on the
 trainer's first batch). Results: docs/results/h200-2026-11-30-update/.
@@ -20,22 +20,22 @@ import json
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
-import torch
-from torch.profiler import ProfilerActivity, profile, record_function
-
+from benchmarks import train_bench
 from engine import trainer
-from tasks import train_bench
 
 
 def labelled(name: str, fn):
+    from torch.profiler import record_function
+
     def run(*args, **kwargs):
         with record_function(name):
             return fn(*args, **kwargs)
     return run
 
 
-def trace_trainer(prof: profile, a: argparse.Namespace, model: Path, data: Path, work: Path
+def trace_trainer(prof: Any, a: argparse.Namespace, model: Path, data: Path, work: Path
                   ) -> None:
     """Train; the profiler starts after the warm-up steps; each step opens ``step``."""
     make_update = trainer.make_update
@@ -54,6 +54,7 @@ def trace_trainer(prof: profile, a: argparse.Namespace, model: Path, data: Path,
 
 def trace_engine(a: argparse.Namespace, model_dir: Path, data: Path, work: Path) -> None:
     import mlx.core as mx
+    from torch.profiler import record_function
 
     from engine.batch import batch_norms
     from engine.data import load_pairs
@@ -115,19 +116,22 @@ def report(trace: Path, gaps: int = 4) -> None:
                                         for n, t in spent.most_common(4)))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--pairs", type=int, default=1)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--out", type=Path, default=Path("/tmp/kernel-timeline"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     a = train_bench.parser().parse_args(["--seq", str(args.seq), "--pairs", str(args.pairs),
                                          "--steps", str(args.steps), "--warmup", "3"])
     work = args.out / f"work-{args.seq}x{args.pairs}"
     work.mkdir(parents=True, exist_ok=True)
     model, data = train_bench._model_and_data(a, work)
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
     torch.zeros(1, device="cuda")  # CUPTI attaches to the context MLX shares
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     trace_trainer(prof, a, model, data, work)
@@ -136,7 +140,8 @@ def main() -> None:
     trace = args.out / f"trace_{args.seq}x{args.pairs}.json"
     prof.export_chrome_trace(str(trace))
     report(trace)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Where one layer's backward keeps its memory: the engine's segment vjp, layer by layer.
 
-    python benchmarks/layer_memory.py --seq 8192 --dtype bfloat16 --quantize 4 \
+    python -m benchmarks layer-memory --seq 8192 --dtype bfloat16 --quantize 4 \
         --mlp-chunk 1024 [--layers 12 --kv-shared 6] [--memory-limit-gb 4] [--json]
 
 Builds a Gemma 4 E4B-wide text decoder (hidden 2560, intermediate 10240, 20480 in the
@@ -21,16 +21,13 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from benchmarks.engine_bench import _model, _pair_batch
+from benchmarks.engine_bench import parser as bench_parser
 from engine import attention
-from engine.bench import _model, _pair_batch
-from engine.bench import parser as bench_parser
 from engine.prefix_patch import layout_masks
 from engine.recompute import chunk_mlps
 from engine.segmented import _Segment
@@ -77,12 +74,12 @@ def _layer_row(stack, masks, states: dict, i: int, h_in: mx.array, seg: _Segment
     return row
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = bench_parser()
-    p.prog = "benchmarks/layer_memory.py"
+    p.prog = "python -m benchmarks layer-memory"
     p.add_argument("--at", default="", help="Layer indices (default: one of each kind).")
     p.add_argument("--cpu-blocks", action="store_true")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     vars(a).update(arch="gemma4_text", hidden=2560, intermediate=10240, heads=8, kv_heads=2,
                    head_dim=256, ple=256, window=512)
     if a.layers == 16:  # bench's default: a short E4B with both kinds of shared layer

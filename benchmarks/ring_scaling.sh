@@ -17,7 +17,7 @@ if [ -e "$work" ] && [ ! -f "$work/bench_train.json" ] && [ -n "$(ls -A "$work")
   exit 2
 fi
 if [ ! -d "$work/model" ]; then
-  "$py" -m tasks.train_bench --seq 256 --pairs 4 --layers 8 --hidden 512 --heads 8 \
+  "$py" -m benchmarks train --seq 256 --pairs 4 --layers 8 --hidden 512 --heads 8 \
     --kv-heads 4 --intermediate 1408 --vocab 1024 --dtype float32 --steps 1 --warmup 0 \
     --segment-size 1 --head-chunk 128 --work "$work" > /dev/null
 fi

@@ -10,8 +10,8 @@ throughput a user sees, comparable with the two-forward rows and TRL's.
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 
@@ -82,5 +82,12 @@ def tables(out: Path) -> str:
     return "\n".join(lines)
 
 
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks summary", description=__doc__)
+    p.add_argument("out", type=Path, help="A benchmarks/h200.sh results folder.")
+    print(tables(p.parse_args(argv).out))
+    return 0
+
+
 if __name__ == "__main__":
-    print(tables(Path(sys.argv[1])))
+    raise SystemExit(main())

@@ -5,7 +5,7 @@ uncompiled (``eager``), without clipping, and ``flat_concat`` — an AdamW-shape
 (not the trainer's exact maths) over one concatenation of every array, sliced back: what
 fusing across arrays would save. Results: docs/performance.md (end to end).
 
-    python3 benchmarks/update_cost.py [--layers 16] [--hidden 2048] [--kv 512] [--rank 16]
+    python -m benchmarks update [--layers 16] [--hidden 2048] [--kv 512] [--rank 16]
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ def timed(fn, n: int) -> tuple[float, float]:
     return call / n * 1e3, ev / n * 1e3
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     for k, v in (("layers", 16), ("hidden", 2048), ("kv", 512), ("rank", 16), ("n", 30)):
         p.add_argument(f"--{k}", type=int, default=v)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     rows = {}
     for clip in (1.0, 0.0):
         model = Lora(a)
@@ -107,7 +107,8 @@ def main() -> None:
     print(json.dumps({"device": str(mx.default_device()), "arrays": len(sizes),
                       "params": total,
                       "rows": {k: {"call_ms": c, "eval_ms": e} for k, (c, e) in rows.items()}}))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -165,21 +165,14 @@ def run_score(argv: list[str]) -> int:
     return 0
 
 
-USAGE = """Train, score or benchmark one adapter with no Prefect and no Ray.
+USAGE = """Train or score one adapter with no Prefect and no Ray.
 
     python -m engine train --model DIR --data PATH --out DIR [--config YAML] [--steps N ...]
     python -m engine score --model DIR [--adapter DIR] --data PATH --out FILE.jsonl
-    python -m engine bench memory|prefix|attention|profile|ops [...]
 
-Each command's --help lists its options."""
+Each command's --help lists its options. Benchmarks: python -m benchmarks --help."""
 COMMANDS = {"train": "Train one LoRA adapter (ORPO, SimPO or SFT).",
-            "score": "Score preference pairs under a model (+ adapter).",
-            "bench": "Benchmark the engine's levers (memory, prefix, attention, profile, ops)."}
-BENCH_KINDS = {"memory": "Memory rows: plain, checkpointing, segment sizes, heads.",
-               "prefix": "Two forwards against the shared forward, per prompt:response ratio.",
-               "attention": "MLX's fused attention at query:key shapes.",
-               "profile": "Where one segmented step's time goes.",
-               "ops": "The attention block op by op."}
+            "score": "Score preference pairs under a model (+ adapter)."}
 
 
 def command_parser(prog: str, commands: dict[str, str],
@@ -195,18 +188,12 @@ def command_parser(prog: str, commands: dict[str, str],
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # where it lived before benchmarks/ was their one home
+        print("error: the benchmarks are `python -m benchmarks KIND ...` (or `pomona bench "
+              "KIND ...`) now", file=sys.stderr)
+        return 2
     try:
         args, rest = command_parser("python -m engine", COMMANDS, USAGE).parse_known_args(argv)
     except SystemExit as done:  # --help (0) or a missing/unknown command (2): a return code
         return int(done.code or 0)
-    return {"train": run_train, "score": run_score, "bench": run_bench}[args.command](rest)
-
-
-def run_bench(argv: list[str]) -> int:
-    from engine import bench
-
-    try:
-        args, rest = command_parser("python -m engine bench", BENCH_KINDS).parse_known_args(argv)
-    except SystemExit as done:
-        return int(done.code or 0)
-    return bench.main(rest, args.command)
+    return {"train": run_train, "score": run_score}[args.command](rest)

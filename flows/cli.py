@@ -211,24 +211,10 @@ def score_cmd(ctx: typer.Context) -> None:
 
 @app.command("bench", context_settings=_PASSTHROUGH, add_help_option=False)
 def bench_cmd(ctx: typer.Context) -> None:
-    """Side-by-side benchmarks: `pomona bench memory|prefix|attention|profile|ops|tokenize|
-    train`."""
-    args = list(ctx.args)
-    if args[:1] in ([], ["-h"], ["--help"]):
-        console.print("usage: pomona bench {memory,prefix,attention,profile,ops,tokenize,"
-                      "train} [--help]", highlight=False)
-        raise typer.Exit(code=0 if args else 2)
-    if args[:1] == ["tokenize"]:
-        from tasks.tokenize_bench import main as tokenize_bench
+    """Side-by-side benchmarks (`python -m benchmarks`): `pomona bench --help` lists them."""
+    from benchmarks.__main__ import main as benchmarks
 
-        raise typer.Exit(code=tokenize_bench(args[1:]))
-    if args[:1] == ["train"]:  # the real trainer end to end (and TRL beside it)
-        from tasks.train_bench import main as train_bench
-
-        raise typer.Exit(code=train_bench(args[1:]))
-    from engine.cli import run_bench
-
-    raise typer.Exit(code=run_bench(args))
+    raise typer.Exit(code=benchmarks(list(ctx.args), prog="pomona bench"))
 
 
 @app.command("demo")

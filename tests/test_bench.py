@@ -14,7 +14,7 @@ TOY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--
 
 
 def bench(*args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "engine", "bench", *args], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", *args], capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -45,7 +45,7 @@ def test_memory_limit_reaches_mlx_and_a_negative_one_is_refused(capsys) -> None:
     ``memory_limit_gb`` (a GB/GiB mix-up or a dropped flag fails); below 0, exit 2."""
     import mlx.core as mx
 
-    from engine.bench import parse, run_row
+    from benchmarks.engine_bench import parse, run_row
 
     a = parse([*TOY, "--seq", "64", "--head-chunk", "32", "--memory-limit-gb", "0.5"])
     before = mx.set_memory_limit(2**40)
@@ -99,7 +99,7 @@ def test_train_bench_runs_the_real_trainer(tmp_path, capsys) -> None:
     """`pomona bench train`: the trainer's steady-state step on pairs of exactly --seq
     tokens (tokens/s counts both sequences of every pair), its phases, the engine's own
     step beside it, and TRL's row says why it is missing here rather than vanishing."""
-    from tasks.train_bench import main
+    from benchmarks.train_bench import main
 
     args = ["--seq", "96", "--pairs", "2", "--layers", "2", "--hidden", "64", "--heads", "4",
             "--kv-heads", "2", "--intermediate", "128", "--vocab", "512", "--dtype", "float32",
@@ -125,7 +125,7 @@ def test_train_bench_runs_the_real_trainer(tmp_path, capsys) -> None:
 def test_train_bench_never_writes_into_a_foreign_folder(tmp_path, capsys) -> None:
     """--work gets a model, pairs.jsonl and run/: a folder that is not one of its own is
     refused and left as it was; a bad count is one line, exit 2."""
-    from tasks.train_bench import main
+    from benchmarks.train_bench import main
 
     (tmp_path / "thesis.txt").write_text("mine")
     assert main(["--work", str(tmp_path), "--seq", "64"]) == 2

@@ -334,7 +334,7 @@ def test_tokenize_benchmark_runs_both_sides() -> None:
     import io
     from contextlib import redirect_stdout
 
-    from tasks.tokenize_bench import main
+    from benchmarks.tokenize_bench import main
 
     out = io.StringIO()
     with redirect_stdout(out):

@@ -1,4 +1,6 @@
-"""The design card's layering: flows -> tasks -> engine, engine pure MLX, datasets data-only."""
+"""The design card's layering: flows -> tasks -> engine, engine pure MLX, datasets data-only;
+benchmarks (one home, python -m benchmarks) sit beside flows, above tasks, with no Prefect or
+Ray so that a GPU machine with MLX alone runs them."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.unit
 
 FORBIDDEN = {
-    "engine": {"prefect", "ray", "rich", "typer", "tqdm", "tasks", "flows"},
-    "tasks": {"flows", "typer"},
+    "engine": {"prefect", "ray", "rich", "typer", "tqdm", "tasks", "flows", "benchmarks"},
+    "tasks": {"flows", "typer", "benchmarks"},
+    "benchmarks": {"flows", "typer", "prefect", "ray"},
 }
 
 
@@ -40,5 +43,5 @@ def test_datasets_is_not_a_package() -> None:
 
 
 def test_packages_exist() -> None:
-    for package in ("engine", "tasks", "flows"):
+    for package in ("engine", "tasks", "flows", "benchmarks"):
         assert (ROOT / package / "__init__.py").is_file()

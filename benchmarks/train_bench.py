@@ -163,7 +163,7 @@ def phase_medians(phases: dict[str, list[float]], steps: list[float], warmup: in
 
 def engine_row(a: argparse.Namespace, work: Path, model_dir: Path, data: Path
                ) -> dict[str, Any]:
-    """The engine's own step (forward + backward, no update: what ``engine bench``
+    """The engine's own step (forward + backward, no update: what ``bench memory``
     times) on the trainer's model and first batch, in this process: the ceiling the
     trainer's step is held to."""
     import mlx.core as mx
@@ -299,5 +299,5 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":  # the GPU machine has no typer: python -m tasks.train_bench ...
+if __name__ == "__main__":  # the GPU machine has no typer: python -m benchmarks train ...
     raise SystemExit(main(sys.argv[1:]))

@@ -1,10 +1,10 @@
 """Benchmarks of the engine's levers, side by side with the plain path, in one run.
 
-    python -m engine bench memory --layers 16 --hidden 512 --seq 2048 [--json]
-    python -m engine bench prefix --seq 1024 [--ratios 1:1,4:1,16:1] [--json]
-    python -m engine bench attention --shapes 2048:2048,2047:2047 [--json]
-    python -m engine bench profile --seq 2048 --segment-size 1 [--prefix] [--json]
-    python -m engine bench ops --seq 8192 [--json]        (engine/bench_ops.py)
+    python -m benchmarks memory --layers 16 --hidden 512 --seq 2048 [--json]
+    python -m benchmarks prefix --seq 1024 [--ratios 1:1,4:1,16:1] [--json]
+    python -m benchmarks attention --shapes 2048:2048,2047:2047 [--json]
+    python -m benchmarks profile --seq 2048 --segment-size 1 [--prefix] [--json]
+    python -m benchmarks ops --seq 8192 [--json]        (benchmarks/ops_bench.py)
     pomona bench memory|prefix ...                             (the same, from the CLI)
 
 ``prefix`` rows: one ORPO step on one pair, ``two_forward`` vs ``shared`` (one forward
@@ -248,7 +248,7 @@ def run_row(row: str, a: argparse.Namespace) -> dict[str, Any]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine bench memory", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks memory", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default="llama", choices=("llama", "gemma4_text"),
                    help="Random-init model family (gemma4_text: PLE, 5:1 sliding, shared K/V).")
@@ -380,7 +380,7 @@ def _attention_table(argv: list[str], a: argparse.Namespace) -> int:
     """Every shape in its own process; one that dies is a row saying so."""
     rows = []
     for shape in (a.shapes or "2048:2048,2047:2047,1920:2048,2048:2125").split(","):
-        proc = subprocess.run([sys.executable, "-m", "engine", "bench", "attention", *argv,
+        proc = subprocess.run([sys.executable, "-m", "benchmarks", "attention", *argv,
                                "--shapes", shape, "--row", shape], capture_output=True, text=True)
         if proc.returncode == 0:
             rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -434,7 +434,7 @@ def main(argv: list[str], kind: str = "memory") -> int:
     if kind == "attention":
         return _attention_table(argv, a)
     if kind == "ops":
-        from engine.bench_ops import op_rows, print_rows
+        from benchmarks.ops_bench import op_rows, print_rows
 
         _, stack = _model(argparse.Namespace(**{**vars(a), "layers": 1}))
         rows = op_rows(stack.layers[0], a)
@@ -455,7 +455,7 @@ def main(argv: list[str], kind: str = "memory") -> int:
         names = a.rows.split(",")
     rows = []
     for name in names:
-        proc = subprocess.run([sys.executable, "-m", "engine", "bench", kind, *argv,
+        proc = subprocess.run([sys.executable, "-m", "benchmarks", kind, *argv,
                                "--row", name], capture_output=True, text=True)
         if proc.returncode != 0:  # out of memory, say: the row says so, the table goes on
             last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:300]

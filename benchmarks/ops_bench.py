@@ -1,6 +1,6 @@
 """``bench ops``: one layer's attention block split by op, forward and forward + backward.
 
-    python -m engine bench ops --hidden 2048 --heads 32 --kv-heads 8 --seq 8192 [--json]
+    python -m benchmarks ops --hidden 2048 --heads 32 --kv-heads 8 --seq 8192 [--json]
 
 Each op runs alone on the input it gets inside mlx-lm's llama attention (batch 2 × seq:
 the pair), in the layout it gets there — q/k/v arrive as transposed views

@@ -1,0 +1,57 @@
+"""``python -m benchmarks KIND [...]``: the one front end of Pomona's benchmarks.
+
+Each kind keeps its own parser, so ``python -m benchmarks KIND --help`` lists its options.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from engine.cli import command_parser
+
+# kind → (module, one line); the engine's kinds share engine_bench.main(argv, kind).
+KINDS = {
+    "memory": ("engine_bench", "Peak and step time per lever: plain, checkpointing, segments, "
+                               "heads (a fresh process a row)."),
+    "prefix": ("engine_bench", "Two forwards against the shared forward, per prompt:response "
+                               "ratio."),
+    "attention": ("engine_bench", "MLX's fused attention at query:key shapes."),
+    "profile": ("engine_bench", "Where one segmented step's time goes, stage by stage."),
+    "ops": ("engine_bench", "One layer's blocks op by op, forward and backward."),
+    "tokenize": ("tokenize_bench", "Pomona's tokenizer against Hugging Face datasets.map."),
+    "train": ("train_bench", "The real trainer end to end, beside its engine and TRL."),
+    "trl": ("trl_orpo", "TRL's ORPOTrainer + PEFT alone (torch only, no MLX)."),
+    "update": ("update_cost", "What one optimizer update costs beside the step."),
+    "layer-memory": ("layer_memory", "One Gemma 4 layer's backward memory, piece by piece."),
+    "allreduce": ("allreduce_cost", "LoRA gradient bytes and all-reduce time per link."),
+    "timeline": ("kernel_timeline", "Kernel timeline of trainer and engine steps (CUDA, "
+                                    "torch's profiler)."),
+    "summary": ("summary", "Tables from a benchmarks/h200.sh results folder."),
+}
+USAGE = """Pomona's benchmarks: each compares paths side by side in one run.
+
+    python -m benchmarks memory --layers 16 --hidden 512 --seq 2048 [--json]
+    python -m benchmarks train --seq 4096 [--pairs 1] [--trl] [--json]
+
+GPU sections (results in docs/results/): bash benchmarks/h200.sh SECTION... OUT_DIR."""
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m benchmarks") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    kinds = {k: help_ for k, (_, help_) in KINDS.items()}
+    try:
+        args, rest = command_parser(prog, kinds, USAGE).parse_known_args(argv)
+    except SystemExit as done:  # --help (0) or a missing/unknown kind (2): a return code
+        return int(done.code or 0)
+    module = importlib.import_module(f"benchmarks.{KINDS[args.command][0]}")
+    if module.__name__.endswith("engine_bench"):
+        return module.main(rest, args.command)
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    from engine.blas import ensure_fast_blas
+
+    ensure_fast_blas()  # Linux CPU: re-run with OpenBLAS preloaded (engine/blas.py)
+    raise SystemExit(main())
