@@ -30,7 +30,7 @@ def _f(default: Any, help: str) -> Any:
 
 CHOICES = {"loss": LOSSES, "nll_span": ("full", "response"),
            "lr_schedule": ("cosine", "constant"), "prefix_share": ("auto", "on", "off"),
-           "prefix_attention": ("auto", "mask", "split")}
+           "prefix_attention": ("auto", "mask", "split"), "best_mode": ("min", "max")}
 
 
 def check_choice(name: str, value: str) -> None:
@@ -96,6 +96,10 @@ class TrainConfig:
     val_every: int = _f(50, "Validate before training, every N steps and at the end; "
                             "0 = only at the end.")
     val_batches: int = _f(0, "Validation micro-batches per evaluation; 0 = the whole split.")
+    best_metric: str = _f("val/loss", "The validation metric that picks the run's best "
+                                      "evaluation (summary.json's best_val); a sweep sets its "
+                                      "own ranking metric here.")
+    best_mode: str = _f("min", "min or max: which end of best_metric is best.")
     checkpoint_every: int = _f(0, "Checkpoint every N steps (adapters + optimizer); 0 = off.")
     keep_checkpoints: int = _f(2, "Newest checkpoints to keep.")
     resume: str | None = _f(None, "Checkpoint directory to resume from, or 'auto' (latest).")
@@ -147,6 +151,9 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be in [0, 1)")
         if self.adam_eps <= 0:
             raise ValueError(f"adam_eps={self.adam_eps}: must be > 0")
+        if not self.best_metric.startswith("val/"):
+            raise ValueError(f"best_metric={self.best_metric!r}: expected a validation metric "
+                             "such as val/loss or val/rewards/accuracies")
 
     def loss_spec(self) -> LossSpec:
         """The loss this run trains, validates and scores with."""

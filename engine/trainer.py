@@ -350,6 +350,23 @@ class _Tree:
             self._parent(root, path)[path[-1]] = self._parent(new, path)[path[-1]]
 
 
+def better(rec: dict[str, Any], best: dict[str, Any], metric: str, mode: str) -> bool:
+    """Whether validation record ``rec`` beats ``best`` on ``metric`` (``mode`` min or max);
+    a NaN never does, and a metric the records lack is an error naming what they have."""
+    if metric not in rec:
+        have = sorted(k for k in rec if k.startswith("val/"))
+        raise ValueError(f"best_metric={metric!r}: not among this run's validation metrics "
+                         f"{have}")
+    value = rec[metric]
+    if not best:
+        return True
+    if not math.isfinite(value):
+        return False
+    if not math.isfinite(best[metric]):
+        return True
+    return value < best[metric] if mode == "min" else value > best[metric]
+
+
 def refuse_beyond_context(pairs: Sequence, context: int | None) -> None:
     """Raise ValueError naming the pairs longer than the model's context: one such row
     (822k tokens, say) would otherwise exhaust memory mid-run, or train past the positions
@@ -474,7 +491,7 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback]) -> TrainResult:
             window.reset()
         if data.valid and ((cfg.val_every and step % cfg.val_every == 0) or step == cfg.steps):
             rec = validate(step)
-            if not result.best_val or rec["val/loss"] < result.best_val["val/loss"]:
+            if better(rec, result.best_val, cfg.best_metric, cfg.best_mode):
                 result.best_val = rec
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and ranks.main:
             save_checkpoint(model, optimizer, out, step, {"seed": cfg.seed}, spec, num_layers)

@@ -87,8 +87,10 @@ def cache_key(config: dict[str, Any], fingerprint: str, model_key: str) -> str:
 
 def trial_config(spec: SweepSpec, out: Path, trial_id: str, params: dict[str, Any]
                  ) -> dict[str, Any]:
-    """TrainConfig fields of one trial: its params, the sweep's model/data, its directory."""
-    config = {**params, "model": spec.model, "data": spec.data, "out": str(out / trial_id)}
+    """TrainConfig fields of one trial: its params, the sweep's model/data, its directory;
+    its best evaluation is picked by the metric the sweep ranks on."""
+    config = {"best_metric": spec.metric, "best_mode": spec.mode, **params,
+              "model": spec.model, "data": spec.data, "out": str(out / trial_id)}
     if spec.memory_budget_gb > 0 and "memory_limit_gb" not in params:
         config["memory_limit_gb"] = spec.memory_budget_gb
     return config

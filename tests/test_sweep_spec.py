@@ -103,3 +103,19 @@ def test_loss_is_searched_like_any_key_and_ranked_on_a_shared_metric() -> None:
     with pytest.raises(SpecError, match="loss"):
         parse_spec({**grid, "grid": {"loss": ["orpo", "dpo"]}})
     assert parse_spec({**BASE, "fixed": {"loss": "simpo"}}).metric == "val/loss"  # one loss
+
+
+def test_each_trial_picks_its_best_evaluation_by_the_ranking_metric(tmp_path) -> None:
+    """A sweep ranked on accuracy (max) trains trials whose best_val is the most accurate
+    evaluation; a trial's own best_metric, set in the spec, is kept."""
+    from tasks.sweep import plan
+
+    spec = parse_spec({"name": "s", "model": "m", "data": "d", "metric":
+                       "val/rewards/accuracies", "mode": "max",
+                       "grid": {"learning_rate": [1e-4, 2e-4]}})
+    configs = [c for _, c in plan(spec, tmp_path)]
+    assert {(c["best_metric"], c["best_mode"]) for c in configs} == {
+        ("val/rewards/accuracies", "max")}
+    spec = parse_spec({"name": "s", "model": "m", "data": "d",
+                       "fixed": {"best_metric": "val/nll_loss"}})
+    assert plan(spec, tmp_path)[0][1]["best_metric"] == "val/nll_loss"

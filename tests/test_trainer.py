@@ -241,12 +241,12 @@ def test_orpo_raises_held_out_preference_accuracy(tmp_path) -> None:
         valid = tokenized_pairs(model, 200, seed=1, task="sort")
         f.write(write_pairs_jsonl(valid, tmp_path / "v.jsonl", split="valid").read_text())
     result = train(TrainConfig(model=str(model), data=str(data), out=str(tmp_path / "run"),
-                               steps=150, batch_size=8, learning_rate=3e-4, lora_rank=16,
+                               steps=100, batch_size=8, learning_rate=6e-4, lora_rank=16,
                                warmup_steps=10, nll_span="response", orpo_lambda=1.0,
-                               val_every=75, report_every=50, segment_size=2, head_chunk=256))
+                               val_every=50, report_every=50, segment_size=2, head_chunk=256))
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     val = [r["val/rewards/accuracies"] for r in rows if r["split"] == "valid"]
-    print("validation accuracy by evaluation (step 0, 75, 150):", val)
+    print("validation accuracy by evaluation (step 0, 50, 100):", val)
     assert len(val) == 3 and val[0] <= 0.6, val  # untrained: near chance
     assert val[-1] >= 0.65 and val[-1] >= val[0] + 0.1, val
     assert result.best_val["val/rewards/accuracies"] >= 0.65
@@ -296,3 +296,29 @@ def test_memory_limit_is_applied_then_restored_and_changes_no_number(tiny_model,
     a, b = adapters(tmp_path / "limited"), adapters(tmp_path / "free")
     assert all(np.array_equal(a[k], b[k]) for k in a)
     assert losses(tmp_path / "limited") == losses(tmp_path / "free")
+
+
+def test_best_evaluation_is_picked_by_the_ranking_metric(tiny_model, tiny_data, tmp_path
+                                                         ) -> None:
+    """best_val (what a sweep ranks on as best/<metric>) is the evaluation best on
+    best_metric in best_mode, not the val/loss-best one; a metric the run does not report
+    is an error naming those it does."""
+    picked = {}
+    for metric, mode in (("val/loss", "min"), ("val/rewards/margins", "max"),
+                         ("val/rewards/margins", "min")):
+        out = tmp_path / f"{metric.replace('/', '_')}-{mode}"
+        result = train(cfg(tiny_model, tiny_data, out, steps=6, val_every=1,
+                           learning_rate=3e-3, best_metric=metric, best_mode=mode))
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        evals = [r for r in rows if r["split"] == "valid" and r["step"] > 0]
+        assert len(evals) == 6
+        assert result.best_val[metric] == (min if mode == "min" else max)(
+            r[metric] for r in evals)
+        picked[metric, mode] = result.best_val["step"]
+    # The margins' best and worst evaluations differ: the pick follows the metric.
+    assert picked["val/rewards/margins", "max"] != picked["val/rewards/margins", "min"]
+    with pytest.raises(ValueError, match=r"val/nope.*val/loss"):
+        train(cfg(tiny_model, tiny_data, tmp_path / "nope", steps=1, val_every=1,
+                  best_metric="val/nope"))
+    with pytest.raises(ValueError, match="best_metric='loss'"):
+        cfg(tiny_model, tiny_data, tmp_path / "x", best_metric="loss").validate()
