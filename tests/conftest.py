@@ -14,6 +14,13 @@ import pytest
 
 from tasks.model_factory import ModelSpec, init_model
 
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``long`` first: pytest-xdist (``./run test``: a file per worker at a
+    time) then starts the demo at once, beside the rest, not as the last file left."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 # Small enough to build in ~1 s and train in seconds; quantizable with group size 64.
 TINY = ModelSpec(layers=4, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=512)
 
