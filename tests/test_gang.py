@@ -78,6 +78,7 @@ def test_a_rank_killed_mid_trial_retries_the_gang(ray_cluster, tiny_model, tiny_
     assert rows[0]["attempts"] == 2 and "lost" in events and "retry" in events
 
 
+@pytest.mark.unit  # a pure function: the fast tier runs it
 def test_spec_refuses_a_batch_the_ranks_cannot_split() -> None:
     """Before any rank starts: every batch size a trial may get must split over the ranks,
     and the cluster must hold one gang."""

@@ -87,6 +87,7 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
     assert alone["best_trial"] in {r["trial_id"] for r in trials}
 
 
+@pytest.mark.unit  # a pure function: the fast tier runs it
 def test_evaluation_fits_where_the_trials_trained() -> None:
     """Each trial is evaluated at its own batch size, head chunk and prefix sharing; the
     base and the soup at what suits all of them."""

@@ -234,6 +234,7 @@ def test_a_reused_out_holds_one_run_and_resume_never_repeats_metrics(tiny_model,
 
 # Item 12 ----------------------------------------------------------------------------------
 
+@pytest.mark.unit  # a pure function: the fast tier runs it
 def test_no_prefect_task_or_flow_would_pickle_its_result() -> None:
     """With PREFECT_RESULTS_PERSIST_BY_DEFAULT on, every task and flow without its own
     serializer persisted its result with pickle. Would catch: a task or flow added without

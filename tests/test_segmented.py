@@ -30,6 +30,7 @@ def run(model, stack, batch, spec, k=0, chunk=0, inflight=2):
                           k, chunk, inflight)
 
 
+@pytest.mark.unit  # a pure function: the fast tier runs it
 def test_segment_ranges_are_contiguous_and_ragged() -> None:
     assert segment_ranges(4, 3) == [(0, 3), (3, 4)]
     assert segment_ranges(4, 4) == [(0, 4)]
