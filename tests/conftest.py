@@ -16,9 +16,16 @@ from tasks.model_factory import ModelSpec, init_model
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked ``long`` first: pytest-xdist (``./run test``: a file per worker at a
-    time) then starts the demo at once, beside the rest, not as the last file left."""
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+    """The longest files first (marker ``long``, ``long(2)`` before ``long``), the rest in
+    their order: pytest-xdist (``./run test``: a file per worker at a time) starts the
+    demo and the sweeps at once and ends on short files, with no worker left idle while
+    the other finishes a long one."""
+
+    def weight(item: pytest.Item) -> int:
+        mark = item.get_closest_marker("long")
+        return 0 if mark is None else (mark.args[0] if mark.args else 1)
+
+    items.sort(key=lambda item: -weight(item))
 
 
 # Small enough to build in ~1 s and train in seconds; quantizable with group size 64.

@@ -33,7 +33,7 @@ from tasks.model_factory import init_model
 from tests.family_specs import BASE, MOE, SPECS, WINDOW, family_pairs
 from tests.parity import assert_same, with_lora
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.long]  # conftest.py: scheduled first
 
 @pytest.fixture(scope="session")
 def family_dir(tmp_path_factory: pytest.TempPathFactory):

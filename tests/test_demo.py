@@ -1,7 +1,7 @@
 """The README's first command: `pomona demo`, the whole pipeline on fixtures it makes.
 
-The suite's longest test (marked ``long``): the collection hook in conftest.py schedules it
-first, so that on pytest-xdist workers it runs beside the rest instead of after it.
+The suite's longest test (marked ``long(2)``): the collection hook in conftest.py schedules
+it first, so that on pytest-xdist workers it runs beside the rest instead of after it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx_lm
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.long]
+pytestmark = [pytest.mark.slow, pytest.mark.long(2)]  # the longest: first of all
 
 
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ import pytest
 from engine.batch import Pair
 from engine.data import write_pairs_jsonl
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
 

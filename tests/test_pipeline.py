@@ -9,7 +9,7 @@ import mlx_lm
 import pyarrow.parquet as pq
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 
 
 def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> None:

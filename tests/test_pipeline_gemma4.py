@@ -11,7 +11,7 @@ import pytest
 
 from tasks.model_factory import ModelSpec, init_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 SPEC = Path(__file__).resolve().parents[1] / "flows" / "configs" / "gemma4.yaml"
 
 

@@ -16,7 +16,7 @@ import tempfile
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 
 _HEAD = r"""
 import json, os, subprocess, sys

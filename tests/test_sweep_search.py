@@ -12,7 +12,7 @@ from tasks.sweep import run_sweep
 from tasks.sweep_spec import parse_spec
 from tasks.trials import Placement, TrialsInterrupted
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 
 
 def _spec(model: Path, data: Path, **extra) -> dict:

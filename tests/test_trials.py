@@ -10,7 +10,7 @@ import pytest
 
 from tasks.trials import Placement, run_trials
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 
 
 def _trials(model: Path, data: Path, out: Path, n: int, **extra) -> list[tuple[str, dict]]:
