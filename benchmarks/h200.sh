@@ -12,9 +12,9 @@
 # micro-batch against two forwards), profile-2k, engine-8k|engine-4k|engine-2k (memory
 # rows and prefix rows at segment sizes 0/1/2/4), q4 (a 4-bit base), gemma4 (Gemma 4 E4B's
 # text decoder at 8k, 4-bit and bf16: plain, checkpoint, seg1, seg2, seg1p), train (the real
-# trainer end to end beside TRL: pomona bench train --trl), trl (ORPOTrainer +
-# PEFT, with and without gradient checkpointing, 4k and 8k). Every result is one JSON file
-# in OUT_DIR. Model: 16 layers, hidden 2048, GQA 32/8, intermediate 5632, vocab 32000, bf16.
+# trainer end to end beside TRL: pomona bench train --trl), timeline (the 4k trainer's and
+# engine's steps kernel by kernel, text), trl (ORPOTrainer + PEFT, with and without
+# gradient checkpointing, 4k and 8k). Every other result is one JSON file in OUT_DIR. Model: 16 layers, hidden 2048, GQA 32/8, intermediate 5632, vocab 32000, bf16.
 set -euo pipefail
 out="${*: -1}"
 mkdir -p "$out"
@@ -70,6 +70,8 @@ for section in "${@:1:$#-1}"; do
           --rows "two_forward@4:1,shared@4:1" > "$out/batch_$1x$2.json" \
           || echo "batch $1x$2 failed" >&2
       done ;;
+    timeline)  # where the trainer's 4k step idles, kernel by kernel (issue 15)
+      mlx timeline --seq 4096 --out /tmp/timeline > "$out/timeline_4096x1.txt" ;;
     profile-2k)  # where the 2k split step's time goes, against two forwards (issue 15)
       mlx profile $B --seq 2048 --segment-size 1 --repeats 5 --json > "$out/profile_2k_two.json"
       mlx profile $B --seq 2048 --segment-size 1 --repeats 5 --prefix --json \
