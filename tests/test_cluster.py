@@ -12,7 +12,7 @@ import pytest
 
 from tasks.trials import Placement, TrialRun, run_trials
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 
 
 @pytest.fixture()

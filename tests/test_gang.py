@@ -17,7 +17,7 @@ import pytest
 
 from tasks.trials import Placement, run_trials
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 
 
 def _trial(model: Path, data: Path, out: Path, name: str, **extra) -> tuple[str, dict]:

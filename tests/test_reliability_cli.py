@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.long]  # conftest.py: scheduled first
 
 ROOT = Path(__file__).resolve().parents[1]
 

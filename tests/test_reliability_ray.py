@@ -10,7 +10,7 @@ from dataclasses import replace
 import pyarrow.parquet as pq
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 
 FIXED = {"steps": 2, "batch_size": 2, "lora_rank": 4, "val_every": 0}
 

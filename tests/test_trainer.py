@@ -20,7 +20,7 @@ from engine.config import TrainConfig
 from engine.data import load_pairs, write_pairs_jsonl
 from engine.trainer import train
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.long]  # conftest.py: scheduled first
 
 
 def cfg(model: Path, data: Path, out: Path, **kw) -> TrainConfig:
