@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "flows" / "configs" / "tiny.yaml"
 

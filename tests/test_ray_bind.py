@@ -53,6 +53,7 @@ print(json.dumps({"listening": listening, "gcs": gcs,
 """
 
 
+@pytest.mark.long  # a server and a browser (or a Ray): scheduled first
 @pytest.mark.slow
 def test_private_ray_listens_on_loopback_and_keeps_its_token_private(tmp_path) -> None:
     """Catches a local cluster bound to 0.0.0.0 / the LAN IP, or a token readable by all."""

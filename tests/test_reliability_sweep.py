@@ -20,7 +20,7 @@ import pytest
 from engine.config import TrainConfig
 from tasks.sweep_spec import SpecError, load_spec, parse_spec
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.long]  # conftest.py: scheduled first
 
 SPEC = {"name": "s", "model": "m", "data": "d"}
 

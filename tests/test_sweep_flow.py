@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 
 
 def test_sweep_flow_runs_each_trial_as_a_task_run(prefect_api, ray_cluster, tiny_model,

@@ -107,6 +107,7 @@ def dump_dom(page: str, tmp: Path) -> str:
     return dom.stdout
 
 
+@pytest.mark.long  # a server and a browser (or a Ray): scheduled first
 @pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed "
                     "(apt-get install chromium; ./run test installs it on Linux as root)")
