@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from engine.cli import command_parser
+from engine.parsers import command_parser
 
 # kind → (module, one line); the engine's kinds share engine_bench.main(argv, kind).
 KINDS = {
@@ -44,6 +44,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks") -> i
         args, rest = command_parser(prog, kinds, USAGE).parse_known_args(argv)
     except SystemExit as done:  # --help (0) or a missing/unknown kind (2): a return code
         return int(done.code or 0)
+    if args.command != "trl":  # TRL's rows run where MLX stays off the path
+        from engine.blas import ensure_fast_blas
+
+        ensure_fast_blas()  # Linux CPU: re-run with OpenBLAS preloaded (engine/blas.py)
     module = importlib.import_module(f"benchmarks.{KINDS[args.command][0]}")
     if module.__name__.endswith("engine_bench"):
         return module.main(rest, args.command)
@@ -51,7 +55,4 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks") -> i
 
 
 if __name__ == "__main__":
-    from engine.blas import ensure_fast_blas
-
-    ensure_fast_blas()  # Linux CPU: re-run with OpenBLAS preloaded (engine/blas.py)
     raise SystemExit(main())

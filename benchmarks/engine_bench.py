@@ -401,6 +401,7 @@ def _attention_table(argv: list[str], a: argparse.Namespace) -> int:
 def parse(argv: list[str], kind: str = "memory") -> argparse.Namespace:
     """The arguments, with a preset applied; a value no row could use is an error (exit 2)."""
     p = parser()
+    p.prog = f"python -m benchmarks {kind}"
     a = p.parse_args(argv)
     if a.preset:
         vars(a).update(PRESETS[a.preset])

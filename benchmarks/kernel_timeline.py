@@ -117,7 +117,7 @@ def report(trace: Path, gaps: int = 4) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks timeline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--pairs", type=int, default=1)

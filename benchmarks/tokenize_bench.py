@@ -68,7 +68,7 @@ def measure(name: str, fn: Any, data: Path, model_dir: Path, work: Path) -> dict
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="pomona bench tokenize", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks tokenize", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument("--json", action="store_true", help="Print one JSON object {rows: [...]}.")

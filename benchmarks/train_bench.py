@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pomona bench train", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", type=int, default=4096, help="Tokens per sequence (pair = 2).")
     p.add_argument("--pairs", type=int, default=1, help="Pairs per optimizer step.")

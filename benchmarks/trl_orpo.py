@@ -104,7 +104,7 @@ def run(a: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks trl", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", type=int, default=4096, help="Tokens per sequence (pair = 2).")
     p.add_argument("--batch", type=int, default=1, help="Pairs per step.")

@@ -45,7 +45,7 @@ def timed(fn, n: int) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(prog="python -m benchmarks update", description=__doc__)
     for k, v in (("layers", 16), ("hidden", 2048), ("kv", 512), ("rank", 16), ("n", 30)):
         p.add_argument(f"--{k}", type=int, default=v)
     a = p.parse_args(argv)

@@ -17,6 +17,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from engine.config import CHOICES, TrainConfig
 from engine.losses import LossSpec
+from engine.parsers import OneLineParser, command_parser
 
 
 def _arg_type(hint: Any) -> tuple[Any, dict[str, Any]]:
@@ -27,17 +28,6 @@ def _arg_type(hint: Any) -> tuple[Any, dict[str, Any]]:
     if get_origin(hint) is tuple:
         return None, {"nargs": "+"}
     return None, {"type": hint}
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose mistakes are one line (argparse prints its whole usage first)."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        hint = (" (a value starting with '-' goes after '=': --learning-rate=-1e-4)"
-                if "expected one argument" in message else "")
-        print(f"error: {self.prog}: {message}{hint}; --help lists the options",
-              file=sys.stderr)
-        raise SystemExit(2)
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -173,17 +163,6 @@ USAGE = """Train or score one adapter with no Prefect and no Ray.
 Each command's --help lists its options. Benchmarks: python -m benchmarks --help."""
 COMMANDS = {"train": "Train one LoRA adapter (ORPO, SimPO or SFT).",
             "score": "Score preference pairs under a model (+ adapter)."}
-
-
-def command_parser(prog: str, commands: dict[str, str],
-                   description: str | None = None) -> argparse.ArgumentParser:
-    """A parser that picks the subcommand; each subcommand parses its own arguments."""
-    p = OneLineParser(prog=prog, description=description,
-                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{" + ",".join(commands) + "}")
-    for name, help_ in commands.items():
-        sub.add_parser(name, help=help_, add_help=False)  # its --help is its own parser's
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

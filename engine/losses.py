@@ -155,6 +155,15 @@ def pair_loss(
     return loss, metrics
 
 
+def validation_metrics(spec: LossSpec) -> list[str]:
+    """The ``val/*`` names a validation under ``spec`` reports (engine.scoring.evaluate),
+    read off one pair through ``pair_loss``: a new loss's extras are in by construction."""
+    lp = mx.full((2, 2), -1.0)
+    nll = mx.array([[1.0, 1.0], [0.0, 0.0]])
+    _, metrics = pair_loss(lp, mx.ones((2, 2)), nll, spec, Norms(nll_tokens=2.0, pairs=1.0))
+    return sorted(f"val/{k}" for k in {"loss", "nll_loss", "rows", *metrics} - {"nll_sum"})
+
+
 def reward_metrics(terms: PairTerms) -> dict[str, mx.array]:
     """TRL's reward metrics, and the loss's extras, summed over the pairs."""
     chosen, rejected = terms.chosen_rewards, terms.rejected_rewards

@@ -36,7 +36,7 @@ from engine.config import TrainConfig
 from engine.data import load_pairs, micro_batches, pair_length
 from engine.distributed import SINGLE, Ranks, init_ranks
 from engine.layout_policy import choose_layout, resolve_pad_multiple, resolve_prefix_attention
-from engine.losses import LossSpec, Norms, pair_loss
+from engine.losses import LossSpec, Norms, pair_loss, validation_metrics
 from engine.model import (
     LoraSpec,
     Stack,
@@ -421,6 +421,9 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback]) -> TrainResult:
     data = load_pairs(cfg.data)
     refuse_beyond_context([*data.train, *data.valid, *data.test], stack.context)
     loss_spec = cfg.loss_spec()
+    if cfg.best_metric not in validation_metrics(loss_spec):  # refused before any step
+        raise ValueError(f"best_metric={cfg.best_metric!r}: loss {cfg.loss} reports "
+                         f"{validation_metrics(loss_spec)}")
     pad_multiple = resolve_pad_multiple(cfg.pad_multiple)
     resolve_prefix_attention(cfg.prefix_attention, pad_multiple)  # refuse unsafe, before work
     pad_id = tokenizer.pad_token_id or 0

@@ -89,7 +89,7 @@ def trial_config(spec: SweepSpec, out: Path, trial_id: str, params: dict[str, An
                  ) -> dict[str, Any]:
     """TrainConfig fields of one trial: its params, the sweep's model/data, its directory;
     its best evaluation is picked by the metric the sweep ranks on."""
-    config = {"best_metric": spec.metric, "best_mode": spec.mode, **params,
+    config = {**params, "best_metric": spec.metric, "best_mode": spec.mode,
               "model": spec.model, "data": spec.data, "out": str(out / trial_id)}
     if spec.memory_budget_gb > 0 and "memory_limit_gb" not in params:
         config["memory_limit_gb"] = spec.memory_budget_gb

@@ -44,6 +44,7 @@ from typing import Any, get_type_hints
 import numpy as np
 
 from engine.config import TrainConfig
+from engine.losses import LOSSES, LossSpec, validation_metrics
 
 KINDS = ("choice", "uniform", "loguniform", "int")
 SEARCHES = ("grid", "random", "optuna")
@@ -54,7 +55,8 @@ TOP_KEYS = {"name", "model", "data", "fixed", "grid", "space", "search", "num_sa
 PRUNING_DEFAULTS = {"startup_trials": 2, "warmup_steps": 0}
 CONFIG_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 FIELD_TYPES = get_type_hints(TrainConfig)
-NOT_SWEPT = {"model", "data", "out", "resume"}  # set by the sweep itself
+NOT_SWEPT = {"model", "data", "out", "resume",  # set by the sweep itself:
+             "best_metric", "best_mode"}  # a trial's best is what the sweep ranks on
 
 
 class SpecError(ValueError):
@@ -269,7 +271,7 @@ def _parse(data: Any) -> SweepSpec:
     if not isinstance(metric, str) or not metric.startswith("val/"):
         raise SpecError(f"metric={metric!r}: expected a validation metric such as val/loss "
                         "or val/rewards/accuracies")
-    _check_metric_across_losses(metric, grid, space)
+    _check_metric_of_losses(metric, fixed, grid, space)
     pruning = _pruning(data.get("pruning", False), search)
     budget = seconds["memory_budget_gb"]
     autos = [w for w, sec in (("fixed", fixed), ("grid", grid))
@@ -322,14 +324,19 @@ ACROSS_LOSSES = ("val/rewards/accuracies", "val/nll_loss", "val/logps/chosen",
                  "val/logps/rejected")
 
 
-def _check_metric_across_losses(metric: str, grid: dict, space: dict) -> None:
-    """A search over ``loss`` must rank trials on a metric every loss shares."""
+def _check_metric_of_losses(metric: str, fixed: dict, grid: dict, space: dict) -> None:
+    """A search over ``loss`` must rank trials on a metric every loss shares; one loss,
+    on a metric it reports (else every trial would train and then go unranked)."""
     dist = space.get("loss")
     losses = set(grid.get("loss", [])) | set(dist.get("choice", []) if isinstance(dist, dict)
                                              else [])
     if len(losses) > 1 and metric not in ACROSS_LOSSES:
         raise SpecError(f"metric={metric}: not comparable across losses {sorted(losses)}; "
                         f"rank a search over loss on one of {', '.join(ACROSS_LOSSES)}")
+    for loss in sorted(losses or {fixed.get("loss", "orpo")}):
+        if loss in LOSSES and metric not in (names := validation_metrics(LossSpec(loss))):
+            raise SpecError(f"metric={metric}: loss {loss} does not report it; it reports "
+                            f"{', '.join(names)}")
 
 
 def _listed(value: Any) -> list:

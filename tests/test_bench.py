@@ -150,3 +150,21 @@ def test_allreduce_cost_counts_lora_parameters_as_the_formula_does() -> None:
     qkvo = 32 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024))
     assert cost.lora_params(llama8b, cost.QKVO) == qkvo == 13_631_488
     assert cost.lora_params(llama8b) == qkvo + 32 * 3 * 16 * (4096 + 14336)
+
+
+def test_trl_kind_runs_where_mlx_is_absent() -> None:
+    """`python -m benchmarks trl` runs in a torch-only environment: the front end loads no
+    MLX (transformers would import it when it can). Would catch a front end that imports
+    the engine's CLI, the loss code or the BLAS check before picking the kind."""
+    code = ("import runpy, sys\n"
+            "class NoMlx:\n"
+            "    def find_spec(self, name, path, target=None):\n"
+            "        if name.split('.')[0] == 'mlx':\n"
+            "            raise ImportError('mlx is absent here')\n"
+            "sys.meta_path.insert(0, NoMlx())\n"
+            "sys.argv = ['benchmarks', 'trl', '--help']\n"
+            "runpy.run_module('benchmarks', run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "python -m benchmarks trl" in proc.stdout

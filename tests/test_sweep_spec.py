@@ -107,7 +107,8 @@ def test_loss_is_searched_like_any_key_and_ranked_on_a_shared_metric() -> None:
 
 def test_each_trial_picks_its_best_evaluation_by_the_ranking_metric(tmp_path) -> None:
     """A sweep ranked on accuracy (max) trains trials whose best_val is the most accurate
-    evaluation; a trial's own best_metric, set in the spec, is kept."""
+    evaluation; a spec cannot set another rule (the sweep would rank on values picked by
+    it), and a metric its loss does not report is refused before anything trains."""
     from tasks.sweep import plan
 
     spec = parse_spec({"name": "s", "model": "m", "data": "d", "metric":
@@ -116,6 +117,11 @@ def test_each_trial_picks_its_best_evaluation_by_the_ranking_metric(tmp_path) ->
     configs = [c for _, c in plan(spec, tmp_path)]
     assert {(c["best_metric"], c["best_mode"]) for c in configs} == {
         ("val/rewards/accuracies", "max")}
-    spec = parse_spec({"name": "s", "model": "m", "data": "d",
-                       "fixed": {"best_metric": "val/nll_loss"}})
-    assert plan(spec, tmp_path)[0][1]["best_metric"] == "val/nll_loss"
+    for where in ({"fixed": {"best_metric": "val/nll_loss"}},
+                  {"grid": {"best_mode": ["min", "max"]}}):
+        with pytest.raises(SpecError, match="set by the sweep itself"):
+            parse_spec({"name": "s", "model": "m", "data": "d", **where})
+    with pytest.raises(SpecError, match=r"val/log_odds_ratio.*simpo"):
+        parse_spec({"name": "s", "model": "m", "data": "d", "metric": "val/log_odds_ratio",
+                    "fixed": {"loss": "simpo"}})
+    parse_spec({"name": "s", "model": "m", "data": "d", "metric": "val/log_odds_ratio"})

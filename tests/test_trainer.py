@@ -320,5 +320,6 @@ def test_best_evaluation_is_picked_by_the_ranking_metric(tiny_model, tiny_data, 
     with pytest.raises(ValueError, match=r"val/nope.*val/loss"):
         train(cfg(tiny_model, tiny_data, tmp_path / "nope", steps=1, val_every=1,
                   best_metric="val/nope"))
+    assert not (tmp_path / "nope" / "metrics.jsonl").exists()  # refused before any step
     with pytest.raises(ValueError, match="best_metric='loss'"):
         cfg(tiny_model, tiny_data, tmp_path / "x", best_metric="loss").validate()
