@@ -53,33 +53,14 @@ def trace_trainer(prof: Any, a: argparse.Namespace, model: Path, data: Path, wor
 
 
 def trace_engine(a: argparse.Namespace, model_dir: Path, data: Path, work: Path) -> None:
-    import mlx.core as mx
     from torch.profiler import record_function
 
-    from engine.batch import batch_norms
-    from engine.data import load_pairs
-    from engine.layout_policy import choose_layout, resolve_pad_multiple
-    from engine.losses import pair_loss
-    from engine.model import attach_lora, checked_stack, load_model
-    from engine.prefix import pair_batch
-    from engine.segmented import value_and_grad
-
-    cfg = train_bench.bench_config(a, model_dir, data, work)
-    model, tokenizer = load_model(cfg.model)
-    attach_lora(model, trainer.lora_spec(cfg), cfg.seed)
-    stack = checked_stack(model)
-    batch = choose_layout(load_pairs(cfg.data).train[: a.pairs], cfg,
-                          resolve_pad_multiple(cfg.pad_multiple), tokenizer.pad_token_id or 0)
-    pb = pair_batch(batch)
-    norms, spec = batch_norms([pb]), cfg.loss_spec()
-    resp, nll = mx.array(pb.resp_mask), mx.array(pb.nll_mask)
+    step, _ = train_bench.engine_step(a, work, model_dir, data)
     for i in range(a.warmup + a.steps):
         with record_function("step" if i >= a.warmup else "warmup"):
             pass
         t0 = time.perf_counter()
-        mx.eval(value_and_grad(model, stack, batch,
-                               lambda lp: pair_loss(lp, resp, nll, spec, norms),
-                               cfg.segment_size, cfg.head_chunk, cfg.inflight))
+        step()
         print(f"engine step {(time.perf_counter() - t0) * 1e3:.1f} ms", flush=True)
     with record_function("step"):
         pass
@@ -127,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     a = train_bench.parser().parse_args(["--seq", str(args.seq), "--pairs", str(args.pairs),
                                          "--steps", str(args.steps), "--warmup", "3"])
     work = args.out / f"work-{args.seq}x{args.pairs}"
-    work.mkdir(parents=True, exist_ok=True)
+    try:  # the bench's own checks: counts, and a folder that is empty or its own
+        train_bench.check_args(a)
+        train_bench.claim_work(work, a)
+    except ValueError as err:
+        p.error(str(err))
     model, data = train_bench._model_and_data(a, work)
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -137,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     trace_trainer(prof, a, model, data, work)
     trace_engine(a, model, data, work)
     prof.stop()
-    trace = args.out / f"trace_{args.seq}x{args.pairs}.json"
+    trace = work / "trace.json"  # inside the folder claimed above, never beside a user's file
     prof.export_chrome_trace(str(trace))
     report(trace)
     return 0

@@ -85,7 +85,10 @@ def tables(out: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks summary", description=__doc__)
     p.add_argument("out", type=Path, help="A benchmarks/h200.sh results folder.")
-    print(tables(p.parse_args(argv).out))
+    out = p.parse_args(argv).out
+    if not out.is_dir() or not any(out.glob("*.json*")):
+        p.error(f"{out}: not a folder of benchmarks/h200.sh results (no JSON files)")
+    print(tables(out))
     return 0
 
 

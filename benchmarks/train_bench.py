@@ -162,11 +162,11 @@ def phase_medians(phases: dict[str, list[float]], steps: list[float], warmup: in
     return {k: statistics.median(v) * 1e3 for k, v in {**timed, "wait": wait}.items()}
 
 
-def engine_row(a: argparse.Namespace, work: Path, model_dir: Path, data: Path
-               ) -> dict[str, Any]:
-    """The engine's own step (forward + backward, no update: what ``bench memory``
-    times) on the trainer's model and first batch, in this process: the ceiling the
-    trainer's step is held to."""
+def engine_step(a: argparse.Namespace, work: Path, model_dir: Path, data: Path
+                ) -> tuple[Callable[[], None], bool]:
+    """One engine step (forward + backward, no update: what ``bench memory`` times) on the
+    trainer's model and first batch, as a call that evaluates it; and whether the batch
+    took the shared layout."""
     import mlx.core as mx
 
     from engine.batch import batch_norms
@@ -187,20 +187,34 @@ def engine_row(a: argparse.Namespace, work: Path, model_dir: Path, data: Path
     pb = pair_batch(batch)
     norms, spec = batch_norms([pb]), cfg.loss_spec()
     resp, nll = mx.array(pb.resp_mask), mx.array(pb.nll_mask)
+
+    def step() -> None:
+        mx.eval(value_and_grad(model, stack, batch,
+                               lambda lp: pair_loss(lp, resp, nll, spec, norms),
+                               cfg.segment_size, cfg.head_chunk, cfg.inflight))
+
+    return step, batch is not pb
+
+
+def engine_row(a: argparse.Namespace, work: Path, model_dir: Path, data: Path
+               ) -> dict[str, Any]:
+    """The engine's own step (``engine_step``) in this process: the ceiling the trainer's
+    step is held to."""
+    import mlx.core as mx
+
+    step, shared = engine_step(a, work, model_dir, data)
     times = []
     for i in range(a.warmup + a.steps):
         if i == a.warmup:
             mx.reset_peak_memory()
         t0 = time.perf_counter()
-        mx.eval(value_and_grad(model, stack, batch,
-                               lambda lp: pair_loss(lp, resp, nll, spec, norms),
-                               cfg.segment_size, cfg.head_chunk, cfg.inflight))
+        step()
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
     return {"name": "engine", "seq": a.seq, "pairs": a.pairs, "step_s": step_s,
             "tokens_per_s": 2 * a.seq * a.pairs / step_s, "steps_s": times,
-            "peak_mb": mx.get_peak_memory() / 2**20, "shared": batch is not pb}
+            "peak_mb": mx.get_peak_memory() / 2**20, "shared": shared}
 
 
 def trl_rows(a: argparse.Namespace) -> list[dict[str, Any]]:

@@ -315,7 +315,7 @@ def make_update(model: nn.Module, optimizer: optim.AdamW, clip: float
             grads_to_tree(grads))  # grads for a subset: the tree they name
         norm, new = compiled(tree, params.fill(params.read(model)))
         params.write(model, new, grads)
-        mx.async_eval(norm, optimizer.state, list(params.read(model).values()))
+        mx.async_eval(norm, optimizer.state, new)
         return norm
 
     return update
