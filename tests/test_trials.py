@@ -128,7 +128,7 @@ def test_non_finite_and_time_limited_trials_are_reported(ray_cluster, tiny_model
               ("nan", {**base, "out": str(tmp_path / "nan"), "learning_rate": 1e30,
                        "steps": 4, "grad_clip": 0.0}),
               ("slow", {**base, "out": str(tmp_path / "slow"), "steps": 100000})]
-    rows = run_trials(trials, Placement(), max_concurrent=2, time_limit_s=20)
+    rows = run_trials(trials, Placement(), max_concurrent=2, time_limit_s=10)
     by = {r["trial_id"]: r for r in rows}
     assert by["ok"]["status"] == "completed"
     assert by["nan"]["status"] == "failed" and by["nan"]["reason"].startswith("non_finite")
