@@ -59,24 +59,27 @@ def bounded_head_grad(
     loss_of_logps: LogpLoss,
     chunk: int,
     inflight: int = 2,
+    flight: InFlight | None = None,
 ) -> tuple[mx.array, dict[str, mx.array], mx.array]:
     """Loss, metrics and dL/dh for h [N, T, H], never holding more than ``chunk`` logits rows.
 
     ``active`` [N, T] bool marks tokens whose log-prob the loss reads; the others get no
     head work and zero gradient. ``inflight`` pieces of ``chunk / inflight`` rows are
     evaluated at once, so the device never waits on Python and ``chunk`` still bounds
-    the logits alive.
+    the logits alive. ``flight``: the caller's queue (the segmented backward's), which the
+    head joins without draining it: the result is returned queued, not evaluated.
     """
     n, t, width = h.shape
+    own = flight is None
+    flight = InFlight(inflight) if flight is None else flight
     idx = mx.array(np.flatnonzero(active.reshape(-1)).astype(np.int32))
     h_act = h.reshape(n * t, width)[idx]  # [A, H]: only tokens the loss reads
     flat_targets = mx.array(targets.reshape(-1))[idx]
-    mx.eval(h_act, flat_targets)
+    flight.push(h_act, flat_targets)  # a leaf before the chunks slice it
     piece = max(1, -(-chunk // inflight))
     spans = [(s, min(s + piece, idx.size)) for s in range(0, idx.size, piece)]
 
     lps, jacs = [], []
-    flight = InFlight(inflight)
     for s, e in spans:  # at most ``chunk`` rows of logits alive at a time
         h_c, y = h_act[s:e], flat_targets[s:e]
         lp, cot = _logit_grads(stack.head(h_c), y)
@@ -84,7 +87,6 @@ def bounded_head_grad(
         flight.push(lp, jac)
         lps.append(lp)
         jacs.append(jac)
-    flight.drain()
     lp_active = mx.concatenate(lps) if lps else mx.zeros((0,), mx.float32)
     lp_full = mx.zeros((n * t,), mx.float32).at[idx].add(lp_active).reshape(n, t)
 
@@ -93,5 +95,7 @@ def bounded_head_grad(
     if jacs:
         g_active = g_full.reshape(-1)[idx][:, None]
         grad = grad.at[idx].add((g_active * mx.concatenate(jacs)).astype(h.dtype))
-    mx.eval(loss, metrics, grad)
+    flight.push(loss, metrics, grad)
+    if own:
+        flight.drain()
     return loss, metrics, grad.reshape(n, t, width)

@@ -169,11 +169,12 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch | 
             flight.push(h, exported)
             boundaries.append(h)
             phase_done(f"forward {s}-{e}")
-        flight.drain()
 
+        # One queue from the embedding to the last segment's backward: no stage waits for
+        # the one before it to finish, and still at most ``inflight`` are queued.
         h_last = boundaries.pop()
         loss, metrics, cot = _head_grad(stack, pairs, prefix, h_last, loss_of_logps, head_chunk,
-                                        inflight)
+                                        inflight, flight)
         del h_last
         phase_done("head")
 
@@ -196,9 +197,9 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch | 
 
 
 def _head_grad(stack: Stack, pairs: PairBatch, prefix: PrefixBatch | None, h_last: mx.array,
-               loss_of_logps: LossOfLogps, head_chunk: int, inflight: int
+               loss_of_logps: LossOfLogps, head_chunk: int, inflight: int, flight: InFlight
                ) -> tuple[mx.array, dict[str, mx.array], mx.array]:
-    """Loss, metrics and dL/d(last hidden state), dense or bounded."""
+    """Loss, metrics and dL/d(last hidden state), dense or bounded, queued on ``flight``."""
     if head_chunk <= 0:
         targets = mx.array(pairs.targets)
 
@@ -207,15 +208,15 @@ def _head_grad(stack: Stack, pairs: PairBatch, prefix: PrefixBatch | None, h_las
                                              targets))
 
         (loss, metrics), cot = mx.value_and_grad(fn)(h_last)
-        mx.eval(loss, metrics, cot)
+        flight.push(loss, metrics, cot)
         return loss, metrics, cot
     active = (pairs.resp_mask > 0) | (pairs.nll_mask > 0)
     h_pairs = to_pair_layout(h_last, prefix) if prefix else h_last
     loss, metrics, cot = bounded_head_grad(stack, h_pairs, pairs.targets, active,
-                                           loss_of_logps, head_chunk, inflight)
+                                           loss_of_logps, head_chunk, inflight, flight)
     if prefix:  # the gather's vjp: prompt positions collect both branches' gradients
         cot = from_pair_layout(cot, prefix)
-        mx.eval(cot)
+        flight.push(cot)
     return loss, metrics, cot
 
 
