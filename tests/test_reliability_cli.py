@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 
-pytestmark = [pytest.mark.integration, pytest.mark.long]  # conftest.py: scheduled first
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
 
