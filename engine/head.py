@@ -71,7 +71,8 @@ def bounded_head_grad(
     """
     n, t, width = h.shape
     own = flight is None
-    flight = InFlight(inflight) if flight is None else flight
+    if own:
+        flight = InFlight(inflight)
     idx = mx.array(np.flatnonzero(active.reshape(-1)).astype(np.int32))
     h_act = h.reshape(n * t, width)[idx]  # [A, H]: only tokens the loss reads
     flat_targets = mx.array(targets.reshape(-1))[idx]
