@@ -28,6 +28,9 @@ KINDS = {
     "timeline": ("kernel_timeline", "Kernel timeline of trainer and engine steps (CUDA, "
                                     "torch's profiler)."),
     "summary": ("summary", "Tables from a benchmarks/h200.sh results folder."),
+    "check": ("check_bench", "The load check on a model: figures, time, refusals of a broken "
+                             "stack."),
+    "shape": ("shapes", "A published model shape (random weights) as a model directory."),
 }
 USAGE = """Pomona's benchmarks: each compares paths side by side in one run.
 

@@ -172,8 +172,9 @@ def engine_step(a: argparse.Namespace, work: Path, model_dir: Path, data: Path
     from engine.batch import batch_norms
     from engine.data import load_pairs
     from engine.layout_policy import choose_layout, resolve_pad_multiple
+    from engine.load_check import checked_stack
     from engine.losses import pair_loss
-    from engine.model import attach_lora, checked_stack, load_model
+    from engine.model import attach_lora, load_model
     from engine.prefix import pair_batch
     from engine.segmented import value_and_grad
     from engine.trainer import lora_spec
@@ -181,7 +182,7 @@ def engine_step(a: argparse.Namespace, work: Path, model_dir: Path, data: Path
     cfg = bench_config(a, model_dir, data, work)
     model, tokenizer = load_model(cfg.model)
     attach_lora(model, lora_spec(cfg), cfg.seed)
-    stack = checked_stack(model)
+    stack, _ = checked_stack(model)
     batch = choose_layout(load_pairs(cfg.data).train[: a.pairs], cfg,
                           resolve_pad_multiple(cfg.pad_multiple), tokenizer.pad_token_id or 0)
     pb = pair_batch(batch)

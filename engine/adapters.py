@@ -3,15 +3,19 @@
 ``adapters.safetensors`` + ``adapter_config.json`` (``fine_tune_type``, ``num_layers``,
 ``lora_parameters{rank, scale, dropout, keys}``) so ``mlx_lm.load(model, adapter_path=DIR)``,
 ``mlx_lm.generate`` and ``mlx_lm.fuse`` take them as they are. Every file is written to a
-temporary name and renamed, so a crash never leaves a half file under the real name.
+temporary name and renamed, so a crash never leaves a half file under the real name, and
+a write that fails (a full disk) removes its temporary and raises an OSError naming the file.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +29,35 @@ from engine.model import LoraSpec
 ADAPTER_FILE, CONFIG_FILE = "adapters.safetensors", "adapter_config.json"
 
 
+@contextmanager
+def _temporary(path: Path, tmp: Path) -> Iterator[Path]:
+    """``tmp`` to write, renamed to ``path`` after; on any failure (a full disk, a kill) it
+    is removed and the error names ``path``. MLX reports a failed write as a RuntimeError
+    ("[write] Unable to write 8 bytes"): it becomes the OSError every caller handles."""
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException as err:
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise OSError(err.errno, f"cannot write {path}: {err.strerror or err}") from None
+        if isinstance(err, RuntimeError):
+            free = shutil.disk_usage(path.parent).free / 2**20
+            raise OSError(errno.EIO, f"cannot write {path}: {err} ({free:.0f} MiB free "
+                                     "on its disk)") from None
+        raise
+
+
 def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    with _temporary(path, path.with_name(f".{path.name}.tmp")) as tmp:
+        tmp.write_text(text)
 
 
 def atomic_save_arrays(path: Path, arrays: dict[str, mx.array],
                        metadata: dict[str, str] | None = None) -> None:
-    tmp = path.with_name(f".{path.name}.tmp.safetensors")  # mlx appends the suffix otherwise
-    mx.save_safetensors(str(tmp), arrays, metadata=metadata or {})
-    os.replace(tmp, path)
+    # mlx appends the suffix to a name without it
+    with _temporary(path, path.with_name(f".{path.name}.tmp.safetensors")) as tmp:
+        mx.save_safetensors(str(tmp), arrays, metadata=metadata or {})
 
 
 def adapter_config(spec: LoraSpec, num_layers: int, extra: dict[str, Any]) -> dict[str, Any]:
@@ -98,9 +120,14 @@ def save_checkpoint(model: nn.Module, optimizer: Any, out: Path, step: int,
     final = out / "checkpoints" / f"step_{step:07d}"
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_adapters(model, tmp, spec, num_layers)
-    atomic_save_arrays(tmp / "optimizer.safetensors", dict(tree_flatten(optimizer.state)))
-    atomic_write_text(tmp / "state.json", json.dumps({"step": step, **state}, indent=2) + "\n")
+    try:
+        save_adapters(model, tmp, spec, num_layers)
+        atomic_save_arrays(tmp / "optimizer.safetensors", dict(tree_flatten(optimizer.state)))
+        atomic_write_text(tmp / "state.json", json.dumps({"step": step, **state}, indent=2)
+                          + "\n")
+    except BaseException:  # a full disk: no half checkpoint left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)  # the checkpoint appears complete or not at all
     return final

@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
@@ -64,13 +66,53 @@ class PrintMetrics:
         print(f"[{record['split']} step {record['step']}] " + " ".join(parts), file=sys.stderr)
 
 
-def run_train(argv: list[str]) -> int:
-    from engine.trainer import train
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time (a test runner swaps it)."""
 
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+    def format(self, record: logging.LogRecord) -> str:
+        kind = "" if record.levelno < logging.WARNING else f"{record.levelname.lower()}: "
+        return kind + record.getMessage()
+
+
+# Loggers whose INFO lines the CLI shows (--verify's figures); every logger's warnings show.
+SHOWN_INFO = ("engine.trainer", "engine.load_check", "engine.model_source")
+
+
+def log_to_stderr() -> None:
+    """The engine's notes (rows skipped, an empty valid split, --verify's figures) as
+    plain lines on stderr, beside the metrics."""
+    logger = logging.getLogger("engine")
+    if not any(isinstance(h, _Stderr) for h in logger.handlers):
+        handler = _Stderr()
+        handler.addFilter(lambda r: r.levelno >= logging.WARNING or r.name in SHOWN_INFO)
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # once, not again through a root handler someone configured
+
+
+def run_train(argv: list[str]) -> int:
+    from engine.trainer import NonFiniteLoss, VerifyFailed, train
+
+    log_to_stderr()
     try:
         cfg = config_from_args(argv)
         result = train(cfg, [PrintMetrics()])
     except (ValueError, OSError) as err:  # a file where --out should be a folder, too
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except NonFiniteLoss as err:  # the run stopped before saving the update
+        print(f"error: {err}; nothing saved. Lower the learning rate, or check the data",
+              file=sys.stderr)
+        return 2
+    except VerifyFailed as err:  # before any step: the configured path is not exact here
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(result.__dict__, indent=2))
@@ -95,12 +137,27 @@ def score_parser() -> argparse.ArgumentParser:
                             f"{_default(name)}.".replace("%", "%%"))
     p.add_argument("--split", default="all", choices=["all", "train", "valid", "test"],
                    help="Which pairs to score: train, valid (ranked on), test (reported).")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--head-chunk", type=int, default=0, help="Bounded head chunk (0 = dense).")
+    p.add_argument("--batch-size", type=at_least(1), default=8, help="Pairs per forward.")
+    p.add_argument("--head-chunk", type=at_least(0), default=0,
+                   help="Bounded head chunk (0 = dense).")
+    p.add_argument("--allow-tokenizer-mismatch", action="store_true",
+                   help=_field_help("allow_tokenizer_mismatch"))
     p.add_argument("--prefix-share", default="auto", choices=CHOICES["prefix_share"],
                    help="One forward per pair over [prompt | chosen | rejected], as in "
                         "training (auto: where it saves enough tokens).")
     return p
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum`` (a batch of 0 pairs scores
+    nothing, forever)."""
+    def integer(text: str) -> int:
+        value = int(text)  # argparse reports a ValueError as "invalid integer value"
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value}: must be at least {minimum}")
+        return value
+
+    return integer
 
 
 def _field_help(name: str) -> str:
@@ -122,16 +179,20 @@ def score_loss(a: argparse.Namespace, own: LossSpec) -> LossSpec:
 
 def run_score(argv: list[str]) -> int:
     from engine.adapters import atomic_write_text, trained_loss
-    from engine.data import load_pairs
+    from engine.data_fit import load_pairs_for
     from engine.layout_policy import scoring_layout
-    from engine.model import checked_stack, load_model
-    from engine.scoring import preference_accuracy, score_pairs
+    from engine.load_check import checked_stack
+    from engine.model import load_model
+    from engine.outputs import check_file
+    from engine.scoring import is_score_file, preference_accuracy, score_pairs
 
+    log_to_stderr()
     a = score_parser().parse_args(argv)
-    try:
+    try:  # the output first: a refused --out costs no model load nor scoring
+        check_file(a.out, is_score_file, "a score file", inputs=[a.data, a.model, a.adapter])
         model, tokenizer = load_model(a.model, a.adapter)
-        stack = checked_stack(model)
-        data = load_pairs(a.data)
+        stack, _ = checked_stack(model)
+        data = load_pairs_for(a.data, a.model, stack, a.allow_tokenizer_mismatch)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -147,8 +208,11 @@ def run_score(argv: list[str]) -> int:
     rows = score_pairs(model, stack, pairs, spec, a.batch_size,
                        a.head_chunk, scoring_layout(a.prefix_share, tokenizer.pad_token_id or 0))
     out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in rows))
+    try:
+        atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in rows))
+    except OSError as err:  # a disk that filled while scoring
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(f"scored {len(rows)} pairs → {out} (preference accuracy "
           f"{preference_accuracy(rows):.3f}; rows skipped: {dict(data.rejected)})",
           file=sys.stderr)

@@ -104,6 +104,9 @@ class TrainConfig:
     keep_checkpoints: int = _f(2, "Newest checkpoints to keep.")
     resume: str | None = _f(None, "Checkpoint directory to resume from, or 'auto' (latest).")
     warm_start: str | None = _f(None, "Adapter directory to start the LoRA weights from.")
+    allow_tokenizer_mismatch: bool = _f(False, "Train on a dataset whose manifest names "
+                                               "another tokenizer than the model's (refused "
+                                               "by default: engine/data_fit.py).")
     verify: bool = _f(False, "Before training, check this path's loss and gradients "
                              "against the plain dense path on the first batch.")
     memory_limit_gb: float = _f(0.0, "MLX's memory limit in GiB; past it, evaluation waits for "
@@ -146,6 +149,7 @@ class TrainConfig:
                      "orpo_lambda", "simpo_beta", "simpo_nll_weight", "memory_limit_gb"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+        self._check_trains_something()
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be in [0, 1)")
@@ -154,6 +158,24 @@ class TrainConfig:
         if not self.best_metric.startswith("val/"):
             raise ValueError(f"best_metric={self.best_metric!r}: expected a validation metric "
                              "such as val/loss or val/rewards/accuracies")
+
+    def _check_trains_something(self) -> None:
+        """Values the types and signs allow that would still train nothing (a zero
+        learning rate, SimPO's β or LoRA scale: every update or gradient is 0) or not what
+        was asked (``lora_layers`` 0 adapts every block in mlx-lm; a final rate above the
+        peak climbs instead of decaying)."""
+        for name in ("learning_rate", "simpo_beta", "lora_scale"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be > 0 (0 trains "
+                                 "nothing: every update is zero)")
+        if self.lora_layers == 0 or self.lora_layers < -1:
+            raise ValueError(f"lora_layers={self.lora_layers}: adapt the last N >= 1 blocks, "
+                             "or -1 for all of them")
+        if self.pad_multiple < -1:
+            raise ValueError(f"pad_multiple={self.pad_multiple}: must be -1 (auto) or >= 0")
+        if self.min_lr_ratio > 1:
+            raise ValueError(f"min_lr_ratio={self.min_lr_ratio}: must be in [0, 1] (the final "
+                             "learning rate is this fraction of the peak)")
 
     def loss_spec(self) -> LossSpec:
         """The loss this run trains, validates and scores with."""

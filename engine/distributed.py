@@ -25,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.losses import Norms
+from engine.rendezvous import meet, rank_wait_s
 
 
 @dataclass(frozen=True)
@@ -91,10 +92,14 @@ SINGLE = Ranks()  # one process
 def init_ranks() -> Ranks:
     """The run's ranks: ``mx.distributed.init()`` under mlx.launch, else a single process.
     A ring hostfile without this rank's entry, or ranks on different MLX / mlx-lm versions,
-    raise ValueError before any training (one says which, on every rank)."""
+    raise ValueError before any training (one says which, on every rank), and so does a
+    rank that never started (engine/rendezvous.py: a time limit, then its number)."""
     if not mx.distributed.is_available():
         return SINGLE
-    check_hostfile(os.environ.get("MLX_HOSTFILE"), os.environ.get("MLX_RANK"))
+    rank = os.environ.get("MLX_RANK")
+    hosts = check_hostfile(os.environ.get("MLX_HOSTFILE"), rank)
+    if hosts is not None:  # MLX's ring would wait forever for a rank that never started
+        meet(hosts, int(rank or 0), rank_wait_s())
     group = mx.distributed.init()
     if group.size() == 1:
         return SINGLE
@@ -117,12 +122,12 @@ def own_jit_cache(rank: int) -> None:
     os.environ["TMPDIR"] = str(base)
 
 
-def check_hostfile(path: str | None, rank: str | None) -> None:
+def check_hostfile(path: str | None, rank: str | None) -> list[list[str]] | None:
     """The ring hostfile ``mlx.launch`` (or a sweep's gang) wrote: a JSON list with one
-    non-empty list of "ip:port" per rank, and an entry for ``rank``. MLX itself would
-    hang or abort on a missing entry."""
+    non-empty list of "ip:port" per rank, and an entry for ``rank``; its hosts, or None
+    without one. MLX itself would hang or abort on a missing entry."""
     if not path or rank is None:
-        return
+        return None
     try:
         hosts = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
@@ -135,6 +140,7 @@ def check_hostfile(path: str | None, rank: str | None) -> None:
     if not rank.isdigit() or int(rank) >= len(hosts):
         raise ValueError(f"MLX_HOSTFILE {path}: no entry for rank {rank} (it lists "
                          f"{len(hosts)} rank(s))")
+    return hosts
 
 
 def versions() -> str:

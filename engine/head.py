@@ -19,8 +19,8 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
+from engine.arch.stack import Stack
 from engine.inflight import InFlight
-from engine.model import Stack
 
 LogpLoss = Callable[[mx.array], tuple[mx.array, dict[str, mx.array]]]
 

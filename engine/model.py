@@ -1,9 +1,10 @@
 """Models: load any mlx-lm model, freeze it, attach LoRA, and expose its layer stack.
 
 The segmented backward needs the model as embed → layers → final norm → head; each
-family's decomposition is a ``Stack`` (engine/arch). ``checked_stack`` checks it against
-the model's own forward and gradients once at load (engine/arch/check.py) and refuses a
-model it does not reproduce, rather than train it wrongly.
+family's decomposition is a ``Stack`` (engine/arch); ``engine.load_check.checked_stack``
+checks it against the model's own forward and gradients once at load and refuses a model
+it does not reproduce, rather than train it wrongly. A ``.gguf`` file loads through its
+import into the cache (engine/gguf_import.py), keyed by content.
 """
 
 from __future__ import annotations
@@ -19,21 +20,20 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from engine.arch.stack import Stack
-
 
 def load_model(model: str, adapter_path: str | None = None) -> tuple[nn.Module, Any]:
-    """``mlx_lm.load`` of a local directory or a Hugging Face repo id, with an error that
-    names the model: offline, a mistyped path otherwise ends as a hub connection error."""
+    """``mlx_lm.load`` of a local directory, a ``.gguf`` file (its cached import) or a
+    Hugging Face repo id (engine/model_source.py), with an error that names the model:
+    offline, a mistyped path otherwise ends as a hub connection error."""
     import mlx_lm
 
-    local = Path(model).expanduser()
-    if local.is_dir():
-        return mlx_lm.load(str(local), adapter_path=adapter_path)
-    if model.startswith(("/", ".", "~")) or local.exists():
-        raise FileNotFoundError(f"model not found: {model} (no such directory)")
+    from engine.model_source import local_model
+
+    source = local_model(model)
+    if Path(source).is_dir():
+        return mlx_lm.load(source, adapter_path=adapter_path)
     try:
-        return mlx_lm.load(model, adapter_path=adapter_path)
+        return mlx_lm.load(source, adapter_path=adapter_path)
     except Exception as err:  # the hub client's many failure types: name them all
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise FileNotFoundError(f"model {model!r}: no such directory here ({Path.cwd()}), and "
@@ -155,23 +155,3 @@ def set_dropout_seed(model: nn.Module, seed: int) -> None:
         model._pomona_dropouts = found
     for m in found.sites:
         m.seed = seed
-
-
-def checked_stack(model: nn.Module) -> Stack:
-    """The model's Stack (engine/arch), refused (ValueError) unless it reproduces the
-    model's own logits and LoRA gradients past its largest sliding window: training,
-    probes and scoring all read the model through it."""
-    from engine.arch import FAMILIES, make_stack, model_type, supported
-    from engine.arch.check import check_stack
-
-    kind = model_type(model)
-    try:
-        stack = make_stack(model)
-        check_stack(model, stack)
-    except Exception as err:  # an unlisted family fails in any way it likes: say so
-        if kind in FAMILIES:
-            raise
-        raise ValueError(f"model_type {kind!r} has no Pomona adapter and the llama-like "
-                         f"decomposition does not fit it ({type(err).__name__}: {err}); "
-                         f"supported: {supported()}") from err
-    return stack

@@ -17,21 +17,23 @@ from typing import Any
 import mlx.core as mx
 
 from engine.config import TrainConfig
-from engine.data import load_pairs, micro_batches, pair_length
+from engine.data import micro_batches, pair_length
+from engine.data_fit import load_pairs_for
 
 
 def probe_steps(cfg: TrainConfig, variants: list[dict[str, Any]],
                 batches: str | int = "worst", repeats: int = 1) -> list[dict[str, Any]]:
     """One row per variant (TrainConfig overrides): peak_gb, step_s, tokens, tokens_per_sec,
     shared_rate; or ``error`` when that setting failed (out of memory, invalid)."""
-    from engine.model import attach_lora, checked_stack, load_model
+    from engine.load_check import checked_stack
+    from engine.model import attach_lora, load_model
     from engine.trainer import lora_spec
 
     cfg.validate()
     model, tokenizer = load_model(cfg.model)
     attach_lora(model, lora_spec(cfg), cfg.seed)
-    stack = checked_stack(model)
-    data = load_pairs(cfg.data)
+    stack, _ = checked_stack(model)
+    data = load_pairs_for(cfg.data, cfg.model, stack, cfg.allow_tokenizer_mismatch)
     if batches == "worst":
         chosen = [sorted(data.train, key=pair_length, reverse=True)[: cfg.batch_size]]
     else:

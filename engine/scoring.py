@@ -5,22 +5,25 @@ evaluation never materialises [tokens, vocab] logits either) and the same layout
 ``Layout`` may return a PrefixBatch, scored in one shared forward like training's. Pairs
 are batched by length (scores are per row, so order is free and pads are the waste).
 The demo's validation split (211 pairs, CPU, `score_pairs`): 23.1 s in data order, 7.0 s
-by length, 4.4 s by length and shared.
+by length, 4.4 s by length and shared. ``is_score_file`` recognises a score file it wrote
+(the only file ``pomona score --out`` replaces: engine/outputs.py).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from engine.arch.stack import Stack
 from engine.batch import Pair, PairBatch, batch_norms, make_batch
 from engine.data import pair_length
 from engine.head import dense_logps, token_logps
 from engine.losses import LossSpec, mean_logps, pair_loss, per_pair_losses
-from engine.model import Stack
 from engine.prefix import PrefixBatch, pair_batch, to_pair_layout
 from engine.prefix_patch import layout_masks
 
@@ -120,6 +123,21 @@ def score_pairs(model: nn.Module, stack: Stack, pairs: Sequence[Pair], spec: Los
                        "loss": float(loss[j]),
                        **{name: float(v[j]) for name, v in terms.extra.items()}}
     return rows
+
+
+SCORE_KEYS = ("id", "chosen_logp_mean", "rejected_logp_mean")  # in every row score_pairs makes
+
+
+def is_score_file(path: Path) -> bool:
+    """Whether ``path`` is a file ``pomona score`` wrote: JSON lines, each an object with a
+    pair's scores (its mark: a user's data never holds these keys on every line)."""
+    try:
+        with Path(path).open(encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f]
+    except (OSError, ValueError):
+        return False
+    return bool(rows) and all(isinstance(r, dict) and all(k in r for k in SCORE_KEYS)
+                              for r in rows)
 
 
 def preference_accuracy(rows: list[dict]) -> float:

@@ -9,10 +9,11 @@ leaves through callbacks (``on_metrics``) and ``metrics.jsonl``; nothing here pr
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,25 +32,29 @@ from engine.adapters import (
     save_adapters,
     save_checkpoint,
 )
+from engine.arch.stack import Stack
 from engine.batch import PairBatch, batch_norms
 from engine.config import TrainConfig
-from engine.data import load_pairs, micro_batches, pair_length
+from engine.data import check_train_split, micro_batches, pair_length
+from engine.data_fit import load_pairs_for
 from engine.distributed import SINGLE, Ranks, init_ranks
 from engine.layout_policy import choose_layout, resolve_pad_multiple, resolve_prefix_attention
+from engine.load_check import TOLERANCE, checked_stack
 from engine.losses import LossSpec, Norms, pair_loss, validation_metrics
 from engine.model import (
     LoraSpec,
-    Stack,
     attach_lora,
-    checked_stack,
     load_model,
     resolve_lora_keys,
     set_dropout_seed,
 )
+from engine.outputs import claim
 from engine.prefix import PrefixBatch, pair_batch
 from engine.recompute import chunk_mlps, mlp_chunks
 from engine.scoring import evaluate
 from engine.segmented import Grads, grads_to_tree, value_and_grad
+
+log = logging.getLogger(__name__)
 
 
 class Callback(Protocol):
@@ -60,6 +65,10 @@ class Callback(Protocol):
 
 class NonFiniteLoss(RuntimeError):
     """The loss or gradient norm became NaN/inf; names the step and the pairs."""
+
+
+class VerifyFailed(RuntimeError):
+    """``--verify``: the configured path's loss or gradients differ from the plain path's."""
 
 
 @dataclass
@@ -77,6 +86,8 @@ class TrainResult:
     seconds: float = 0.0
     world_size: int = 1  # processes the run's batches were split over (engine/distributed.py)
     rank_pairs: list[int] = field(default_factory=list)  # pairs each rank trained
+    load_check: dict[str, Any] = field(default_factory=dict)  # engine/load_check.py figures
+    verified: dict[str, Any] = field(default_factory=dict)  # --verify's figures (verify_paths)
 
 
 def lora_spec(cfg: TrainConfig) -> LoraSpec:
@@ -205,9 +216,7 @@ def verify_paths(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch,
                  ) -> dict[str, float]:
     """One step through the configured path and the plain dense two-forward path (whole
     MLPs); raise if they differ by more than ``rtol`` (default: the load check's tolerance
-    for the model's dtype, engine/arch/check.py)."""
-    from engine.arch.check import TOLERANCE
-
+    for the model's dtype, engine/load_check.py)."""
     pairs = pair_batch(batch)
     norms = batch_norms([pairs])
     resp, nll = mx.array(pairs.resp_mask), mx.array(pairs.nll_mask)
@@ -226,17 +235,25 @@ def verify_paths(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch,
     scale = max(max(float(mx.abs(g).max()) for g in ref.values()), 1e-12)
     grad_err = max(float(mx.abs(got[k] - ref[k]).max()) for k in ref) / scale
     loss_err = abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-12)
+    path = (f"segment_size={cfg.segment_size}, head_chunk={cfg.head_chunk}, "
+            f"shared={pairs is not batch}")
     if set(got) != set(ref) or grad_err > rtol or loss_err > rtol:
-        raise RuntimeError(f"--verify failed: segment_size={cfg.segment_size}, head_chunk="
-                           f"{cfg.head_chunk}, shared={pairs is not batch} differs from the "
-                           f"plain path (loss rel err {loss_err:.2e}, grad rel err "
-                           f"{grad_err:.2e}, tolerance {rtol})")
-    return {"loss_rel_err": loss_err, "grad_rel_err": grad_err}
+        raise VerifyFailed(f"--verify failed: {path} differs from the plain path (loss rel "
+                           f"err {loss_err:.2e}, grad rel err {grad_err:.2e}, tolerance {rtol})")
+    log.info("--verify passed: %s matches the plain dense path on %d pairs (loss rel err "
+             "%.2e, grad rel err %.2e over %d LoRA arrays, tolerance %g)", path, pairs.pairs,
+             loss_err, grad_err, len(ref), rtol)
+    return {"loss_rel_err": loss_err, "grad_rel_err": grad_err, "tolerance": rtol,
+            "pairs": pairs.pairs, "arrays": len(ref)}
 
 
 def _emit(record: dict[str, Any], out: Path, callbacks: Sequence[Callback]) -> None:
-    with (out / "metrics.jsonl").open("a") as f:
-        f.write(json.dumps(record) + "\n")
+    log = out / "metrics.jsonl"
+    try:
+        with log.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as err:  # a full disk: the error names the file, as the others do
+        raise OSError(err.errno, f"cannot write {log}: {err.strerror or err}") from None
     for cb in callbacks:
         cb.on_metrics(record)
 
@@ -250,7 +267,7 @@ def prepare_out(out: Path, resume_step: int | None) -> None:
     ``resume: auto`` never picks up an old run's checkpoint. A resume keeps the
     checkpoints, trims metrics.jsonl back to the checkpoint's step (the steps after it run
     again) and removes the final adapter and summary until it writes them anew. Files the
-    trainer does not write are left alone.
+    trainer does not write are left alone; ``out`` is a Pomona run (``claim_run``).
     """
     import shutil
 
@@ -394,31 +411,62 @@ def memory_limit(gib: float) -> Iterator[None]:
         mx.set_memory_limit(before)
 
 
+def is_run_dir(path: Path) -> bool:
+    """Whether ``path`` holds a run an earlier Pomona wrote, before runs carried the mark
+    of engine/outputs.py: its summary, an adapter config with Pomona's block, its metrics
+    log or a checkpoint (a run killed early has only some of them)."""
+    from engine.adapters import CONFIG_FILE
+
+    def first_json(name: str) -> Any:
+        try:
+            with (path / name).open() as f:
+                return json.loads(f.read() if name.endswith(".json") else f.readline())
+        except (OSError, ValueError):
+            return None
+
+    summary, config, record = (first_json(n) for n in ("summary.json", CONFIG_FILE,
+                                                        "metrics.jsonl"))
+    return ((isinstance(summary, dict) and "trainable_params" in summary)
+            or (isinstance(config, dict) and isinstance(config.get("pomona"), dict))
+            or (isinstance(record, dict) and {"step", "split"} <= record.keys())
+            or any((c / "state.json").is_file() for c in (path / "checkpoints").glob("step_*")))
+
+
+def claim_run(cfg: TrainConfig) -> AbstractContextManager[Path]:
+    """``cfg.out`` held as this process's run (engine/outputs.py): refused when it holds
+    files Pomona did not write, another process is writing it, or it overlaps an input."""
+    return claim(cfg.out, ("run",), legacy=is_run_dir, may_hold=False,
+                 inputs=[cfg.model, cfg.data, cfg.warm_start])
+
+
 def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
     """Train one adapter as ``cfg`` says; write it to ``cfg.out``; return a summary."""
     cfg.validate()
-    with memory_limit(cfg.memory_limit_gb):
-        return _train(cfg, callbacks)
+    with memory_limit(cfg.memory_limit_gb), ExitStack() as held:
+        return _train(cfg, callbacks, held)
 
 
-def _train(cfg: TrainConfig, callbacks: Sequence[Callback]) -> TrainResult:
+def _train(cfg: TrainConfig, callbacks: Sequence[Callback], held: ExitStack) -> TrainResult:
     started = time.perf_counter()
     ranks = init_ranks()
     if cfg.batch_size % ranks.size:
         raise ValueError(f"batch_size={cfg.batch_size} does not split over {ranks.size} "
                          "ranks: make it a multiple of the number of ranks")
     out = Path(cfg.out)
+    if ranks.main:  # the one writer holds its folder until training ends
+        held.enter_context(claim_run(cfg))
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_model(cfg.model)
     spec = resolve_lora_keys(model, lora_spec(cfg))  # the family's targets, saved explicitly
     trainable = attach_lora(model, spec, cfg.seed)
-    stack = checked_stack(model)
+    stack, load_check = checked_stack(model)
     if cfg.mlp_chunk:
         chunk_mlps(stack.layers, cfg.mlp_chunk)
     num_layers = len(stack.layers) if cfg.lora_layers < 0 else cfg.lora_layers
     if cfg.warm_start:
         load_adapter_weights(model, Path(cfg.warm_start))
-    data = load_pairs(cfg.data)
+    data = load_pairs_for(cfg.data, cfg.model, stack, cfg.allow_tokenizer_mismatch)
+    check_train_split(data, cfg.data)
     refuse_beyond_context([*data.train, *data.valid, *data.test], stack.context)
     loss_spec = cfg.loss_spec()
     if cfg.best_metric not in validation_metrics(loss_spec):  # refused before any step
@@ -441,8 +489,8 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback]) -> TrainResult:
         return choose_layout(pairs, cfg, pad_multiple, pad_id)
 
     batches = micro_batches(data.train, cfg.batch_size, cfg.seed, start * cfg.grad_accum)
-    if cfg.verify:
-        verify_paths(model, stack, batch_of(data.train[: cfg.batch_size]), loss_spec, cfg)
+    verified = verify_paths(model, stack, batch_of(data.train[: cfg.batch_size]), loss_spec,
+                            cfg) if cfg.verify else {}
 
     def validate(step: int) -> dict[str, Any]:
         metrics = evaluate(model, stack, data.valid, loss_spec, cfg.batch_size, pad_multiple,
@@ -455,10 +503,14 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback]) -> TrainResult:
         return rec
 
     model.train()
-    if data.valid and cfg.val_every and start == 0:
+    if not data.valid:  # said once every refusal is past: the run goes ahead without
+        log.warning("%s: the valid split is empty: no validation metrics, and no best "
+                    "evaluation to rank this run by", cfg.data)
+    elif cfg.val_every and start == 0:
         validate(0)  # the "before" numbers every later evaluation is read against
     window, result = Window(), TrainResult(out=str(out), steps=start, trainable_params=trainable,
-                                           rejected_rows=dict(data.rejected))
+                                           rejected_rows=dict(data.rejected),
+                                           load_check=load_check, verified=verified)
     total_tokens, total_seconds = 0, 0.0
     update = make_update(model, optimizer, cfg.grad_clip)
     prefetch = Prefetch(lambda: [batch_of(ranks.shard(next(batches)))

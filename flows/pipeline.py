@@ -15,6 +15,7 @@ leave their results as files persist no task result, evaluations persist theirs 
 from __future__ import annotations
 
 import dataclasses
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from prefect import flow, get_run_logger
 
 from engine.adapters import trained_loss
 from engine.losses import LossSpec
+from engine.outputs import claim
 from flows.ray_session import ray_session
 from flows.sweep_flow import sweep_stage
 from tasks.leaderboard import rank_trials
@@ -34,18 +36,48 @@ from tasks.pipeline_tasks import (
     soup_task,
     tokenize_task,
 )
-from tasks.sweep import check_model
+from tasks.sweep import check_model, is_sweep_dir
 from tasks.sweep_spec import load_spec
 from tasks.trials import Placement
 
 
-def check_pipeline_inputs(raw: str, model: str, spec: str) -> None:
-    """Every input of ``pipeline`` checked before the flow starts, so a user's mistake is
-    one line naming the file or key (SpecError, FileNotFoundError), not a failed flow run."""
+def is_pipeline_dir(path: Path) -> bool:
+    """Whether ``path`` holds a pipeline's (or the demo's) outputs from an earlier Pomona,
+    before they carried the mark of engine/outputs.py: its leaderboard, its sweep, its
+    tokenized data or the demo's model."""
+    from tasks.dataset_dir import read_manifest
+    from tasks.model_factory import MARK
+
+    return (((path / "leaderboard.md").is_file() and (path / "leaderboard.parquet").is_file())
+            or ((path / "sweep").is_dir() and is_sweep_dir(path / "sweep"))
+            or read_manifest(path / "data") is not None or (path / "model" / MARK).is_file())
+
+
+def claim_pipeline(out: str | Path, *inputs: str) -> AbstractContextManager[Path]:
+    """``out`` held as this process's pipeline (or demo) folder while it runs
+    (engine/outputs.py): refused when it holds files Pomona did not write, another
+    pipeline is writing it, it is not writable, or it lies inside one of ``inputs``."""
+    return claim(out, ("pipeline",), legacy=is_pipeline_dir, inputs=inputs)
+
+
+def claim_sweep_dir(sweep_dir: str | Path, *inputs: str) -> AbstractContextManager[Path]:
+    """A finished sweep's folder held while its leaderboard, soup and best adapter are
+    written into it (engine/outputs.py): it must exist and be a Pomona sweep."""
+    return claim(sweep_dir, ("sweep",), legacy=is_sweep_dir, inputs=inputs, new_ok=False,
+                 flag="SWEEP_DIR")
+
+
+def check_pipeline_inputs(raw: str, model: str, spec: str, out: str | None = None) -> None:
+    """Every input of ``pipeline`` (and its ``out``) checked before the flow starts, so a
+    user's mistake is one line naming the file or key (SpecError, FileNotFoundError,
+    RefusedOutput), not a failed flow run."""
     load_spec(spec)
     if not Path(raw).exists():
         raise FileNotFoundError(f"raw preference data not found: {raw}")
     check_model(model)
+    if out is not None:
+        with claim_pipeline(out, raw, model, spec):
+            pass  # the flow claims it again while it runs
 
 
 @flow(name="pomona-pipeline", result_serializer="json")
@@ -55,6 +87,14 @@ def pipeline(raw: str, model: str, spec: str, out: str, address: str | None = No
     """Raw preference data and a model → a sweep → a leaderboard and the best adapter
     (and, with ``soup_k`` ≥ 2 completed trials, their soup, evaluated like a trial; with
     ``fuse``, the best adapter fused into the base as a standalone model)."""
+    with claim_pipeline(out, raw, model, spec):
+        return _pipeline(raw, model, spec, out, address, gpus, resource, generations, soup_k,
+                         fuse)
+
+
+def _pipeline(raw: str, model: str, spec: str, out: str, address: str | None, gpus: bool,
+              resource: str | None, generations: int, soup_k: int, fuse: bool
+              ) -> dict[str, Any]:
     out_dir = Path(out)
     tokenized = tokenize_task(raw, model, str(out_dir / "data"), return_state=True)
     if tokenized.is_failed():

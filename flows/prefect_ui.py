@@ -19,7 +19,12 @@ def browser_url(host: str, port: int, public_url: str | None = None) -> str:
     """The URL a browser opens for a server bound to ``host:port`` (no trailing slash).
 
     ``public_url`` (the lab name or IP the server is reached at, or a proxy's URL) wins; a
-    wildcard bind needs one, since 0.0.0.0 is no address a browser can open."""
+    wildcard bind needs one, since 0.0.0.0 is no address a browser can open. ``port`` must
+    be one a server can be told to bind: 0 (any free port) would leave the UI an API URL
+    on port 0."""
+    if not 0 < port < 65536:
+        raise ValueError(f"--port {port}: choose a port from 1 to 65535" + (
+            " (0 lets the server pick one its UI could not be told)" if port == 0 else ""))
     if public_url:
         parts = urlsplit(public_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:

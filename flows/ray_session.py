@@ -14,6 +14,21 @@ from types import ModuleType
 LOOPBACK = "127.0.0.1"
 
 
+class RayAddressError(ValueError):
+    """``--address`` is no Ray address, or no cluster answers at it."""
+
+
+def check_address(address: str | None) -> None:
+    """Raise RayAddressError unless ``address`` is None, ``auto``, ``local`` or a head's
+    ``HOST:PORT`` (``ray://HOST:PORT`` for Ray Client): one line, before anything starts."""
+    if address is None or address in ("auto", "local"):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RayAddressError(f"--address {address!r}: expected auto or a Ray head's HOST:PORT "
+                              "(e.g. 10.0.0.5:6379; docs/cluster.md)")
+
+
 @contextmanager
 def ray_session(address: str | None) -> Iterator[None]:
     """Inside: connected to ``address`` (``auto`` or HOST:PORT; else ``RAY_ADDRESS``, as Ray
@@ -32,15 +47,28 @@ def ray_session(address: str | None) -> Iterator[None]:
         yield
         return
     address = address or os.environ.get("RAY_ADDRESS") or None
+    check_address(address)
     private_token_file(create=not address)
     if address:
-        ray.init(address=address, log_to_driver=False)
+        _connect(ray, address)
     else:
         _init_loopback(ray)
     try:
         yield
     finally:
         ray.shutdown()
+
+
+def _connect(ray: ModuleType, address: str) -> None:
+    """``ray.init`` at ``address``; its failures (Ray exits the process when no head
+    answers) as one RayAddressError."""
+    try:
+        ray.init(address=address, log_to_driver=False)
+    except (ConnectionError, ValueError, RuntimeError, SystemExit) as err:
+        first = (str(err).strip().splitlines() or [""])[0]
+        why = first if not isinstance(err, SystemExit) else "no head answered"
+        raise RayAddressError(f"--address {address}: no Ray cluster to join ({why}); is its "
+                              "head running (`ray start --head`)?") from None
 
 
 def _init_loopback(ray: ModuleType) -> None:

@@ -12,9 +12,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from flows.ray_session import ray_session
+from engine.outputs import RefusedOutput
+from flows.ray_session import RayAddressError, ray_session
+from tasks.leaderboard import why_unranked
 from tasks.memory_sweep import run_memory_sweep
-from tasks.sweep import check_inputs, metric_value, run_sweep
+from tasks.sweep import check_inputs, check_sweep_out, metric_value, run_sweep
 from tasks.sweep_spec import SpecError, SweepSpec, load_spec
 from tasks.trials import Placement, TrialsInterrupted
 
@@ -29,7 +31,7 @@ class SweepProgress:
                                  TimeElapsedColumn(), console=console, transient=False)
         self.task = self.progress.add_task(f"sweep {spec.name}", total=None, status="")
         self.counts = {"running": 0, "completed": 0, "failed": 0, "pruned": 0, "cached": 0,
-                       "degenerate": 0}
+                       "degenerate": 0, "cancelled": 0}
         self.best: float | None = None
         self.lock = threading.Lock()
 
@@ -71,9 +73,9 @@ class SweepProgress:
     def _status(self) -> str:
         c = self.counts
         best = f" best {self.spec.metric} {self.best:.4f}" if self.best is not None else ""
-        degenerate = f" · degenerate {c['degenerate']}" if c["degenerate"] else ""
+        extra = "".join(f" · {k} {c[k]}" for k in ("degenerate", "cancelled") if c[k])
         return (f"running {c['running']} · done {c['completed']} · pruned {c['pruned']} · "
-                f"failed {c['failed']}{degenerate}{best}")
+                f"failed {c['failed']}{extra}{best}")
 
 
 def run_sweep_cli(console: Console, spec_path: Path, out: Path | None, address: str | None,
@@ -87,6 +89,7 @@ def run_sweep_cli(console: Console, spec_path: Path, out: Path | None, address: 
     placement = Placement(gpus=int(gpus), resource=resource)
     try:
         check_inputs(spec)  # before Ray starts: a mistyped path costs no cluster start-up
+        check_sweep_out(spec, out)  # and an --out not ours, busy or read-only none either
         if spec.kind == "memory":
             with ray_session(address):
                 rows = run_memory_sweep(spec, out, placement)
@@ -105,10 +108,13 @@ def run_sweep_cli(console: Console, spec_path: Path, out: Path | None, address: 
         console.print(f"[bold yellow]interrupted:[/] running trials cancelled; results so far "
                       f"in {out / 'results.parquet'}")
         raise typer.Exit(code=130) from None
-    except (SpecError, RuntimeError, FileNotFoundError) as err:
+    except (SpecError, RefusedOutput, RayAddressError, RuntimeError, FileNotFoundError) as err:
         console.print(f"[bold red]error:[/] {err}")
         raise typer.Exit(code=2) from err
     console.print(results_table(spec, rows, out))
+    if (why := why_unranked(rows, spec.metric)) is not None:  # ran, but chose nothing
+        console.print(f"[bold red]error:[/] sweep {spec.name}: {why}")
+        raise typer.Exit(code=1)
 
 
 def run_results(out: Path) -> list[dict[str, Any]]:

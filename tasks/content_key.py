@@ -1,4 +1,4 @@
-"""Content keys for caches: a model is its config and weight bytes, never its path.
+"""Content keys for caches: a model (or a warm-start adapter) is its bytes, never its path.
 
 Re-initialising or re-downloading a model in place keeps its path and changes its bytes;
 a cache keyed on the path would reuse adapters trained on the old weights. Hashing a
@@ -16,7 +16,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from engine.gguf_import import IMPORTER_VERSION
+from engine.model_source import GGUF_DTYPE
+
 MODEL_FILES = ("config.json", "*.safetensors", "tokenizer.json", "tokenizer_config.json")
+ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")  # mlx-lm's adapter folder
 _lock = threading.Lock()
 _memory: dict[str, dict[str, Any]] = {}  # resolved path -> {"stat": [...], "sha256": ...}
 
@@ -53,6 +57,8 @@ def model_fingerprint(model: str) -> str:
     (a local directory, or a Hugging Face id already in the local cache); a hub id not
     downloaded yet is keyed on its name (its first download changes the key once)."""
     local = Path(model).expanduser()
+    if local.is_file() and local.suffix == ".gguf":  # imported by content (model_source)
+        return f"gguf-{file_digest(local)[:24]}-{GGUF_DTYPE}-v{IMPORTER_VERSION}"
     if not local.is_dir():
         local = _hub_snapshot(model)
         if local is None:
@@ -62,6 +68,19 @@ def model_fingerprint(model: str) -> str:
         return f"dir:{local.resolve()}"  # not a model directory: loading it will say so
     body = json.dumps({p.name: file_digest(p) for p in files}, sort_keys=True)
     return "model-" + hashlib.sha256(body.encode()).hexdigest()[:24]
+
+
+def adapter_fingerprint(path: str | Path) -> str:
+    """What a warm start trains from: its adapter files' bytes, never its path (an adapter
+    re-trained in place keeps its path); a folder without them is keyed on its path
+    (training from it will fail and say so)."""
+    folder = Path(path).expanduser()
+    digests = {name: file_digest(folder / name) for name in ADAPTER_FILES
+               if (folder / name).is_file()}
+    if not digests:
+        return f"missing:{folder.resolve()}"
+    body = json.dumps(digests, sort_keys=True)
+    return "adapter-" + hashlib.sha256(body.encode()).hexdigest()[:24]
 
 
 def _hub_snapshot(model: str) -> Path | None:

@@ -3,7 +3,8 @@
 Written atomically: everything goes into a hidden temporary directory, ``manifest.json``
 last, and the directory is renamed into place only when complete — a crash leaves no
 half dataset that looks complete (a dataset is valid only with its manifest). Only a
-Pomona dataset is ever replaced: any other folder at ``out`` is refused, never deleted.
+Pomona dataset is ever replaced: any other folder at ``out`` is refused, never deleted
+(engine/outputs.py holds the rule every writer follows; a dataset's mark is its manifest).
 Hidden temporaries a killed run left behind are removed by the next write.
 """
 
@@ -23,6 +24,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from engine.digests import sha256_file
+from engine.outputs import RefusedOutput, entries
+
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 SCHEMA = pa.schema([
@@ -33,16 +37,10 @@ SCHEMA = pa.schema([
     ("prefix_shared", pa.bool_()),
     ("split", pa.string()),
 ])
-# Files an OS drops into any folder a user browses: not user data, safe to replace.
-OS_LITTER = frozenset({".DS_Store", "Thumbs.db", "desktop.ini"})
 # A temporary whose owner cannot be checked (another machine, or an older Pomona's name
 # without one) is stale only after this long: a live write finishes in minutes.
 STALE_AFTER_S = 24 * 3600
 HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:6]
-
-
-class RefusedOutput(ValueError):
-    """``out`` holds something that is not a Pomona dataset, or overlaps an input."""
 
 
 def read_manifest(path: Path) -> dict[str, Any] | None:
@@ -65,6 +63,32 @@ def read_table(path: Path) -> pa.Table:
     return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
 
 
+def shards_problem(path: Path, manifest: dict[str, Any]) -> str | None:
+    """What is wrong with the shards of the dataset at ``path`` against its ``manifest``
+    (one missing, cut short or changed), or None. A manifest from before shards carried
+    their size and digest (``shard_files``) is checked by the rows each shard's footer
+    counts."""
+    listed = manifest.get("shard_files")
+    for name in manifest.get("shards", []):
+        shard = Path(path) / name
+        if not shard.is_file():
+            return f"its shard {name} is missing"
+        if isinstance(listed, dict) and name in listed:
+            want, size = listed[name], shard.stat().st_size
+            if size != want.get("bytes"):
+                return f"its shard {name} holds {size} bytes, the manifest says {want['bytes']}"
+            if sha256_file(shard) != want.get("sha256"):
+                return f"its shard {name} changed since it was written (SHA-256 differs)"
+    if isinstance(listed, dict):
+        return None
+    try:
+        rows = sum(pq.read_metadata(Path(path) / n).num_rows for n in manifest["shards"])
+    except (OSError, KeyError, TypeError, pa.ArrowException) as err:
+        return f"a shard cannot be read ({err})"
+    total = (manifest.get("rows") or {}).get("total")
+    return None if rows == total else f"its shards hold {rows} rows, the manifest says {total}"
+
+
 def check_replaceable(out: Path) -> None:
     """Raise RefusedOutput unless ``out`` is absent, an empty folder or a Pomona dataset
     holding nothing but its manifest and shards (what replacing it would delete)."""
@@ -74,7 +98,7 @@ def check_replaceable(out: Path) -> None:
     if not out.is_dir() or out.is_symlink():
         raise RefusedOutput(f"--out {out}: exists and is not a folder; refusing to replace "
                             "it. Choose another --out")
-    names = {p.name for p in out.iterdir()} - OS_LITTER
+    names = set(entries(out))
     if not names:
         return
     try:  # any schema version: an older Pomona's dataset is still ours to replace
@@ -89,20 +113,6 @@ def check_replaceable(out: Path) -> None:
         raise RefusedOutput(f"--out {out}: a Pomona dataset that also holds "
                             f"{', '.join(other[:3])}{' …' if len(other) > 3 else ''}; refusing "
                             "to delete them. Move them out or choose another --out")
-
-
-def check_apart(out: Path, inputs: list[Path]) -> None:
-    """Raise RefusedOutput when ``out`` is an input, holds one, or lies in an input folder
-    (its shards and rejects would be read as input on the next run)."""
-    target = Path(out).resolve()
-    for path in inputs:
-        src = Path(path).resolve()
-        if target == src or src.is_relative_to(target):
-            raise RefusedOutput(f"--out {out}: would replace the input {path}. Choose an "
-                                "--out that is not an input and holds none")
-        if src.is_dir() and target.is_relative_to(src):
-            raise RefusedOutput(f"--out {out}: inside the input folder {path}, whose files "
-                                "are all read as input. Write the dataset outside it")
 
 
 def write_dataset(out: Path, rows: dict[str, list], manifest: dict[str, Any],
@@ -121,7 +131,10 @@ def write_dataset(out: Path, rows: dict[str, list], manifest: dict[str, Any],
             name = f"shard-{i:05d}.parquet"
             pq.write_table(table.slice(start, shard_rows), tmp / name)
             shards.append(name)
-        manifest = {"schema_version": SCHEMA_VERSION, **manifest, "shards": shards}
+        files = {name: {"bytes": (tmp / name).stat().st_size,
+                        "sha256": sha256_file(tmp / name)} for name in shards}
+        manifest = {"schema_version": SCHEMA_VERSION, **manifest, "shards": shards,
+                    "shard_files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         check_replaceable(out)  # again: something may have appeared there meanwhile
         _swap_into_place(tmp, out)

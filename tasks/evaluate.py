@@ -36,22 +36,25 @@ log = logging.getLogger(__name__)
 def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec | None = None,
                      batch_size: int = 8, head_chunk: int = 0, generations: int = 0,
                      out: str | None = None, max_tokens: int = 64,
-                     prefix_share: str = "auto") -> dict[str, Any]:
+                     prefix_share: str = "auto", allow_tokenizer_mismatch: bool = False
+                     ) -> dict[str, Any]:
     """The valid and test metrics of ``adapter`` (None: the base model) on ``data``, under
     ``loss`` (None: the adapter's own, else ORPO's defaults); ``prefix_share`` as in
-    training (one forward per pair where it pays)."""
+    training (one forward per pair where it pays). Data tokenized for another tokenizer
+    is refused unless ``allow_tokenizer_mismatch`` (engine/data_fit.py)."""
     from engine.adapters import atomic_write_text, trained_loss
-    from engine.data import load_pairs
+    from engine.data_fit import load_pairs_for
     from engine.layout_policy import scoring_layout
-    from engine.model import checked_stack, load_model
+    from engine.load_check import checked_stack
+    from engine.model import load_model
     from engine.scoring import evaluate
 
     spec = loss or trained_loss(adapter) or LossSpec()
-    pairs = load_pairs(data)
+    loaded, tokenizer = load_model(model, adapter)
+    stack, _ = checked_stack(loaded)
+    pairs = load_pairs_for(data, model, stack, allow_tokenizer_mismatch)  # ids fit its vocab
     if not pairs.valid and not pairs.test:
         raise ValueError(f"{data}: no validation or test split to evaluate on")
-    loaded, tokenizer = load_model(model, adapter)
-    stack = checked_stack(loaded)
     layout = scoring_layout(prefix_share, tokenizer.pad_token_id or 0, spec.nll_span)
     metrics: dict[str, Any] = {}
     for split in EVAL_SPLITS:
@@ -62,6 +65,9 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec 
     if not pairs.test:
         metrics["eval/test/missing"] = missing_test_reason(data)
         log.warning("%s", metrics["eval/test/missing"])
+    if not pairs.valid:
+        metrics["eval/valid/missing"] = missing_valid_reason(data)
+        log.warning("%s", metrics["eval/valid/missing"])
     if generations and out:
         source = "test" if pairs.test else "valid"
         texts = generate_samples(loaded, tokenizer, pairs.split(source)[:generations],
@@ -91,6 +97,28 @@ def missing_test_reason(data: str) -> str:
     return (f"{data}: no test rows (written before the test split, a split column naming only "
             f"train/valid, or too few rows), so no test metrics; validation numbers are "
             f"selection-biased, not a substitute. To get a test split, {fix}")
+
+
+def missing_valid_reason(data: str) -> str:
+    """Why ``data`` has no validation metrics, and what that costs the board."""
+    return (f"{data}: no valid rows, so no validation metrics and nothing to rank trials on; "
+            "re-tokenize (or `pomona data preprocess`) with --valid-fraction above 0")
+
+
+def held_out_problem(data: str) -> str | None:
+    """Why ``data`` has nothing to evaluate on (no valid and no test rows), or None."""
+    from engine.data import load_pairs
+
+    try:
+        rows = json.loads((Path(data) / "manifest.json").read_text())["rows"]
+        valid, test = rows.get("valid", 0), rows.get("test", 0)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # a file: read it
+        pairs = load_pairs(data)
+        valid, test = len(pairs.valid), len(pairs.test)
+    if valid or test:
+        return None
+    return (f"{data}: no valid and no test rows, nothing to evaluate on; re-tokenize (or "
+            "`pomona data preprocess`) with --valid-fraction and --test-fraction above 0")
 
 
 def generate_samples(model, tokenizer, pairs: list, max_tokens: int) -> list[dict[str, str]]:

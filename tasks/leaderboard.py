@@ -2,12 +2,13 @@
 the best adapter exported in mlx-lm's format.
 
 Ranked rows are the completed trials, best first by the sweep metric (its best value during
-training on the validation split, ``best/<metric>``); degenerate (collapsed: zero
-gradients, or accuracy far below chance on either split), pruned, failed and cancelled
-trials follow, unranked, each with its reason under the table, so nothing is silently
-dropped. Validation and test accuracy are separate columns: ranking chose on validation,
-so test (rows no choice ever read) is the number to report; a dataset without test rows
-shows "-" there and says why under the table. The ``base`` row is the untrained model
+training on the validation split, ``best/<metric>``); completed trials without one (an
+empty valid split), degenerate (collapsed: zero gradients, or accuracy far below chance
+on either split), pruned, failed and cancelled trials follow, unranked, each with its
+reason under the table, so nothing is silently dropped. Validation and test accuracy are
+separate columns: ranking chose on validation, so test (rows no choice ever read) is the
+number to report; a dataset without valid or test rows shows "-" there and says why
+under the table. The ``base`` row is the untrained model
 under the same evaluation, the number every adapter is read against. Written as
 ``leaderboard.parquet`` (all columns) and ``leaderboard.md`` (the readable few).
 """
@@ -18,10 +19,12 @@ import math
 import os
 import shutil
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from engine.adapters import atomic_write_text
+from engine.outputs import RefusedOutput
 from tasks.sweep import metric_value
 from tasks.trials import below_chance, write_results
 
@@ -43,10 +46,15 @@ def rank_trials(results: list[dict[str, Any]], evals: dict[str, dict[str, Any]],
             return math.inf
         return value if mode == "min" else -value
 
-    ranked = sorted((r for r in rows if r["status"] == "completed"), key=score)
+    done = [r for r in rows if r["status"] == "completed"]
+    ranked = sorted((r for r in done if math.isfinite(score(r))), key=score)
     for i, r in enumerate(ranked, 1):
         r["rank"] = i
-    rest = [{**r, "rank": None} for r in rows if r["status"] != "completed"]
+    # A completed trial without the metric (an empty valid split) has nothing to rank by.
+    unranked = [{**r, "rank": None, "reason": r.get("reason") or f"not ranked: no {metric} "
+                 "in training (an empty valid split reports none)"}
+                for r in done if not math.isfinite(score(r))]
+    rest = unranked + [{**r, "rank": None} for r in rows if r["status"] != "completed"]
     tail = [{"trial_id": "soup", "status": "soup", "rank": None, **soup}] if soup else []
     tail += [{"trial_id": "base", "status": "baseline", "rank": None, **base}] if base else []
     return ranked + rest + tail
@@ -62,6 +70,46 @@ def _held_out_check(row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def check_leaderboard_inputs(sweep_dir: Path, model: str, data: str, metric: str,
+                            mode: str) -> None:
+    """Raise ValueError or FileNotFoundError (one line, naming the path or option) unless
+    ``sweep_dir`` holds a finished sweep's results and ``data`` has rows to evaluate on:
+    before any cluster or flow starts."""
+    from tasks.evaluate import held_out_problem
+    from tasks.sweep import check_model
+
+    if not (Path(sweep_dir) / "results.parquet").is_file():
+        raise FileNotFoundError(f"{sweep_dir}: no results.parquet; give the folder a "
+                                "finished `pomona sweep` wrote (its --out)")
+    if not metric.startswith("val/"):
+        raise ValueError(f"--metric {metric!r}: expected a validation metric such as "
+                         "val/loss or val/rewards/accuracies")
+    if mode not in ("min", "max"):
+        raise ValueError(f"--mode {mode!r}: expected min or max")
+    check_model(model)
+    if not Path(data).exists():
+        raise FileNotFoundError(f"--data {data}: no such dataset")
+    if (problem := held_out_problem(data)) is not None:
+        raise ValueError(problem)
+
+
+def why_unranked(rows: list[dict[str, Any]], metric: str) -> str | None:
+    """Why a sweep's ``rows`` rank no trial (every one failed, or none reported
+    ``metric``), or None when at least one can be ranked."""
+    if not rows:
+        return "no trial ran"
+    done = [r for r in rows if r["status"] == "completed"]
+    if not done:
+        counts = Counter(r["status"] for r in rows)
+        return (f"no trial completed ({', '.join(f'{n} {s}' for s, n in counts.items())}); "
+                "their reasons are in the table above")
+    values = [metric_value(r, metric) for r in done]
+    if all(v is None or not math.isfinite(v) for v in values):
+        return (f"no trial can be ranked: none of the {len(done)} completed trials reported "
+                f"a finite {metric} (is the dataset's valid split empty?)")
+    return None
+
+
 def swept_params(rows: list[dict[str, Any]]) -> list[str]:
     """The ``param/*`` columns whose value differs between trials."""
     names = sorted({k for r in rows for k in r if k.startswith("param/")})
@@ -69,22 +117,63 @@ def swept_params(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def markdown(rows: list[dict[str, Any]], metric: str, title: str) -> str:
+    """Every column: leaderboard.md, and the UI's full-table artifact."""
     params = swept_params([r for r in rows if r.get("status") not in ("baseline", "soup")])
     cols = ["rank", "trial", "status", metric, *EVAL_COLUMNS, "peak GB", "tokens/s", "s",
             *(p.removeprefix("param/") for p in params)]
-    lines = [f"# {title}", "", f"Ranked on validation ({metric}, its best in training); "
-             "eval/test/* is the test split, which no choice read: the number to report.", "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        cells = [str(r.get("rank") or ""), r["trial_id"], r["status"],
-                 _num(metric_value(r, metric)), *(_num(r.get(c)) for c in EVAL_COLUMNS),
-                 _num(r.get("peak_memory_gb"), 2), _num(r.get("tokens_per_sec"), 0),
-                 _num(r.get("duration_s"), 0), *(str(r.get(p, "")) for p in params)]
-        lines.append("| " + " | ".join(cells) + " |")
-    missing = next((r["eval/test/missing"] for r in rows if r.get("eval/test/missing")), None)
-    notes = [f"- test split: {missing}"] if missing else []
+    body = [[str(r.get("rank") or ""), r["trial_id"], r["status"],
+             _num(metric_value(r, metric)), *(_num(r.get(c)) for c in EVAL_COLUMNS),
+             _num(r.get("peak_memory_gb"), 2), _num(r.get("tokens_per_sec"), 0),
+             _num(r.get("duration_s"), 0), *(str(r.get(p, "")) for p in params)]
+            for r in rows]
+    intro = (f"Ranked on validation ({metric}, its best in training); eval/test/* is the test "
+             "split, which no choice read: the number to report.")
+    return _page(title, intro, cols, body, rows)
+
+
+COMPACT = ("val acc", "test acc", "test margin", "tok/s")  # after rank, trial, searched params
+
+
+def compact_markdown(rows: list[dict[str, Any]], metric: str, title: str) -> str:
+    """The few columns the CLI prints (rank, trial, the searched parameters, COMPACT): the
+    UI's leading artifact, narrow enough for a 1400 px browser; ``markdown`` has all."""
+    params = swept_params([r for r in rows if r.get("status") not in ("baseline", "soup")])
+    cols = ["#", "trial", *(p.removeprefix("param/") for p in params), *COMPACT]
+    body = [[_place(r), r["trial_id"], *(_param(r.get(p)) for p in params),
+             _num(r.get("eval/valid/rewards/accuracies"), 3),
+             _num(r.get("eval/test/rewards/accuracies"), 3),
+             _signed(r.get("eval/test/logps/margin")), _num(r.get("tokens_per_sec"), 0)]
+            for r in rows]
+    intro = (f"Ranked on validation ({metric}); test accuracy and margin are the test split, "
+             "which no choice read: the numbers to report. Every column: leaderboard.md.")
+    return _page(title, intro, cols, body, rows)
+
+
+def _page(title: str, intro: str, cols: list[str], body: list[list[str]],
+          rows: list[dict[str, Any]]) -> str:
+    """A markdown page: title, intro, the table, then a note per empty split and reason."""
+    lines = [f"# {title}", "", intro, "", "| " + " | ".join(cols) + " |",
+             "|" + "---|" * len(cols), *("| " + " | ".join(cells) + " |" for cells in body)]
+    notes = [f"- {split} split: {missing}" for split in ("valid", "test")
+             if (missing := next((r[f"eval/{split}/missing"] for r in rows
+                                  if r.get(f"eval/{split}/missing")), None))]
     notes += [f"- {r['trial_id']}: {r['reason']}" for r in rows if r.get("reason")]
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+def _place(row: dict[str, Any]) -> str:
+    """Rank, or why there is none (a baseline and a soup need no word)."""
+    if row.get("rank"):
+        return str(row["rank"])
+    return "" if row.get("status") in ("soup", "baseline") else str(row.get("status", ""))
+
+
+def _param(value: Any) -> str:
+    return "-" if value is None else format(value, "g") if isinstance(value, float) else str(value)
+
+
+def _signed(value: Any) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:+.3f}"
 
 
 def _num(value: Any, digits: int = 4) -> str:
@@ -107,6 +196,9 @@ def export_best(rows: list[dict[str, Any]], out: Path) -> Path | None:
     if best is None:
         return None
     target = out / "best-adapter"
+    if target.exists() and not (target / "SOURCE").is_file():  # SOURCE: the export's mark
+        raise RefusedOutput(f"{target}: not a best adapter Pomona exported (no SOURCE file); "
+                            "refusing to replace it. Move it out of the way")
     tmp = Path(tempfile.mkdtemp(prefix=".best-adapter.", dir=out))
     for name in ADAPTER_FILES:
         shutil.copy2(Path(best["adapter"]) / name, tmp / name)

@@ -47,7 +47,16 @@ def label(row: dict[str, Any], swept: list[str]) -> str:
 
 def run_memory_sweep(spec: SweepSpec, out: Path, placement: Placement | None = None
                      ) -> list[dict[str, Any]]:
-    """Measure every grid point of ``spec``; write memory.parquet/.md/.png under ``out``."""
+    """Measure every grid point of ``spec``; write memory.parquet/.md/.png under ``out``
+    (held as the sweep's own folder meanwhile: tasks/sweep.py, ``claim_sweep``)."""
+    from tasks.sweep import claim_sweep
+
+    with claim_sweep(spec, Path(out)):
+        return _run_memory_sweep(spec, Path(out), placement)
+
+
+def _run_memory_sweep(spec: SweepSpec, out: Path, placement: Placement | None
+                      ) -> list[dict[str, Any]]:
     import ray
 
     placement = placement or Placement()

@@ -22,10 +22,16 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.outputs import RefusedOutput, entries
 from tasks.model_configs import CONFIGS, NO_BOS, TIED
 from tasks.synthetic import LAYOUTS, TASKS, synth_rows
 
 ARCHS = tuple(CONFIGS)
+MARK = "pomona_model.json"  # the spec a model was made from: what makes it Pomona's
+# Everything a model of ours holds (mlx_lm.convert adds the last three when quantizing).
+MODEL_FILES = frozenset({"config.json", "model.safetensors", "tokenizer.json",
+                         "tokenizer_config.json", MARK, "model.safetensors.index.json",
+                         "chat_template.jinja", "README.md"})
 DTYPES = ("float32", "bfloat16", "float16")
 PAD, BOS, EOT = "<|pad|>", "<|bos|>", "<|endoftext|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -284,20 +290,38 @@ def _write_float_model(spec: ModelSpec, out: Path) -> None:
     save_config(config, config_path=out / "config.json")
     train_tokenizer(spec).save(str(out / "tokenizer.json"), pretty=True)
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(spec), indent=2) + "\n")
-    (out / "pomona_model.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
+    (out / MARK).write_text(json.dumps(asdict(spec), indent=2) + "\n")
+
+
+def check_replaceable(out: Path) -> None:
+    """Raise RefusedOutput unless ``out`` is a model Pomona made (its mark:
+    ``pomona_model.json``) holding nothing but a model's files: replacing it deletes all."""
+    if not out.is_dir() or out.is_symlink():
+        raise RefusedOutput(f"--out {out}: exists and is not a folder; refusing to replace "
+                            "it. Choose another --out")
+    if not (out / MARK).is_file():
+        raise RefusedOutput(f"--out {out}: not a model Pomona made (no {MARK}); refusing to "
+                            "replace it, even with --overwrite. Choose another --out")
+    if other := [n for n in entries(out) if n not in MODEL_FILES]:
+        raise RefusedOutput(f"--out {out}: a Pomona model that also holds "
+                            f"{', '.join(other[:3])}{' …' if len(other) > 3 else ''}; refusing "
+                            "to delete them. Move them out or choose another --out")
 
 
 def init_model(spec: ModelSpec, out: Path | str, overwrite: bool = False) -> Path:
     """Write the model ``spec`` describes to ``out`` (atomically); return ``out``.
 
     With ``spec.quantize`` the float model is written first and handed to
-    ``mlx_lm.convert`` — the exact path a user's quantized model takes.
+    ``mlx_lm.convert`` — the exact path a user's quantized model takes. ``overwrite``
+    replaces a model Pomona made, never another folder (``check_replaceable``).
     """
     spec.validate()
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True "
-                              "(CLI: --overwrite) to replace it")
+    if out.exists() and not (out.is_dir() and not entries(out)):
+        if not overwrite:
+            raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True "
+                                  "(CLI: --overwrite) to replace a model Pomona made there")
+        check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
         stage = Path(tmp) / "model"
@@ -308,7 +332,7 @@ def init_model(spec: ModelSpec, out: Path | str, overwrite: bool = False) -> Pat
             with contextlib.redirect_stdout(io.StringIO()):  # convert prints [INFO] lines
                 convert(str(Path(tmp) / "float"), str(stage), quantize=True,
                         q_bits=spec.quantize, q_group_size=spec.q_group_size)
-            shutil.copy(Path(tmp) / "float" / "pomona_model.json", stage)
+            shutil.copy(Path(tmp) / "float" / MARK, stage)
         else:
             _write_float_model(spec, stage)
         if out.exists():

@@ -22,7 +22,14 @@ from engine.adapters import ADAPTER_FILE, CONFIG_FILE
 from engine.losses import LossSpec
 from tasks.content_key import file_digest, model_fingerprint
 from tasks.evaluate import evaluate_adapter
-from tasks.leaderboard import export_best, rank_trials, swept_params, write_leaderboard
+from tasks.leaderboard import (
+    compact_markdown,
+    export_best,
+    markdown,
+    rank_trials,
+    swept_params,
+    write_leaderboard,
+)
 from tasks.plots import curves_png, inline_png, metric_vs_params_png
 from tasks.preprocess import preprocess_dataset
 from tasks.soup import make_soup
@@ -68,13 +75,15 @@ class EvalSettings:
     batch_size: int = 8
     head_chunk: int = 0
     prefix_share: str = "auto"
+    allow_tokenizer_mismatch: bool = False  # as the trials were allowed (engine/data_fit.py)
 
 
 def eval_settings(rows: list[dict[str, Any]]) -> EvalSettings:
     """Settings that work where ``rows``' trials trained: their smallest batch; if any
     bounded its head, the smallest chunk (dense [2B, T, vocab] logits at batch 8 would
     outgrow a 16 GB Mac mini that trained a large-vocabulary model with head_chunk); and
-    prefix sharing off if any trial turned it off (an architecture it cannot wrap)."""
+    prefix sharing off if any trial turned it off (an architecture it cannot wrap); a
+    tokenizer mismatch allowed if any trial was allowed one."""
     if not rows:
         return EvalSettings()
     chunks = [int(r.get("param/head_chunk") or 0) for r in rows]
@@ -82,7 +91,9 @@ def eval_settings(rows: list[dict[str, Any]]) -> EvalSettings:
     return EvalSettings(batch_size=min(int(r.get("param/batch_size") or 8) for r in rows),
                         head_chunk=min((c for c in chunks if c > 0), default=0),
                         prefix_share="off" if "off" in shares else
-                        "on" if shares == {"on"} else "auto")
+                        "on" if shares == {"on"} else "auto",
+                        allow_tokenizer_mismatch=any(r.get("param/allow_tokenizer_mismatch")
+                                                     for r in rows))
 
 
 def evaluation_key(context: Any, inputs: dict[str, Any]) -> str:
@@ -112,12 +123,14 @@ def evaluate_task(name: str, model: str, adapter: str | None, data: str,
     remote = placement.fresh_task(evaluate_adapter)
     metrics = ray.get(remote.remote(model, adapter, data, loss, settings.batch_size,
                                     settings.head_chunk, generations, out,
-                                    prefix_share=settings.prefix_share))
+                                    prefix_share=settings.prefix_share,
+                                    allow_tokenizer_mismatch=settings.allow_tokenizer_mismatch))
     logger = get_run_logger()
     logger.info("%s: %s", name, {k: round(v, 4) if isinstance(v, float) else v
-                                 for k, v in metrics.items() if k != "eval/test/missing"})
-    if metrics.get("eval/test/missing"):
-        logger.warning("%s: %s", name, metrics["eval/test/missing"])
+                                 for k, v in metrics.items() if not k.endswith("/missing")})
+    for split in ("valid", "test"):
+        if metrics.get(f"eval/{split}/missing"):
+            logger.warning("%s: %s", name, metrics[f"eval/{split}/missing"])
     return metrics
 
 
@@ -129,11 +142,24 @@ def soup_task(adapters: list[str], out: str) -> str:
     return str(path)
 
 
+def board_artifacts(rows: list[dict[str, Any]], metric: str, title: str, figures: str,
+                    description: str) -> list[dict[str, str]]:
+    """The UI's leaderboard artifacts (key, markdown, description): first the board in the
+    CLI's few columns with the ``figures`` (every column overflowed a 1400 px browser after
+    the third metric), then every column in an artifact of its own."""
+    return [{"key": artifact_key(title, "leaderboard"), "description": description,
+             "markdown": compact_markdown(rows, metric, title) + "\n" + figures},
+            {"key": artifact_key(title, "leaderboard", "full"),
+             "description": f"{description}; every column",
+             "markdown": markdown(rows, metric, title)}]
+
+
 @task(cache_policy=NO_CACHE, persist_result=False)
 def aggregate_task(results: list[dict[str, Any]], evals: dict[str, dict[str, Any]],
                    base: dict[str, Any], metric: str, mode: str, out: str, title: str,
                    soup: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Rank, write leaderboard.parquet/.md, export the best adapter, publish the board."""
+    """Rank, write leaderboard.parquet/.md, export the best adapter, publish the board (its
+    compact columns and plots, then every column in a second artifact)."""
     rows = rank_trials(results, evals, metric, mode, base, soup)
     parquet, md = write_leaderboard(rows, Path(out), metric, title)
     best = export_best(rows, Path(out))
@@ -142,11 +168,12 @@ def aggregate_task(results: list[dict[str, Any]], evals: dict[str, dict[str, Any
     curves = curves_png(trials, metric, plots / "curves.png")
     by_param = metric_vs_params_png(trials, metric, swept_params(trials), plots / "params.png")
     memory = Path(out) / "memory.png"  # a memory sweep's Pareto plot, when one ran here
-    create_markdown_artifact(
-        md.read_text() + "\n" + inline_png(curves, "training and validation curves")
-        + inline_png(by_param, f"{metric} against each swept parameter")
-        + inline_png(memory if memory.exists() else None, "memory: peak vs throughput"),
-        key=artifact_key(title, "leaderboard"), description=f"{md}; best adapter: {best}")
+    figures = (inline_png(curves, "training and validation curves")
+               + inline_png(by_param, f"{metric} against each swept parameter")
+               + inline_png(memory if memory.exists() else None, "memory: peak vs throughput"))
+    for art in board_artifacts(rows, metric, title, figures, f"{md}; best adapter: {best}"):
+        create_markdown_artifact(art["markdown"], key=art["key"],
+                                 description=art["description"])
     return {"leaderboard": str(parquet), "markdown": str(md),
             "best_adapter": str(best) if best else None,
             "best_trial": next((r["trial_id"] for r in rows if r.get("rank") == 1), None)}

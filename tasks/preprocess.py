@@ -11,17 +11,12 @@ rows. ``out`` (default: in place) may only be a new or empty folder or another P
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.data import TEST_FRACTION, check_fractions, split_counts, stable_split
-from tasks.dataset_dir import (
-    check_apart,
-    check_replaceable,
-    read_manifest,
-    read_table,
-    write_dataset,
-)
+from engine.data import TEST_FRACTION, check_fractions, split_counts, split_notes, stable_split
+from engine.outputs import check_apart
+from tasks.dataset_dir import check_replaceable, read_manifest, read_table, write_dataset
 
 
 @dataclass
@@ -34,6 +29,7 @@ class PreprocessReport:
     prefix_share_rate: float
     tokens_saved: int
     tokens_two_forward: int
+    notes: list[str] = field(default_factory=list)  # an empty valid or test split
 
     @property
     def saved_fraction(self) -> float:
@@ -76,6 +72,7 @@ def preprocess_dataset(path: str | Path, out: str | Path | None = None,
         saved += p if shared else 0
         two_forward += 2 * p + c + r
     n = len(keep["id"])
+    notes = split_notes(split_counts(keep["split"]), valid, test)  # refuses no train rows
     rate = sum(keep["prefix_shared"]) / max(n, 1)
     manifest = {k: v for k, v in manifest.items() if k not in ("schema_version", "shards")}
     manifest.update({
@@ -86,4 +83,4 @@ def preprocess_dataset(path: str | Path, out: str | Path | None = None,
         "options": {**options, "valid_fraction": valid, "test_fraction": test},
     })
     write_dataset(out, keep, manifest)
-    return PreprocessReport(str(out), n, dupes, rate, saved, two_forward)
+    return PreprocessReport(str(out), n, dupes, rate, saved, two_forward, notes)

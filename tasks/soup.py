@@ -18,6 +18,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from engine.adapters import ADAPTER_FILE, CONFIG_FILE, atomic_save_arrays, atomic_write_text
+from engine.outputs import RefusedOutput, entries
 
 
 def _lora(config: dict) -> tuple[int, float]:
@@ -33,6 +34,14 @@ def delta_weights(adapter: Path) -> dict[str, np.ndarray]:
     modules = sorted({k.rsplit(".", 1)[0] for k in weights if k.endswith(".lora_a")})
     return {m: scale * weights[f"{m}.lora_a"].astype(np.float64)
             @ weights[f"{m}.lora_b"].astype(np.float64) for m in modules}
+
+
+def is_soup(path: Path) -> bool:
+    """Whether ``path`` holds a soup ``make_soup`` wrote (its mark: ``pomona.soup_of``)."""
+    try:
+        return "soup_of" in json.loads((path / CONFIG_FILE).read_text()).get("pomona", {})
+    except (OSError, ValueError, AttributeError, TypeError):
+        return False
 
 
 def make_soup(adapters: list[Path], out: Path) -> Path:
@@ -52,6 +61,9 @@ def make_soup(adapters: list[Path], out: Path) -> Path:
         root = np.sqrt(s[:rank])
         weights[f"{module}.lora_a"] = (u[:, :rank] * root).astype(np.float32)
         weights[f"{module}.lora_b"] = (root[:, None] * vt[:rank]).astype(np.float32)
+    if out.exists() and entries(out) and not is_soup(out):
+        raise RefusedOutput(f"{out}: holds files that are not a soup Pomona made; refusing to "
+                            "replace them. Move them out of the way")
     out.mkdir(parents=True, exist_ok=True)
     atomic_save_arrays(out / ADAPTER_FILE, {k: mx.array(v) for k, v in weights.items()})
     config["pomona"] = {**config.get("pomona", {}), "soup_of": [str(a) for a in adapters]}

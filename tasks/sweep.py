@@ -17,14 +17,18 @@ import contextlib
 import hashlib
 import json
 import threading
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.content_key import model_fingerprint
+from engine.model_source import check_source
+from engine.outputs import claim, mark_kind
+from tasks.content_key import adapter_fingerprint, model_fingerprint
 from tasks.memory_probe import resolve_auto
-from tasks.sweep_spec import SweepSpec
+from tasks.sweep_spec import SpecError, SweepSpec
 from tasks.trials import (
     EventHook,
     ListSource,
@@ -64,24 +68,59 @@ def data_fingerprint(data: str) -> str:
 def check_model(model: str) -> None:
     """Refuse a model path that is not there, before anything starts (a Hugging Face id,
     ``org/name``, is left to mlx-lm: it may download it)."""
-    local = Path(model).expanduser()
-    looks_local = model.startswith(("/", ".", "~")) or model.count("/") > 1 or local.exists()
-    if not local.is_dir() and looks_local:
-        raise FileNotFoundError(f"model not found: {model} (no such directory)")
+    check_source(model)
 
 
 def check_inputs(spec: SweepSpec) -> None:
-    """The spec's model and data exist (FileNotFoundError naming the one that does not)."""
+    """The spec's model and data exist (FileNotFoundError naming the one that does not),
+    and the data was tokenized with the model's tokenizer unless the spec allows another
+    (SpecError: every trial would refuse it, engine/data_fit.py)."""
+    from engine.data_fit import tokenizer_problem
+
     check_model(spec.model)
     data_fingerprint(spec.data)
+    allowed = spec.fixed.get("allow_tokenizer_mismatch") or any(
+        spec.grid.get("allow_tokenizer_mismatch", []))
+    if not allowed and (problem := tokenizer_problem(spec.data, spec.model)):
+        raise SpecError(problem)
+
+
+def is_sweep_dir(path: Path) -> bool:
+    """Whether ``path`` holds a sweep an earlier Pomona wrote, before sweeps carried the
+    mark of engine/outputs.py: its results table, a memory sweep's, or a trial's run
+    folder (a sweep killed before its first trial finished)."""
+    from engine.trainer import is_run_dir
+
+    for name, column in (("results.parquet", "trial_id"), ("memory.parquet", "setting")):
+        with contextlib.suppress(OSError, ValueError, pa.ArrowException):
+            if column in pq.read_schema(path / name).names:
+                return True
+    return any(c.is_dir() and (mark_kind(c) == "run" or is_run_dir(c)) for c in path.iterdir())
+
+
+def claim_sweep(spec: SweepSpec, out: Path) -> AbstractContextManager[Path]:
+    """``out`` held as this process's sweep (engine/outputs.py) while trials run: refused
+    when it holds files Pomona did not write, another sweep is writing it, it is not
+    writable, or it lies inside the model or data."""
+    return claim(out, ("sweep",), legacy=is_sweep_dir, inputs=[spec.model, spec.data])
+
+
+def check_sweep_out(spec: SweepSpec, out: Path) -> None:
+    """``claim_sweep``'s refusals now, before a cluster starts (the sweep claims again)."""
+    with claim_sweep(spec, out):
+        pass
 
 
 def cache_key(config: dict[str, Any], fingerprint: str, model_key: str) -> str:
     """What a trial's result depends on: its resolved config, the model's bytes
-    (``model_key``: tasks/content_key.py, not its path), the data, the code."""
-    body = json.dumps({k: v for k, v in config.items() if k not in ("out", "model")},
+    (``model_key``: tasks/content_key.py, not its path), a warm start's adapter bytes (not
+    its path: re-trained in place, it is another start), the data, the code."""
+    body = json.dumps({k: v for k, v in config.items() if k not in ("out", "model",
+                                                                    "warm_start")},
                       sort_keys=True, default=str)
     text = f"{body}|{model_key}|{fingerprint}|{CODE_VERSION}"
+    if config.get("warm_start"):
+        text += f"|{adapter_fingerprint(config['warm_start'])}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -149,6 +188,12 @@ def run_sweep(spec: SweepSpec, out: Path, placement: Placement | None = None,
     Ctrl-C: results so far are written (running trials ``cancelled``) and
     KeyboardInterrupt propagates.
     """
+    with claim_sweep(spec, Path(out)):
+        return _run_sweep(spec, Path(out), placement or Placement(), progress, wrap)
+
+
+def _run_sweep(spec: SweepSpec, out: Path, placement: Placement, progress: EventHook | None,
+               wrap: Wrap | None) -> list[Summary]:
     import ray
 
     sweep = _SweepRun(spec, Path(out), placement or Placement(), progress)

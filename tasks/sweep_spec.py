@@ -164,6 +164,17 @@ def _check_value(name: str, value: Any, where: str) -> Any:
     return value if not isinstance(value, str) and checked == value else checked
 
 
+def _distinct(name: str, raw: list, values: list) -> list:
+    """``values`` (grid.name's ``raw`` values, checked), refused when two are one value
+    (``[8, 8.0, "8"]``): they would run one trial twice, under one id or two."""
+    for i, value in enumerate(values):
+        j = next((j for j in range(i) if values[j] == value), None)
+        if j is not None:
+            raise SpecError(f"grid.{name}: {raw[i]!r} repeats {raw[j]!r} (both are "
+                            f"{value!r}); list each value once")
+    return values
+
+
 def _dist(name: str, raw: Any) -> Dist:
     where = f"space.{name}"
     if not isinstance(raw, dict) or len(raw) != 1 or next(iter(raw)) not in KINDS:
@@ -243,7 +254,7 @@ def _parse(data: Any) -> SweepSpec:
     for name, values in grid.items():
         if not isinstance(values, list) or not values:
             raise SpecError(f"grid.{name}: expected a non-empty list of values")
-    grid = {name: [_check_value(name, v, "grid") for v in values]
+    grid = {name: _distinct(name, values, [_check_value(name, v, "grid") for v in values])
             for name, values in grid.items()}
     f, g, s = set(fixed), set(grid), set(space)
     overlap = sorted((f & g) | (f & s) | (g & s))

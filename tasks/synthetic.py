@@ -210,10 +210,43 @@ def synth_rows(
         yield out
 
 
+ROW_FIELDS = frozenset({"id", "prompt", "chosen", "rejected", "system"})  # every layout's
+
+
+def _read_rows(path: Path) -> list:
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    text = path.read_text(encoding="utf-8")
+    return json.loads(text) if path.suffix.lower() == ".json" else [
+        json.loads(line) for line in text.splitlines()]
+
+
+def is_synth_file(path: Path) -> bool:
+    """Whether ``path`` holds rows this module wrote (its mark, the only file ``write_rows``
+    replaces: engine/outputs.py): every row has synth's fields alone and one of its tasks'
+    instructions. A user's own preference data holds neither."""
+    phrases = [p for pair in _INSTRUCTIONS.values() for p in pair]
+
+    def ours(row: object) -> bool:
+        return (isinstance(row, dict) and {k for k, v in row.items() if v is not None}
+                <= ROW_FIELDS and any(p in json.dumps(row) for p in phrases))
+
+    try:
+        rows = _read_rows(Path(path))
+        return isinstance(rows, list) and bool(rows) and all(map(ours, rows))
+    except Exception:  # unreadable, not JSON, not Parquet: not ours
+        return False
+
+
 def write_rows(rows: list[dict], out: Path) -> Path:
-    """Write rows as JSONL (``.jsonl``), a JSON array (``.json``) or Parquet (``.parquet``)."""
+    """Write rows as JSONL (``.jsonl``), a JSON array (``.json``) or Parquet (``.parquet``),
+    replacing only an earlier synthetic file (``is_synth_file``)."""
+    from engine.outputs import check_file
+
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_file(out, is_synth_file, "a synthetic data file")
     tmp = out.with_name(out.name + ".tmp")
     suffix = out.suffix.lower()
     if suffix == ".jsonl":

@@ -25,26 +25,23 @@ from typing import Any
 import numpy as np
 
 from engine.data import (
+    MAX_BAD_FRACTION,
     TEST_FRACTION,
     VALID_FRACTION,
     check_fractions,
     split_counts,
+    split_notes,
     stable_split,
 )
-from tasks.dataset_dir import (
-    RefusedOutput,
-    check_apart,
-    check_replaceable,
-    read_manifest,
-    write_dataset,
-)
+from engine.digests import sha256_file, tokenizer_hash
+from engine.model_source import local_model
+from engine.outputs import RefusedOutput, check_apart
+from tasks.dataset_dir import check_replaceable, read_manifest, shards_problem, write_dataset
 from tasks.pair_encoder import PairEncoder
 from tasks.preference_rows import LAYOUTS, Conversation, Reject, list_files, read_conversations
 from tasks.render import ChatTemplate, Truncation, render, truncate
 
 DATA_CODE_VERSION = "2"  # bump when rendering/tokenization changes what gets written
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "tokenizer.model")
 # config.json keys that hold a model's context length, across families.
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
                 "n_ctx", "max_sequence_length")
@@ -63,7 +60,7 @@ class TokenizeOptions:
     max_prompt_length: int = 0
     valid_fraction: float = VALID_FRACTION  # ranked and pruned on
     test_fraction: float = TEST_FRACTION  # reported by the leaderboard, never chosen on
-    max_bad_fraction: float = 0.05
+    max_bad_fraction: float = MAX_BAD_FRACTION  # the limit loading pre-tokenized data applies
     batch_rows: int = 1024
 
     def check(self) -> None:
@@ -95,6 +92,7 @@ class TokenizeReport:
     tokens: int = 0
     seconds: float = 0.0
     outliers: dict[str, Any] = field(default_factory=dict)  # the manifest's "outliers"
+    notes: list[str] = field(default_factory=list)  # an empty valid/test split, a rebuild
 
     @property
     def tokens_per_sec(self) -> float:
@@ -120,26 +118,16 @@ class _Collected:
     read: int = 0
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def tokenizer_hash(model_dir: Path) -> str:
-    h = hashlib.sha256()
-    for name in TOKENIZER_FILES:
-        if (Path(model_dir) / name).exists():
-            h.update(name.encode() + _sha256(Path(model_dir) / name).encode())
-    return h.hexdigest()
-
-
 def fingerprint(files: list[Path], model_dir: Path, options: TokenizeOptions) -> str:
-    body = {"sources": [_sha256(f) for f in files], "tokenizer": tokenizer_hash(model_dir),
+    body = {"sources": [sha256_file(f) for f in files], "tokenizer": tokenizer_hash(model_dir),
             "options": asdict(options), "code": DATA_CODE_VERSION}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _split_rows(manifest: dict[str, Any]) -> dict[str, int]:
+    """Rows per split as a manifest counts them (one from before the test split: none)."""
+    rows = manifest.get("rows") or {}
+    return {name: int(rows.get(name) or 0) for name in ("train", "valid", "test")}
 
 
 def context_length(model_dir: Path) -> int:
@@ -164,11 +152,12 @@ def rejects_paths(out: Path) -> tuple[Path, Path]:
 
 
 def _resolve_model_dir(model: str) -> Path:
-    path = Path(model).expanduser()
+    try:
+        path = Path(local_model(model))
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"--model {err}") from err
     if path.is_dir():
         return path
-    if model.startswith(("/", ".", "~")) or path.exists():
-        raise FileNotFoundError(f"--model {model}: no such model directory")
     from mlx_lm.utils import hf_repo_to_path  # a repo id: the local snapshot mlx-lm uses
 
     try:
@@ -322,7 +311,7 @@ def _manifest(fp: str, model_dir: Path, options: TokenizeOptions, use_template: 
         "fingerprint": fp, "tokenizer": str(model_dir), "tokenizer_hash": tokenizer_hash(model_dir),
         "code_version": DATA_CODE_VERSION, "options": asdict(options),
         "chat_template": use_template, "preprocessed": False,
-        "sources": [{"path": str(f), "sha256": _sha256(f)} for f in files],
+        "sources": [{"path": str(f), "sha256": sha256_file(f)} for f in files],
         "rows": {"total": len(rows["id"]), **split_counts(rows["split"]), "read": got.read},
         "rejects": dict(Counter(r.reason for r in got.rejects)), "truncation": dict(got.trunc),
         "token_lengths": {k: _length_stats(rows[f"{k}_ids"])
@@ -345,11 +334,15 @@ def tokenize_dataset(inputs: str | Path, model: str, out: str | Path,
         options = replace(options, max_length=context_length(model_dir))
     fp = fingerprint(files, model_dir, options)
     manifest = read_manifest(out)
-    if manifest is not None and manifest.get("fingerprint") == fp:
+    broken = shards_problem(out, manifest) if manifest is not None else None
+    if manifest is not None and manifest.get("fingerprint") == fp and broken is None:
         return TokenizeReport(str(out), fp, True, manifest["rows"]["total"],
                               manifest["rejects"], manifest["truncation"],
                               seconds=time.perf_counter() - started,
-                              outliers=manifest.get("outliers", {}))
+                              outliers=manifest.get("outliers", {}),
+                              notes=split_notes(_split_rows(manifest), options.valid_fraction,
+                                                options.test_fraction))
+    notes = [f"{out}: {broken}; tokenizing again"] if broken else []
     check_replaceable(out)  # before the work, not only when writing (write_dataset checks)
     hf_tok = _load_tokenizer(model_dir)
     if options.chat_template == "on" and not hf_tok.chat_template:
@@ -363,6 +356,8 @@ def tokenize_dataset(inputs: str | Path, model: str, out: str | Path,
     _fail_if_unusable(got, inputs, files, options.max_bad_fraction, failed_path)
     got.rows["split"] = [stable_split(i, options.valid_fraction, options.test_fraction)
                          for i in got.rows["id"]]
+    notes += split_notes(split_counts(got.rows["split"]), options.valid_fraction,
+                         options.test_fraction)  # refuses an empty train split
     got.rows["prefix_shared"] = [None] * len(got.rows["id"])  # set by preprocess
     manifest = _manifest(fp, model_dir, options, use_template, files, got)
     write_dataset(out, got.rows, manifest)
@@ -370,4 +365,4 @@ def tokenize_dataset(inputs: str | Path, model: str, out: str | Path,
     failed_path.unlink(missing_ok=True)  # an earlier failure's report no longer applies
     return TokenizeReport(str(out), fp, False, manifest["rows"]["total"], manifest["rejects"],
                           dict(got.trunc), manifest["tokens"], time.perf_counter() - started,
-                          manifest["outliers"])
+                          manifest["outliers"], notes)

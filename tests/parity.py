@@ -2,7 +2,8 @@
 runs on (B drawn non-zero, so A gets gradients too).
 
 Tolerance: max |g − g_ref| ≤ 1e-5 · max |g_ref| per tensor; loss to 1e-6 and metrics to
-1e-5 relative (float32: the paths reorder sums only).
+1e-5 relative, or 1e-6 of the log-probs' size absolute (float32: the paths reorder sums
+only; a margin near zero is a difference of two such sums).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from engine.arch import make_stack
-from engine.arch.check import check_stack
+from engine.load_check import check_stack
 from engine.model import LoraSpec, attach_lora, lora_modules
 
 GRAD_RTOL, LOSS_RTOL = 1e-5, 1e-6
@@ -47,8 +48,12 @@ def assert_same(got, ref) -> None:
     ref_loss, ref_metrics, ref_grads = ref
     assert set(grads) == set(ref_grads) and len(grads) > 0
     assert float(loss) == pytest.approx(float(ref_loss), rel=LOSS_RTOL)
+    # A margin is a difference of log-probs: no more exact than its terms, so the absolute
+    # floor scales with them (|logps| 13.5 → 1.4e-5; AMD's OpenBLAS kernels reach 1.2e-6).
+    terms = [abs(float(v)) for k, v in ref_metrics.items() if k.startswith("logps/")]
+    floor = 1e-6 * max([1.0, *terms])
     for k in ref_metrics:
-        assert float(metrics[k]) == pytest.approx(float(ref_metrics[k]), rel=1e-5, abs=1e-6)
+        assert float(metrics[k]) == pytest.approx(float(ref_metrics[k]), rel=1e-5, abs=floor), k
     for name, g in ref_grads.items():
         scale = float(mx.abs(g).max())
         assert scale > 0, f"{name}: zero reference gradient makes the test vacuous"

@@ -22,11 +22,11 @@ import pytest
 
 from engine import segmented
 from engine.arch import make_stack
-from engine.arch.check import check_length, check_stack
 from engine.arch.stack import Stack
 from engine.batch import batch_norms, make_batch
+from engine.load_check import check_length, check_stack, checked_stack
 from engine.losses import LossSpec, pair_loss
-from engine.model import checked_stack, lora_modules
+from engine.model import lora_modules
 from engine.prefix import split_prefix_batch
 from engine.segmented import plain_value_and_grad, value_and_grad
 from tasks.model_factory import init_model
@@ -51,7 +51,7 @@ def family_dir(tmp_path_factory: pytest.TempPathFactory):
 def lora_family(path: Path, keys: tuple[str, ...] | None = None):
     """The model with LoRA (non-zero B, so A gets gradients too) and its checked stack."""
     model, _ = mlx_lm.load(str(path))
-    return with_lora(model, keys), checked_stack(model)
+    return with_lora(model, keys), checked_stack(model)[0]
 
 
 def loss_fn(batch, spec: LossSpec):
@@ -278,7 +278,7 @@ def test_an_unlisted_windowed_family_is_exact_through_the_generic_stack() -> Non
     """olmo3 is not listed: the llama-like Stack reads its windows from ``layer_types``
     and passes the check, and every lever is then exact on it."""
     model = _olmo3()
-    stack = checked_stack(model)
+    stack, _ = checked_stack(model)
     assert not stack.listed and stack.windows == [WINDOW]
     assert check_family(model, stack, LossSpec("orpo", 0.5, "full")) > 0
 

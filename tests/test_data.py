@@ -20,6 +20,9 @@ pytestmark = pytest.mark.integration
 SAMPLES = Path(__file__).resolve().parents[1] / "datasets" / "sample"
 
 
+# A row or two, all in train: a split that left train empty would be refused (issue 28).
+ALL_TRAIN = {"valid_fraction": 0.0, "test_fraction": 0.0}
+
 def jsonl(path: Path, rows: list) -> Path:
     lines = [r if isinstance(r, (str, bytes)) else json.dumps(r) for r in rows]
     path.write_bytes(b"\n".join(x if isinstance(x, bytes) else x.encode() for x in lines) + b"\n")
@@ -68,7 +71,7 @@ def test_raw_rendering_adds_bos_and_eos(tiny_model, tmp_path, tok) -> None:
     rows = [{"prompt": "Sort: 3 1\nAnswer:", "chosen": " 1 3", "rejected": " 3 1"}]
     out = tmp_path / "raw"
     tokenize_dataset(jsonl(tmp_path / "r.jsonl", rows), str(tiny_model), out,
-                     TokenizeOptions(chat_template="off"))
+                     TokenizeOptions(chat_template="off", **ALL_TRAIN))
     t = table(out)
     assert t["prompt_ids"][0][0] == tok.bos_token_id
     assert tok.decode(t["prompt_ids"][0][1:]) == "Sort: 3 1\nAnswer:"
@@ -117,7 +120,8 @@ def test_truncation_keeps_prompt_end_and_counts(tiny_model, tmp_path, tok) -> No
              "rejected": " 9 8"},
             {"id": "ok", "prompt": "Sort: 2 1", "chosen": " 1 2", "rejected": " 2 1"}]
     out = tmp_path / "tr"
-    opts = TokenizeOptions(chat_template="off", max_length=24, max_prompt_length=16)
+    opts = TokenizeOptions(chat_template="off", max_length=24, max_prompt_length=16,
+                           **ALL_TRAIN)
     report = tokenize_dataset(jsonl(tmp_path / "t.jsonl", rows), str(tiny_model), out, opts)
     t = table(out)
     i = t["id"].index("long")
@@ -127,7 +131,8 @@ def test_truncation_keeps_prompt_end_and_counts(tiny_model, tmp_path, tok) -> No
     assert report.truncation == {"truncated_prompt": 1, "truncated_chosen": 1}
     # A budget that leaves no response token rejects the row, with its reason.
     out2 = tmp_path / "tr2"
-    opts2 = TokenizeOptions(chat_template="off", max_length=3, max_bad_fraction=1.0)
+    opts2 = TokenizeOptions(chat_template="off", max_length=3, max_bad_fraction=1.0,
+                            **ALL_TRAIN)
     r2 = tokenize_dataset(jsonl(tmp_path / "t2.jsonl", rows[:1]), str(tiny_model), out2, opts2)
     assert r2.rows == 1  # max_length 3: prompt 2 (BOS + end), 1 response token each
 

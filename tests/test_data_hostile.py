@@ -4,11 +4,17 @@ Each file below is a list of (row, expected): the row as JSON (or raw bytes for 
 are not JSON), expected either ``KEPT`` (the row's id is in the dataset) or the reject
 reason datasets/README.md documents. The test names every row whose outcome differs.
 Files that cannot be read at all fail the whole run, naming the file.
+
+Then pre-tokenized rows straight into the engine (issue 28, items 5 and 6): ids out of
+range, negative, float, huge, null, empty, from another vocabulary, and a dataset of
+another tokenizer. Each is a counted reject, or above the 5% bad-row limit one line naming
+the file, row and id: never rc 139, a traceback or a NaN loss.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -226,3 +232,149 @@ def test_unreadable_file_fails_naming_it(tiny_model, tmp_path, name, write) -> N
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert lines[0].startswith(f"error: {src}: cannot read this file")
     assert not (tmp_path / "ds").exists()
+
+
+# Pre-tokenized rows (issue 28, items 5 and 6): ids straight into the engine ----------------
+
+VOCAB = 512  # tests/conftest.py TINY
+GOOD = [{"id": f"g{k}", "prompt_ids": [1, 20 + k % 50], "chosen_ids": [40, 2],
+         "rejected_ids": [41, 2]} for k in range(150)]
+# (row, the reject reason load_pairs counts, what its first-bad line must name)
+HOSTILE_IDS = {
+    "out of range": ({"id": "over", "prompt_ids": [1, VOCAB], "chosen_ids": [40],
+                      "rejected_ids": [41]}, "token id out of range", f"prompt_ids holds {VOCAB}"),
+    "negative": ({"id": "neg", "prompt_ids": [1, 2], "chosen_ids": [-3], "rejected_ids": [41]},
+                 "token id out of range", "chosen_ids holds -3"),
+    "float": ({"id": "flt", "prompt_ids": [1, 2], "chosen_ids": [40], "rejected_ids": [41.7]},
+              "token id not an integer", "rejected_ids holds 41.7"),
+    "huge": ({"id": "huge", "prompt_ids": [1, 2**40], "chosen_ids": [40],
+              "rejected_ids": [41]}, "token id out of range", f"holds {2**40}"),
+    "empty": ({"id": "emp", "prompt_ids": [1, 2], "chosen_ids": [], "rejected_ids": [41]},
+              "empty chosen response", "empty chosen response"),
+    "other vocabulary": ({"id": "wide", "prompt_ids": [1, 30_000], "chosen_ids": [40_000],
+                          "rejected_ids": [41]}, "token id out of range", "prompt_ids holds 30000"),
+    "null": ({"id": "nul", "prompt_ids": [1, None], "chosen_ids": [40], "rejected_ids": [41]},
+             "token id missing (null)", "null id"),
+}
+
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_pretokenized_hostile_rows_are_counted_rejects(tmp_path) -> None:
+    """One row of each hostile kind among 150 good ones (under the 5% limit): each is a
+    counted reject with its reason, the good rows load as ints. Would catch: an id past
+    the vocabulary or a negative one kept (NaN, SIGSEGV, silent wrap), a float truncated,
+    2**40 an OverflowError traceback."""
+    from engine.data import load_pairs
+
+    rows = GOOD[:75] + [row for row, _, _ in HOSTILE_IDS.values()] + GOOD[75:]
+    pairs = load_pairs(_jsonl(tmp_path / "ids.jsonl", rows), vocab=VOCAB)
+    kept = pairs.train + pairs.valid + pairs.test
+    assert sorted(p.id for p in kept) == sorted(r["id"] for r in GOOD)
+    assert all(type(i) is int and 0 <= i < VOCAB
+               for p in kept for i in (*p.prompt, *p.chosen, *p.rejected))
+    want: dict[str, int] = {}
+    for _, reason, _ in HOSTILE_IDS.values():
+        want[reason] = want.get(reason, 0) + 1
+    assert dict(pairs.rejected) == want
+    assert pairs.first_bad == f"row 75 (id 'over'): prompt_ids holds {VOCAB}, outside the " \
+                              f"model's vocabulary of {VOCAB} ids (0-{VOCAB - 1})"
+    assert pairs.skipped_note().startswith(f"skipped {len(HOSTILE_IDS)} of {len(rows)} rows:")
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE_IDS))
+def test_pretokenized_hostile_majority_is_one_line_naming_file_row_and_id(kind, tmp_path) -> None:
+    """180 of 200 rows unusable trained on the other 20 with no word (item 6); here 10 of
+    20. Would catch: no bad-row limit, or an error that names no file, row or id."""
+    from engine.data import load_pairs
+
+    row, reason, named = HOSTILE_IDS[kind]
+    path = _jsonl(tmp_path / "ids.jsonl", GOOD[:10] + [{**row, "id": f"{row['id']}{k}"}
+                                                       for k in range(10)])
+    with pytest.raises(ValueError) as err:
+        load_pairs(path, vocab=VOCAB)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(f"{path}: 10 of 20 rows (50.0%)")
+    assert f"above the 5% limit: {reason} (10)" in line
+    assert f"first: row 10 (id '{row['id']}0'): " in line and named in line
+
+
+def test_id_columns_that_hold_no_numbers_fail_naming_the_file(tmp_path) -> None:
+    """A string or a nested list where ids belong was an Arrow traceback naming no file."""
+    from engine.data import load_pairs
+
+    for text, named in (('{"prompt_ids": [1, "a"], "chosen_ids": [2], "rejected_ids": [3]}',
+                         "cannot read it as tokenized pairs"),
+                        ('{"prompt_ids": [[1]], "chosen_ids": [2], "rejected_ids": [3]}',
+                         "column prompt_ids is list<item: list<item: int64>>")):
+        path = tmp_path / "odd.jsonl"
+        path.write_text(text + "\n")
+        with pytest.raises(ValueError, match=f"^{path}: {named}"):
+            load_pairs(path)
+
+
+def _train(*args: str) -> tuple[int, list[str]]:
+    """`pomona train ARGS` in this process: exit code, non-blank output lines."""
+    result = CliRunner().invoke(app, ["train", *args])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
+    assert "Traceback" not in result.output, result.output
+    return result.exit_code, [x for x in result.output.splitlines()
+                              if x.strip() and not x.startswith("load check")]  # its report
+
+
+def test_training_on_hostile_ids_counts_them_and_stays_finite(tiny_model, tmp_path) -> None:
+    """Through `pomona train`: every hostile kind once among 150 good rows trains on the
+    good ones with a finite loss and reports the skipped rows by reason; a file of mostly
+    hostile rows is one line, exit 2. Would catch: rc 139 (an id past the vocabulary read
+    outside the embedding), a NonFiniteLoss traceback, silently dropped rows."""
+    rows = GOOD + [row for row, _, _ in HOSTILE_IDS.values()]
+    data = _jsonl(tmp_path / "ids.jsonl", rows)
+    code, lines = _train("--model", str(tiny_model), "--data", str(data), "--out",
+                         str(tmp_path / "run"), "--steps", "2", "--batch-size", "4",
+                         "--val-every", "0")
+    assert code == 0, lines
+    note = next(x for x in lines if "skipped" in x)
+    assert note.startswith(f"warning: {data}: skipped {len(HOSTILE_IDS)} of {len(rows)} rows")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert sum(summary["rejected_rows"].values()) == len(HOSTILE_IDS)
+    assert math.isfinite(summary["final"]["loss"])
+    bad = _jsonl(tmp_path / "bad.jsonl", GOOD[:4] + [HOSTILE_IDS["other vocabulary"][0]] * 4)
+    code, lines = _train("--model", str(tiny_model), "--data", str(bad), "--out",
+                         str(tmp_path / "run2"), "--steps", "1")
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: {bad}: 4 of 8 rows") and "(id 'wide')" in lines[0]
+
+
+def test_a_dataset_of_another_tokenizer_is_refused_unless_allowed(tiny_model, tmp_path) -> None:
+    """A manifest's tokenizer fingerprint was never compared with the model's: data
+    tokenized for another vocabulary trained to NaN. Would catch: the mismatch accepted,
+    or the refusal with no way past it."""
+    import shutil
+
+    from tasks.synthetic import synth_rows, write_rows
+    from tasks.tokenize import tokenize_dataset
+
+    other = tmp_path / "other-model"
+    shutil.copytree(tiny_model, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|pad|>"}))
+    raw = write_rows(list(synth_rows("sort", 40, seed=0)), tmp_path / "raw.jsonl")
+    data = tmp_path / "ds"
+    tokenize_dataset(raw, str(other), data)  # another end-of-text token: another tokenizer
+    args = ["--model", str(tiny_model), "--data", str(data), "--steps", "1", "--batch-size",
+            "2", "--val-every", "0"]
+    code, lines = _train(*args, "--out", str(tmp_path / "a"))
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: {data}: tokenized with another tokenizer")
+    assert "--allow-tokenizer-mismatch" in lines[0]
+    code, lines = _train(*args, "--out", str(tmp_path / "b"), "--allow-tokenizer-mismatch")
+    assert code == 0, lines
+    spec = tmp_path / "s.yaml"  # a sweep refuses it before Ray starts, not trial by trial
+    spec.write_text(f"name: s\nmodel: {tiny_model}\ndata: {data}\n")
+    result = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(tmp_path / "sw")])
+    lines = [x for x in result.output.splitlines() if x.strip()]
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert "tokenized with another tokenizer" in lines[0]

@@ -271,7 +271,7 @@ def test_user_mistakes_exit_2_with_one_line(tiny_model, tmp_path, mistake) -> No
         "negative max length": (["--max-length", "-1"], "--max-length"),
         "valid fraction 2": (["--valid-fraction", "2"], "--valid-fraction"),
         "valid and test fractions over 1": (["--valid-fraction", "0.6", "--test-fraction",
-                                             "0.5"], "--test-fraction 0.5 is over 1"),
+                                             "0.5"], "--test-fraction 0.5 is 1 or more"),
         "out is a file": (["--out", str(src)], str(src)),
     }
     (tmp_path / "x.txt").write_text("hi")
@@ -291,3 +291,31 @@ def test_user_mistakes_exit_2_with_one_line(tiny_model, tmp_path, mistake) -> No
     else:
         _corrupt_manifest(out)
         error_line(CliRunner().invoke(app, ["data", "stats", str(out)]), "manifest.json")
+
+
+def test_a_broken_dataset_is_never_a_cache_hit(tiny_model, tmp_path) -> None:
+    """Issue 28, item 8: a deleted or truncated shard gave "cache hit … nothing to do" on a
+    broken dataset (only the manifest's fingerprint was compared). Would catch: a hit
+    without the shards' sizes and digests checked, or an old manifest (no digests) read
+    as whole when a shard is cut short."""
+    src, out = jsonl(tmp_path / "in.jsonl", explicit(30)), tmp_path / "ds"
+    assert tokenize(tiny_model, src, out, "--no-preprocess").exit_code == 0
+    shard = out / read_manifest(out)["shards"][0]
+    assert read_manifest(out)["shard_files"][shard.name]["bytes"] == shard.stat().st_size
+    whole = shard.read_bytes()
+    assert "cache hit" in tokenize(tiny_model, src, out, "--no-preprocess").output
+    for damage, named in ((lambda: shard.write_bytes(whole[:-10]), "holds"),
+                          (lambda: shard.unlink(), "is missing"),
+                          (lambda: shard.write_bytes(whole[:-1] + b"\0"), "changed")):
+        damage()
+        result = tokenize(tiny_model, src, out, "--no-preprocess")
+        assert result.exit_code == 0 and "cache hit" not in result.output, result.output
+        assert f"its shard {shard.name} {named}" in result.output
+        assert shard.read_bytes() == whole and read_table(out).num_rows == 30  # rebuilt
+    manifest = read_manifest(out)
+    del manifest["shard_files"]  # as a Pomona before this change wrote it
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert "cache hit" in tokenize(tiny_model, src, out, "--no-preprocess").output
+    shard.write_bytes(whole[: len(whole) // 2])
+    result = tokenize(tiny_model, src, out, "--no-preprocess")
+    assert "cache hit" not in result.output and "a shard cannot be read" in result.output

@@ -1,10 +1,11 @@
 """Data parallel over mx.distributed (ring backend on localhost, each rank its own process):
 2 and 3 ranks train the adapter one process trains on the same global batches.
 
-Tolerance: relative error ≤ 1e-5 on every adapter tensor after 4 AdamW steps, as
+Tolerance: relative error ≤ 3e-5 on every adapter tensor after 4 AdamW steps, as
 ‖a − b‖ / ‖a‖ (float32; the ranks' sums add the same terms in another order, and Adam
-turns a gradient's last-bit wobble near zero into a step of full size), and on every
-step's loss.
+turns a gradient's last-bit wobble near zero into a step of full size: 1.0e-5 measured on
+an AMD EPYC with Debian's OpenBLAS 0.3.21; each mistake below moves whole gradients),
+and 1e-5 on every step's loss.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def test_ranks_train_the_one_process_adapter(ranks: int, tiny_model: Path,
     assert a.keys() == b.keys()
     for k in a:
         err = float(mx.linalg.norm((a[k] - b[k]).reshape(-1)))
-        assert err <= 1e-5 * float(mx.linalg.norm(a[k].reshape(-1))), k
+        assert err <= 3e-5 * float(mx.linalg.norm(a[k].reshape(-1))), k
 
 
 def test_a_batch_the_ranks_cannot_split_is_refused(tiny_model: Path, tmp_path: Path) -> None:

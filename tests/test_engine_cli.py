@@ -21,7 +21,8 @@ def train(*args: str) -> str:
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "usage:" not in proc.stderr, proc.stderr
-    [line] = proc.stderr.strip().splitlines()
+    # One line of error; the load check's report (two lines) may come before it.
+    [line] = [x for x in proc.stderr.strip().splitlines() if not x.startswith("load check")]
     return line
 
 
@@ -66,3 +67,24 @@ def test_score_loss_mistakes_are_one_line(tiny_model: Path, tiny_data: Path, tmp
     with pytest.raises(ValueError, match=r"adapter_config\.json.*dpo"):
         trained_loss(adapter)
     assert not (tmp_path / "s.jsonl").exists()
+
+
+def test_verify_prints_the_figures_it_checked(tiny_model: Path, tiny_data: Path,
+                                              tmp_path: Path, capsys) -> None:
+    """Issue 28, item 14: `--verify` printed nothing when it passed. Would catch: a pass
+    with no line saying what was compared, within what tolerance."""
+    import json
+
+    from engine.cli import run_train
+
+    code = run_train(["--model", str(tiny_model), "--data", str(tiny_data), "--out",
+                      str(tmp_path / "v"), "--steps", "1", "--batch-size", "2", "--verify",
+                      "--segment-size", "2", "--head-chunk", "8", "--val-every", "0"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    [line] = [x for x in err.splitlines() if "--verify" in x]
+    assert line.startswith("--verify passed: segment_size=2, head_chunk=8, shared=") and \
+        "matches the plain dense path on 2 pairs (loss rel err " in line and \
+        "grad rel err " in line and "tolerance " in line, line
+    figures = json.loads((tmp_path / "v" / "summary.json").read_text())["verified"]
+    assert figures["pairs"] == 2 and figures["grad_rel_err"] <= figures["tolerance"]

@@ -56,7 +56,10 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
     with get_client(sync_client=True) as client:
         keys = ArtifactFilter(key=ArtifactFilterKey(any_=["pipe-leaderboard"]))
         [art] = client.read_artifacts(artifact_filter=keys, limit=1)
+        keys = ArtifactFilter(key=ArtifactFilterKey(any_=["pipe-leaderboard-full"]))
+        [full] = client.read_artifacts(artifact_filter=keys, limit=1)
     assert trials[0]["trial_id"] in art.data
+    assert "eval/test/nll_loss" not in art.data and "eval/test/nll_loss" in full.data
     assert art.data.count("data:image/png;base64,") == 2  # curves + metric vs parameter
     for name in ("curves.png", "params.png"):
         assert (out / "plots" / name).read_bytes()[:4] == b"\x89PNG"

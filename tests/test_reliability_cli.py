@@ -104,3 +104,95 @@ def test_pipeline_input_mistakes_are_one_line(tmp_path: Path) -> None:
     assert "none.jsonl" in line, line
     line = one_error("pipeline", str(raw), str(tmp_path / "no-model"), str(spec))
     assert "no-model" in line, line
+
+
+# Issue 28 --------------------------------------------------------------------------------
+
+def test_settings_that_train_nothing_or_the_wrong_thing_are_refused() -> None:
+    """Item 10: lr 0, simpo_beta 0 (gradient 0), lora_scale 0, lora_layers 0 (adapts every
+    layer) or -2, pad_multiple -2, min_lr_ratio 1.5 (the lr climbs past its peak) all
+    trained. Would catch: any of them accepted again."""
+    for flag, message in [("--learning-rate=0", "learning_rate=0.0: must be > 0"),
+                          ("--simpo-beta=0", "simpo_beta=0.0: must be > 0"),
+                          ("--lora-scale=0", "lora_scale=0.0: must be > 0"),
+                          ("--lora-layers=0", "lora_layers=0: adapt the last N >= 1"),
+                          ("--lora-layers=-2", "lora_layers=-2: adapt the last N >= 1"),
+                          ("--pad-multiple=-2", "pad_multiple=-2: must be -1 (auto) or >= 0"),
+                          ("--min-lr-ratio=1.5", "min_lr_ratio=1.5: must be in [0, 1]")]:
+        line = one_error("train", "--model", "m", "--data", "d", flag)
+        assert message in line, (flag, line)
+
+
+def test_grid_values_that_are_one_number_are_refused(tmp_path: Path) -> None:
+    """Item 10: grid [8, 8.0, "8"] gave duplicate trial ids (one trial run twice, into one
+    folder). Would catch: values equal after coercion accepted as separate trials."""
+    from tasks.sweep_spec import SpecError, parse_spec
+
+    with pytest.raises(SpecError, match=r"grid.lora_rank: 8.0 repeats 8 \(both are 8"):
+        parse_spec({"name": "s", "model": "m", "data": "d",
+                    "grid": {"lora_rank": [8, 8.0, "8"]}})
+    with pytest.raises(SpecError, match=r"grid.learning_rate: '1e-4' repeats 0.0001"):
+        parse_spec({"name": "s", "model": "m", "data": "d",
+                    "grid": {"learning_rate": [1e-4, "1e-4"]}})
+
+
+def test_leaderboard_without_a_sweep_is_one_line(tmp_path: Path) -> None:
+    """Item 11: `pomona leaderboard` on a missing folder (or one with no results) was a
+    traceback from inside a Prefect flow. Would catch: the flow started before the check."""
+    data = tmp_path / "pairs.jsonl"
+    data.write_text('{"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3], '
+                    '"split": "valid"}\n')
+    for folder in (tmp_path / "missing", tmp_path):
+        line = one_error("leaderboard", str(folder), "--model", str(tmp_path), "--data",
+                         str(data))
+        assert str(folder) in line and ("no such folder" in line or "results.parquet" in line)
+
+
+def test_an_address_that_is_no_ray_address_is_one_line(tmp_path: Path) -> None:
+    """Item 11: `--address garbage` was Ray's ValueError traceback (sweep, pipeline,
+    leaderboard, demo). Would catch: any verb handing it to ray.init unchecked."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"name: s\nmodel: {tmp_path}\ndata: {spec}\n")
+    for args in (["sweep", str(spec)], ["demo", "--out", str(tmp_path / "demo")],
+                 ["pipeline", str(spec), str(tmp_path), str(spec)],
+                 ["leaderboard", str(tmp_path), "--model", "m", "--data", "d"]):
+        line = one_error(*args, "--address", "garbage")
+        assert "--address 'garbage': expected auto or a Ray head's HOST:PORT" in line, line
+    from flows.ray_session import check_address
+
+    for fine in (None, "auto", "10.0.0.5:6379", "ray://head:10001", "[::1]:6379"):
+        check_address(fine)
+
+
+def test_score_batch_size_zero_is_one_line(tiny_model: Path, tiny_data: Path,
+                                           tmp_path: Path) -> None:
+    """Item 11: `score --batch-size 0` loaded the model and the data, then died in a
+    traceback (range() arg 3 must not be zero). Would catch: the size not checked."""
+    line = one_error("score", "--model", str(tiny_model), "--data", str(tiny_data), "--out",
+                     str(tmp_path / "s.jsonl"), "--batch-size", "0")
+    assert "--batch-size: 0: must be at least 1" in line, line
+
+
+def test_ui_ports_no_server_can_be_told_are_one_line(monkeypatch) -> None:
+    """Item 11: `ui --port 99999` was a traceback; `--port 0` advertised port 0 to the UI.
+    Would catch: either port handed to the server."""
+    def execv(path: str, argv: list[str]) -> None:  # the server would replace this process
+        raise AssertionError(f"started {argv}")
+
+    monkeypatch.setattr(os, "execv", execv)
+    for port in ("99999", "0", "-1"):
+        line = one_error("ui", "--port", port)
+        assert f"--port {port}: choose a port from 1 to 65535" in line, line
+
+
+def test_training_that_goes_non_finite_is_one_line(monkeypatch) -> None:
+    """Item 11: a run ending in NonFiniteLoss printed its traceback with exit 1. Would
+    catch: the CLI letting it through."""
+    import engine.trainer as trainer
+
+    def diverges(cfg: object, callbacks: object = ()) -> None:
+        raise trainer.NonFiniteLoss("step 3: loss nan on pairs ['a', 'b']")
+
+    monkeypatch.setattr(trainer, "train", diverges)
+    line = one_error("train", "--model", "m", "--data", "d")
+    assert line.startswith("error: step 3: loss nan on pairs ['a', 'b']; nothing saved"), line

@@ -2,7 +2,9 @@
 
 Items 3 (results lost to a mixed-type column), 5 (caches keyed on the model's path), 6
 (YAML 1.1 strings, NaN and negative settings), 7 (a collapsed trial ranked first), 9 (a
-reused --out mixing two runs; resume duplicating metrics) and 12 (Prefect results pickled).
+reused --out mixing two runs; resume duplicating metrics) and 12 (Prefect results pickled);
+issue 28's items 8 (a warm start keyed on its path) and 12 (a sweep that ranks no trial
+exiting 0, a cancelled trial counted failed).
 No Ray or Prefect server here: the heavy twins are in test_reliability_ray.py.
 """
 
@@ -257,3 +259,79 @@ def test_no_prefect_task_or_flow_would_pickle_its_result() -> None:
     pickled = [name for name, obj in found if obj.persist_result is not False and
                getattr(obj.result_serializer, "type", obj.result_serializer) != "json"]
     assert pickled == []
+
+
+# Issue 28 ---------------------------------------------------------------------------------
+
+def test_a_warm_start_is_keyed_on_its_bytes_not_its_path(tmp_path: Path, monkeypatch) -> None:
+    """Item 8: re-training a warm_start adapter in place gave "1 cached" (the key held its
+    path). Would catch: a cache key that does not change with the adapter's bytes."""
+    from tasks.sweep import cache_key
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    (warm / "adapter_config.json").write_text("{}")
+
+    def retrain(weights: bytes) -> str:
+        tmp = warm / ".new"
+        tmp.write_bytes(weights)
+        os.replace(tmp, warm / "adapters.safetensors")  # as the trainer writes it
+        return cache_key({"learning_rate": 1e-4, "warm_start": str(warm)}, "data", "model")
+
+    first = retrain(b"first weights")
+    assert retrain(b"other weights") != first
+    assert retrain(b"first weights") == first  # the same bytes: the same trial
+
+
+def _sweep_cli(tmp_path: Path, monkeypatch, rows: list[dict]) -> tuple[int, str]:
+    """`pomona sweep` in this process, its trials' rows given (no Ray)."""
+    import contextlib
+
+    from typer.testing import CliRunner
+
+    import flows.sweep_cli as sweep_cli
+    from flows.cli import app
+
+    (tmp_path / "model").mkdir(exist_ok=True)
+    data = tmp_path / "pairs.jsonl"
+    data.write_text('{"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3]}\n')
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"name: s\nmodel: {tmp_path / 'model'}\ndata: {data}\n")
+    monkeypatch.setattr(sweep_cli, "ray_session", lambda address: contextlib.nullcontext())
+    monkeypatch.setattr(sweep_cli, "run_sweep", lambda *args, **kwargs: rows)
+    result = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(tmp_path / "out"),
+                                      "--no-prefect"])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
+    return result.exit_code, result.output
+
+
+def test_a_sweep_that_ranks_no_trial_exits_non_zero(tmp_path: Path, monkeypatch) -> None:
+    """Item 12: every trial failed, or none reported the ranking metric, and the sweep
+    exited 0. Would catch: that exit 0, or no word on why."""
+    failed = [{"trial_id": t, "status": "failed", "reason": "boom"} for t in ("a", "b")]
+    code, out = _sweep_cli(tmp_path, monkeypatch, failed)
+    assert code == 1 and "error: sweep s: no trial completed (2 failed)" in out, out
+    unranked = [{"trial_id": "a", "status": "completed", "best/val/loss": None}]
+    code, out = _sweep_cli(tmp_path, monkeypatch, unranked)
+    assert code == 1 and "no trial can be ranked: none of the 1 completed" in out, out
+    ranked = [*failed, {"trial_id": "c", "status": "completed", "best/val/loss": 1.5}]
+    code, out = _sweep_cli(tmp_path, monkeypatch, ranked)
+    assert code == 0, out
+
+
+def test_a_cancelled_trial_is_not_counted_failed(tmp_path: Path) -> None:
+    """Item 12: the progress bar counted a trial cancelled by Ctrl-C as "failed"."""
+    import io
+
+    from rich.console import Console
+
+    from flows.sweep_cli import SweepProgress
+
+    display = SweepProgress(Console(file=io.StringIO()), parse_spec(SPEC))
+    display("plan", {"trials": 2, "cached": 0, "slots": 2})
+    for trial, status in (("a", "cancelled"), ("b", "failed")):
+        display("started", {"trial_id": trial})
+        display("finished", {"trial_id": trial, "status": status, "reason": "r"})
+    status = display.progress.tasks[0].fields["status"]
+    assert "failed 1" in status and "cancelled 1" in status, status

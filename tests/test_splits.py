@@ -44,8 +44,11 @@ def test_valid_keeps_its_rows_and_test_comes_out_of_train() -> None:
 
 @pytest.mark.unit
 def test_fractions_are_checked() -> None:
-    check_fractions(0.5, 0.5)
-    for valid, test, named in ((0.6, 0.5, "over 1"), (-0.1, 0.1, "--valid-fraction"),
+    """Catches shares that leave train nothing (0.5 + 0.5 and 1 + 0 were accepted, issue
+    28 item 9) and shares outside [0, 1]."""
+    check_fractions(0.5, 0.49)
+    for valid, test, named in ((0.6, 0.5, "1 or more"), (0.5, 0.5, "1 or more"),
+                               (1.0, 0.0, "1 or more"), (-0.1, 0.1, "--valid-fraction"),
                                (0.1, 1.5, "--test-fraction")):
         with pytest.raises(ValueError, match=named):
             check_fractions(valid, test)
@@ -240,3 +243,84 @@ def test_score_cli_scores_the_test_split(tiny_model, mirrored, tiny_data, tmp_pa
     assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == \
         [f"t{i}" for i in range(15)]
     assert run_score([*base, "--data", str(tiny_data), "--split", "test"]) == 2
+
+
+# Issue 28, item 9: splits that leave nothing ------------------------------------------------
+
+def _tokenize(*args: str) -> tuple[int, list[str]]:
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    result = CliRunner().invoke(app, ["data", "tokenize", *args])
+    assert "Traceback" not in result.output, result.output
+    return result.exit_code, [x for x in result.output.splitlines() if x.strip()]
+
+
+@pytest.mark.integration
+def test_a_split_that_leaves_no_train_rows_is_refused(tiny_model, tmp_path) -> None:
+    """--valid-fraction 0.6 + --test-fraction 0.39 on 19 rows put none in train and exited
+    0; so did 1 + 0. Would catch: a dataset written that trains nothing."""
+    from tasks.synthetic import synth_rows, write_rows
+
+    rows = list(synth_rows("sort", 20, seed=0))[1:]  # row 0 is the one train row of 20
+    raw = write_rows(rows, tmp_path / "raw.jsonl")
+    base = ["--input", str(raw), "--model", str(tiny_model), "--out", str(tmp_path / "ds")]
+    for shares, message in ((["0.6", "0.39"], "--valid-fraction 0.6 and --test-fraction 0.39 "
+                                              "leave no train rows (of 19: "),
+                            (["1", "0"], "is 1 or more: nothing would be left to train on")):
+        code, lines = _tokenize(*base, "--valid-fraction", shares[0], "--test-fraction",
+                                shares[1])
+        assert code == 2 and len(lines) == 1 and message in lines[0], lines
+    assert not (tmp_path / "ds").exists()
+    only_valid = write_pairs_jsonl(_pairs(4, "v"), tmp_path / "v.jsonl", split="valid")
+    from engine.data import check_train_split
+
+    with pytest.raises(ValueError, match=f"{only_valid}: no train rows"):
+        check_train_split(load_pairs(only_valid), only_valid)
+
+
+@pytest.mark.integration
+def test_an_empty_valid_split_is_a_note_that_reaches_the_board(tiny_model, tmp_path) -> None:
+    """--valid-fraction 0: every metric "-", trials ranked in no order and the sweep exit 0.
+    Would catch: no note at tokenize, trials ranked on nothing, the board silent on why."""
+    from tasks.evaluate import missing_valid_reason
+    from tasks.leaderboard import why_unranked
+
+    samples = Path(__file__).resolve().parents[1] / "datasets" / "sample" / "explicit.jsonl"
+    code, lines = _tokenize("--input", str(samples), "--model", str(tiny_model), "--out",
+                            str(tmp_path / "ds"), "--valid-fraction", "0")
+    assert code == 0, lines
+    notes = [x for x in lines if x.startswith("note:")]
+    assert notes == ["note: the valid split is empty (--valid-fraction 0.0 of 200 rows): "
+                     "training reports no validation metrics and a sweep cannot rank its "
+                     "trials"], lines
+    reason = missing_valid_reason(str(tmp_path / "ds"))
+    results = [{"trial_id": t, "status": "completed", "reason": ""} for t in ("a", "b")]
+    evals = {t: {"eval/valid/rows": 0, "eval/valid/missing": reason,
+                 "eval/test/rewards/accuracies": 0.6, "eval/test/rows": 20} for t in "ab"}
+    board = rank_trials(results, evals, "val/loss", "min")
+    assert [(r["trial_id"], r["rank"]) for r in board] == [("a", None), ("b", None)]
+    text = markdown(board, "val/loss", "t")
+    assert f"- valid split: {reason}" in text
+    assert "- a: not ranked: no val/loss in training" in text
+    assert "no trial can be ranked" in why_unranked(results, "val/loss")
+
+
+@pytest.mark.integration
+def test_leaderboard_with_nothing_held_out_is_one_line(tmp_path) -> None:
+    """With neither valid nor test rows every evaluation failed inside the flow (a
+    traceback per evaluation). Would catch: the flow started on such data."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from tasks.trials import write_results
+
+    sweep = tmp_path / "sweep"
+    write_results([{"trial_id": "t-1", "status": "completed"}], sweep / "results.parquet")
+    data = write_pairs_jsonl(_pairs(6, "p"), tmp_path / "train.jsonl", split="train")
+    result = CliRunner().invoke(app, ["leaderboard", str(sweep), "--model", str(tmp_path),
+                                      "--data", str(data)], env={"RAY_ADDRESS": ""})
+    lines = [x for x in result.output.splitlines() if x.strip()]
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert f"{data}: no valid and no test rows, nothing to evaluate on" in lines[0]

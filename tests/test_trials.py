@@ -68,18 +68,19 @@ def test_sweep_reruns_exactly_what_changed(ray_cluster, tiny_model, tiny_data,
     raw = {"name": "s", "model": str(tiny_model), "data": str(data), "max_concurrent": 2,
            "fixed": {"steps": 2, "batch_size": 2, "lora_rank": 4, "val_every": 0},
            "grid": {"segment_size": [0, 2]}}
-    first = run_sweep(parse_spec(raw), tmp_path)
+    out = tmp_path / "sweep"  # beside its input: a sweep writes only into its own folder
+    first = run_sweep(parse_spec(raw), out)
     assert [r["status"] for r in first] == ["completed"] * 2
     assert not any(r["skipped"] for r in first)
-    table = pq.read_table(tmp_path / "results.parquet").to_pylist()
+    table = pq.read_table(out / "results.parquet").to_pylist()
     assert {r["param/segment_size"] for r in table} == {0, 2}
-    again = run_sweep(parse_spec(raw), tmp_path)
+    again = run_sweep(parse_spec(raw), out)
     assert all(r["skipped"] for r in again)
-    changed = run_sweep(parse_spec({**raw, "grid": {"segment_size": [0, 1]}}), tmp_path)
+    changed = run_sweep(parse_spec({**raw, "grid": {"segment_size": [0, 1]}}), out)
     assert [r["skipped"] for r in changed] == [True, False]  # only the new point runs
     lines = Path(data).read_text().splitlines(keepends=True)
     Path(data).write_text("".join(lines[1:]))  # the same path, different data: all re-run
-    redone = run_sweep(parse_spec({**raw, "grid": {"segment_size": [0, 1]}}), tmp_path)
+    redone = run_sweep(parse_spec({**raw, "grid": {"segment_size": [0, 1]}}), out)
     assert [r["skipped"] for r in redone] == [False, False]
 
 

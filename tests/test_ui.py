@@ -2,12 +2,14 @@
 
 Issue 14, item 13: the server told its UI to call http://127.0.0.1:4200/api whatever
 ``--port`` said; in a browser the artifact page said "Oops. Something went wrong". The
-browser test renders the leaderboard artifact in Debian's headless Chromium (``./run test``
-installs it on Linux as root; elsewhere the test is skipped with the reason).
+browser test renders the leaderboard artifacts in Debian's headless Chromium, 1400 px wide,
+over the DevTools protocol (``./run test`` installs it on Linux as root; elsewhere the test
+is skipped with the reason): issue 28, item 15, the leading board must fit that width.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -17,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -66,17 +69,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def leaderboard_markdown(tmp: Path) -> str:
-    """The pipeline's leaderboard artifact for two trials: the table and a plot inline."""
-    from tasks.leaderboard import markdown
+BOARD = [{"rank": i + 1, "trial_id": t, "status": "completed", "best/val/loss": loss,
+          "param/learning_rate": lr, "param/lora_rank": rank, "param/orpo_lambda": lam,
+          "eval/valid/rewards/accuracies": 0.7312, "eval/test/rewards/accuracies": 0.6875,
+          "eval/test/logps/margin": 0.1234, "eval/test/loss": 4.5678,
+          "eval/test/nll_loss": 4.4321, "peak_memory_gb": 1.23, "tokens_per_sec": 12345.6,
+          "duration_s": 321.0}
+         for i, (t, loss, lr, rank, lam) in enumerate([("t-40bd8a3a61", 4.6894, 1e-3, 16, 0.1),
+                                                       ("t-5c29816416", 5.8219, 3e-4, 8, 1.0),
+                                                       ("t-77aa01c3e2", 5.9, 1e-4, 32, 0.5)])]
+BOARD += [{"trial_id": "base", "status": "baseline", "rank": None,
+           "eval/valid/rewards/accuracies": 0.5, "eval/test/rewards/accuracies": 0.51}]
+COMPACT_HEAD = ["#", "trial", "learning_rate", "lora_rank", "orpo_lambda", "val acc",
+                "test acc", "test margin", "tok/s"]
+
+
+def board_artifacts(tmp: Path) -> list[dict[str, str]]:
+    """The pipeline's two leaderboard artifacts for three trials and the base, a plot inline
+    in the first (tasks/pipeline_tasks.py: aggregate_task)."""
+    from tasks.pipeline_tasks import board_artifacts
     from tasks.plots import inline_png, metric_vs_params_png
 
-    rows = [{"rank": i + 1, "trial_id": t, "status": "completed", "best/val/loss": loss,
-             "param/learning_rate": lr}
-            for i, (t, loss, lr) in enumerate([("t-40bd8a3a61", 4.6894, 1e-3),
-                                               ("t-5c29816416", 5.8219, 3e-4)])]
-    plot = metric_vs_params_png(rows, "val/loss", ["param/learning_rate"], tmp / "params.png")
-    return markdown(rows, "val/loss", "ui-check") + "\n" + inline_png(plot, "val/loss by lr")
+    plot = metric_vs_params_png(BOARD[:3], "val/loss", ["param/learning_rate"],
+                                tmp / "params.png")
+    return board_artifacts(BOARD, "val/loss", "ui-check", inline_png(plot, "val/loss by lr"),
+                           "leaderboard")
+
+
+def table_head(text: str) -> list[str]:
+    line = next(x for x in text.splitlines() if x.startswith("|"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+@pytest.mark.unit
+def test_the_board_artifact_leads_with_the_clis_few_columns(tmp_path) -> None:
+    """Issue 28, item 15: the artifact held every column and Chromium cut it off at 1400 px
+    after the third metric. Would catch: the full table leading again, or lost."""
+    lead, full = board_artifacts(tmp_path)
+    assert (lead["key"], full["key"]) == ("ui-check-leaderboard", "ui-check-leaderboard-full")
+    assert table_head(lead["markdown"]) == COMPACT_HEAD
+    rows = [x for x in lead["markdown"].splitlines() if x.startswith("| 1 |")]
+    assert rows == ["| 1 | t-40bd8a3a61 | 0.001 | 16 | 0.1 | 0.731 | 0.688 | +0.123 | 12,346 |"]
+    assert "data:image/png;base64," in lead["markdown"]
+    assert "eval/test/nll_loss" in table_head(full["markdown"])
 
 
 def wait_healthy(base: str, server: subprocess.Popen, log: Path, timeout: float = 180) -> None:
@@ -94,17 +129,74 @@ def wait_healthy(base: str, server: subprocess.Popen, log: Path, timeout: float 
     raise AssertionError(f"no healthy Prefect server at {base} after {timeout:.0f} s")
 
 
-def dump_dom(page: str, tmp: Path) -> str:
-    """The page's DOM after its scripts ran, from a fresh headless Chromium profile."""
-    profile = tempfile.mkdtemp(prefix="chromium-", dir=tmp)
-    dom = subprocess.run(
-        [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
-         "--virtual-time-budget=30000", "--dump-dom", page],
-        capture_output=True, text=True, timeout=180,
-        # ./run preloads OpenBLAS for MLX; Chromium's GPU process aborts under it
-        env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
-    assert dom.returncode == 0, dom.stderr[-2000:]
-    return dom.stdout
+# What a rendered artifact page shows, once it shows a table (or fails): the table's
+# headers, where its last header cell ends and where the nearest clipping box (or the
+# window) ends, and whether the inline plot is there.
+RENDERED = """(() => {
+  const oops = document.body.innerText.includes('Oops');
+  const table = document.querySelector('table');
+  if (!table && !oops) return null;
+  if (!table) return JSON.stringify({oops});
+  const th = [...table.querySelectorAll('th')];
+  let clip = document.documentElement.clientWidth;
+  for (let e = table.parentElement; e; e = e.parentElement)
+    if (getComputedStyle(e).overflowX !== 'visible')
+      clip = Math.min(clip, e.getBoundingClientRect().right);
+  return JSON.stringify({oops, headers: th.map(x => x.textContent.trim()),
+    right: th[th.length - 1].getBoundingClientRect().right, clip,
+    img: !!document.querySelector('img[src^="data:image/png;base64,"]'),
+    text: document.body.innerText});
+})()"""
+
+
+class Browser:
+    """Headless Chromium, 1400 px wide, driven over the DevTools protocol."""
+
+    def __init__(self, tmp: Path):
+        import re
+
+        import httpx
+
+        profile = tempfile.mkdtemp(prefix="chromium-", dir=tmp)
+        self.proc = subprocess.Popen(
+            [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--window-size=1400,1000",
+             "--remote-debugging-port=0", "about:blank"], stderr=subprocess.PIPE, text=True,
+            # ./run preloads OpenBLAS for MLX; Chromium's GPU process aborts under it
+            env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
+        for line in self.proc.stderr:
+            if m := re.search(r"DevTools listening on ws://[^:]+:(\d+)/", line):
+                break
+        else:
+            raise AssertionError("chromium did not start its DevTools endpoint")
+        pages = httpx.get(f"http://127.0.0.1:{m.group(1)}/json/list").json()
+        self.ws = next(t["webSocketDebuggerUrl"] for t in pages if t["type"] == "page")
+        self.calls = 0
+
+    def call(self, conn: Any, method: str, **params: Any) -> dict:
+        self.calls += 1
+        conn.send(json.dumps({"id": self.calls, "method": method, "params": params}))
+        while (reply := json.loads(conn.recv())).get("id") != self.calls:
+            pass
+        return reply.get("result", {})
+
+    def rendered(self, page: str, timeout: float = 120) -> dict:
+        """RENDERED on ``page`` once it has a table or failed."""
+        from websockets.sync.client import connect
+
+        with connect(self.ws, max_size=None) as conn:
+            self.call(conn, "Page.navigate", url=page)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                got = self.call(conn, "Runtime.evaluate", expression=RENDERED,
+                                returnByValue=True)["result"].get("value")
+                if got:
+                    return json.loads(got)
+                time.sleep(0.5)
+        raise AssertionError(f"{page}: no table after {timeout:.0f} s")
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
 
 
 @pytest.mark.long  # a server and a browser (or a Ray): scheduled first
@@ -112,7 +204,8 @@ def dump_dom(page: str, tmp: Path) -> str:
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed "
                     "(apt-get install chromium; ./run test installs it on Linux as root)")
 def test_artifact_page_shows_the_leaderboard_on_a_non_default_port(tmp_path) -> None:
-    """Catches a UI that calls port 4200's API: no table, "Oops. Something went wrong"."""
+    """Catches a UI that calls port 4200's API: no table, "Oops. Something went wrong";
+    and a leading board artifact wider than a 1400 px window (issue 28, item 15)."""
     import httpx
 
     port = free_port()
@@ -128,19 +221,25 @@ def test_artifact_page_shows_the_leaderboard_on_a_non_default_port(tmp_path) -> 
         start_new_session=True)  # its own process group: stopped as one below
     try:
         wait_healthy(base, server, tmp_path / "server.log")
-        artifact = httpx.post(f"{base}/api/artifacts/", json={
-            "key": "ui-check-leaderboard", "type": "markdown",
-            "data": leaderboard_markdown(tmp_path), "description": "leaderboard"})
-        artifact.raise_for_status()
-        page = f"{base}/artifacts/artifact/{artifact.json()['id']}"
-        for _ in range(3):  # a busy machine can stop the clock before the page has data
-            html = dump_dom(page, tmp_path)
-            if "<table" in html or "Oops" in html:
-                break
-        assert "Oops" not in html, f"the UI could not reach its API: {html[-2000:]}"
-        assert "<table" in html and "t-40bd8a3a61" in html and "t-5c29816416" in html, \
-            html[-3000:]
-        assert 'src="data:image/png;base64,' in html  # the inline plot
+        browser = Browser(tmp_path)
+        try:
+            seen = []
+            for art in board_artifacts(tmp_path):
+                posted = httpx.post(f"{base}/api/artifacts/", json={
+                    "key": art["key"], "type": "markdown", "data": art["markdown"],
+                    "description": art["description"]})
+                posted.raise_for_status()
+                seen.append(browser.rendered(f"{base}/artifacts/artifact/{posted.json()['id']}"))
+        finally:
+            browser.close()
+        lead, full = seen
+        assert not lead["oops"], f"the UI could not reach its API: {lead}"
+        assert all(t in lead["text"] for t in ("t-40bd8a3a61", "t-5c29816416"))
+        assert lead["img"]  # the inline plot
+        # Issue 28, item 15: the leading board fits a 1400 px window, every column shown.
+        assert lead["headers"] == COMPACT_HEAD, lead["headers"]
+        assert lead["right"] <= lead["clip"], (lead["right"], lead["clip"])
+        assert "eval/test/nll_loss" in full["headers"]  # the full table, one click away
         assert httpx.get(f"{base}/ui-settings").json()["api_url"] == f"{base}/api"
     finally:
         os.killpg(server.pid, signal.SIGTERM)

@@ -16,6 +16,7 @@ What it adds to the llama-likes, all through mlx-lm's own modules:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import mlx.core as mx
@@ -62,3 +63,37 @@ class Gemma4(Stack):
 
     def lora_excluded(self, path: str) -> bool:
         return path.startswith(("router.", "per_layer_"))
+
+    vocab_params = (*Stack.vocab_params, "embed_tokens_per_layer.weight")
+
+    def check_layers(self) -> list[int]:
+        """Per layer type: its K/V donor and first consumer, or its last layer when
+        nothing shares its K/V (the copy's config re-derives the same sharing)."""
+        kinds: dict[str, list[int]] = {}
+        for i, layer in enumerate(self.layers):
+            kinds.setdefault(layer.layer_type, []).append(i)
+        keep = set()
+        for layers in kinds.values():
+            consumers = [i for i in layers if i in self.donor_of]
+            own = [i for i in layers if i not in self.donor_of]
+            keep.update(own[-1:] + consumers[:1])
+        n = len(self.layers)
+        return sorted(keep) if len(keep) > 1 else sorted(keep | {max(n - 2, 0), n - 1})
+
+    def reduced_args(self, args: Any, keep: list[int], vocab: int) -> Any:
+        first_shared = len(self.layers) - args.num_kv_shared_layers
+        return dataclasses.replace(
+            super().reduced_args(args, keep, vocab), vocab_size_per_layer_input=vocab,
+            num_kv_shared_layers=sum(i >= first_shared for i in keep))
+
+    def reduce_weight(self, name: str, w: mx.array, keep: list[int]) -> mx.array:
+        """Per-layer inputs: one [P] slice per layer, in the embedding's columns and the
+        projection's rows."""
+        per = self.inner.hidden_size_per_layer_input
+        idx = mx.array(keep)
+        if name.endswith("embed_tokens_per_layer.weight"):  # [V, L*P]
+            w = w.reshape(w.shape[0], -1, per)[:, idx]
+            return w.reshape(w.shape[0], -1)
+        if name.endswith("per_layer_model_projection.weight"):  # [L*P, H]
+            return w.reshape(-1, per, w.shape[-1])[idx].reshape(-1, w.shape[-1])
+        return w

@@ -15,11 +15,15 @@ What a family states:
   build the mask that layer's type needs;
 - ``donor_of``: layer → the earlier layer whose state it reads (Gemma 4's shared K/V); the
   segmented backward carries that state across segment boundaries, both ways;
-- ``norm`` and ``project`` (tied or untied, logit scale, softcap).
+- ``norm`` and ``project`` (tied or untied, logit scale, softcap);
+- what a structural copy of it keeps (``check_layers``, ``reduced_args``,
+  ``reduce_weight``): the load check's float32 copy (engine/check_copy.py) holds one layer
+  of each kind and a slice of the vocabulary, and must be the same family, smaller.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -88,6 +92,30 @@ class Stack:
     def lora_excluded(self, path: str) -> bool:
         """Linears (paths inside a block) that LoRA leaves alone unless asked."""
         return False
+
+    # --- what a structural copy keeps (engine/check_copy.py) ---------------------------
+    vocab_params: tuple[str, ...] = ("embed_tokens.weight", "lm_head.weight", "lm_head.bias")
+
+    def check_layers(self) -> list[int]:
+        """Layers a structural copy keeps, ascending: the last of each kind (window, donor,
+        consumer) and the last two, so segments of one cross a boundary."""
+        n = len(self.layers)
+        last = {(self.window(i), i in self.donors, i in self.donor_of): i for i in range(n)}
+        return sorted(set(last.values()) | set(range(max(n - 2, 0), n)))
+
+    def reduced_args(self, args: Any, keep: list[int], vocab: int) -> Any:
+        """The config of a copy holding layers ``keep`` (renumbered from 0) and the first
+        ``vocab`` tokens; per-layer lists (``layer_types``) follow the layers."""
+        changes: dict[str, Any] = {"num_hidden_layers": len(keep), "vocab_size": vocab}
+        types = getattr(args, "layer_types", None)
+        if types:
+            changes["layer_types"] = [types[i] for i in keep]
+        return dataclasses.replace(args, **changes)
+
+    def reduce_weight(self, name: str, w: mx.array, keep: list[int]) -> mx.array:
+        """A parameter outside the blocks that holds per-layer slices, cut to ``keep``
+        (the vocabulary rows are already cut)."""
+        return w
 
     # --- derived ---------------------------------------------------------------------
     @property

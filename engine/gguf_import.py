@@ -1,0 +1,313 @@
+"""GGUF files (llama.cpp, Ollama, LM Studio) → a Hugging Face-layout directory mlx-lm loads.
+
+The ``gguf`` package alone reads the file (no torch): its metadata is the config, and each
+tensor is dequantized to float32 (``gguf.quants.dequantize``, every llama.cpp quant type),
+renamed to mlx-lm's names, un-done where llama.cpp's converter changed it (llama's q/k rows
+permuted for its rope; Gemma's norms stored as 1 + w), then cast to the chosen dtype. The
+tokenizer is rebuilt from ``tokenizer.ggml.*`` by transformers' GGUF builders, which need
+``tokenizers`` only; the chat template is kept when the file has one.
+
+    pomona model import model.gguf --out models/m [--dtype bfloat16|float32] [--quantize 4]
+    python -m engine train --model model.gguf ...   # imported once into the cache, by content
+
+An architecture or quant type it does not know is a one-line error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.digests import sha256_file
+
+MARK = "pomona_model.json"  # what Pomona writes beside every model directory it makes
+IMPORTER_VERSION = 1  # part of the cache key: a fix here re-imports cached files
+DTYPES = ("bfloat16", "float16", "float32")
+SHARD_BYTES = 4 << 30
+ProgressFn = Callable[[int, int], None]  # (tensors done, tensors in all)
+
+
+@dataclass(frozen=True)
+class Arch:
+    """How one GGUF ``general.architecture`` maps onto an mlx-lm ``model_type``."""
+
+    model_type: str
+    config: Callable[[dict[str, Any], set[str]], dict[str, Any]]
+    names: dict[str, str]  # GGUF block-tensor stem → mlx-lm name inside the block
+    permute_qk: bool = False  # llama.cpp's LlamaModel.permute of q/k rows (rope layout)
+    norm_offset: float = 0.0  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
+
+
+_BLOCK = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _common(meta: dict[str, Any], arch: str, tensors: set[str]) -> dict[str, Any]:
+    """The config keys every decoder states, under llama.cpp's names (``arch.key``)."""
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata has no {arch}.{name}")
+        return value
+
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    return {
+        "hidden_size": hidden,
+        "num_hidden_layers": int(key("block_count")),
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(key("context_length")),
+        "vocab_size": len(meta["tokenizer.ggml.tokens"]),
+        "tie_word_embeddings": "output.weight" not in tensors,
+    }
+
+
+def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind != "linear":
+        raise ValueError(f"GGUF rope scaling {kind!r} is not supported (linear only)")
+    return {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+
+
+def _llama_config(meta: dict[str, Any], tensors: set[str]) -> dict[str, Any]:
+    if "rope_freqs.weight" in tensors:  # Llama 3.1+'s scaled rope, stored as a tensor
+        raise ValueError("GGUF llama with rope_freqs (Llama 3.1+ rope scaling) is not "
+                         "supported yet; import its Hugging Face checkpoint instead")
+    return {**_common(meta, "llama", tensors), "model_type": "llama",
+            "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+            "rope_scaling": _rope_scaling(meta, "llama"),
+            "attention_bias": "blk.0.attn_q.bias" in tensors, "mlp_bias": False}
+
+
+def _gemma3_config(meta: dict[str, Any], tensors: set[str]) -> dict[str, Any]:
+    base = _common(meta, "gemma3", tensors)
+    # llama.cpp's fixed Gemma 3 facts: 5 sliding layers to 1 global, local rope base 10k,
+    # and 27B (62 layers) scales queries by hidden/heads where the others use head_dim.
+    big = base["num_hidden_layers"] == 62
+    scalar = base["hidden_size"] // base["num_attention_heads"] if big else base["head_dim"]
+    return {**base, "model_type": "gemma3_text",
+            "rope_theta": float(meta.get("gemma3.rope.freq_base", 1_000_000.0)),
+            "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": scalar,
+            "sliding_window": int(meta["gemma3.attention.sliding_window"]),
+            "sliding_window_pattern": 6, "rope_scaling": _rope_scaling(meta, "gemma3")}
+
+
+ARCHS: dict[str, Arch] = {
+    "llama": Arch("llama", _llama_config,
+                  {**_BLOCK, "attn_norm": "input_layernorm",
+                   "ffn_norm": "post_attention_layernorm"}, permute_qk=True),
+    "gemma3": Arch("gemma3_text", _gemma3_config,
+                   {**_BLOCK, "attn_norm": "input_layernorm",
+                    "post_attention_norm": "post_attention_layernorm",
+                    "ffn_norm": "pre_feedforward_layernorm",
+                    "post_ffw_norm": "post_feedforward_layernorm"}, norm_offset=1.0),
+}
+
+
+def read_metadata(reader: Any) -> dict[str, Any]:
+    """Every scalar and string field, and the tokenizer's arrays (others skipped: large)."""
+    import gguf
+
+    keep = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
+            "tokenizer.ggml.token_type")
+    out = {}
+    for key, field in reader.fields.items():
+        is_array = field.types and field.types[0] == gguf.GGUFValueType.ARRAY
+        if is_array and key not in keep and not key.startswith("general."):
+            continue
+        out[key] = field.contents()
+    return out
+
+
+def _arch_of(meta: dict[str, Any], path: Path) -> Arch:
+    name = meta.get("general.architecture")
+    if name not in ARCHS:
+        raise ValueError(f"{path}: GGUF architecture {name!r} is not supported; supported: "
+                         f"{', '.join(sorted(ARCHS))}")
+    return ARCHS[name]
+
+
+def hf_name(arch: Arch, name: str) -> str:
+    """mlx-lm's parameter name for GGUF tensor ``name`` (ValueError if it has none)."""
+    stem, _, kind = name.rpartition(".")  # kind: weight or bias
+    if stem in _TOP:
+        return f"{_TOP[stem]}.{kind}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in arch.names:
+        return f"model.layers.{parts[1]}.{arch.names[parts[2]]}.{kind}"
+    raise ValueError(f"GGUF tensor {name!r} has no {arch.model_type} counterpart")
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's ``permute`` of q/k rows, which took each head's rows from rope
+    pairs [d/2, 2] to halves [2, d/2]: read them as [d/2, 2] and swap back."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def tensor_values(arch: Arch, config: dict[str, Any], tensor: Any) -> np.ndarray:
+    """Tensor ``tensor`` of a GGUFReader as float32 in mlx-lm's layout and convention."""
+    import gguf
+    from gguf.quants import dequantize
+
+    try:
+        w = np.asarray(dequantize(tensor.data, tensor.tensor_type), np.float32)
+    except NotImplementedError as err:
+        raise ValueError(f"GGUF tensor {tensor.name!r}: quant type "
+                         f"{gguf.GGMLQuantizationType(tensor.tensor_type).name} is not "
+                         "supported by the gguf package") from err
+    w = w.reshape([int(n) for n in reversed(tensor.shape)])  # GGUF lists dims innermost first
+    if arch.permute_qk and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+        kv = tensor.name.endswith("attn_k.weight")
+        w = _unpermute(w, config["num_key_value_heads" if kv else "num_attention_heads"])
+    if arch.norm_offset and tensor.name.endswith("norm.weight"):
+        w = w - arch.norm_offset
+    return w
+
+
+def build_tokenizer(meta: dict[str, Any]) -> Any:
+    """A transformers fast tokenizer from ``tokenizer.ggml.*`` (transformers' own builders,
+    which stay clear of torch), with the file's special tokens, BOS flag and chat template."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as gtm
+
+    fields = gtm.GGUF_TOKENIZER_MAPPING["tokenizer"]
+    td = {name: meta[f"tokenizer.{key}"] for key, name in fields.items()
+          if f"tokenizer.{key}" in meta}
+    built = gtm.select_tokenizer_builder(meta["general.architecture"], td.get("tokenizer_type"))
+    tok = gtm.set_split_regex(gtm.add_gguf_special_tokens(built(td), td), td)
+    tokens = td["tokens"]
+
+    def special(key: str) -> str | None:
+        index = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[int(index)] if index is not None and int(index) < len(tokens) else None
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok.backend_tokenizer, bos_token=special("bos_token_id"),
+        eos_token=special("eos_token_id"), unk_token=special("unknown_token_id"),
+        pad_token=special("padding_token_id"), chat_template=meta.get("tokenizer.chat_template"))
+
+
+def _shards(items: Iterator[tuple[str, Any]], limit: int) -> Iterator[dict[str, Any]]:
+    shard, size = {}, 0
+    for name, array in items:
+        if shard and size + array.nbytes > limit:
+            yield shard
+            shard, size = {}, 0
+        shard[name] = array
+        size += array.nbytes
+    if shard:
+        yield shard
+
+
+def _write_weights(stage: Path, arrays: Iterator[tuple[str, Any]]) -> None:
+    import mlx.core as mx
+
+    names: dict[str, str] = {}
+    files = []
+    for shard in _shards(arrays, SHARD_BYTES):
+        file = stage / f"model-{len(files) + 1:05d}.safetensors"
+        mx.save_safetensors(str(file), shard, metadata={"format": "mlx"})
+        files.append(file)
+        names.update(dict.fromkeys(shard, file.name))
+    if len(files) == 1:
+        files[0].rename(stage / "model.safetensors")
+        return
+    total = sum(f.stat().st_size for f in files)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(names.items()))}
+    (stage / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def import_gguf(path: str | Path, out: str | Path, dtype: str = "bfloat16",
+                quantize: int | None = None, progress: ProgressFn | None = None) -> Path:
+    """Write ``path`` (a .gguf) to the new directory ``out`` as an mlx-lm model; return it.
+
+    ``dtype``: the weights' dtype; ``quantize`` 4 or 8: then quantized by
+    ``mlx_lm.convert`` (the path any other checkpoint takes). Written in a temporary
+    folder beside ``out`` and renamed, so ``out`` never holds half a model.
+    """
+    import gguf
+    import mlx.core as mx
+    from mlx_lm.utils import save_config
+
+    path, out = Path(path), Path(out)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if quantize not in (None, 4, 8):
+        raise ValueError(f"quantize {quantize}: expected 4 or 8")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty folder: choose a new --out "
+                              "(an import never replaces files)")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as err:  # the reader's own errors say what is wrong
+        raise ValueError(f"{path}: not a readable GGUF file ({err})") from err
+    meta = read_metadata(reader)
+    arch = _arch_of(meta, path)
+    names = {t.name for t in reader.tensors}
+    config = arch.config(meta, names)
+    tensors = [t for t in reader.tensors if t.name != "rope_freqs.weight"]
+    renamed = {t.name: hf_name(arch, t.name) for t in tensors}  # refuse before any work
+    tokenizer = build_tokenizer(meta)
+
+    def arrays() -> Iterator[tuple[str, Any]]:
+        for done, t in enumerate(tensors, 1):
+            yield renamed[t.name], mx.array(tensor_values(arch, config, t)).astype(
+                getattr(mx, dtype))
+            if progress:
+                progress(done, len(tensors))
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
+        stage = Path(tmp) / "float"
+        stage.mkdir()
+        _write_weights(stage, arrays())
+        save_config(config, config_path=stage / "config.json")
+        tokenizer.save_pretrained(str(stage))
+        _fix_tokenizer_class(stage)
+        mark = {"source": "gguf", "file": path.name, "sha256": sha256_file(path),
+                "architecture": meta["general.architecture"], "name": meta.get("general.name"),
+                "dtype": dtype, "quantize": quantize, "importer": IMPORTER_VERSION}
+        if quantize:
+            stage = _quantized(stage, Path(tmp) / "quantized", quantize)
+        (stage / MARK).write_text(json.dumps(mark, indent=2) + "\n")
+        try:
+            os.replace(stage, out)  # atomic; an empty folder is replaced, any other refused
+        except OSError as err:
+            raise FileExistsError(f"{out} is not empty: choose a new --out") from err
+    return out
+
+
+def _fix_tokenizer_class(stage: Path) -> None:
+    """Name the generic fast class (older transformers know no ``TokenizersBackend``)."""
+    config_path = stage / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _quantized(stage: Path, target: Path, bits: int) -> Path:
+    import contextlib
+    import io
+
+    from mlx_lm.convert import convert
+
+    with contextlib.redirect_stdout(io.StringIO()):  # convert prints [INFO] lines
+        convert(str(stage), str(target), quantize=True, q_bits=bits)
+    return target
