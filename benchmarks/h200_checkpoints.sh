@@ -9,9 +9,9 @@
 # Sections: shapes (Gemma 4 E4B's text decoder in bf16 and 4-bit, Gemma 3 4B in bf16:
 # random weights, `python -m benchmarks shape`), e4b (an 8k pair a step: bf16, and 4-bit
 # under memory_limit_gb 9.3), gemma3-4b (2k pairs, bf16), mutate (the load check on each
-# shape with its sliding windows dropped: must refuse), real (SmolLM2-135M in bf16 and
-# 4-bit, Gemma 3 270M in bf16, imported from their PyPI GGUFs in $GGUF_DIR, trained on the
-# reverse task tokenized in $DATA_DIR). Each run leaves its log and summary in OUT_DIR.
+# shape with its sliding windows dropped: must refuse), real (SmolLM2-135M and Gemma 3
+# 270M, each in bf16 and 4-bit, imported from their PyPI GGUFs in $GGUF_DIR, trained on the
+# reverse task tokenized in $DATA_DIR for each: `pomona data tokenize` with the import). Each run leaves its log and summary in OUT_DIR.
 set -euo pipefail
 out="${*: -1}"
 mkdir -p "$out"
@@ -81,7 +81,8 @@ for section in "${@:1:$#-1}"; do
     real)
       for spec in "smollm2 SmolLM2-135M-Instruct.Q4_1.gguf bfloat16" \
                   "smollm2 SmolLM2-135M-Instruct.Q4_1.gguf bfloat16 4" \
-                  "gemma3-270m gemma-3-270m-q4_k_m.gguf bfloat16"; do
+                  "gemma3-270m gemma-3-270m-q4_k_m.gguf bfloat16" \
+                  "gemma3-270m gemma-3-270m-q4_k_m.gguf bfloat16 4"; do
         set -- $spec
         local_dir="$M/$1-$3${4:+-q$4}"
         [ -f "$local_dir/config.json" ] || py -m flows.cli model import "$GGUF_DIR/$2" \

