@@ -255,6 +255,14 @@ def _write_weights(stage: Path, arrays: Iterator[tuple[str, Any]]) -> None:
     (stage / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+def check_new_folder(out: Path) -> None:
+    """FileExistsError unless ``out`` is absent or an empty folder: an import never
+    replaces files."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty folder: choose a new --out "
+                              "(an import never replaces files)")
+
+
 def import_gguf(path: str | Path, out: str | Path, dtype: str = "bfloat16",
                 quantize: int | None = None, progress: ProgressFn | None = None) -> Path:
     """Write ``path`` (a .gguf) to the new directory ``out`` as an mlx-lm model; return it.
@@ -272,9 +280,7 @@ def import_gguf(path: str | Path, out: str | Path, dtype: str = "bfloat16",
         raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     if quantize not in (None, 4, 8):
         raise ValueError(f"quantize {quantize}: expected 4 or 8")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not an empty folder: choose a new --out "
-                              "(an import never replaces files)")
+    check_new_folder(out)
     try:
         reader = gguf.GGUFReader(str(path))
     except (ValueError, OSError) as err:  # the reader's own errors say what is wrong

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.digests import sha256_file
-from engine.gguf_import import import_gguf
+from engine.gguf_import import check_new_folder, import_gguf
 from engine.model_source import cache_root, imported_gguf
 
 log = logging.getLogger(__name__)
@@ -113,6 +113,8 @@ def fetch_model(name: str, out: Path | None = None, dtype: str = "bfloat16",
                 quantize: int | None = None) -> Path:
     """``name``'s model directory: imported into ``out``, or (no ``out``) the cached import
     for ``dtype`` that ``--model FILE.gguf`` also reads."""
+    if out is not None:
+        check_new_folder(Path(out))  # before any download
     gguf = fetch_gguf(name)
     if out is None and quantize is None:
         return imported_gguf(gguf, dtype)

@@ -64,8 +64,16 @@ def dataset(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-VERBS = ("model init", "model init --overwrite", "data synth", "data tokenize",
-         "data preprocess", "train", "score", "sweep", "pipeline", "demo", "leaderboard")
+VERBS = ("model init", "model init --overwrite", "model import", "model fetch", "data synth",
+         "data tokenize", "data preprocess", "train", "score", "sweep", "pipeline", "demo",
+         "leaderboard")
+
+
+def gguf_file(tmp: Path) -> Path:
+    """A file named like a GGUF (the output is refused before it is read)."""
+    path = tmp / "model.gguf"
+    path.write_bytes(b"GGUF")
+    return path
 
 
 def verb_args(verb: str, out: Path, model: Path, data: Path, dataset: Path, tmp: Path
@@ -76,6 +84,8 @@ def verb_args(verb: str, out: Path, model: Path, data: Path, dataset: Path, tmp:
     return {
         "model init": [["model", "init", "--out", str(out)]],
         "model init --overwrite": [["model", "init", "--out", str(out), "--overwrite"]],
+        "model import": [["model", "import", str(gguf_file(tmp)), "--out", str(out)]],
+        "model fetch": [["model", "fetch", "smollm2", "--out", str(out)]],  # before a download
         "data synth": [["data", "synth", "--out", str(out)],
                        ["data", "synth", "--out", str(out / "metrics.jsonl")]],
         "data tokenize": [["data", "tokenize", "--input", str(SAMPLE), "--model", m, "--out",
