@@ -165,9 +165,9 @@ def test_every_lever_gives_the_plain_gradients_on_real_models(name: str, real) -
     and chunked MLPs, each against plain autograd over two dense forwards in float32:
     gradients to 1e-4 of each tensor's largest (real weights spread wider than the tiny
     families' 1e-5: up to 2.8e-5 measured with one OpenBLAS thread; a structural mistake
-    is of order 1), loss and metrics as tests/parity.py. Catches a lever exact on the tiny families but not on a real stack
-    (SmolLM2: 30 layers, 49k vocabulary; Gemma 3: offset norms, √hidden embedding, 262k
-    vocabulary)."""
+    is of order 1), loss and metrics as tests/parity.py. Catches a lever exact on the
+    tiny families but not on a real stack (SmolLM2: 30 layers, 49k vocabulary; Gemma 3:
+    offset norms, √hidden embedding, 262k vocabulary)."""
     from engine.batch import batch_norms, make_batch
     from engine.losses import LossSpec, pair_loss
     from engine.prefix import split_prefix_batch
