@@ -17,6 +17,7 @@ from typing import Any
 
 from engine.data import PairSet, load_pairs
 from engine.digests import tokenizer_hash
+from engine.model_source import local_model
 
 MISMATCH_FLAG = "--allow-tokenizer-mismatch"
 
@@ -38,8 +39,6 @@ def model_dir(model: str) -> Path | None:
     if local.is_dir():
         return local
     if local.is_file() and local.suffix == ".gguf":
-        from engine.model_source import local_model  # the import loading the model made
-
         return Path(local_model(model))
     if local.exists() or model.startswith(("/", ".", "~")):
         return None  # nothing a tokenizer could be read from

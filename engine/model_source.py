@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from engine.digests import sha256_file
+from engine.gguf_import import IMPORTER_VERSION, import_gguf
 
 GGUF_DTYPE = "bfloat16"  # what a checkpoint ships as; `pomona model import` chooses others
 log = logging.getLogger(__name__)
@@ -48,8 +49,6 @@ def cache_root() -> Path:
 def imported_gguf(path: Path, dtype: str = GGUF_DTYPE) -> Path:
     """The cached import of GGUF ``path`` (made now when missing: a few seconds per
     hundred MB, with a line saying so)."""
-    from engine.gguf_import import IMPORTER_VERSION, import_gguf
-
     digest = sha256_file(path)
     target = cache_root() / f"gguf-{digest[:20]}-{dtype}-v{IMPORTER_VERSION}"
     if (target / "config.json").is_file():
