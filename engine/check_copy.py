@@ -50,6 +50,11 @@ class CheckCopy:
                 f"{self.full_vocab} tokens")
 
 
+def is_quantized(stack: Stack) -> bool:
+    """Whether any module of the text decoder holds quantized weights."""
+    return any(hasattr(m, "scales") for _, m in stack.text.named_modules())
+
+
 def layer_prefix(text: nn.Module, stack: Stack) -> str:
     """The blocks' path inside the text model (``model.layers``)."""
     first = stack.layers[0]

@@ -32,7 +32,7 @@ from mlx.utils import tree_flatten
 from engine.arch import FAMILIES, make_stack, model_type, supported
 from engine.arch.stack import Stack
 from engine.batch import PairBatch
-from engine.check_copy import CheckCopy, same_structure, structural_copy
+from engine.check_copy import CheckCopy, is_quantized, same_structure, structural_copy
 from engine.head import token_logps
 from engine.inflight import silent_phases
 from engine.segmented import segmented_value_and_grad
@@ -202,7 +202,7 @@ def check_model(model: nn.Module, stack: Stack) -> dict[str, Any]:
     figures: dict[str, Any] = check_stack(copy.model, copy.stack)
     figures.update({"layers_checked": len(copy.keep), "layers": copy.layers,
                     "vocab_checked": copy.vocab, "tokens": check_length(copy.stack)})
-    quantized = any(hasattr(m, "scales") for _, m in stack.text.named_modules())
+    quantized = is_quantized(stack)
     reference = None if quantized else copy  # a quantized model has its own (below)
     del copy
     figures.update(native_distances(model, stack, reference, quantized))

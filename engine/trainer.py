@@ -8,6 +8,7 @@ leaves through callbacks (``on_metrics``) and ``metrics.jsonl``; nothing here pr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -34,12 +35,13 @@ from engine.adapters import (
 )
 from engine.arch.stack import Stack
 from engine.batch import PairBatch, batch_norms
+from engine.check_copy import is_quantized, structural_copy
 from engine.config import TrainConfig
 from engine.data import check_train_split, micro_batches, pair_length
 from engine.data_fit import load_pairs_for
 from engine.distributed import SINGLE, Ranks, init_ranks
 from engine.layout_policy import choose_layout, resolve_pad_multiple, resolve_prefix_attention
-from engine.load_check import TOLERANCE, checked_stack
+from engine.load_check import TOLERANCE, checked_stack, native_dtype
 from engine.losses import LossSpec, Norms, pair_loss, validation_metrics
 from engine.model import (
     LoraSpec,
@@ -215,8 +217,17 @@ def verify_paths(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch,
                  spec: LossSpec, cfg: TrainConfig, rtol: float | None = None
                  ) -> dict[str, float]:
     """One step through the configured path and the plain dense two-forward path (whole
-    MLPs); raise if they differ by more than ``rtol`` (default: the load check's tolerance
-    for the model's dtype, engine/load_check.py)."""
+    MLPs); raise if they differ by more than ``rtol`` (default: the tolerance for the
+    model's dtype, engine/load_check.py). A half-precision or quantized model is verified
+    on its float32 structural copy (engine/check_copy.py; the batch's ids folded into its
+    vocabulary): two bf16 paths of one deep stack differ by O(1) however right both are."""
+    where = "the plain dense path"
+    if native_dtype(stack) != mx.float32 or is_quantized(stack):
+        copy = structural_copy(model, stack)
+        if cfg.mlp_chunk:
+            chunk_mlps(copy.stack.layers, cfg.mlp_chunk)
+        model, stack, batch = copy.model, copy.stack, fold_ids(batch, copy.vocab)
+        where += f" on a float32 copy ({copy.describe()})"
     pairs = pair_batch(batch)
     norms = batch_norms([pairs])
     resp, nll = mx.array(pairs.resp_mask), mx.array(pairs.nll_mask)
@@ -238,13 +249,23 @@ def verify_paths(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch,
     path = (f"segment_size={cfg.segment_size}, head_chunk={cfg.head_chunk}, "
             f"shared={pairs is not batch}")
     if set(got) != set(ref) or grad_err > rtol or loss_err > rtol:
-        raise VerifyFailed(f"--verify failed: {path} differs from the plain path (loss rel "
+        raise VerifyFailed(f"--verify failed: {path} differs from {where} (loss rel "
                            f"err {loss_err:.2e}, grad rel err {grad_err:.2e}, tolerance {rtol})")
-    log.info("--verify passed: %s matches the plain dense path on %d pairs (loss rel err "
-             "%.2e, grad rel err %.2e over %d LoRA arrays, tolerance %g)", path, pairs.pairs,
-             loss_err, grad_err, len(ref), rtol)
+    log.info("--verify passed: %s matches %s on %d pairs (loss rel err %.2e, grad rel err "
+             "%.2e over %d LoRA arrays, tolerance %g)", path, where, pairs.pairs, loss_err,
+             grad_err, len(ref), rtol)
     return {"loss_rel_err": loss_err, "grad_rel_err": grad_err, "tolerance": rtol,
             "pairs": pairs.pairs, "arrays": len(ref)}
+
+
+def fold_ids(batch: PairBatch | PrefixBatch, vocab: int) -> PairBatch | PrefixBatch:
+    """``batch`` with every token id taken modulo ``vocab`` (a structural copy's rows):
+    the same layout and masks over ids the copy has."""
+    if isinstance(batch, PrefixBatch):
+        return dataclasses.replace(batch, inputs=batch.inputs % vocab,
+                                   pairs=fold_ids(batch.pairs, vocab))
+    return dataclasses.replace(batch, inputs=batch.inputs % vocab,
+                               targets=batch.targets % vocab)
 
 
 def _emit(record: dict[str, Any], out: Path, callbacks: Sequence[Callback]) -> None:

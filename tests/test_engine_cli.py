@@ -88,3 +88,23 @@ def test_verify_prints_the_figures_it_checked(tiny_model: Path, tiny_data: Path,
         "grad rel err " in line and "tolerance " in line, line
     figures = json.loads((tmp_path / "v" / "summary.json").read_text())["verified"]
     assert figures["pairs"] == 2 and figures["grad_rel_err"] <= figures["tolerance"]
+
+
+def test_verify_checks_a_bf16_model_on_its_float32_copy(tiny_data: Path, tmp_path: Path,
+                                                        capsys) -> None:
+    """A bf16 (or 4-bit) model's two paths cannot be asked to agree in bf16 (a deep Gemma's
+    differ by O(1)); `--verify` compares them on the float32 structural copy, at the
+    float32 tolerance, and says so. Would catch: the bf16 comparison (tolerance 3e-2) back."""
+    from engine.cli import run_train
+    from tasks.model_factory import ModelSpec, init_model
+
+    spec = ModelSpec(layers=4, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=512,
+                     dtype="bfloat16")  # tiny_model's, in bf16
+    model = init_model(spec, tmp_path / "bf16")
+    code = run_train(["--model", str(model), "--data", str(tiny_data), "--out",
+                      str(tmp_path / "v"), "--steps", "1", "--batch-size", "2", "--verify",
+                      "--segment-size", "2", "--head-chunk", "8", "--val-every", "0"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    [line] = [x for x in err.splitlines() if "--verify" in x]
+    assert "on a float32 copy (layers [2, 3] of 4" in line and "tolerance 0.001" in line, line
