@@ -57,24 +57,25 @@ for section in "${@:1:$#-1}"; do
   setup
   mkdir -p "$M" "$D" /tmp/runs
   case "$section" in
-    shapes)
+    shapes)  # SHAPES="e4b-bf16 e4b-q4" writes those only
       for spec in "e4b bfloat16 e4b-bf16" "e4b bfloat16 e4b-q4 4" "gemma3-4b bfloat16 g34b-bf16"; do
         set -- $spec
+        case " ${SHAPES:-e4b-bf16 e4b-q4 g34b-bf16} " in *" $3 "*) ;; *) continue ;; esac
         [ -f "$M/$3/config.json" ] || py -m benchmarks shape --preset "$1" --dtype "$2" \
           ${4:+--quantize $4} --out "$M/$3" 2>&1 | tee -a "$out/shapes.log"
       done ;;
-    e4b)
+    e4b)  # E4B_BF16=0 skips the bf16 run
       pairs e4b-8k 3 6554 1638
-      train e4b-bf16-8k --model "$M/e4b-bf16" --data "$D/e4b-8k.jsonl" --steps 3 \
-        --batch-size 1 $LEVERS
+      [ "${E4B_BF16:-1}" = 0 ] || train e4b-bf16-8k --model "$M/e4b-bf16" \
+        --data "$D/e4b-8k.jsonl" --steps 3 --batch-size 1 $LEVERS
       train e4b-q4-8k-lim9.3 --model "$M/e4b-q4" --data "$D/e4b-8k.jsonl" --steps 3 \
         --batch-size 1 --memory-limit-gb 9.3 $LEVERS ;;
     gemma3-4b)
       pairs g34b-2k 8 1639 410
       train g34b-bf16-2k --model "$M/g34b-bf16" --data "$D/g34b-2k.jsonl" --steps 3 \
         --batch-size 2 $LEVERS ;;
-    mutate)
-      for m in e4b-bf16 e4b-q4 g34b-bf16; do
+    mutate)  # MUTATE="e4b-bf16 e4b-q4" checks those only
+      for m in ${MUTATE:-e4b-bf16 e4b-q4 g34b-bf16}; do
         py -m benchmarks check --model "$M/$m" --mutate drop-window --json \
           > "$out/check_$m.json" 2> "$out/check_$m.log" || echo "check $m: not refused" >&2
       done ;;

@@ -125,7 +125,7 @@ LOSS_WEIGHTS = ("orpo_lambda", "simpo_beta", "simpo_gamma", "simpo_nll_weight")
 def score_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m engine score",
                       description="Score preference pairs under a model (+ adapter).")
-    p.add_argument("--model", required=True, help="Model directory or repo id.")
+    p.add_argument("--model", required=True, help="Model directory, .gguf file or repo id.")
     p.add_argument("--adapter", help="Adapter directory (mlx-lm format).")
     p.add_argument("--data", required=True, help="Tokenized pairs (dataset dir/.parquet/.jsonl).")
     p.add_argument("--out", required=True, help="Output JSONL, one object per pair.")

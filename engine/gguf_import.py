@@ -154,7 +154,7 @@ def hf_name(arch: Arch, name: str) -> str:
     raise ValueError(f"GGUF tensor {name!r} has no {arch.model_type} counterpart")
 
 
-def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+def unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's ``permute`` of q/k rows, which took each head's rows from rope
     pairs [d/2, 2] to halves [2, d/2]: read them as [d/2, 2] and swap back."""
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(
@@ -169,7 +169,7 @@ def tensor_values(arch: Arch, config: dict[str, Any], tensor: Any) -> np.ndarray
     w = w.reshape([int(n) for n in reversed(tensor.shape)])  # GGUF lists dims innermost first
     if arch.permute_qk and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
         kv = tensor.name.endswith("attn_k.weight")
-        w = _unpermute(w, config["num_key_value_heads" if kv else "num_attention_heads"])
+        w = unpermute_qk(w, config["num_key_value_heads" if kv else "num_attention_heads"])
     if arch.norm_offset and tensor.name.endswith("norm.weight"):
         w = w - arch.norm_offset
     return w
@@ -263,6 +263,55 @@ def check_new_folder(out: Path) -> None:
                               "(an import never replaces files)")
 
 
+@dataclass(frozen=True)
+class GGUFModel:
+    """A GGUF file read and understood: everything the import writes comes from here."""
+
+    path: Path
+    meta: dict[str, Any]
+    arch: Arch
+    config: dict[str, Any]
+    tensors: list  # the gguf reader's tensors to write
+    names: dict[str, str]  # GGUF tensor name -> mlx-lm name
+    tokenizer: Any
+
+
+def check_options(dtype: str, quantize: int | None) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if quantize not in (None, 4, 8):
+        raise ValueError(f"quantize {quantize}: expected 4 or 8")
+
+
+def read_gguf(path: Path) -> GGUFModel:
+    """``path`` read, its architecture, quant types, tensor names, config and tokenizer
+    checked: every refusal comes before any tensor is converted, as one line naming the
+    file (and the key, tensor or type)."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as err:  # the reader's own errors say what is wrong
+        raise ValueError(f"{path}: not a readable GGUF file ({err})") from err
+    meta = read_metadata(reader)
+    arch = _arch_of(meta, path)
+    check_quant_types(list(reader.tensors), path)
+    tensors = [t for t in reader.tensors if t.name != "rope_freqs.weight"]
+    try:
+        config = arch.config(meta, {t.name for t in reader.tensors})
+        names = {t.name: hf_name(arch, t.name) for t in tensors}
+    except KeyError as err:
+        raise ValueError(f"{path}: GGUF metadata has no {err.args[0]}") from err
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from err
+    try:
+        tokenizer = build_tokenizer(meta)
+    except Exception as err:  # transformers' builders fail in many ways: name the file
+        raise ValueError(f"{path}: cannot build its tokenizer from tokenizer.ggml.* "
+                         f"({type(err).__name__}: {err})") from err
+    return GGUFModel(path, meta, arch, config, tensors, names, tokenizer)
+
+
 def import_gguf(path: str | Path, out: str | Path, dtype: str = "bfloat16",
                 quantize: int | None = None, progress: ProgressFn | None = None) -> Path:
     """Write ``path`` (a .gguf) to the new directory ``out`` as an mlx-lm model; return it.
@@ -271,47 +320,24 @@ def import_gguf(path: str | Path, out: str | Path, dtype: str = "bfloat16",
     ``mlx_lm.convert`` (the path any other checkpoint takes). Written in a temporary
     folder beside ``out`` and renamed, so ``out`` never holds half a model.
     """
-    import gguf
-    import mlx.core as mx
     from mlx_lm.utils import save_config
 
     path, out = Path(path), Path(out)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    if quantize not in (None, 4, 8):
-        raise ValueError(f"quantize {quantize}: expected 4 or 8")
+    check_options(dtype, quantize)
     check_new_folder(out)
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as err:  # the reader's own errors say what is wrong
-        raise ValueError(f"{path}: not a readable GGUF file ({err})") from err
-    meta = read_metadata(reader)
-    arch = _arch_of(meta, path)
-    check_quant_types(list(reader.tensors), path)
-    names = {t.name for t in reader.tensors}
-    config = arch.config(meta, names)
-    tensors = [t for t in reader.tensors if t.name != "rope_freqs.weight"]
-    renamed = {t.name: hf_name(arch, t.name) for t in tensors}  # refuse before any work
-    tokenizer = build_tokenizer(meta)
-
-    def arrays() -> Iterator[tuple[str, Any]]:
-        for done, t in enumerate(tensors, 1):
-            yield renamed[t.name], mx.array(tensor_values(arch, config, t)).astype(
-                getattr(mx, dtype))
-            if progress:
-                progress(done, len(tensors))
-
+    model = read_gguf(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
         stage = Path(tmp) / "float"
         stage.mkdir()
-        _write_weights(stage, arrays())
-        save_config(config, config_path=stage / "config.json")
-        tokenizer.save_pretrained(str(stage))
+        _write_weights(stage, _arrays(model, dtype, progress))
+        save_config(model.config, config_path=stage / "config.json")
+        model.tokenizer.save_pretrained(str(stage))
         _fix_tokenizer_class(stage)
         mark = {"source": "gguf", "file": path.name, "sha256": sha256_file(path),
-                "architecture": meta["general.architecture"], "name": meta.get("general.name"),
-                "dtype": dtype, "quantize": quantize, "importer": IMPORTER_VERSION}
+                "architecture": model.meta["general.architecture"],
+                "name": model.meta.get("general.name"), "dtype": dtype, "quantize": quantize,
+                "importer": IMPORTER_VERSION}
         if quantize:
             stage = _quantized(stage, Path(tmp) / "quantized", quantize)
         (stage / MARK).write_text(json.dumps(mark, indent=2) + "\n")
@@ -320,6 +346,19 @@ def import_gguf(path: str | Path, out: str | Path, dtype: str = "bfloat16",
         except OSError as err:
             raise FileExistsError(f"{out} is not empty: choose a new --out") from err
     return out
+
+
+def _arrays(model: GGUFModel, dtype: str, progress: ProgressFn | None
+            ) -> Iterator[tuple[str, Any]]:
+    """(mlx-lm name, weights in ``dtype``) per tensor, one at a time (never the whole model
+    in float32)."""
+    import mlx.core as mx
+
+    for done, t in enumerate(model.tensors, 1):
+        values = tensor_values(model.arch, model.config, t)
+        yield model.names[t.name], mx.array(values).astype(getattr(mx, dtype))
+        if progress:
+            progress(done, len(model.tensors))
 
 
 def _fix_tokenizer_class(stage: Path) -> None:

@@ -20,14 +20,14 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from engine.model_source import local_model
+
 
 def load_model(model: str, adapter_path: str | None = None) -> tuple[nn.Module, Any]:
     """``mlx_lm.load`` of a local directory, a ``.gguf`` file (its cached import) or a
     Hugging Face repo id (engine/model_source.py), with an error that names the model:
     offline, a mistyped path otherwise ends as a hub connection error."""
     import mlx_lm
-
-    from engine.model_source import local_model
 
     source = local_model(model)
     if Path(source).is_dir():

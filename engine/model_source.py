@@ -6,17 +6,19 @@ file's SHA-256, the importer's version and the dtype, and read from there; any o
 string is a repo id for mlx-lm (its local snapshot, or a download). A path that looks
 local but is not there is an error naming it, never a hub lookup.
 
-    ~/.cache/pomona/models/gguf-<sha256[:20]>-bfloat16-v1/   ($XDG_CACHE_HOME honoured)
+    ~/.cache/pomona/models/gguf-<sha256[:20]>-bfloat16-v<importer version>/
+    ($XDG_CACHE_HOME honoured; an import superseded by a newer importer is removed)
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 
 from engine.digests import sha256_file
-from engine.gguf_import import IMPORTER_VERSION, import_gguf
+from engine.gguf_import import IMPORTER_VERSION, MARK, import_gguf
 
 GGUF_DTYPE = "bfloat16"  # what a checkpoint ships as; `pomona model import` chooses others
 log = logging.getLogger(__name__)
@@ -46,13 +48,30 @@ def cache_root() -> Path:
     return Path(root) / "pomona" / "models"
 
 
+_digests: dict[tuple, str] = {}  # (path, size, mtime, inode) -> SHA-256, this process
+
+
+def gguf_digest(path: Path) -> str:
+    """SHA-256 of ``path``, hashed once per process while its size, mtime and inode hold
+    (a model is looked up by every loader: 8 s a time for a 5 GB file)."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    if key not in _digests:
+        _digests[key] = sha256_file(path)
+    return _digests[key]
+
+
 def imported_gguf(path: Path, dtype: str = GGUF_DTYPE) -> Path:
     """The cached import of GGUF ``path`` (made now when missing: a few seconds per
-    hundred MB, with a line saying so)."""
-    digest = sha256_file(path)
-    target = cache_root() / f"gguf-{digest[:20]}-{dtype}-v{IMPORTER_VERSION}"
+    hundred MB, with a line saying so; imports of it by older importers are removed)."""
+    digest = gguf_digest(path)
+    stem = f"gguf-{digest[:20]}-{dtype}-v"
+    target = cache_root() / f"{stem}{IMPORTER_VERSION}"
     if (target / "config.json").is_file():
         return target
+    for old in cache_root().glob(f"{stem}*"):  # Pomona's own cache: superseded imports
+        if old.name != target.name and (old / MARK).is_file():
+            shutil.rmtree(old, ignore_errors=True)
     log.warning("importing %s (%.0f MB) into %s, once", path, path.stat().st_size / 1e6,
                 target)
     try:

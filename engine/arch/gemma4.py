@@ -67,8 +67,9 @@ class Gemma4(Stack):
     vocab_params = (*Stack.vocab_params, "embed_tokens_per_layer.weight")
 
     def check_layers(self) -> list[int]:
-        """Per layer type: its K/V donor and first consumer, or its last layer when
-        nothing shares its K/V (the copy's config re-derives the same sharing)."""
+        """Per layer type: its K/V donor with its first and last consumers (a donor's
+        cotangent sums over several), or its last layer when nothing shares its K/V (the
+        copy's config re-derives the same sharing)."""
         kinds: dict[str, list[int]] = {}
         for i, layer in enumerate(self.layers):
             kinds.setdefault(layer.layer_type, []).append(i)
@@ -76,7 +77,7 @@ class Gemma4(Stack):
         for layers in kinds.values():
             consumers = [i for i in layers if i in self.donor_of]
             own = [i for i in layers if i not in self.donor_of]
-            keep.update(own[-1:] + consumers[:1])
+            keep.update(own[-1:] + consumers[:1] + consumers[-1:])
         n = len(self.layers)
         return sorted(keep) if len(keep) > 1 else sorted(keep | {max(n - 2, 0), n - 1})
 
