@@ -64,7 +64,7 @@ def test_the_check_sums_a_donors_cotangents_over_its_consumers(family, monkeypat
 def test_a_reduction_that_breaks_is_one_line(family, monkeypatch) -> None:
     """A family hook that builds no valid copy (here consumers without their donors) is a
     ValueError naming the model type, not a KeyError traceback."""
-    model, stack = family("gemma4_text")
+    model, _ = family("gemma4_text")
     monkeypatch.setattr(Gemma4, "check_layers", lambda self: sorted(self.donor_of))
     with pytest.raises(ValueError, match="gemma4_text: the check's"):
         checked_stack(model)
