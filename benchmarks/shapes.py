@@ -48,17 +48,19 @@ def parser() -> argparse.ArgumentParser:
 def write_shape(preset: str, out: Path, dtype: str = "bfloat16", quantize: int | None = None,
                 layers: int | None = None, seed: int = 0) -> Path:
     """The model directory (module docstring); refuses a non-empty ``out``."""
+    import importlib
+
     import mlx.core as mx
-    from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
+    from mlx_lm.utils import quantize_model, save_config, save_model
 
     from tasks.model_factory import ModelSpec, tokenizer_config, train_tokenizer
 
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty: choose a new --out")
     config = dict(PRESETS[preset], **({"num_hidden_layers": layers} if layers else {}))
-    model_class, args_class = _get_classes(config)
+    family = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)  # mlx-lm's initialisers draw from MLX's global key
-    model = model_class(args_class.from_dict(config))
+    model = family.Model(family.ModelArgs.from_dict(config))
     model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
     full = {**dataclasses.asdict(model.args), **config}
