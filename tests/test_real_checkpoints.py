@@ -95,29 +95,29 @@ def _with_lora(path: Path, dtype: mx.Dtype = mx.float32):
 
 
 @pytest.mark.parametrize("name", sorted(IMPORT_TOL))
-def test_the_load_check_accepts_real_models_in_float32_and_bf16(name: str, real) -> None:
+def test_the_load_check_accepts_real_models_in_bf16(name: str, real) -> None:
     """The refusal this issue began with: a real Gemma 3 in bf16 was refused (0.228 against
     a bf16 tolerance), as plain bf16 autograd itself would have been. The check now runs
-    on a float32 copy of one window period, whatever the model's dtype."""
-    for dtype in (mx.float32, mx.bfloat16):
-        _, figures = checked_stack(_with_lora(real[name], dtype))
-        assert figures["logits"] < 1e-4 and figures["grads"] < 1e-4, figures
-        assert figures["layers_checked"] < figures["layers"]
-        assert figures["tokens"] >= (544 if name == "gemma3-270m" else 64)  # past window 512
+    on a float32 copy of one window period, whatever the model's dtype. (In float32 the
+    lever tests below pass through the same check.)"""
+    _, figures = checked_stack(_with_lora(real[name], mx.bfloat16))
+    assert figures["logits"] < 1e-4 and figures["grads"] < 1e-4, figures
+    assert figures["layers_checked"] < figures["layers"]
+    assert figures["tokens"] >= (544 if name == "gemma3-270m" else 64)  # past window 512
 
 
-@pytest.mark.parametrize("mutation", ["window", "embed", "window-off-by-one"])
-def test_the_load_check_refuses_a_broken_real_gemma3(mutation: str, real, monkeypatch) -> None:
+def test_the_load_check_refuses_a_broken_real_gemma3(real, monkeypatch) -> None:
     """On real weights, a stack that drops the sliding windows, the √hidden embedding
     scale, or narrows the window by one is refused (0.66, 0.43, 0.45 measured)."""
-    window = Gemma3.window
-    broken = {"window": ("window", lambda self, i: None),
-              "embed": ("embed", lambda self, t: self.inner.embed_tokens(t)),
-              "window-off-by-one": ("window", lambda self, i: (
-                  None if window(self, i) is None else window(self, i) - 1))}[mutation]
-    monkeypatch.setattr(Gemma3, *broken)
-    with pytest.raises(ValueError, match="differs from the model's own"):
-        checked_stack(_with_lora(real["gemma3-270m"]))
+    model, window = _with_lora(real["gemma3-270m"]), Gemma3.window
+    for name, broken in (("window", lambda self, i: None),
+                         ("embed", lambda self, t: self.inner.embed_tokens(t)),
+                         ("window", lambda self, i: (
+                             None if window(self, i) is None else window(self, i) - 1))):
+        monkeypatch.setattr(Gemma3, name, broken)
+        with pytest.raises(ValueError, match="differs from the model's own"):
+            checked_stack(model)
+        monkeypatch.undo()
 
 
 def _reverse_data(model_dir: Path, out: Path, n: int) -> Path:
@@ -139,8 +139,8 @@ def test_orpo_steps_with_every_lever_equal_the_plain_path_on_smollm2(real, tmp_p
     from engine.config import TrainConfig
     from engine.trainer import train
 
-    data = _reverse_data(real["smollm2"], tmp_path, 48)
-    base = TrainConfig(model=str(real["smollm2"]), data=str(data), steps=2, batch_size=4,
+    data = _reverse_data(real["smollm2"], tmp_path, 24)
+    base = TrainConfig(model=str(real["smollm2"]), data=str(data), steps=2, batch_size=3,
                        val_every=0, learning_rate=1e-3, report_every=1)
     runs = {"levers": base.replace(segment_size=4, head_chunk=256, prefix_share="on",
                                    mlp_chunk=16, out=str(tmp_path / "levers")),
@@ -160,7 +160,7 @@ def test_orpo_steps_with_every_lever_equal_the_plain_path_on_smollm2(real, tmp_p
 
 @pytest.mark.parametrize("name", sorted(IMPORT_TOL))
 def test_every_lever_gives_the_plain_gradients_on_real_models(name: str, real) -> None:
-    """One batch of two real pairs: segments of 4 with the bounded head, the prefix-shared
+    """One real pair: segments of 4 with the bounded head, the prefix-shared
     forward (split attention) with segments of 1, then with segments of 4, the bounded head
     and chunked MLPs, each against plain autograd over two dense forwards in float32:
     gradients to 1e-4 of each tensor's largest (real weights spread wider than the tiny
@@ -179,7 +179,7 @@ def test_every_lever_gives_the_plain_gradients_on_real_models(name: str, real) -
     model, _ = mlx_lm.load(str(real[name]))
     with_lora(model)
     stack, _ = checked_stack(model)
-    pairs = tokenized_pairs(real[name], 2, seed=3, task="reverse", max_shots=1)
+    pairs = tokenized_pairs(real[name], 1, seed=3, task="reverse", max_shots=1)
     spec = LossSpec("orpo", 1.0, "full")
     def loss_of(pb):  # the loss over a layout's own masks (its padding may differ)
         resp, nll, norms = mx.array(pb.resp_mask), mx.array(pb.nll_mask), batch_norms([pb])
