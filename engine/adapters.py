@@ -9,6 +9,7 @@ a write that fails (a full disk) removes its temporary and raises an OSError nam
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -95,6 +96,16 @@ def trained_loss(adapter_dir: str | Path | None) -> LossSpec | None:
     except (ValueError, AttributeError, TypeError) as err:  # not JSON, not a mapping, a bad value
         raise ValueError(f"{path}: its pomona block does not name a loss Pomona knows "
                          f"({err})") from None
+
+
+def trained_reference(adapter_dir: str | Path | None) -> str:
+    """The reference a DPO adapter trained against (its pomona block), else "base"."""
+    path = Path(adapter_dir) / CONFIG_FILE if adapter_dir else None
+    if path is None or not path.is_file():
+        return "base"
+    with contextlib.suppress(ValueError, AttributeError):
+        return str((json.loads(path.read_text()).get("pomona") or {}).get("reference", "base"))
+    return "base"
 
 
 def load_adapter_weights(model: nn.Module, adapter_dir: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import mlx.core as mx
 import numpy as np
 
 from engine.losses import Norms
@@ -24,6 +25,7 @@ class Pair:
     prompt: Sequence[int]
     chosen: Sequence[int]
     rejected: Sequence[int]
+    ref: tuple[float, float] | None = None  # reference summed log-probs (DPO: reference.py)
 
     def problem(self) -> str | None:
         """Why this pair cannot be trained on, or None (empty responses give NaN means)."""
@@ -43,7 +45,8 @@ class PairBatch:
     inputs, targets: [2B, T] int32 — targets[j] = inputs[j + 1] of the unpadded row;
     resp_mask: [2B, T] float32 — target is a response token;
     nll_mask: [2B, T] float32 — target is in the chosen row's NLL span;
-    tokens: real (non-pad) tokens of both sequences of every pair (for tokens/s).
+    tokens: real (non-pad) tokens of both sequences of every pair (for tokens/s);
+    ref: [2B] float32 reference summed log-probs, same row order, when every pair has one.
     """
 
     ids: list[str]
@@ -52,10 +55,14 @@ class PairBatch:
     resp_mask: np.ndarray
     nll_mask: np.ndarray
     tokens: int
+    ref: np.ndarray | None = None
 
     @property
     def pairs(self) -> int:
         return len(self.ids)
+
+    def ref_array(self) -> mx.array | None:
+        return None if self.ref is None else mx.array(self.ref)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -82,8 +89,11 @@ def make_batch(pairs: Sequence[Pair], nll_span: str = "full", pad_multiple: int 
         resp[i, p - 1 : m] = 1.0  # target j is token j+1: responses start at target p−1
         if i < len(pairs):
             nll[i, (0 if nll_span == "full" else p - 1) : m] = 1.0
+    refs = None
+    if all(p.ref is not None for p in pairs):
+        refs = np.array([p.ref[0] for p in pairs] + [p.ref[1] for p in pairs], np.float32)
     return PairBatch([p.id for p in pairs], inputs, targets, resp, nll,
-                     tokens=sum(len(s) for s in seqs))
+                     tokens=sum(len(s) for s in seqs), ref=refs)
 
 
 def batch_norms(batches: Sequence[PairBatch]) -> Norms:

@@ -15,8 +15,12 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from engine.losses import (
+    DPO_BETA,
+    DPO_LABEL_SMOOTHING,
+    DPO_LOSS_TYPES,
     LOSSES,
     ORPO_LAMBDA,
+    RPO_ALPHA,
     SIMPO_BETA,
     SIMPO_GAMMA,
     SIMPO_NLL_WEIGHT,
@@ -28,7 +32,7 @@ def _f(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
-CHOICES = {"loss": LOSSES, "nll_span": ("full", "response"),
+CHOICES = {"loss": LOSSES, "nll_span": ("full", "response"), "dpo_loss_type": DPO_LOSS_TYPES,
            "lr_schedule": ("cosine", "constant"), "prefix_share": ("auto", "on", "off"),
            "prefix_attention": ("auto", "mask", "split"), "best_mode": ("min", "max")}
 
@@ -47,13 +51,29 @@ class TrainConfig:
     data: str = _f("", "Tokenized pairs: a dataset directory, .parquet or .jsonl with "
                        "prompt_ids/chosen_ids/rejected_ids (and optional id, split).")
     out: str = _f("runs/train", "Output directory: adapters, metrics.jsonl, checkpoints.")
-    loss: str = _f("orpo", "orpo, simpo (reference-free, length-normalised margin), or sft "
-                           "(NLL on the chosen sequence only): engine/losses.py.")
+    loss: str = _f("orpo", "orpo, simpo (reference-free, length-normalised margin), dpo "
+                           "(against reference log-probs computed once and cached: "
+                           "engine/reference.py), or sft (NLL on the chosen sequence only): "
+                           "engine/losses.py.")
     orpo_lambda: float = _f(ORPO_LAMBDA, "ORPO: λ weighting the odds-ratio term (TRL's beta).")
     simpo_beta: float = _f(SIMPO_BETA, "SimPO: β scaling the mean log-probs (TRL CPO's beta).")
     simpo_gamma: float = _f(SIMPO_GAMMA, "SimPO: target margin γ (TRL's simpo_gamma).")
     simpo_nll_weight: float = _f(SIMPO_NLL_WEIGHT, "SimPO: weight of the chosen NLL term "
                                                    "(0 = pure SimPO; TRL's cpo_alpha).")
+    dpo_beta: float = _f(DPO_BETA, "DPO: β, the strength of the pull to the reference "
+                                   "(TRL's beta).")
+    dpo_label_smoothing: float = _f(DPO_LABEL_SMOOTHING, "DPO sigmoid: the share of labels "
+                                                         "assumed flipped (cDPO; TRL's "
+                                                         "label_smoothing), in [0, 0.5).")
+    dpo_loss_type: str = _f("sigmoid", "DPO: sigmoid (Rafailov et al., summed log-probs) or "
+                                       "ipo (Azar et al., length-averaged), TRL's loss_type.")
+    rpo_alpha: float = _f(RPO_ALPHA, "DPO: weight of the chosen NLL term (TRL's rpo_alpha; "
+                                     "0 = off; TRL's span is nll_span response).")
+    reference: str = _f("base", "DPO's reference model: base (the base model, no LoRA) or "
+                                "an adapter directory for it (SFT, then DPO).")
+    reference_logps: str | None = _f(None, "DPO: a reference log-prob file to read "
+                                           "(engine/reference.py); default: Pomona's cache, "
+                                           "computed once when missing.")
     nll_span: str = _f("full", "NLL over prompt+response (full) or the response only.")
     lora_rank: int = _f(8, "LoRA rank r.")
     lora_scale: float = _f(20.0, "LoRA scale (α/r), as in mlx-lm's adapter_config.")
@@ -146,7 +166,8 @@ class TrainConfig:
             raise ValueError("mlp_chunk with lora_dropout > 0: masks would differ from the "
                              "unchunked path; set one of them to 0")
         for name in ("learning_rate", "grad_clip", "weight_decay", "min_lr_ratio",
-                     "orpo_lambda", "simpo_beta", "simpo_nll_weight", "memory_limit_gb"):
+                     "orpo_lambda", "simpo_beta", "simpo_nll_weight", "memory_limit_gb",
+                     "rpo_alpha"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         self._check_trains_something()
@@ -164,7 +185,7 @@ class TrainConfig:
         learning rate, SimPO's β or LoRA scale: every update or gradient is 0) or not what
         was asked (``lora_layers`` 0 adapts every block in mlx-lm; a final rate above the
         peak climbs instead of decaying)."""
-        for name in ("learning_rate", "simpo_beta", "lora_scale"):
+        for name in ("learning_rate", "simpo_beta", "lora_scale", "dpo_beta"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0 (0 trains "
                                  "nothing: every update is zero)")
@@ -173,6 +194,9 @@ class TrainConfig:
                              "or -1 for all of them")
         if self.pad_multiple < -1:
             raise ValueError(f"pad_multiple={self.pad_multiple}: must be -1 (auto) or >= 0")
+        if not 0 <= self.dpo_label_smoothing < 0.5:
+            raise ValueError(f"dpo_label_smoothing={self.dpo_label_smoothing}: must be in "
+                             "[0, 0.5) (0.5 makes both labels equally likely: no signal)")
         if self.min_lr_ratio > 1:
             raise ValueError(f"min_lr_ratio={self.min_lr_ratio}: must be in [0, 1] (the final "
                              "learning rate is this fraction of the peak)")
@@ -180,7 +204,8 @@ class TrainConfig:
     def loss_spec(self) -> LossSpec:
         """The loss this run trains, validates and scores with."""
         return LossSpec(self.loss, self.orpo_lambda, self.nll_span, self.simpo_beta,
-                        self.simpo_gamma, self.simpo_nll_weight)
+                        self.simpo_gamma, self.simpo_nll_weight, self.dpo_beta,
+                        self.dpo_label_smoothing, self.dpo_loss_type, self.rpo_alpha)
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with ``changes``, each coerced to its field's type (``coerce``); unknown

@@ -23,7 +23,7 @@ from engine.arch.stack import Stack
 from engine.batch import Pair, PairBatch, batch_norms, make_batch
 from engine.data import pair_length
 from engine.head import dense_logps, token_logps
-from engine.losses import LossSpec, mean_logps, pair_loss, per_pair_losses
+from engine.losses import LossSpec, mean_logps, pair_logps, pair_loss, per_pair_losses
 from engine.prefix import PrefixBatch, pair_batch, to_pair_layout
 from engine.prefix_patch import layout_masks
 
@@ -83,7 +83,7 @@ def evaluate(model: nn.Module, stack: Stack, pairs: Sequence[Pair], spec: LossSp
             two = pair_batch(b)
             lp = forward_logps(model, stack, b, head_chunk)
             loss, metrics = pair_loss(lp, mx.array(two.resp_mask), mx.array(two.nll_mask),
-                                      spec, norms)
+                                      spec, norms, two.ref_array())
             mx.eval(loss, metrics)
             total_loss += float(loss)
             for k, v in metrics.items():
@@ -111,17 +111,20 @@ def score_pairs(model: nn.Module, stack: Stack, pairs: Sequence[Pair], spec: Los
         two = pair_batch(b)
         lp = forward_logps(model, stack, b, head_chunk)
         resp, nll_mask = mx.array(two.resp_mask), mx.array(two.nll_mask)
-        logps = mean_logps(lp, resp)
+        logps = pair_logps(lp, resp, two.ref_array())
         k = len(idx)
-        lw, lr = logps[:k], logps[k:]
         nll = -mean_logps(lp[:k], nll_mask[:k])
-        loss, terms = per_pair_losses(lw, lr, nll, spec)
-        mx.eval(lw, lr, nll, loss, terms.extra)
+        loss, terms = per_pair_losses(logps, nll, spec)
+        extra = dict(terms.extra)
+        if spec.needs_reference:  # DPO's implicit rewards β·(S − R), as TRL logs them
+            extra.update(chosen_reward=terms.chosen_rewards,
+                         rejected_reward=terms.rejected_rewards)
+        mx.eval(logps.chosen, logps.rejected, nll, loss, extra)
         for j, i in enumerate(idx):
-            rows[i] = {"id": pairs[i].id, "chosen_logp_mean": float(lw[j]),
-                       "rejected_logp_mean": float(lr[j]), "nll": float(nll[j]),
+            rows[i] = {"id": pairs[i].id, "chosen_logp_mean": float(logps.chosen[j]),
+                       "rejected_logp_mean": float(logps.rejected[j]), "nll": float(nll[j]),
                        "loss": float(loss[j]),
-                       **{name: float(v[j]) for name, v in terms.extra.items()}}
+                       **{name: float(v[j]) for name, v in extra.items()}}
     return rows
 
 

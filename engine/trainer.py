@@ -53,6 +53,7 @@ from engine.model import (
 from engine.outputs import claim
 from engine.prefix import PrefixBatch, pair_batch
 from engine.recompute import chunk_mlps, mlp_chunks
+from engine.reference import ReferenceSpec, attach_reference, ensure_reference
 from engine.scoring import evaluate
 from engine.segmented import Grads, grads_to_tree, value_and_grad
 
@@ -154,9 +155,10 @@ def dispatch_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | P
         if i:  # bound the accumulation: the earlier micro-batches finish first
             mx.eval(losses, metric_list, grads)
         set_dropout_seed(model, (cfg.seed * 1_000_003 + step) * 1009 + i)
-        resp, nll = mx.array(pb.resp_mask), mx.array(pb.nll_mask)
+        resp, nll, ref = mx.array(pb.resp_mask), mx.array(pb.nll_mask), pb.ref_array()
         loss, metrics, g = value_and_grad(
-            model, stack, b, lambda lp, r=resp, n=nll: pair_loss(lp, r, n, spec, norms),
+            model, stack, b,
+            lambda lp, r=resp, n=nll, f=ref: pair_loss(lp, r, n, spec, norms, f),
             cfg.segment_size, cfg.head_chunk, cfg.inflight)
         grads = g if not grads else {k: grads[k] + g[k] for k in grads}
         losses.append(loss)
@@ -230,10 +232,10 @@ def verify_paths(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch,
         where += f" on a float32 copy ({copy.describe()})"
     pairs = pair_batch(batch)
     norms = batch_norms([pairs])
-    resp, nll = mx.array(pairs.resp_mask), mx.array(pairs.nll_mask)
+    resp, nll, refs = mx.array(pairs.resp_mask), mx.array(pairs.nll_mask), pairs.ref_array()
 
     def fn(lp: mx.array) -> Any:
-        return pair_loss(lp, resp, nll, spec, norms)
+        return pair_loss(lp, resp, nll, spec, norms, refs)
 
     set_dropout_seed(model, 0)
     with mlp_chunks(stack.layers, 0):
@@ -453,11 +455,31 @@ def is_run_dir(path: Path) -> bool:
             or any((c / "state.json").is_file() for c in (path / "checkpoints").glob("step_*")))
 
 
+def reference_of(cfg: TrainConfig) -> tuple[ReferenceSpec, str | None, dict[str, Any]]:
+    """DPO's reference as ``ensure_reference`` takes it: whose log-probs, the file to
+    read (None: Pomona's cache, computed once when missing) and the forward's options."""
+    return (ReferenceSpec(cfg.model, cfg.data, cfg.reference), cfg.reference_logps,
+            {"batch_size": cfg.batch_size, "head_chunk": cfg.head_chunk,
+             "prefix_share": cfg.prefix_share,
+             "allow_tokenizer_mismatch": cfg.allow_tokenizer_mismatch})
+
+
+def loss_weights(cfg: TrainConfig) -> dict[str, Any]:
+    """The loss's own settings, for the adapter's pomona block (adapters.trained_loss;
+    DPO's reference too, which evaluation re-reads)."""
+    weights = {k: v for k, v in asdict(cfg.loss_spec()).items()
+               if k.startswith(f"{cfg.loss}_") or k == "nll_span"}
+    if cfg.loss_spec().needs_reference:
+        weights.update(rpo_alpha=cfg.rpo_alpha, reference=cfg.reference)
+    return weights
+
+
 def claim_run(cfg: TrainConfig) -> AbstractContextManager[Path]:
     """``cfg.out`` held as this process's run (engine/outputs.py): refused when it holds
     files Pomona did not write, another process is writing it, or it overlaps an input."""
+    reference = cfg.reference if cfg.reference != "base" else None
     return claim(cfg.out, ("run",), legacy=is_run_dir, may_hold=False,
-                 inputs=[cfg.model, cfg.data, cfg.warm_start])
+                 inputs=[cfg.model, cfg.data, cfg.warm_start, reference, cfg.reference_logps])
 
 
 def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
@@ -477,6 +499,8 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback], held: ExitStack) -> 
     if ranks.main:  # the one writer holds its folder until training ends
         held.enter_context(claim_run(cfg))
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.loss_spec().needs_reference:  # made before the policy loads: one model at a time
+        ensure_reference(*reference_of(cfg))
     model, tokenizer = load_model(cfg.model)
     spec = resolve_lora_keys(model, lora_spec(cfg))  # the family's targets, saved explicitly
     trainable = attach_lora(model, spec, cfg.seed)
@@ -487,6 +511,8 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback], held: ExitStack) -> 
     if cfg.warm_start:
         load_adapter_weights(model, Path(cfg.warm_start))
     data = load_pairs_for(cfg.data, cfg.model, stack, cfg.allow_tokenizer_mismatch)
+    if cfg.loss_spec().needs_reference:
+        attach_reference(data, *reference_of(cfg))
     check_train_split(data, cfg.data)
     refuse_beyond_context([*data.train, *data.valid, *data.test], stack.context)
     loss_spec = cfg.loss_spec()
@@ -577,8 +603,7 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback], held: ExitStack) -> 
     result.tokens_per_sec = total_tokens / max(total_seconds, 1e-9)
     result.seconds = time.perf_counter() - started
     if ranks.main:
-        weights = {k: v for k, v in asdict(cfg.loss_spec()).items()  # the loss's own
-                   if k.startswith(f"{cfg.loss}_") or k == "nll_span"}  # (adapters.trained_loss)
+        weights = loss_weights(cfg)
         extra = {"model": cfg.model, "pomona": {"steps": result.steps, "loss": cfg.loss,
                                                 **weights, "seed": cfg.seed,
                                                 "world_size": ranks.size}}

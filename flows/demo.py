@@ -135,7 +135,7 @@ def generations_table(base_dir: Path, best_dir: Path) -> Table:
 
 
 # The board's accuracy columns (tasks/evaluate.py: TRL's names, under each split).
-VALID_ACC, TEST_ACC = "eval/valid/rewards/accuracies", "eval/test/rewards/accuracies"
+VALID_ACC, TEST_ACC = "eval/valid/logps/accuracies", "eval/test/logps/accuracies"
 
 
 def before_after(base: dict[str, Any], best: dict[str, Any]) -> str:

@@ -2,10 +2,12 @@
 
 Metrics, each under ``eval/<split>/`` for split valid and test: what validation reports
 during training, with TRL's names (``engine.scoring.evaluate`` under the adapter's own
-loss, engine/losses.py) — ``loss``, ``nll_loss``, ``rewards/accuracies`` (share of pairs
-with ℓw > ℓr, mean response log-probs: the same for every loss), ``rewards/margins``,
-``logps/chosen``, ``logps/rejected``, the loss's extras (ORPO: ``log_odds_ratio``,
-``log_odds_chosen``), ``rows`` — and ``logps/margin`` (ℓw − ℓr, comparable across losses).
+loss, engine/losses.py) — ``loss``, ``nll_loss``, ``rewards/accuracies`` and
+``rewards/margins`` (the loss's own rewards: DPO's relative to its reference),
+``logps/chosen``, ``logps/rejected`` (DPO: summed), the loss's extras (ORPO:
+``log_odds_ratio``, ``log_odds_chosen``), ``rows`` — and, on mean response log-probs
+comparable across losses, ``logps/accuracies`` (share of pairs with ℓw > ℓr) and
+``logps/margin`` (ℓw − ℓr).
 Valid is what training reported and the sweep ranked on; test was never used to choose
 anything, so it is the number a leaderboard reports. A dataset with no test rows
 (tokenized before the test split, a ``split`` column naming only train/valid, or too few
@@ -28,8 +30,8 @@ from engine.losses import LossSpec
 
 EVAL_SPLITS = ("valid", "test")
 # Every split has these (None without rows); the loss's extras come on top.
-METRICS = ("loss", "nll_loss", "rewards/accuracies", "rewards/margins", "logps/chosen",
-           "logps/rejected", "logps/margin")
+METRICS = ("loss", "nll_loss", "rewards/accuracies", "logps/accuracies", "rewards/margins",
+           "logps/chosen", "logps/rejected", "logps/margin")
 log = logging.getLogger(__name__)
 
 
@@ -42,17 +44,23 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec 
     ``loss`` (None: the adapter's own, else ORPO's defaults); ``prefix_share`` as in
     training (one forward per pair where it pays). Data tokenized for another tokenizer
     is refused unless ``allow_tokenizer_mismatch`` (engine/data_fit.py)."""
-    from engine.adapters import atomic_write_text, trained_loss
+    from engine.adapters import atomic_write_text, trained_loss, trained_reference
     from engine.data_fit import load_pairs_for
     from engine.layout_policy import scoring_layout
     from engine.load_check import checked_stack
     from engine.model import load_model
+    from engine.reference import ReferenceSpec, attach_reference
     from engine.scoring import evaluate
 
     spec = loss or trained_loss(adapter) or LossSpec()
     loaded, tokenizer = load_model(model, adapter)
     stack, _ = checked_stack(loaded)
     pairs = load_pairs_for(data, model, stack, allow_tokenizer_mismatch)  # ids fit its vocab
+    if spec.needs_reference:  # DPO's figures read the reference it trained against
+        attach_reference(pairs, ReferenceSpec(model, data, trained_reference(adapter)), None,
+                         {"batch_size": batch_size, "head_chunk": head_chunk,
+                          "prefix_share": prefix_share,
+                          "allow_tokenizer_mismatch": allow_tokenizer_mismatch})
     if not pairs.valid and not pairs.test:
         raise ValueError(f"{data}: no validation or test split to evaluate on")
     layout = scoring_layout(prefix_share, tokenizer.pad_token_id or 0, spec.nll_span)
@@ -85,7 +93,6 @@ def split_metrics(split: str, values: dict[str, Any]) -> dict[str, Any]:
     METRICS (0 rows) when the split is empty."""
     if not values.get("rows"):
         return {**{f"eval/{split}/{m}": None for m in METRICS}, f"eval/{split}/rows": 0}
-    values = {**values, "logps/margin": values["logps/chosen"] - values["logps/rejected"]}
     return {f"eval/{split}/{k}": v for k, v in values.items()}
 
 

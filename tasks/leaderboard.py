@@ -29,7 +29,7 @@ from tasks.sweep import metric_value
 from tasks.trials import below_chance, write_results
 
 ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
-EVAL_COLUMNS = ("eval/valid/rewards/accuracies", "eval/test/rewards/accuracies",
+EVAL_COLUMNS = ("eval/valid/logps/accuracies", "eval/test/logps/accuracies",
                 "eval/test/logps/margin", "eval/test/loss", "eval/test/nll_loss")
 
 
@@ -62,7 +62,7 @@ def rank_trials(results: list[dict[str, Any]], evals: dict[str, dict[str, Any]],
 
 def _held_out_check(row: dict[str, Any]) -> dict[str, Any]:
     """A completed trial whose valid or test accuracy is far below chance is degenerate."""
-    reason = next(filter(None, (below_chance(row.get(f"eval/{s}/rewards/accuracies"),
+    reason = next(filter(None, (below_chance(row.get(f"eval/{s}/logps/accuracies"),
                                              row.get(f"eval/{s}/rows"), f"{s} accuracy")
                                 for s in ("test", "valid"))), "")
     if row["status"] == "completed" and reason:
@@ -140,8 +140,8 @@ def compact_markdown(rows: list[dict[str, Any]], metric: str, title: str) -> str
     params = swept_params([r for r in rows if r.get("status") not in ("baseline", "soup")])
     cols = ["#", "trial", *(p.removeprefix("param/") for p in params), *COMPACT]
     body = [[_place(r), r["trial_id"], *(_param(r.get(p)) for p in params),
-             _num(r.get("eval/valid/rewards/accuracies"), 3),
-             _num(r.get("eval/test/rewards/accuracies"), 3),
+             _num(r.get("eval/valid/logps/accuracies"), 3),
+             _num(r.get("eval/test/logps/accuracies"), 3),
              _signed(r.get("eval/test/logps/margin")), _num(r.get("tokens_per_sec"), 0)]
             for r in rows]
     intro = (f"Ranked on validation ({metric}); test accuracy and margin are the test split, "

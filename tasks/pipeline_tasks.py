@@ -19,8 +19,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed, State
 
 from engine.adapters import ADAPTER_FILE, CONFIG_FILE
+from engine.content_key import file_digest, model_fingerprint
 from engine.losses import LossSpec
-from tasks.content_key import file_digest, model_fingerprint
 from tasks.evaluate import evaluate_adapter
 from tasks.leaderboard import (
     compact_markdown,

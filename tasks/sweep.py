@@ -24,9 +24,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from engine.content_key import adapter_fingerprint, model_fingerprint
 from engine.model_source import check_source
 from engine.outputs import claim, mark_kind
-from tasks.content_key import adapter_fingerprint, model_fingerprint
 from tasks.memory_probe import resolve_auto
 from tasks.sweep_spec import SpecError, SweepSpec
 from tasks.trials import (
@@ -42,8 +42,9 @@ from tasks.trials import (
 )
 
 # Bump when training semantics change: invalidates cached trials. 0.3.0: the test split
-# comes out of train, so a .jsonl without a split column trains on fewer rows.
-CODE_VERSION = "0.3.0"
+# comes out of train, so a .jsonl without a split column trains on fewer rows. 0.4.0:
+# every validation reports logps/accuracies and logps/margin (what boards rank on).
+CODE_VERSION = "0.4.0"
 NOT_PARAMS = ("model", "data", "out")
 FINISHED = ("completed", "degenerate")  # trained to the end: cached on re-runs
 
@@ -113,7 +114,7 @@ def check_sweep_out(spec: SweepSpec, out: Path) -> None:
 
 def cache_key(config: dict[str, Any], fingerprint: str, model_key: str) -> str:
     """What a trial's result depends on: its resolved config, the model's bytes
-    (``model_key``: tasks/content_key.py, not its path), a warm start's adapter bytes (not
+    (``model_key``: engine/content_key.py, not its path), a warm start's adapter bytes (not
     its path: re-trained in place, it is another start), the data, the code."""
     body = json.dumps({k: v for k, v in config.items() if k not in ("out", "model",
                                                                     "warm_start")},

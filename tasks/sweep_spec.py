@@ -330,9 +330,13 @@ def _check_ranks(ranks: int, kind: str, fixed: dict, grid: dict, space: dict) ->
 
 # Validation metrics every loss reports on one scale: what trials of different losses are
 # ranked on (val/loss and the reward values are each loss's own: λ·ℓ for ORPO, β·ℓ for
-# SimPO, ℓ for SFT; which response wins, rewards/accuracies, is the same for all).
-ACROSS_LOSSES = ("val/rewards/accuracies", "val/nll_loss", "val/logps/chosen",
-                 "val/logps/rejected")
+# SimPO, ℓ for SFT). Without DPO, which response wins, rewards/accuracies, is the same for
+# all, and logps/* are mean log-probs; DPO's rewards are relative to its reference and its
+# logps summed (TRL's), so a search with DPO ranks on logps/accuracies, logps/margin or
+# nll_loss.
+ACROSS_LOSSES = ("val/logps/accuracies", "val/logps/margin", "val/nll_loss")
+ACROSS_NON_REFERENCE_LOSSES = (*ACROSS_LOSSES, "val/rewards/accuracies",
+                               "val/logps/chosen", "val/logps/rejected")
 
 
 def _check_metric_of_losses(metric: str, fixed: dict, grid: dict, space: dict) -> None:
@@ -341,9 +345,10 @@ def _check_metric_of_losses(metric: str, fixed: dict, grid: dict, space: dict) -
     dist = space.get("loss")
     losses = set(grid.get("loss", [])) | set(dist.get("choice", []) if isinstance(dist, dict)
                                              else [])
-    if len(losses) > 1 and metric not in ACROSS_LOSSES:
+    shared = ACROSS_LOSSES if "dpo" in losses else ACROSS_NON_REFERENCE_LOSSES
+    if len(losses) > 1 and metric not in shared:
         raise SpecError(f"metric={metric}: not comparable across losses {sorted(losses)}; "
-                        f"rank a search over loss on one of {', '.join(ACROSS_LOSSES)}")
+                        f"rank a search over loss on one of {', '.join(shared)}")
     for loss in sorted(losses or {fixed.get("loss", "orpo")}):
         if loss in LOSSES and metric not in (names := validation_metrics(LossSpec(loss))):
             raise SpecError(f"metric={metric}: loss {loss} does not report it; it reports "

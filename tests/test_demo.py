@@ -40,7 +40,7 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     best = next(r for r in board if r.get("rank") == 1)
     assert {r["status"] for r in board} >= {"completed", "baseline"}
     assert best["status"] == "completed"
-    acc = "eval/test/rewards/accuracies"
+    acc = "eval/test/logps/accuracies"
     assert best[acc] >= base[acc] + 0.1, board  # it really trains
     assert best["eval/test/rows"] > 100 and best["eval/valid/rows"] > 100  # ~10% of 2200 each
     adapter = tmp_path / "demo" / "best-adapter"

@@ -63,8 +63,8 @@ def test_score_loss_mistakes_are_one_line(tiny_model: Path, tiny_data: Path, tmp
         assert name in capsys.readouterr().err
     adapter = tmp_path / "adapter"
     adapter.mkdir()
-    (adapter / "adapter_config.json").write_text(json.dumps({"pomona": {"loss": "dpo"}}))
-    with pytest.raises(ValueError, match=r"adapter_config\.json.*dpo"):
+    (adapter / "adapter_config.json").write_text(json.dumps({"pomona": {"loss": "kto"}}))
+    with pytest.raises(ValueError, match=r"adapter_config\.json.*kto"):
         trained_loss(adapter)
     assert not (tmp_path / "s.jsonl").exists()
 

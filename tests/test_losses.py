@@ -1,5 +1,5 @@
-"""ORPO, SimPO and SFT loss maths against independent float64 numpy references (Hong et al.
-2024; Meng et al. 2024)."""
+"""ORPO, SimPO, DPO/IPO and SFT loss maths against independent float64 numpy references
+(Hong et al. 2024; Meng et al. 2024; Rafailov et al. 2023; Azar et al. 2023)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from engine.losses import (
     Norms,
     log1mexp,
     orpo_pair_terms,
+    pair_logps,
     pair_loss,
     per_pair_losses,
 )
@@ -73,16 +74,17 @@ def test_per_pair_losses_are_the_batch_loss_one_pair_at_a_time() -> None:
     """Scoring's per-pair loss equals pair_loss on that pair alone, for every loss."""
     rng = np.random.default_rng(6)
     lp, resp, nll = _batch(rng, b=4)
+    ref = (lp * resp).sum(1) + rng.normal(0, 1, 8).astype(np.float32)
     for spec in (LossSpec("orpo", 0.3), LossSpec("simpo", simpo_nll_weight=0.5),
-                 LossSpec("sft")):
-        means = (lp * resp).sum(1) / resp.sum(1)
+                 LossSpec("sft"), LossSpec("dpo", rpo_alpha=0.5),
+                 LossSpec("dpo", dpo_loss_type="ipo")):
         nll_means = -(lp * nll).sum(1)[:4] / nll.sum(1)[:4]
-        got, _ = per_pair_losses(mx.array(means[:4]), mx.array(means[4:]),
+        got, _ = per_pair_losses(pair_logps(mx.array(lp), mx.array(resp), mx.array(ref)),
                                  mx.array(nll_means), spec)
         for i in range(4):
             rows = [i, 4 + i]
             alone, _ = pair_loss(mx.array(lp[rows]), mx.array(resp[rows]), mx.array(nll[rows]),
-                                 spec, Norms(float(nll[rows].sum()), 1.0))
+                                 spec, Norms(float(nll[rows].sum()), 1.0), mx.array(ref[rows]))
             assert float(got[i]) == pytest.approx(float(alone), rel=1e-5), spec.kind
 
 
@@ -167,4 +169,81 @@ def test_bad_spec_is_refused() -> None:
     with pytest.raises(ValueError, match="nll_span"):
         LossSpec("orpo", 0.1, "prompt")
     with pytest.raises(ValueError, match="kind"):
-        LossSpec("dpo")
+        LossSpec("kto")
+
+
+def np_dpo(lp, resp, nll_mask, ref, beta, smoothing=0.0, kind="sigmoid", rpo_alpha=0.0):
+    """Float64 DPO (Rafailov et al. Eq. 7; cDPO's label smoothing) and IPO (Azar et al.
+    Eq. 17) from their definitions: summed response log-probs (IPO: per-token means, as
+    TRL), the reference's likewise; returns (loss, chosen rewards, rejected rewards)."""
+    lp, resp, nll_mask, ref = (a.astype(np.float64) for a in (lp, resp, nll_mask, ref))
+    b = lp.shape[0] // 2
+    policy = (lp * resp).sum(1)
+    if kind == "ipo":
+        policy, ref = policy / resp.sum(1), ref / resp.sum(1)
+    ratio_w, ratio_r = policy[:b] - ref[:b], policy[b:] - ref[b:]
+    z = ratio_w - ratio_r
+    if kind == "ipo":
+        pair = (z - 1 / (2 * beta)) ** 2
+    else:
+        pair = (1 - smoothing) * np.log1p(np.exp(-beta * z)) + smoothing * np.log1p(
+            np.exp(beta * z))
+    nll = -(lp * nll_mask).sum() / nll_mask.sum()
+    return pair.mean() + rpo_alpha * nll, beta * ratio_w, beta * ratio_r
+
+
+@pytest.mark.parametrize("kind,smoothing,rpo", [("sigmoid", 0.0, 0.0), ("sigmoid", 0.2, 0.0),
+                                                ("sigmoid", 0.0, 0.7), ("ipo", 0.0, 0.0)])
+def test_dpo_matches_float64_reference(kind: str, smoothing: float, rpo: float) -> None:
+    """DPO's loss within 1e-5 of float64, its rewards β·(S − R), accuracies and margins
+    as TRL's DPOTrainer logs them, logps/* its summed (IPO: averaged) log-probs, and
+    logps/accuracies the mean-log-prob preference every loss reports."""
+    rng = np.random.default_rng(8)
+    lp, resp, nll = _batch(rng, b=5, span="response")
+    ref = (lp * resp).sum(1) + rng.normal(0, 2, 10).astype(np.float32)
+    spec = LossSpec("dpo", nll_span="response", dpo_beta=0.3, dpo_label_smoothing=smoothing,
+                    dpo_loss_type=kind, rpo_alpha=rpo)
+    loss, metrics = pair_loss(mx.array(lp), mx.array(resp), mx.array(nll), spec,
+                              Norms(float(nll.sum()), 5.0), mx.array(ref))
+    want, chosen, rejected = np_dpo(lp, resp, nll, ref, 0.3, smoothing, kind, rpo)
+    assert float(loss) == pytest.approx(want, rel=1e-5)
+    mean = {k: float(v) / 5 for k, v in metrics.items()}
+    assert mean["rewards/chosen"] == pytest.approx(chosen.mean(), rel=1e-5, abs=1e-6)
+    assert mean["rewards/rejected"] == pytest.approx(rejected.mean(), rel=1e-5, abs=1e-6)
+    assert mean["rewards/margins"] == pytest.approx((chosen - rejected).mean(), rel=1e-4,
+                                                    abs=1e-6)
+    assert mean["rewards/accuracies"] == pytest.approx(np.mean(chosen > rejected))
+    sums = (lp.astype(np.float64) * resp).sum(1)
+    logps = sums / resp.sum(1) if kind == "ipo" else sums
+    assert mean["logps/chosen"] == pytest.approx(logps[:5].mean(), rel=1e-5)
+    means = sums / resp.sum(1)
+    assert mean["logps/accuracies"] == pytest.approx(np.mean(means[:5] > means[5:]))
+
+
+def test_dpo_gradient_matches_finite_differences_in_float64() -> None:
+    """dL/d log π through the mx graph vs central differences of the float64 DPO."""
+    rng = np.random.default_rng(9)
+    lp, resp, nll = _batch(rng, b=2, t=6)
+    ref = (lp * resp).sum(1) + rng.normal(0, 1, 4).astype(np.float32)
+    spec, norms = LossSpec("dpo", dpo_beta=0.5, rpo_alpha=0.3), Norms(float(nll.sum()), 2.0)
+    grad = mx.grad(lambda x: pair_loss(x, mx.array(resp), mx.array(nll), spec, norms,
+                                       mx.array(ref))[0])(mx.array(lp))
+    eps = 1e-6
+    for i, j in np.argwhere(resp > 0)[:4]:
+        up, down = lp.astype(np.float64).copy(), lp.astype(np.float64).copy()
+        up[i, j] += eps
+        down[i, j] -= eps
+        fd = (np_dpo(up, resp, nll, ref, 0.5, rpo_alpha=0.3)[0]
+              - np_dpo(down, resp, nll, ref, 0.5, rpo_alpha=0.3)[0]) / (2 * eps)
+        assert float(grad[i, j]) == pytest.approx(fd, rel=1e-3, abs=1e-6)
+
+
+def test_dpo_without_a_reference_and_bad_settings_are_refused() -> None:
+    lp, resp, nll = _batch(np.random.default_rng(0), b=1)
+    with pytest.raises(ValueError, match="reference log-probs"):
+        pair_loss(mx.array(lp), mx.array(resp), mx.array(nll), LossSpec("dpo"),
+                  Norms(1.0, 1.0))
+    for bad in ({"dpo_beta": 0.0}, {"dpo_beta": -1.0}, {"dpo_beta": float("nan")},
+                {"dpo_label_smoothing": 0.5}, {"dpo_loss_type": "hinge"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            LossSpec("dpo", **bad)

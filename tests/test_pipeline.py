@@ -42,8 +42,8 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
     for r in board:
         assert (r["eval/valid/rows"], r["eval/test/rows"]) == (rows["valid"], rows["test"])
         for split in ("valid", "test"):
-            assert 0.0 <= r[f"eval/{split}/rewards/accuracies"] <= 1.0
-    assert "eval/test/rewards/accuracies" in (out / "leaderboard.md").read_text()
+            assert 0.0 <= r[f"eval/{split}/logps/accuracies"] <= 1.0
+    assert "eval/test/logps/accuracies" in (out / "leaderboard.md").read_text()
     assert summary["best_trial"] == trials[0]["trial_id"]
     best = out / "best-adapter"
     assert (best / "adapters.safetensors").exists() and (best / "adapter_config.json").exists()

@@ -69,7 +69,7 @@ def test_caches_key_on_the_model_bytes_not_its_path(tmp_path: Path, monkeypatch)
     """The issue: re-initialising the model in place with another seed gave "2 trials: 2
     cached" and the old adapters were reused; the pipeline's evaluation cache did the same.
     Would catch: a cache key built from the model path string."""
-    from tasks.content_key import file_digest
+    from engine.content_key import file_digest
     from tasks.model_factory import init_model
     from tasks.pipeline_tasks import evaluation_key
     from tests.conftest import TINY
@@ -92,7 +92,7 @@ def test_caches_key_on_the_model_bytes_not_its_path(tmp_path: Path, monkeypatch)
     cache = tmp_path / "cache" / "pomona" / "file-hashes.json"
     entries = json.loads(cache.read_text())
     assert str(weights.resolve()) in entries
-    import tasks.content_key as content_key
+    import engine.content_key as content_key
 
     content_key._memory[str(weights.resolve())]["sha256"] = "planted"
     assert file_digest(weights) == "planted"  # not read again while its stat holds
@@ -178,13 +178,13 @@ def test_a_collapsed_trial_is_degenerate_and_kept_off_the_board(tiny_model, tiny
     # trial; on a handful of pairs it is noise and does not.
     far = {**healthy, "trial_id": "far", "best/val/loss": 0.1}
     for split in ("test", "valid"):
-        board = rank_trials([healthy, far], {"far": {f"eval/{split}/rewards/accuracies": 0.05,
+        board = rank_trials([healthy, far], {"far": {f"eval/{split}/logps/accuracies": 0.05,
                                                      f"eval/{split}/rows": 40}},
                             "val/loss", "min")
         assert [(r["trial_id"], r["status"], r["rank"]) for r in board] == \
             [("healthy", "completed", 1), ("far", "degenerate", None)]
         assert board[1]["reason"].startswith(f"degenerate: {split} accuracy 0.050 on 40")
-        few = rank_trials([far], {"far": {f"eval/{split}/rewards/accuracies": 0.0,
+        few = rank_trials([far], {"far": {f"eval/{split}/logps/accuracies": 0.0,
                                           f"eval/{split}/rows": 4}}, "val/loss", "min")
         assert few[0]["rank"] == 1
 

@@ -85,16 +85,16 @@ def test_the_board_ranks_on_valid_and_reports_test_in_its_own_column() -> None:
     """Catches ranking on test (b would win), and one accuracy shown under both names."""
     results = [{"trial_id": t, "status": "completed", "best/val/rewards/accuracies": v}
                for t, v in (("a", 0.9), ("b", 0.7))]
-    evals = {"a": {"eval/valid/rewards/accuracies": 0.875, "eval/valid/rows": 40,
-                   "eval/test/rewards/accuracies": 0.625, "eval/test/rows": 40},
-             "b": {"eval/valid/rewards/accuracies": 0.75, "eval/valid/rows": 40,
-                   "eval/test/rewards/accuracies": 0.8125, "eval/test/rows": 40}}
+    evals = {"a": {"eval/valid/logps/accuracies": 0.875, "eval/valid/rows": 40,
+                   "eval/test/logps/accuracies": 0.625, "eval/test/rows": 40},
+             "b": {"eval/valid/logps/accuracies": 0.75, "eval/valid/rows": 40,
+                   "eval/test/logps/accuracies": 0.8125, "eval/test/rows": 40}}
     board = rank_trials(results, evals, "val/rewards/accuracies", "max")
     assert [(r["trial_id"], r["rank"]) for r in board] == [("a", 1), ("b", 2)]
     text = markdown(board, "val/rewards/accuracies", "t")
     head, _, a, b = [[c.strip() for c in line.strip("|").split("|")]
                      for line in text.splitlines() if line.startswith("|")]
-    accs = ("eval/valid/rewards/accuracies", "eval/test/rewards/accuracies")
+    accs = ("eval/valid/logps/accuracies", "eval/test/logps/accuracies")
     assert [a[head.index(c)] for c in accs] == ["0.8750", "0.6250"]
     assert [b[head.index(c)] for c in accs] == ["0.7500", "0.8125"]
     assert "test split:" not in text
@@ -106,24 +106,24 @@ def test_no_test_rows_show_as_missing_on_the_board_and_in_the_demo() -> None:
     from flows.demo import before_after
 
     reason = "d.jsonl: no test rows (...)"
-    missing = {"eval/test/rewards/accuracies": None, "eval/test/rows": 0,
+    missing = {"eval/test/logps/accuracies": None, "eval/test/rows": 0,
                "eval/test/missing": reason}
-    base = {"trial_id": "base", "status": "baseline", "eval/valid/rewards/accuracies": 0.5,
+    base = {"trial_id": "base", "status": "baseline", "eval/valid/logps/accuracies": 0.5,
             **missing}
     best = {"trial_id": "a", "status": "completed", "best/val/loss": 0.3,
-            "eval/valid/rewards/accuracies": 0.8, **missing}
+            "eval/valid/logps/accuracies": 0.8, **missing}
     board = rank_trials([best], {}, "val/loss", "min", base=base)
     text = markdown(board, "val/loss", "t")
     head, _, a, _ = [[c.strip() for c in line.strip("|").split("|")]
                      for line in text.splitlines() if line.startswith("|")]
-    assert a[head.index("eval/test/rewards/accuracies")] == "-"
-    assert a[head.index("eval/valid/rewards/accuracies")] == "0.8000"
+    assert a[head.index("eval/test/logps/accuracies")] == "-"
+    assert a[head.index("eval/valid/logps/accuracies")] == "0.8000"
     assert f"- test split: {reason}" in text
     line = before_after(base, board[0])
     assert "no test accuracy" in line and reason in line and "test preference" not in line
     assert "validation (ranked on): 0.50 → 0.80" in line
-    ok = {"eval/test/rewards/accuracies": 0.55, "eval/test/rows": 30}
-    line = before_after({**base, **ok}, {**board[0], **ok, "eval/test/rewards/accuracies": 0.9})
+    ok = {"eval/test/logps/accuracies": 0.55, "eval/test/rows": 30}
+    line = before_after({**base, **ok}, {**board[0], **ok, "eval/test/logps/accuracies": 0.9})
     assert "test preference accuracy: base model 0.55 → best adapter 0.90 (30 test" in line
 
 
@@ -211,7 +211,7 @@ def test_valid_and_test_metrics_come_from_disjoint_rows(tiny_model, mirrored, tm
     assert m["eval/valid/rows"] == m["eval/test/rows"] == 15
     assert abs(m["eval/valid/logps/margin"]) > 1e-4
     assert m["eval/test/logps/margin"] == pytest.approx(-m["eval/valid/logps/margin"], abs=1e-4)
-    accs = m["eval/test/rewards/accuracies"], m["eval/valid/rewards/accuracies"]
+    accs = m["eval/test/logps/accuracies"], m["eval/valid/logps/accuracies"]
     assert accs[0] == pytest.approx(1 - accs[1])
     assert "eval/test/missing" not in m
     samples = [json.loads(x) for x in (tmp_path / "generations.jsonl").read_text().splitlines()]
@@ -227,8 +227,8 @@ def test_evaluation_without_test_rows_says_so(tiny_model, tiny_data, caplog) -> 
     with caplog.at_level(logging.WARNING, logger="tasks.evaluate"):
         m = evaluate_adapter(str(tiny_model), None, str(tiny_data))
     assert m["eval/test/rows"] == 0
-    assert m["eval/test/rewards/accuracies"] is None and m["eval/test/logps/margin"] is None
-    assert m["eval/valid/rows"] == 16 and 0 <= m["eval/valid/rewards/accuracies"] <= 1
+    assert m["eval/test/logps/accuracies"] is None and m["eval/test/logps/margin"] is None
+    assert m["eval/valid/rows"] == 16 and 0 <= m["eval/valid/logps/accuracies"] <= 1
     assert "no test rows" in m["eval/test/missing"] and str(tiny_data) in m["eval/test/missing"]
     assert m["eval/test/missing"] in caplog.text
 
@@ -298,7 +298,7 @@ def test_an_empty_valid_split_is_a_note_that_reaches_the_board(tiny_model, tmp_p
     reason = missing_valid_reason(str(tmp_path / "ds"))
     results = [{"trial_id": t, "status": "completed", "reason": ""} for t in ("a", "b")]
     evals = {t: {"eval/valid/rows": 0, "eval/valid/missing": reason,
-                 "eval/test/rewards/accuracies": 0.6, "eval/test/rows": 20} for t in "ab"}
+                 "eval/test/logps/accuracies": 0.6, "eval/test/rows": 20} for t in "ab"}
     board = rank_trials(results, evals, "val/loss", "min")
     assert [(r["trial_id"], r["rank"]) for r in board] == [("a", None), ("b", None)]
     text = markdown(board, "val/loss", "t")

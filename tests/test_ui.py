@@ -71,7 +71,7 @@ def free_port() -> int:
 
 BOARD = [{"rank": i + 1, "trial_id": t, "status": "completed", "best/val/loss": loss,
           "param/learning_rate": lr, "param/lora_rank": rank, "param/orpo_lambda": lam,
-          "eval/valid/rewards/accuracies": 0.7312, "eval/test/rewards/accuracies": 0.6875,
+          "eval/valid/logps/accuracies": 0.7312, "eval/test/logps/accuracies": 0.6875,
           "eval/test/logps/margin": 0.1234, "eval/test/loss": 4.5678,
           "eval/test/nll_loss": 4.4321, "peak_memory_gb": 1.23, "tokens_per_sec": 12345.6,
           "duration_s": 321.0}
@@ -79,7 +79,7 @@ BOARD = [{"rank": i + 1, "trial_id": t, "status": "completed", "best/val/loss": 
                                                        ("t-5c29816416", 5.8219, 3e-4, 8, 1.0),
                                                        ("t-77aa01c3e2", 5.9, 1e-4, 32, 0.5)])]
 BOARD += [{"trial_id": "base", "status": "baseline", "rank": None,
-           "eval/valid/rewards/accuracies": 0.5, "eval/test/rewards/accuracies": 0.51}]
+           "eval/valid/logps/accuracies": 0.5, "eval/test/logps/accuracies": 0.51}]
 COMPACT_HEAD = ["#", "trial", "learning_rate", "lora_rank", "orpo_lambda", "val acc",
                 "test acc", "test margin", "tok/s"]
 

@@ -1,0 +1,268 @@
+"""DPO's reference log-probs: computed once, stored as data, read by every DPO run.
+
+The reference is the base model with LoRA off (``reference: base``) or the base with an
+adapter (``reference: DIR``, SFT then DPO): no second copy of the weights is ever held
+while training. Its summed response log-probs for every pair of a dataset (all splits:
+validation and scoring read them too) come from the engine's forward-only path
+(engine/scoring.py: ``stack.hidden``, the bounded head, one shared forward per pair where
+the layout pays), in the model's own dtype, and go to a Parquet file with columns
+``id``, ``ref_chosen_logps``, ``ref_rejected_logps``.
+
+The file is keyed by content (``ReferenceSpec.key``): the model's bytes, the dataset's
+shard bytes, the reference adapter's bytes and ``REFERENCE_VERSION``, never their paths.
+It lives in ``$XDG_CACHE_HOME/pomona/reference/<key>.parquet`` (default ``~/.cache``) and
+carries its key in the schema metadata, so a file made for another model, dataset or
+adapter is refused at read time naming both keys. One process computes a missing file
+while others wait on its lock (ranks of one gang, trials of one sweep).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pyarrow as pa
+import pyarrow.parquet as pq
+from mlx_lm.tuner.utils import linear_to_lora_layers
+
+from engine.adapters import load_adapter_weights
+from engine.batch import Pair
+from engine.content_key import adapter_fingerprint, file_digest, model_fingerprint
+from engine.data_fit import load_pairs_for
+from engine.layout_policy import scoring_layout
+from engine.load_check import checked_stack
+from engine.model import load_model
+from engine.prefix import pair_batch
+from engine.scoring import forward_logps, length_groups
+
+REFERENCE_VERSION = "1"  # bump when the forward's semantics change: old files are not read
+KEY_FIELD = b"pomona_reference_key"
+COLUMNS = ("id", "ref_chosen_logps", "ref_rejected_logps")
+log = logging.getLogger(__name__)
+Progress = Callable[[int, int], None]  # (pairs done, pairs in all)
+
+
+@dataclass(frozen=True)
+class ReferenceSpec:
+    """Whose log-probs, on what: ``model`` (directory, .gguf or hub id), ``data`` (a
+    tokenized dataset or file) and ``reference`` ("base", or an adapter directory)."""
+
+    model: str
+    data: str
+    reference: str = "base"
+
+    def key(self) -> str:
+        """The content key (engine/content_key.py digests, cached by file stat)."""
+        adapter = "base" if self.reference == "base" else adapter_fingerprint(self.reference)
+        body = json.dumps({"model": model_fingerprint(self.model),
+                           "data": data_digest(self.data), "reference": adapter,
+                           "version": REFERENCE_VERSION}, sort_keys=True)
+        return "ref-" + hashlib.sha256(body.encode()).hexdigest()[:32]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "pomona" / "reference"
+
+
+def data_digest(data: str | Path) -> str:
+    """The bytes a dataset's pairs come from: its shards (a dataset directory) or the file."""
+    path = Path(data)
+    if path.is_dir():
+        shards = sorted(p for p in path.iterdir()
+                        if p.suffix in (".parquet", ".arrow", ".jsonl") and p.is_file())
+        if not shards:
+            raise FileNotFoundError(f"{data}: no dataset shards in this directory")
+        body = json.dumps({p.name: file_digest(p) for p in shards}, sort_keys=True)
+        return hashlib.sha256(body.encode()).hexdigest()
+    if not path.is_file():
+        raise FileNotFoundError(f"{data}: no such dataset")
+    return file_digest(path)
+
+
+def load_reference_model(spec: ReferenceSpec) -> tuple[Any, Any]:
+    """The reference model and tokenizer: the base, or the base with ``spec.reference``'s
+    LoRA attached as its config says. An adapter that does not fit the base (another
+    model, size or family) is refused here, before any forward, in one line."""
+    if spec.reference == "base":
+        return load_model(spec.model)
+    folder = Path(spec.reference)
+    config = _adapter_config(folder)
+    model, tokenizer = load_model(spec.model)
+    _attach_reference_adapter(model, folder, config, spec.model)
+    return model, tokenizer
+
+
+def _adapter_config(folder: Path) -> dict[str, Any]:
+    path = folder / "adapter_config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"reference {folder}: not an adapter directory (no "
+                                "adapter_config.json); use 'base' or an adapter folder")
+    try:
+        config = json.loads(path.read_text())
+        params = config["lora_parameters"]
+        int(config.get("num_layers", -1))
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path}: not an mlx-lm LoRA adapter config ({err})") from None
+    if config.get("fine_tune_type", "lora") != "lora" or not isinstance(params, dict):
+        raise ValueError(f"{path}: fine_tune_type {config.get('fine_tune_type')!r}: a "
+                         "reference adapter must be LoRA")
+    return config
+
+
+def _attach_reference_adapter(model: Any, folder: Path, config: dict[str, Any],
+                              base: str) -> None:
+    model.freeze()
+    try:
+        linear_to_lora_layers(model, int(config.get("num_layers", -1)),
+                              config["lora_parameters"])
+        load_adapter_weights(model, folder)
+    except (ValueError, KeyError, TypeError) as err:
+        first = str(err).replace("\n ", "").splitlines()[0]
+        raise ValueError(f"reference adapter {folder} does not fit model {base}: "
+                         f"{first}") from None
+    model.eval()
+
+
+def compute_reference(spec: ReferenceSpec, batch_size: int = 8, head_chunk: int = 256,
+                      prefix_share: str = "auto", allow_tokenizer_mismatch: bool = False,
+                      progress: Progress | None = None) -> dict[str, tuple[float, float]]:
+    """Summed response log-probs of the reference for every pair of ``spec.data``: one
+    forward-only pass (no gradient, the bounded head, the scoring layout), by length."""
+    model, tokenizer = load_reference_model(spec)
+    stack, _ = checked_stack(model)
+    data = load_pairs_for(spec.data, spec.model, stack, allow_tokenizer_mismatch)
+    pairs = [*data.train, *data.valid, *data.test]
+    layout = scoring_layout(prefix_share, tokenizer.pad_token_id or 0, "full")
+    refs = reference_logps(model, stack, pairs, layout, batch_size, head_chunk, progress)
+    del model, stack
+    mx.clear_cache()  # the trainer loads its own copy next
+    return refs
+
+
+def reference_logps(model: Any, stack: Any, pairs: Sequence[Pair],
+                    layout: Callable[[list[Pair]], Any], batch_size: int, head_chunk: int,
+                    progress: Progress | None = None) -> dict[str, tuple[float, float]]:
+    """Per pair id, (chosen, rejected) summed response log-probs in float32 under
+    ``model`` as it stands (engine/scoring.py's forward)."""
+    out: dict[str, tuple[float, float]] = {}
+    model.eval()
+    done, last = 0, time.monotonic()
+    for idx in length_groups(pairs, batch_size):
+        group = [pairs[i] for i in idx]
+        batch = layout(group)
+        two = pair_batch(batch)
+        lp = forward_logps(model, stack, batch, head_chunk).astype(mx.float32)
+        sums = (lp * mx.array(two.resp_mask)).sum(axis=-1)
+        mx.eval(sums)
+        k = len(group)
+        values = sums.tolist()
+        for j, p in enumerate(group):
+            out[p.id] = (values[j], values[k + j])
+        done += k
+        if progress is not None:
+            progress(done, len(pairs))
+        if time.monotonic() - last > 10 or done == len(pairs):
+            log.info("reference log-probs: %d/%d pairs", done, len(pairs))
+            last = time.monotonic()
+    return out
+
+
+def write_reference(path: Path, key: str, refs: dict[str, tuple[float, float]]) -> None:
+    """``refs`` as a Parquet file with ``key`` in its metadata, written atomically."""
+    ids = sorted(refs)
+    table = pa.table({"id": ids,
+                      "ref_chosen_logps": pa.array([refs[i][0] for i in ids], pa.float32()),
+                      "ref_rejected_logps": pa.array([refs[i][1] for i in ids], pa.float32())})
+    table = table.replace_schema_metadata({KEY_FIELD: key.encode()})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_reference(path: str | Path, key: str) -> dict[str, tuple[float, float]]:
+    """The reference log-probs in ``path``, which must carry ``key``: ValueError naming
+    both keys when it was made for another model, dataset or reference adapter."""
+    path = Path(path)
+    try:
+        table = pq.read_table(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such reference log-prob file") from None
+    except (OSError, pa.ArrowException) as err:
+        raise ValueError(f"{path}: not a reference log-prob file ({err})") from None
+    found = (table.schema.metadata or {}).get(KEY_FIELD, b"").decode() or "(none)"
+    if found != key:
+        raise ValueError(f"{path}: reference log-probs for key {found}, this run needs "
+                         f"{key} (made from another model, dataset or reference adapter)")
+    if not set(COLUMNS) <= set(table.column_names):
+        raise ValueError(f"{path}: expected columns {COLUMNS}, found {table.column_names}")
+    cols = table.to_pydict()
+    return {i: (c, r) for i, c, r in zip(cols["id"], cols["ref_chosen_logps"],
+                                          cols["ref_rejected_logps"], strict=True)}
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released on close, or when the process dies
+        yield
+
+
+def ensure_reference(spec: ReferenceSpec, path: str | Path | None = None,
+                     options: dict[str, Any] | None = None) -> tuple[Path, bool]:
+    """The reference file for ``spec`` and whether it was cached: ``path`` when given
+    (read, never written: it must carry the key), else the cache's file, computed now
+    (``compute_reference``'s ``options``) when missing or unreadable."""
+    key = spec.key()
+    if path is not None:
+        read_reference(path, key)
+        return Path(path), True
+    target = cache_dir() / f"{key}.parquet"
+    with _locked(target):
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            read_reference(target, key)
+            log.info("reference log-probs: cached (%s)", target)
+            return target, True
+        log.info("reference log-probs: computing %s for %s on %s (one forward per pair)",
+                 "the base model" if spec.reference == "base" else spec.reference,
+                 spec.model, spec.data)
+        write_reference(target, key, compute_reference(spec, **(options or {})))
+    return target, False
+
+
+def with_reference(pairs: Sequence[Pair], refs: dict[str, tuple[float, float]],
+                   where: str | Path) -> list[Pair]:
+    """``pairs`` carrying their reference log-probs; a pair without one is an error
+    naming its id and the file (the file and the dataset disagree)."""
+    out = []
+    for p in pairs:
+        if p.id not in refs:
+            raise ValueError(f"{where}: no reference log-probs for pair id {p.id!r}")
+        out.append(replace(p, ref=refs[p.id]))
+    return out
+
+
+def attach_reference(pairs: Any, spec: ReferenceSpec, path: str | Path | None = None,
+                     options: dict[str, Any] | None = None) -> Path:
+    """Give every pair of a PairSet (engine/data.py) its reference log-probs, made or
+    read through ``ensure_reference``; returns the file they came from."""
+    where, _ = ensure_reference(spec, path, options)
+    refs = read_reference(where, spec.key())
+    for split in ("train", "valid", "test"):
+        setattr(pairs, split, with_reference(getattr(pairs, split), refs, where))
+    return where
