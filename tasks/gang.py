@@ -137,8 +137,8 @@ def run_gang(runner: Any, trial: TrialRun, attempt: int, first: float) -> Summar
                                                         placement_group_bundle_index=i)
             actors.append(cls.options(**runner.placement.options(),
                                       scheduling_strategy=strategy).remote())
-        with runner.lock:
-            runner.live[trial.id] = actors
+        if not runner.register(trial.id, actors):
+            return _summary(trial, "cancelled", "sweep interrupted", first, attempt + 1)
         places = ray.get([a.address.remote() for a in actors])
         meeting = rendezvous(places, bool(runner.placement.gpus))
         runner.event("running", {"trial_id": trial.id, "attempt": attempt, **places[0],

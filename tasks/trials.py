@@ -163,7 +163,7 @@ def degenerate_reason(reports: list[tuple[int, float]], best_val: dict[str, Any]
         first = reports[len(reports) - zeros][0]
         return (f"degenerate: zero gradients for {zeros} reports (grad_norm 0.0 from step "
                 f"{first}): the model stopped learning")
-    return below_chance(best_val.get("val/rewards/accuracies"), best_val.get("val/rows"),
+    return below_chance(best_val.get("val/logps/accuracies"), best_val.get("val/rows"),
                         f"val accuracy at step {best_val.get('step')}")
 
 
@@ -211,7 +211,7 @@ def run_trial(trial_id: str, config: dict[str, Any], study: Any = None,
             "ended": time.time(),
             "adapter": result.out, "steps": result.steps,
             "final_loss": result.final.get("loss"), "best_val_loss": best.get("val/loss"),
-            "best_val_accuracy": best.get("val/rewards/accuracies"),
+            "best_val_accuracy": best.get("val/logps/accuracies"),
             **{f"best/{k}": v for k, v in best.items() if k.startswith("val/")},
             "peak_memory_gb": result.peak_memory_gb, "tokens_per_sec": result.tokens_per_sec}
 
@@ -294,9 +294,9 @@ class _Runner:
             return run_gang(self, trial, attempt, first)
 
         actor = self.actor_cls.remote()
-        with self.lock:
-            self.live[trial.id] = actor
         try:
+            if not self.register(trial.id, actor):
+                return _summary(trial, "cancelled", "sweep interrupted", first, attempt + 1)
             placed = actor.where.remote()
             ref = actor.run.remote(trial.id, trial.config, self.study, trial.number,
                                    self.metric)
@@ -322,11 +322,21 @@ class _Runner:
                 self.live.pop(trial.id, None)
             ray.kill(actor)  # the process and its memory go; the next trial starts fresh
 
+    def register(self, trial_id: str, actors: Any) -> bool:
+        """Hold ``actors`` as the trial's live ones, unless the sweep is stopping (False).
+        Checked under the lock ``cancel_all`` takes: an actor made while Ctrl-C was being
+        handled would otherwise never be killed, and run its trial to the end."""
+        with self.lock:
+            if self.stopping.is_set():
+                return False
+            self.live[trial_id] = actors
+            return True
+
     def cancel_all(self) -> None:
         import ray
 
-        self.stopping.set()
         with self.lock:
+            self.stopping.set()
             held = list(self.live.values())
         for actors in held:  # one actor per trial, or a gang's list
             for actor in actors if isinstance(actors, list) else [actors]:
@@ -387,7 +397,9 @@ def run_trials(source: TrialSource | list[TrialRun] | list[tuple[str, dict[str, 
             f.result()  # a bug in the scheduler itself surfaces here
     except KeyboardInterrupt:
         interrupted = True
-        runner.cancel_all()
+        while not all(f.done() for f in futures):  # kills what started meanwhile, too
+            runner.cancel_all()
+            time.sleep(0.5)
     finally:
         pool.shutdown(wait=True)
     rows = [summaries[t] for t in order if t in summaries]
