@@ -1,6 +1,8 @@
 """The sweep as a Prefect flow: every trial a task run, progress and results as artifacts.
 
-Trials still run in Ray actors (tasks/trials.py); the flow wraps each one in a task run
+DPO trials' reference log-probs are made first, once per reference, as a task run of
+their own (tasks/reference_task.py). Trials still run in Ray actors (tasks/trials.py);
+the flow wraps each one in a task run
 named after the trial, so the Prefect UI shows each trial's state, duration and log
 lines (where it ran, retries after a lost node, its result). A progress artifact moves
 as trials finish; a table artifact lists every trial at the end. Artifact keys are
@@ -23,6 +25,7 @@ from prefect.artifacts import (
 
 from flows.ray_session import ray_session
 from tasks.pipeline_tasks import artifact_key
+from tasks.reference_task import reference_needs, run_reference_task
 from tasks.sweep import metric_value, run_sweep
 from tasks.sweep_spec import SweepSpec, load_spec
 from tasks.trial_task import trial_task
@@ -66,9 +69,11 @@ def sweep_stage(spec: SweepSpec, out_dir: Path, address: str | None = None,
     def wrap(trial: TrialRun, run: Callable[[], Summary]) -> Summary:
         return trial_task(trial, run)
 
+    placement = Placement(gpus=int(gpus), resource=resource)
     with ray_session(address):
-        rows = run_sweep(spec, out_dir, Placement(gpus=int(gpus), resource=resource),
-                         progress=on_event, wrap=wrap)
+        for i, (reference, options) in enumerate(reference_needs(spec)):  # once, for all
+            run_reference_task(reference, options, placement, f"{spec.name}-{i}")
+        rows = run_sweep(spec, out_dir, placement, progress=on_event, wrap=wrap)
     update_progress_artifact(progress_id, 100.0)
     create_table_artifact(table_rows(rows, spec.metric), key=artifact_key(spec.name, "trials"),
                           description=f"sweep {spec.name}: {out_dir / 'results.parquet'}")

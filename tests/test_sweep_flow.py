@@ -1,5 +1,6 @@
 """The sweep as a Prefect flow against a real Prefect API and a local Ray: each trial a
-task run, a progress artifact at 100%, a table artifact with every trial."""
+task run, a progress artifact at 100%, a table artifact with every trial; DPO's reference
+pass one task run before them, Cached when the flow runs again."""
 
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ def test_sweep_flow_runs_each_trial_as_a_task_run(prefect_api, ray_cluster, tiny
 
     from flows.sweep_flow import sweep_flow
 
+    data = tmp_path / "pairs.jsonl"  # content of its own: a reference no run has cached
+    data.write_text(tiny_data.read_text() + tiny_data.read_text().splitlines()[0].replace(
+        '"id": "', f'"id": "{tmp_path.name}-', 1) + "\n")
     spec = tmp_path / "flow.yaml"
-    spec.write_text(f"name: Flow_Test\nmodel: {tiny_model}\ndata: {tiny_data}\n"
+    spec.write_text(f"name: Flow_Test\nmodel: {tiny_model}\ndata: {data}\n"
                     "max_concurrent: 2\nfixed: {steps: 2, batch_size: 2, lora_rank: 4, "
-                    "val_every: 1, val_batches: 1}\ngrid: {loss: [orpo, simpo, sft]}\n"
+                    "val_every: 1, val_batches: 1}\ngrid: {loss: [orpo, simpo, dpo]}\n"
                     "metric: val/nll_loss\n")  # the loss searched like any key
     state = sweep_flow(str(spec), str(tmp_path / "out"), return_state=True)
     assert state.is_completed(), state
@@ -27,13 +31,21 @@ def test_sweep_flow_runs_each_trial_as_a_task_run(prefect_api, ray_cluster, tiny
     import pyarrow.parquet as pq
 
     results = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()
-    assert sorted(r["param/loss"] for r in results) == ["orpo", "sft", "simpo"]
+    assert sorted(r["param/loss"] for r in results) == ["dpo", "orpo", "simpo"]
     assert all(r["best/val/nll_loss"] > 0 for r in results)  # ranked on a metric all share
+    again = sweep_flow(str(spec), str(tmp_path / "out"), return_state=True)  # trials cached
+    assert again.is_completed(), again
     with get_client(sync_client=True) as client:
         flow_run = client.read_flow_run(state.state_details.flow_run_id)
         task_runs = client.read_task_runs()
         names = sorted(t.name for t in task_runs if t.flow_run_id == flow_run.id)
-        assert names == sorted(r["trial_id"] for r in rows)
+        assert names == sorted([*(r["trial_id"] for r in rows), "reference-Flow_Test-0"])
+        second = [t for t in task_runs if t.flow_run_id == again.state_details.flow_run_id
+                  and t.name.startswith("reference-")]
+        first = next(t for t in task_runs if t.flow_run_id == flow_run.id
+                     and t.name.startswith("reference-"))
+        assert first.state.name == "Completed" and len(second) == 1, (first.state, second)
+        assert second[0].state.name == "Cached", second[0].state
         assert all(t.state.is_completed() for t in task_runs if t.flow_run_id == flow_run.id)
         from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
 

@@ -1,0 +1,104 @@
+"""The reference pass of a sweep's DPO trials, as one Prefect task run per reference.
+
+Every DPO trial of a sweep trains against the same reference log-probs (engine/
+reference.py): the base model's, or a reference adapter's, on the sweep's data. They are
+made once, before the trials start, in a Ray task on a trial's placement (a GPU where
+there is one; the driver never loads the model), with a progress artifact; trials then
+find them in the cache (or in the file ``reference_logps`` names). A re-run of the flow
+finds them too: Prefect reports the task run Cached, keyed on the reference's content
+key while its file is there.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+from engine.config import TrainConfig
+from engine.reference import ReferenceSpec, cache_dir, ensure_reference
+from tasks.pipeline_tasks import artifact_key
+from tasks.sweep_spec import SweepSpec
+from tasks.trials import Placement
+
+OPTIONS = ("batch_size", "head_chunk", "prefix_share", "allow_tokenizer_mismatch")
+
+
+def reference_needs(spec: SweepSpec) -> list[tuple[ReferenceSpec, dict[str, Any]]]:
+    """One (reference, forward options) per distinct reference the spec's DPO trials
+    train against; none when no trial trains DPO or the spec names its own file."""
+    losses = {spec.fixed.get("loss", "orpo"), *spec.grid.get("loss", [])}
+    dist = spec.space.get("loss")
+    if dist is not None and dist.kind == "choice":
+        losses |= set(dist.args)
+    if "dpo" not in losses or spec.fixed.get("reference_logps"):
+        return []
+    references = spec.grid.get("reference") or [spec.fixed.get("reference", "base")]
+    defaults = TrainConfig()
+    options = {k: (spec.grid[k][0] if spec.grid.get(k) else spec.fixed.get(k,
+                                                                          getattr(defaults, k)))
+               for k in OPTIONS}
+    return [(ReferenceSpec(spec.model, spec.data, r), options)
+            for r in dict.fromkeys(references)]
+
+
+class ProgressBox:
+    """A Ray actor the reference pass reports (pairs done, pairs in all) to."""
+
+    def __init__(self) -> None:
+        self.value = (0, 0)
+
+    def set(self, done: int, total: int) -> None:
+        self.value = (done, total)
+
+    def get(self) -> tuple[int, int]:
+        return self.value
+
+
+def make_reference(spec: ReferenceSpec, options: dict[str, Any], box: Any
+                   ) -> tuple[str, bool, float]:
+    """``ensure_reference`` where Ray placed it: (file, was cached, seconds)."""
+    started = time.perf_counter()
+    path, cached = ensure_reference(spec, None, {
+        **options, "progress": lambda done, total: box.set.remote(done, total)})
+    return str(path), cached, time.perf_counter() - started
+
+
+def reference_cache_key(context: Any, inputs: dict[str, Any]) -> str:
+    return f"reference-{inputs['spec'].key()}"
+
+
+def run_reference_task(spec: ReferenceSpec, options: dict[str, Any], placement: Placement,
+                       label: str) -> dict[str, Any]:
+    """``reference_task``, Cached by Prefect on the reference's content key while its file
+    is in the cache, run afresh (and the file made) when it is not."""
+    present = (cache_dir() / f"{spec.key()}.parquet").is_file()
+    return reference_task.with_options(refresh_cache=not present)(spec, options, placement,
+                                                                   label)
+
+
+@task(cache_key_fn=reference_cache_key, persist_result=True, result_serializer="json",
+      task_run_name="reference-{label}")
+def reference_task(spec: ReferenceSpec, options: dict[str, Any], placement: Placement,
+                   label: str) -> dict[str, Any]:
+    """DPO's reference log-probs for ``spec``, made once in a Ray task on ``placement``."""
+    import ray
+
+    logger = get_run_logger()
+    box = ray.remote(num_cpus=0)(ProgressBox).remote()
+    progress = create_progress_artifact(0.0, key=artifact_key(label, "reference"),
+                                        description=f"reference log-probs: {spec.reference} "
+                                                    f"on {spec.data}")
+    ref = placement.fresh_task(make_reference).remote(spec, options, box)
+    while not ray.wait([ref], timeout=2.0)[0]:
+        done, total = ray.get(box.get.remote())
+        if total:
+            update_progress_artifact(progress, 100.0 * done / total)
+    path, cached, seconds = ray.get(ref)
+    update_progress_artifact(progress, 100.0)
+    ray.kill(box)
+    logger.info("reference log-probs (%s) %s in %.1f s: %s", spec.reference,
+                "were cached" if cached else "computed", seconds, path)
+    return {"path": path, "cached": cached, "seconds": seconds, "key": spec.key()}
