@@ -83,7 +83,7 @@ class _Stderr(logging.StreamHandler):
 
 
 # Loggers whose INFO lines the CLI shows (--verify's figures); every logger's warnings show.
-SHOWN_INFO = ("engine.trainer", "engine.load_check", "engine.model_source")
+SHOWN_INFO = ("engine.trainer", "engine.load_check", "engine.model_source", "engine.reference")
 
 
 def log_to_stderr() -> None:
@@ -119,7 +119,8 @@ def run_train(argv: list[str]) -> int:
     return 0
 
 
-LOSS_WEIGHTS = ("orpo_lambda", "simpo_beta", "simpo_gamma", "simpo_nll_weight")
+LOSS_WEIGHTS = ("orpo_lambda", "simpo_beta", "simpo_gamma", "simpo_nll_weight", "dpo_beta",
+                "dpo_label_smoothing", "rpo_alpha")
 
 
 def score_parser() -> argparse.ArgumentParser:
@@ -135,6 +136,10 @@ def score_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name.replace('_', '-')}", type=float,
                        help=f"{_field_help(name)} Default: the adapter's, else "
                             f"{_default(name)}.".replace("%", "%%"))
+    p.add_argument("--dpo-loss-type", choices=CHOICES["dpo_loss_type"],
+                   help="DPO: sigmoid or ipo. Default: the adapter's, else sigmoid.")
+    p.add_argument("--reference", help="DPO's reference: base or an adapter directory. "
+                                       "Default: the one the adapter trained against.")
     p.add_argument("--split", default="all", choices=["all", "train", "valid", "test"],
                    help="Which pairs to score: train, valid (ranked on), test (reported).")
     p.add_argument("--batch-size", type=at_least(1), default=8, help="Pairs per forward.")
@@ -172,38 +177,44 @@ def score_loss(a: argparse.Namespace, own: LossSpec) -> LossSpec:
     """The score's loss: the adapter's own (``own``), each flag given replacing its value,
     checked as TrainConfig checks a run's (a negative β or a NaN is refused by name)."""
     cfg = TrainConfig().replace(loss=a.loss or own.kind, nll_span=own.nll_span, **{
-        k: getattr(own, k) if getattr(a, k) is None else getattr(a, k) for k in LOSS_WEIGHTS})
+        k: getattr(own, k) if getattr(a, k) is None else getattr(a, k)
+        for k in (*LOSS_WEIGHTS, "dpo_loss_type")})
     cfg.check_values()
     return cfg.loss_spec()
 
 
 def run_score(argv: list[str]) -> int:
-    from engine.adapters import atomic_write_text, trained_loss
+    from engine.adapters import atomic_write_text, trained_loss, trained_reference
     from engine.data_fit import load_pairs_for
     from engine.layout_policy import scoring_layout
     from engine.load_check import checked_stack
     from engine.model import load_model
     from engine.outputs import check_file
+    from engine.reference import ReferenceSpec, attach_reference, ensure_reference
     from engine.scoring import is_score_file, preference_accuracy, score_pairs
 
     log_to_stderr()
     a = score_parser().parse_args(argv)
     try:  # the output first: a refused --out costs no model load nor scoring
         check_file(a.out, is_score_file, "a score file", inputs=[a.data, a.model, a.adapter])
+        spec = score_loss(a, trained_loss(a.adapter) or LossSpec())
+        reference = ReferenceSpec(a.model, a.data, a.reference or trained_reference(a.adapter))
+        options = {"batch_size": a.batch_size, "head_chunk": a.head_chunk,
+                   "prefix_share": a.prefix_share,
+                   "allow_tokenizer_mismatch": a.allow_tokenizer_mismatch}
+        if spec.needs_reference:  # made (or read) before the scored model loads
+            ensure_reference(reference, None, options)
         model, tokenizer = load_model(a.model, a.adapter)
         stack, _ = checked_stack(model)
         data = load_pairs_for(a.data, a.model, stack, a.allow_tokenizer_mismatch)
+        if spec.needs_reference:
+            attach_reference(data, reference, None, options)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     pairs = data.train + data.valid + data.test if a.split == "all" else data.split(a.split)
     if not pairs:
         print(f"error: {a.data}: no {a.split} pairs to score", file=sys.stderr)
-        return 2
-    try:
-        spec = score_loss(a, trained_loss(a.adapter) or LossSpec())
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
         return 2
     rows = score_pairs(model, stack, pairs, spec, a.batch_size,
                        a.head_chunk, scoring_layout(a.prefix_share, tokenizer.pad_token_id or 0))

@@ -261,8 +261,15 @@ def attach_reference(pairs: Any, spec: ReferenceSpec, path: str | Path | None = 
                      options: dict[str, Any] | None = None) -> Path:
     """Give every pair of a PairSet (engine/data.py) its reference log-probs, made or
     read through ``ensure_reference``; returns the file they came from."""
-    where, _ = ensure_reference(spec, path, options)
-    refs = read_reference(where, spec.key())
+    key = spec.key()
+    where = Path(path) if path is not None else cache_dir() / f"{key}.parquet"
+    try:
+        refs = read_reference(where, key)
+    except (FileNotFoundError, ValueError):
+        if path is not None:  # the user's file: never replaced
+            raise
+        where, _ = ensure_reference(spec, None, options)
+        refs = read_reference(where, key)
     for split in ("train", "valid", "test"):
         setattr(pairs, split, with_reference(getattr(pairs, split), refs, where))
     return where
