@@ -11,7 +11,10 @@
 # under memory_limit_gb 9.3), gemma3-4b (2k pairs, bf16), mutate (the load check on each
 # shape with its sliding windows dropped: must refuse), real (SmolLM2-135M and Gemma 3
 # 270M, each in bf16 and 4-bit, imported from their PyPI GGUFs in $GGUF_DIR, trained on the
-# reverse task tokenized in $DATA_DIR for each: `pomona data tokenize` with the import). Each run leaves its log and summary in OUT_DIR.
+# reverse task tokenized in $DATA_DIR for each: `pomona data tokenize` with the import),
+# dpo (issue 25: the E4B shape in bf16, one 4k pair a step, ORPO against DPO with its
+# reference cached, the levers on; the one-off reference pass timed per pair). Each run
+# leaves its log and summary in OUT_DIR.
 set -euo pipefail
 out="${*: -1}"
 mkdir -p "$out"
@@ -48,6 +51,7 @@ train() {  # train NAME ARGS...: one run, its log and summary kept
     || echo "run $name failed (rc $?)" | tee -a "$out/$name.log"
   echo "-- $name: $((SECONDS - t0)) s wall" | tee -a "$out/$name.log"
   cp "/tmp/runs/$name/summary.json" "$out/$name.summary.json" 2>/dev/null || true
+  cp "/tmp/runs/$name/metrics.jsonl" "$out/$name.metrics.jsonl" 2>/dev/null || true
 }
 
 LEVERS="--segment-size 1 --head-chunk 256 --mlp-chunk 1024 --val-every 0 --report-every 1"
@@ -92,6 +96,18 @@ for section in "${@:1:$#-1}"; do
           --steps 20 --batch-size 8 --learning-rate 5e-4 --segment-size 4 --head-chunk 256 \
           --nll-span response --orpo-lambda 1.0 --val-every 10 --report-every 5
       done ;;
+    dpo)  # order: orpo (warms the JIT), dpo (makes the reference), dpo and orpo again
+      pairs e4b-4k 8 3277 819
+      export XDG_CACHE_HOME=/tmp/dpo-cache
+      for run in ${RUNS:-orpo dpo-ref dpo orpo-again}; do  # RUNS: some of them, in order
+        train "e4b-4k-$run" --model "$M/e4b-bf16" --data "$D/e4b-4k.jsonl" --steps 8 \
+          --batch-size 1 --loss "${run%%-*}" $LEVERS
+      done
+      [ -f "$out/e4b-4k-orpo-again.metrics.jsonl" ] || continue  # the figures need all four
+      py benchmarks/step_times.py "$out"/e4b-4k-{orpo,dpo-ref,dpo,orpo-again}.metrics.jsonl \
+        | tee "$out/dpo-vs-orpo.txt"
+      grep -h "reference log-probs: .* pairs in" "$out"/e4b-4k-dpo-ref.log \
+        | tee -a "$out/dpo-vs-orpo.txt" ;;
     *) echo "unknown section $section" >&2; exit 2 ;;
   esac
 done

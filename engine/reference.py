@@ -139,12 +139,17 @@ def compute_reference(spec: ReferenceSpec, batch_size: int = 8, head_chunk: int 
                       progress: Progress | None = None) -> dict[str, tuple[float, float]]:
     """Summed response log-probs of the reference for every pair of ``spec.data``: one
     forward-only pass (no gradient, the bounded head, the scoring layout), by length."""
+    started = time.perf_counter()
     model, tokenizer = load_reference_model(spec)
     stack, _ = checked_stack(model)
     data = load_pairs_for(spec.data, spec.model, stack, allow_tokenizer_mismatch)
     pairs = [*data.train, *data.valid, *data.test]
     layout = scoring_layout(prefix_share, tokenizer.pad_token_id or 0, "full")
+    loaded = time.perf_counter()
     refs = reference_logps(model, stack, pairs, layout, batch_size, head_chunk, progress)
+    seconds = time.perf_counter() - loaded
+    log.info("reference log-probs: %d pairs in %.1f s (%.3f s a pair; load and check %.1f s)",
+             len(pairs), seconds, seconds / max(len(pairs), 1), loaded - started)
     del model, stack
     mx.clear_cache()  # the trainer loads its own copy next
     return refs
