@@ -91,6 +91,16 @@ def _lora_linear_class() -> type:
     return InputDtypeLoRALinear
 
 
+def use_input_dtype_lora(model: nn.Module) -> None:
+    """Every mlx-lm LoRALinear of ``model`` computes its low-rank product in the input's
+    dtype (same parameters and adapter files, a cheaper call): trained LoRA and a DPO
+    reference adapter compute alike."""
+    fast = _lora_linear_class()
+    for _, m in lora_modules(model):
+        if type(m) is fast.__base__:
+            m.__class__ = fast
+
+
 def lora_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of every LoRA layer, in a stable order."""
     return [(n, m) for n, m in model.named_modules() if hasattr(m, "lora_a")]
@@ -126,10 +136,8 @@ def attach_lora(model: nn.Module, spec: LoraSpec, seed: int) -> int:
         raise ValueError(f"no LoRA layers attached: keys={spec.keys} matched nothing in "
                          f"the last {n} layers")
     rng = np.random.default_rng(seed)
-    fast = _lora_linear_class()
+    use_input_dtype_lora(model)
     for site, (_, m) in enumerate(modules):
-        if type(m) is fast.__base__:  # same parameters and adapter files, cheaper call
-            m.__class__ = fast
         fan_in = m.lora_a.shape[-1 if m.lora_a.ndim == 3 else 0]  # experts: [E, r, in]
         bound = 1.0 / np.sqrt(fan_in)
         m.lora_a = mx.array(rng.uniform(-bound, bound, m.lora_a.shape).astype(np.float32))

@@ -12,6 +12,7 @@ local but is not there is an error naming it, never a hub lookup.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
@@ -69,17 +70,17 @@ def imported_gguf(path: Path, dtype: str = GGUF_DTYPE) -> Path:
     target = cache_root() / f"{stem}{IMPORTER_VERSION}"
     if (target / "config.json").is_file():
         return target
-    for old in cache_root().glob(f"{stem}*"):  # Pomona's own cache: superseded imports
-        if old.name != target.name and (old / MARK).is_file():
-            shutil.rmtree(old, ignore_errors=True)
-    log.warning("importing %s (%.0f MB) into %s, once", path, path.stat().st_size / 1e6,
-                target)
-    try:
-        return import_gguf(path, target, dtype=dtype)
-    except FileExistsError:  # another process imported it meanwhile
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one importer; the others wait, then read it
         if (target / "config.json").is_file():
             return target
-        raise
+        for old in cache_root().glob(f"{stem}*"):  # Pomona's own cache: superseded imports
+            if old.name != target.name and (old / MARK).is_file():
+                shutil.rmtree(old, ignore_errors=True)
+        log.warning("importing %s (%.0f MB) into %s, once", path, path.stat().st_size / 1e6,
+                    target)
+        return import_gguf(path, target, dtype=dtype)
 
 
 def local_model(model: str) -> str:

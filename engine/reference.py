@@ -41,7 +41,7 @@ from engine.content_key import adapter_fingerprint, file_digest, model_fingerpri
 from engine.data_fit import load_pairs_for
 from engine.layout_policy import scoring_layout
 from engine.load_check import checked_stack
-from engine.model import load_model
+from engine.model import load_model, use_input_dtype_lora
 from engine.prefix import pair_batch
 from engine.scoring import forward_logps, length_groups
 
@@ -126,6 +126,7 @@ def _attach_reference_adapter(model: Any, folder: Path, config: dict[str, Any],
     try:
         linear_to_lora_layers(model, int(config.get("num_layers", -1)),
                               config["lora_parameters"])
+        use_input_dtype_lora(model)  # as the policy's LoRA computes (engine/model.py)
         load_adapter_weights(model, folder)
     except (ValueError, KeyError, TypeError) as err:
         first = str(err).replace("\n ", "").splitlines()[0]
@@ -144,6 +145,12 @@ def compute_reference(spec: ReferenceSpec, batch_size: int = 8, head_chunk: int 
     stack, _ = checked_stack(model)
     data = load_pairs_for(spec.data, spec.model, stack, allow_tokenizer_mismatch)
     pairs = [*data.train, *data.valid, *data.test]
+    seen: set[str] = set()
+    for p in pairs:  # the file keys pairs by id: two pairs under one would share one
+        if p.id in seen:
+            raise ValueError(f"{spec.data}: pair id {p.id!r} appears twice; DPO's reference "
+                             "log-probs are kept by id: give every pair its own")
+        seen.add(p.id)
     layout = scoring_layout(prefix_share, tokenizer.pad_token_id or 0, "full")
     loaded = time.perf_counter()
     refs = reference_logps(model, stack, pairs, layout, batch_size, head_chunk, progress)

@@ -8,6 +8,8 @@ only; a margin near zero is a difference of two such sums).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 
 from engine.arch import make_stack
+from engine.batch import Pair, make_batch
 from engine.load_check import check_stack
 from engine.model import LoraSpec, attach_lora, lora_modules
 
@@ -40,6 +43,27 @@ def lora_model(path: Path, dropout: float = 0.0, num_layers: int = -1):
     stack = make_stack(model)
     check_stack(model, stack)
     return model, stack
+
+
+def with_reference(model, stack, pairs: Sequence[Pair]) -> list[Pair]:
+    """``pairs`` carrying DPO reference log-probs (``Pair.ref``): each sequence's own summed
+    response log-prob under ``model`` (one dense forward, engine/scoring.py) moved by a
+    deterministic offset per pair, so z = (Sw − Sr) − (Rw − Rr) is −(oc − or) ≠ 0, of
+    either sign and a few units: the sigmoid is not saturated and the gradients are not
+    zero. Parity tests take the reference as the constant it is during training."""
+    from engine.scoring import forward_logps
+
+    batch = make_batch(pairs, "full")
+    lp = forward_logps(model, stack, batch)
+    sums = (lp * mx.array(batch.resp_mask)).sum(axis=-1).tolist()
+    b = len(pairs)
+    return [replace(p, ref=(sums[i] + ref_offset(i)[0], sums[b + i] + ref_offset(i)[1]))
+            for i, p in enumerate(pairs)]
+
+
+def ref_offset(i: int) -> tuple[float, float]:
+    """``with_reference``'s (chosen, rejected) offset of pair ``i``: z = −(oc − or)."""
+    return 1.5 * (-1) ** i * (i + 1), -0.75 * (i + 1)
 
 
 def assert_same(got, ref, grad_rtol: float = GRAD_RTOL) -> None:

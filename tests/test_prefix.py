@@ -17,7 +17,7 @@ from engine.losses import LossSpec, pair_loss
 from engine.prefix import PrefixBatch, split_prefix_batch
 from engine.segmented import value_and_grad
 from tests.pairs import tokenized_pairs
-from tests.parity import assert_same, lora_model
+from tests.parity import assert_same, lora_model, with_reference
 
 pytestmark = pytest.mark.integration
 
@@ -25,8 +25,9 @@ pytestmark = pytest.mark.integration
 def run(model, stack, batch, pairs_batch, spec, k=0, chunk=0):
     norms = batch_norms([pairs_batch])
     resp, nll = mx.array(pairs_batch.resp_mask), mx.array(pairs_batch.nll_mask)
-    return value_and_grad(model, stack, batch, lambda lp: pair_loss(lp, resp, nll, spec, norms),
-                          k, chunk)
+    ref = pairs_batch.ref_array()  # DPO's reference log-probs, as the trainer passes them
+    return value_and_grad(model, stack, batch,
+                          lambda lp: pair_loss(lp, resp, nll, spec, norms, ref), k, chunk)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_model", "tiny_model_q4"])
@@ -256,18 +257,24 @@ def test_scoring_shares_the_prefix_and_keeps_row_order(tiny_model: Path, head_ch
         scoring_layout("maybe", 0)
 
 
-@pytest.mark.parametrize("spec", [LossSpec("simpo", simpo_nll_weight=0.5),
-                                  LossSpec("simpo", nll_span="response")])
-def test_simpo_runs_every_lever_unchanged(tiny_model: Path, spec: LossSpec) -> None:
-    """SimPO through the segmented backward, the bounded head and both shared layouts
-    equals autograd over two forwards: that code sees only the scalar loss of the token
-    log-probs, so a new loss needs no change there."""
+@pytest.mark.parametrize("spec", [
+    LossSpec("simpo", simpo_nll_weight=0.5), LossSpec("simpo", nll_span="response"),
+    LossSpec("dpo", nll_span="response", dpo_beta=0.5, dpo_label_smoothing=0.1,
+             rpo_alpha=0.3),
+    LossSpec("dpo", dpo_beta=0.5, dpo_loss_type="ipo")], ids=lambda s: s.kind)
+def test_simpo_and_dpo_run_every_lever_unchanged(tiny_model: Path, spec: LossSpec) -> None:
+    """SimPO and DPO (sigmoid with label smoothing and rpo_alpha; IPO) through the
+    segmented backward, the bounded head and both shared layouts equal autograd over two
+    forwards: that code sees only the scalar loss of the token log-probs, so a new loss
+    needs no change there. DPO's reference log-probs ride in the shared layout's pairs
+    (``PrefixBatch.pairs.ref``) in the two forwards' row order."""
     model, stack = lora_model(tiny_model)
-    pairs = tokenized_pairs(tiny_model, 3, seed=17)
+    pairs = with_reference(model, stack, tokenized_pairs(tiny_model, 3, seed=17))
     two = make_batch(pairs, spec.nll_span)
     ref = run(model, stack, two, two, spec)
     assert_same(run(model, stack, two, two, spec, 1, 16), ref)
     for attention, pad in (("split", 8), ("mask", 0)):
         shared = split_prefix_batch(pairs, spec.nll_span, pad, attention=attention)
+        assert np.array_equal(shared.pairs.ref, two.ref)
         for k, chunk in ((0, 0), (1, 16), (2, 0)):
             assert_same(run(model, stack, shared, shared.pairs, spec, k, chunk), ref)

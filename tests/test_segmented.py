@@ -2,7 +2,8 @@
 
 Tolerance (tests/parity.py): max |g − g_plain| ≤ 1e-5 · max |g_plain| per tensor, loss to
 1e-6 relative (float32; the segmented path reorders no sums, the bounded head reorders
-logsumexp only).
+logsumexp only). DPO's pairs carry reference log-probs (``with_reference``): ``run`` hands
+the batch's ``ref`` to the loss as the trainer does (the other losses ignore it).
 """
 
 from __future__ import annotations
@@ -18,16 +19,17 @@ from engine.losses import LossSpec, pair_loss
 from engine.model import lora_modules
 from engine.segmented import segment_ranges, value_and_grad
 from tests.pairs import tokenized_pairs
-from tests.parity import assert_same, lora_model
+from tests.parity import assert_same, lora_model, ref_offset, with_reference
 
 pytestmark = pytest.mark.integration
 
 
 def run(model, stack, batch, spec, k=0, chunk=0, inflight=2):
     norms = batch_norms([batch])
-    resp, nll = mx.array(batch.resp_mask), mx.array(batch.nll_mask)
-    return value_and_grad(model, stack, batch, lambda lp: pair_loss(lp, resp, nll, spec, norms),
-                          k, chunk, inflight)
+    resp, nll, ref = mx.array(batch.resp_mask), mx.array(batch.nll_mask), batch.ref_array()
+    return value_and_grad(model, stack, batch,
+                          lambda lp: pair_loss(lp, resp, nll, spec, norms, ref), k, chunk,
+                          inflight)
 
 
 @pytest.mark.unit  # a pure function: the fast tier runs it
@@ -42,9 +44,11 @@ def test_segment_ranges_are_contiguous_and_ragged() -> None:
 def test_segmented_equals_plain(fixture: str, span: str, request) -> None:
     path = request.getfixturevalue(fixture)
     model, stack = lora_model(path)
-    batch = make_batch(tokenized_pairs(path, 3, seed=1), span, pad_multiple=8)
-    for kind in ("orpo", "sft"):
-        spec = LossSpec(kind, 0.5, span)
+    pairs = with_reference(model, stack, tokenized_pairs(path, 3, seed=1))
+    batch = make_batch(pairs, span, pad_multiple=8)
+    assert batch.ref is not None and batch.ref.shape == (6,)
+    for spec in (LossSpec("orpo", 0.5, span), LossSpec("sft", 0.5, span),
+                 LossSpec("dpo", nll_span=span, dpo_beta=0.5, rpo_alpha=0.5)):
         ref = run(model, stack, batch, spec)
         for k in (1, 2, 3, len(stack.layers)):
             assert_same(run(model, stack, batch, spec, k=k), ref)
@@ -164,3 +168,46 @@ def test_chunked_scoring_equals_dense(chunk: int, tiny_model: Path) -> None:
     for a, b in zip(chunked, dense, strict=True):
         for key in ("chosen_logp_mean", "rejected_logp_mean", "nll", "loss"):
             assert a[key] == pytest.approx(b[key], abs=1e-5), (key, a["id"])
+
+
+def test_dpo_step_accumulates_and_verifies_through_every_lever(tiny_model: Path) -> None:
+    """DPO through the trainer's step (dispatch_grads hands each micro-batch's ``ref`` to
+    the loss): four micro-batches of one pair, two of them prefix-shared, at segment_size
+    2 and head_chunk 16 give the plain one-batch-of-four loss, metrics and gradients
+    (sigmoid with label smoothing, IPO); ``--verify``'s check passes on DPO. The
+    reference is each pair's own log-probs moved by known offsets (``with_reference``),
+    so the step's sigmoid rewards are known: β·(S − R) = −β·offset, summed over the pairs
+    (a reference in the wrong rows or pairs would move them)."""
+    from engine.config import TrainConfig
+    from engine.prefix import split_prefix_batch
+    from engine.trainer import step_grads, verify_paths
+
+    model, stack = lora_model(tiny_model)
+    pairs = with_reference(model, stack, tokenized_pairs(tiny_model, 4, seed=19))
+    plain = TrainConfig(model="m", data="d")
+    levers = TrainConfig(model="m", data="d", segment_size=2, head_chunk=16)
+    micro = [make_batch([p], "full") for p in pairs[:2]]
+    micro += [split_prefix_batch([p], "full", attention="mask") for p in pairs[2:]]
+    beta = 0.5
+
+    def loss_metrics(sums: dict[str, float]) -> dict[str, float]:
+        return {k: v for k, v in sums.items() if k.startswith(("rewards/", "logps/"))
+                or k == "nll_sum"}
+
+    for spec in (LossSpec("dpo", dpo_beta=beta, dpo_label_smoothing=0.1),
+                 LossSpec("dpo", dpo_beta=beta, dpo_loss_type="ipo")):
+        one = step_grads(model, stack, [make_batch(pairs, "full")], spec, plain, step=1)
+        four = step_grads(model, stack, micro, spec, levers, step=1)
+        assert one[1]["pairs"] == four[1]["pairs"] == 4 and four[1]["shared_batches"] == 2
+        assert_same((mx.array(four[0]), loss_metrics(four[1]), four[2]),
+                    (mx.array(one[0]), loss_metrics(one[1]), one[2]))
+        if spec.dpo_loss_type == "sigmoid":
+            offsets = [ref_offset(i) for i in range(len(pairs))]
+            assert one[1]["rewards/chosen"] == pytest.approx(
+                -beta * sum(o[0] for o in offsets), abs=1e-4)
+            assert one[1]["rewards/rejected"] == pytest.approx(
+                -beta * sum(o[1] for o in offsets), abs=1e-4)
+        verified = verify_paths(model, stack, split_prefix_batch(pairs, "full",
+                                                                 attention="mask"),
+                                spec, levers, rtol=1e-5)
+        assert verified["pairs"] == 4 and verified["grad_rel_err"] <= 1e-5

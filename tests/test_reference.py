@@ -1,0 +1,308 @@
+"""DPO's reference log-probs (engine/reference.py): computed once, cached by content,
+refused when made for another model, dataset or reference adapter, and read back bit for
+bit; ``reference: DIR`` is that adapter on the base, not the base.
+
+Every test points ``XDG_CACHE_HOME`` at its own temporary folder: nothing here reads or
+writes the user's cache. Tolerances: reference values from the cache equal a fresh
+computation exactly (float32 in the file, float32 from the forward); a policy equal to its
+reference has DPO rewards within 1e-5 of 0 (β = 0.1 times float32 sums of ~100 nats).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+
+from engine import reference as reference_mod
+from engine.config import TrainConfig
+from engine.data import load_pairs
+from engine.reference import (
+    ReferenceSpec,
+    cache_dir,
+    compute_reference,
+    ensure_reference,
+    load_reference_model,
+    read_reference,
+    write_reference,
+)
+from engine.trainer import train
+from tasks.model_factory import init_model
+from tests.conftest import TINY
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
+OPTIONS = {"batch_size": 4, "head_chunk": 16, "prefix_share": "auto"}
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This test's own cache root (reference files and the file-hash cache)."""
+    root = tmp_path / "xdg-cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(root))
+    return root
+
+
+def cfg(model: Path, data: Path, out: Path, **kw) -> TrainConfig:
+    base = dict(model=str(model), data=str(data), out=str(out), steps=1, batch_size=4,
+                learning_rate=1e-3, lora_rank=4, lora_scale=2.0, report_every=1, val_every=0)
+    return TrainConfig().replace(**{**base, **kw})
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def trained_adapter(model: Path, data: Path, out: Path, steps: int, lr: float) -> Path:
+    """An ORPO adapter trained ``steps`` steps, with the file-hash cache kept private."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(out.parent / "xdg-cache"))
+        train(cfg(model, data, out, steps=steps, learning_rate=lr))
+    return out
+
+
+@pytest.fixture(scope="module")
+def orpo_adapter(tiny_model: Path, tiny_data: Path, tmp_path_factory) -> Path:
+    """An adapter of the tiny model: 2 ORPO steps at a rate that moves its log-probs."""
+    return trained_adapter(tiny_model, tiny_data, tmp_path_factory.mktemp("sft") / "adapter",
+                           2, 1e-2)
+
+
+def test_cache_equals_a_fresh_forward_bit_for_bit(tiny_model: Path, tiny_data: Path,
+                                                  private_cache: Path, monkeypatch) -> None:
+    """ensure_reference writes the cache file under XDG_CACHE_HOME; reading it gives
+    exactly a fresh compute_reference's numbers (every pair of every split); they are the
+    base model's SUMMED response log-probs (a plain mlx-lm forward agrees); a second
+    ensure_reference reads the same file and computes nothing."""
+    spec = ReferenceSpec(str(tiny_model), str(tiny_data))
+    path, cached = ensure_reference(spec, options=OPTIONS)
+    assert not cached and path == cache_dir() / f"{spec.key()}.parquet"
+    assert path.is_file() and path.is_relative_to(private_cache)
+    got = read_reference(path, spec.key())
+    fresh = compute_reference(spec, **OPTIONS)
+    assert got == fresh  # exact: float32 written, float32 computed
+    data = load_pairs(tiny_data)
+    pairs = [*data.train, *data.valid, *data.test]
+    assert sorted(got) == sorted(p.id for p in pairs) and len(got) == 80
+
+    base, _ = mlx_lm.load(str(tiny_model))  # independent: a dense forward, no engine code
+    for p in pairs[:1] + data.valid[:1]:
+        for which, response in ((0, p.chosen), (1, p.rejected)):
+            seq = [*p.prompt, *response]
+            logits = base(mx.array([seq[:-1]]))[0].astype(mx.float32)
+            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            start = len(p.prompt) - 1
+            want = sum(float(lp[t, seq[t + 1]]) for t in range(start, len(seq) - 1))
+            assert got[p.id][which] == pytest.approx(want, rel=1e-5), (p.id, which)
+
+    stat = path.stat()
+
+    def recompute(*args, **kwargs):
+        raise AssertionError("a cached reference was computed again")
+
+    monkeypatch.setattr(reference_mod, "compute_reference", recompute)
+    again, cached = ensure_reference(spec, options=OPTIONS)
+    assert cached and again == path
+    after = path.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns)
+    assert sorted(p.name for p in cache_dir().glob("*.parquet")) == [path.name]
+
+
+def test_keys_follow_content_and_foreign_files_are_refused(tiny_model: Path, tiny_data: Path,
+                                                          orpo_adapter: Path,
+                                                          tmp_path: Path) -> None:
+    """The key changes with the model's weights (another seed), the dataset (one more
+    row) and the reference adapter, never with their paths (a copy keeps it). A file
+    made for one key read with another, or handed to train as --reference-logps for
+    another dataset, is a ValueError naming both keys, before any step."""
+    import shutil
+
+    base = ReferenceSpec(str(tiny_model), str(tiny_data))
+    other_model = init_model(replace(TINY, seed=1), tmp_path / "tiny-seed1")
+    lines = tiny_data.read_text().splitlines()
+    extra = json.loads(lines[0])
+    extra["id"] += "-again"
+    bigger = tmp_path / "bigger.jsonl"
+    bigger.write_text("\n".join([*lines, json.dumps(extra)]) + "\n")
+    copied = tmp_path / "copy.jsonl"
+    shutil.copy(tiny_data, copied)
+    keys = {base.key(), replace(base, model=str(other_model)).key(),
+            replace(base, data=str(bigger)).key(),
+            replace(base, reference=str(orpo_adapter)).key()}
+    assert len(keys) == 4
+    assert replace(base, data=str(copied)).key() == base.key()  # content, not path
+    assert replace(base, model=str(shutil.copytree(tiny_model, tmp_path / "m2"))).key() == \
+        base.key()
+
+    theirs = replace(base, data=str(bigger)).key()
+    made = write_reference_for(tmp_path / "bigger.parquet", theirs, bigger)
+    with pytest.raises(ValueError) as err:
+        read_reference(made, base.key())
+    assert theirs in str(err.value) and base.key() in str(err.value)
+
+    out = tmp_path / "run"
+    with pytest.raises(ValueError) as err:
+        train(cfg(tiny_model, tiny_data, out, loss="dpo", reference_logps=str(made)))
+    assert theirs in str(err.value) and base.key() in str(err.value)
+    assert not (out / "metrics.jsonl").exists() and not (out / "adapters.safetensors").exists()
+    assert not list(cache_dir().glob("*.parquet"))  # nothing computed instead
+
+    short = write_reference_for(tmp_path / "short.parquet", base.key(), tiny_data, drop=1)
+    with pytest.raises(ValueError, match=r"no reference log-probs for pair id"):
+        train(cfg(tiny_model, tiny_data, out, loss="dpo", reference_logps=str(short)))
+    assert not (out / "metrics.jsonl").exists()
+
+
+def write_reference_for(path: Path, key: str, data: Path, drop: int = 0) -> Path:
+    """A reference file under ``key`` with made-up values for ``data``'s pair ids (all but
+    the last ``drop``): what a user's --reference-logps may hold."""
+    pairs = load_pairs(data)
+    ids = [p.id for p in (*pairs.train, *pairs.valid, *pairs.test)]
+    write_reference(path, key, {i: (-10.0, -11.0) for i in ids[: len(ids) - drop]})
+    return path
+
+
+def test_an_adapter_for_another_base_is_refused_before_any_forward(
+        tiny_model: Path, tiny_data: Path, tmp_path: Path, monkeypatch) -> None:
+    """A reference adapter trained on another model (half the width, half the layers) is
+    one ValueError line naming the adapter folder, raised before any forward and before
+    any cache file; a folder that is no adapter is one FileNotFoundError line."""
+    small = init_model(replace(TINY, layers=2, hidden=32, intermediate=64),
+                       tmp_path / "small-model")
+    foreign = trained_adapter(small, tiny_data, tmp_path / "foreign", 1, 1e-3)
+    forwards = []
+    real = reference_mod.forward_logps
+    monkeypatch.setattr(reference_mod, "forward_logps",
+                        lambda *a, **k: forwards.append(1) or real(*a, **k))
+    spec = ReferenceSpec(str(tiny_model), str(tiny_data), str(foreign))
+    for call in (lambda: load_reference_model(spec),
+                 lambda: compute_reference(spec, **OPTIONS),
+                 lambda: ensure_reference(spec, options=OPTIONS)):
+        with pytest.raises(ValueError) as err:
+            call()
+        message = str(err.value)
+        assert "\n" not in message and str(foreign) in message, message
+        assert "does not fit" in message and str(tiny_model) in message, message
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=re.escape(str(foreign))):
+        train(cfg(tiny_model, tiny_data, out, loss="dpo", reference=str(foreign)))
+    assert not forwards, "a forward ran before the adapter was refused"
+    assert not list(cache_dir().glob("*.parquet")) and not (out / "metrics.jsonl").exists()
+
+    empty = tmp_path / "not-an-adapter"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError) as err:
+        load_reference_model(replace(spec, reference=str(empty)))
+    assert "\n" not in str(err.value) and str(empty) in str(err.value)
+    assert "adapter_config.json" in str(err.value)
+
+
+def test_reference_adapter_is_the_policy_at_its_own_warm_start(tiny_model: Path,
+                                                                tiny_data: Path,
+                                                                orpo_adapter: Path,
+                                                                tmp_path: Path) -> None:
+    """``reference: DIR`` (SFT, here ORPO, then DPO): its log-probs differ from the
+    base's and have their own key; DPO warm-started from that adapter against it starts
+    with rewards 0 and loss ln 2 (policy == reference at step 0), and against the base
+    with rewards β·(S_adapter − S_base), the two cached files' difference: the reference
+    is the adapter on the base, and ``base`` is the base with LoRA off."""
+    beta = 0.1
+    runs = {}
+    for name in ("adapter", "base"):
+        reference = str(orpo_adapter) if name == "adapter" else "base"
+        out = tmp_path / name
+        train(cfg(tiny_model, tiny_data, out, loss="dpo", dpo_beta=beta, val_every=1,
+                  warm_start=str(orpo_adapter), reference=reference, head_chunk=16))
+        runs[name] = next(r for r in records(out) if r["split"] == "valid" and r["step"] == 0)
+    spec = ReferenceSpec(str(tiny_model), str(tiny_data))
+    adapted_spec = replace(spec, reference=str(orpo_adapter))
+    assert adapted_spec.key() != spec.key()
+    assert sorted(p.name for p in cache_dir().glob("*.parquet")) == sorted(
+        f"{s.key()}.parquet" for s in (spec, adapted_spec))
+    base = read_reference(cache_dir() / f"{spec.key()}.parquet", spec.key())
+    adapted = read_reference(cache_dir() / f"{adapted_spec.key()}.parquet",
+                             adapted_spec.key())
+    assert base.keys() == adapted.keys()
+    assert max(abs(adapted[i][0] - base[i][0]) for i in base) > 1e-2
+
+    same = runs["adapter"]
+    for key in ("val/rewards/chosen", "val/rewards/rejected", "val/rewards/margins"):
+        assert abs(same[key]) <= 1e-5, (key, same[key])
+    assert same["val/loss"] == pytest.approx(math.log(2), abs=1e-5)
+
+    valid = load_pairs(tiny_data).valid
+    for j, key in ((0, "val/rewards/chosen"), (1, "val/rewards/rejected")):
+        want = beta * sum(adapted[p.id][j] - base[p.id][j] for p in valid) / len(valid)
+        assert abs(want) > 1e-3  # the check above is not vacuous
+        assert runs["base"][key] == pytest.approx(want, rel=1e-3, abs=1e-5), key
+
+
+def test_python_m_engine_train_dpo_caches_its_reference(tiny_model: Path, tiny_data: Path,
+                                                        tmp_path: Path) -> None:
+    """`python -m engine train --loss dpo`: the first run says it computes the reference
+    (with its progress) and writes it under XDG_CACHE_HOME; its first step starts at the
+    base (rewards 0, loss ln 2); a second run reads the file and says so."""
+    cache = tmp_path / "cli-cache"
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
+
+    def run(out: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run(
+            [sys.executable, "-m", "engine", "train", "--model", str(tiny_model), "--data",
+             str(tiny_data), "--out", str(tmp_path / out), "--loss", "dpo", "--steps", "2",
+             "--batch-size", "2", "--report-every", "1", "--val-every", "0"],
+            capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+        assert proc.returncode == 0, proc.stderr
+        return proc
+
+    first = run("a")
+    files = list((cache / "pomona" / "reference").glob("*.parquet"))
+    assert len(files) == 1, first.stderr
+    log = first.stderr
+    assert re.search(r"reference log-probs.*computing", log), log
+    assert re.search(r"reference log-probs: 80/80 pairs", log), log
+    assert "[train step 2]" in log
+    step1 = next(r for r in records(tmp_path / "a") if r["split"] == "train")
+    assert step1["step"] == 1 and step1["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert abs(step1["rewards/chosen"]) <= 1e-5
+    stat = files[0].stat()
+
+    second = run("b")
+    assert re.search(r"reference log-probs: cached", second.stderr), second.stderr
+    assert "computing" not in second.stderr
+    assert files[0].stat().st_mtime_ns == stat.st_mtime_ns
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["steps"] == 2
+
+
+@pytest.mark.unit
+def test_bad_dpo_settings_are_refused_by_name() -> None:
+    """TrainConfig.validate refuses a β that trains nothing or is not a number, and label
+    smoothing or a loss type the loss refuses (tests/test_losses.py: LossSpec's own)."""
+    ok = TrainConfig(model="m", data="d", loss="dpo")
+    ok.validate()
+    for field, value in (("dpo_beta", 0.0), ("dpo_beta", -0.1), ("dpo_beta", float("nan")),
+                         ("dpo_label_smoothing", 0.5), ("dpo_label_smoothing", -0.1),
+                         ("dpo_loss_type", "hinge")):
+        with pytest.raises(ValueError, match=field):
+            replace(ok, **{field: value}).validate()
+
+
+def test_two_pairs_under_one_id_are_refused_by_name(tiny_model: Path, tiny_data: Path,
+                                                   tmp_path: Path) -> None:
+    """The reference file keys pairs by id: two different pairs under one id (hand-written
+    engine JSONL; tokenize refuses them) would train against one pair's reference."""
+    lines = tiny_data.read_text().splitlines()
+    twin = json.loads(lines[1])
+    twin["id"] = json.loads(lines[0])["id"]
+    data = tmp_path / "twins.jsonl"
+    data.write_text("\n".join([*lines, json.dumps(twin)]) + "\n")
+    with pytest.raises(ValueError, match=re.escape(repr(twin["id"])) + ".*twice"):
+        compute_reference(ReferenceSpec(str(tiny_model), str(data)))
