@@ -23,9 +23,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+
 from engine.adapters import atomic_write_text
 from engine.outputs import RefusedOutput
 from tasks.sweep import metric_value
+from tasks.sweep_spec import ACROSS_LOSSES, ACROSS_NON_REFERENCE_LOSSES
 from tasks.trials import below_chance, write_results
 
 ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
@@ -86,6 +89,12 @@ def check_leaderboard_inputs(sweep_dir: Path, model: str, data: str, metric: str
                          "val/loss or val/rewards/accuracies")
     if mode not in ("min", "max"):
         raise ValueError(f"--mode {mode!r}: expected min or max")
+    losses = {r for r in pq.read_table(Path(sweep_dir) / "results.parquet").to_pydict()
+              .get("param/loss", []) if r}
+    shared = ACROSS_LOSSES if "dpo" in losses else ACROSS_NON_REFERENCE_LOSSES
+    if len(losses) > 1 and metric not in shared:  # each loss's val/loss has its own scale
+        raise ValueError(f"--metric {metric}: not comparable across the sweep's losses "
+                         f"{sorted(losses)}; rank on one of {', '.join(shared)}")
     check_model(model)
     if not Path(data).exists():
         raise FileNotFoundError(f"--data {data}: no such dataset")

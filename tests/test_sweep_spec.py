@@ -125,3 +125,21 @@ def test_each_trial_picks_its_best_evaluation_by_the_ranking_metric(tmp_path) ->
         parse_spec({"name": "s", "model": "m", "data": "d", "metric": "val/log_odds_ratio",
                     "fixed": {"loss": "simpo"}})
     parse_spec({"name": "s", "model": "m", "data": "d", "metric": "val/log_odds_ratio"})
+
+
+def test_the_board_of_a_sweep_over_losses_ranks_on_a_shared_metric(tmp_path, tiny_model,
+                                                                    tiny_data) -> None:
+    """`pomona leaderboard` on trials of ORPO and DPO refuses val/loss (each loss's own
+    scale) and DPO's relative rewards, before any evaluation; it takes logps/accuracies."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tasks.leaderboard import check_leaderboard_inputs
+
+    pq.write_table(pa.table({"trial_id": ["a", "b"], "param/loss": ["orpo", "dpo"]}),
+                   tmp_path / "results.parquet")
+    for metric in ("val/loss", "val/rewards/accuracies"):
+        with pytest.raises(ValueError, match=f"{metric}: not comparable.*dpo"):
+            check_leaderboard_inputs(tmp_path, str(tiny_model), str(tiny_data), metric, "max")
+    check_leaderboard_inputs(tmp_path, str(tiny_model), str(tiny_data),
+                             "val/logps/accuracies", "max")
