@@ -20,7 +20,8 @@ from rich.console import Console
 
 app = typer.Typer(
     name="pomona",
-    help="ORPO preference fine-tuning of mlx-lm models, swept with Ray, run by Prefect.",
+    help="Preference fine-tuning (ORPO, SimPO, DPO, SFT) of mlx-lm models, swept with Ray, "
+         "run by Prefect.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
