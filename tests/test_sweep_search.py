@@ -113,7 +113,9 @@ def test_memory_mode_writes_a_pareto_table_and_plot(ray_cluster, tiny_model, tin
     for r in front:
         assert not any(o["peak_gb"] < r["peak_gb"] and o["tokens_per_sec"] > r["tokens_per_sec"]
                        for o in rows)
-    assert min(rows, key=lambda r: r["peak_gb"])["pareto"]  # the leanest is always on it
+    lean = min(r["peak_gb"] for r in rows)  # the leanest is on it (the faster of a tie:
+    assert max((r for r in rows if r["peak_gb"] == lean),  # it weakly dominates the other)
+               key=lambda r: r["tokens_per_sec"])["pareto"]
     assert pq.read_table(tmp_path / "memory.parquet").num_rows == 4
     md = (tmp_path / "memory.md").read_text()
     assert "segment_size=1 head_chunk=16" in md and "★" in md
