@@ -5,8 +5,8 @@ adapter (``reference: DIR``, SFT then DPO): no second copy of the weights is eve
 while training. Its summed response log-probs for every pair of a dataset (all splits:
 validation and scoring read them too) come from the engine's forward-only path
 (engine/scoring.py: ``stack.hidden``, the bounded head, one shared forward per pair where
-the layout pays), in the model's own dtype, and go to a Parquet file with columns
-``id``, ``ref_chosen_logps``, ``ref_rejected_logps``.
+the layout pays; never the full logits), in the model's own dtype, and go to a Parquet
+file with columns ``id``, ``ref_chosen_logps``, ``ref_rejected_logps``.
 
 The file is keyed by content (``ReferenceSpec.key``): the model's bytes, the dataset's
 shard bytes, the reference adapter's bytes and ``REFERENCE_VERSION``, never their paths.
@@ -48,6 +48,9 @@ from engine.scoring import forward_logps, length_groups
 REFERENCE_VERSION = "1"  # bump when the forward's semantics change: old files are not read
 KEY_FIELD = b"pomona_reference_key"
 COLUMNS = ("id", "ref_chosen_logps", "ref_rejected_logps")
+# The pass never materialises [tokens, vocab] logits: a run with the dense head (0) still
+# gets the bounded one here (Gemma's 262k vocabulary × 8k tokens would be 8 GB in fp32).
+REFERENCE_HEAD_CHUNK = 256
 log = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]  # (pairs done, pairs in all)
 
@@ -153,7 +156,8 @@ def compute_reference(spec: ReferenceSpec, batch_size: int = 8, head_chunk: int 
         seen.add(p.id)
     layout = scoring_layout(prefix_share, tokenizer.pad_token_id or 0, "full")
     loaded = time.perf_counter()
-    refs = reference_logps(model, stack, pairs, layout, batch_size, head_chunk, progress)
+    refs = reference_logps(model, stack, pairs, layout, batch_size,
+                           head_chunk or REFERENCE_HEAD_CHUNK, progress)
     seconds = time.perf_counter() - loaded
     log.info("reference log-probs: %d pairs in %.1f s (%.3f s a pair; load and check %.1f s)",
              len(pairs), seconds, seconds / max(len(pairs), 1), loaded - started)

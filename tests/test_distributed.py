@@ -63,15 +63,25 @@ def losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.fixture(scope="module")
+def one_process(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> tuple[Path, Path]:
+    """The uneven pairs and the adapter one process trains on them (each rank count's
+    test compares its run with this one)."""
+    where = tmp_path_factory.mktemp("one-process")
+    data = write_pairs_jsonl(uneven_pairs(24), where / "pairs.jsonl", split="train")
+    one = train(tiny_model, data, where / "one", 1)
+    assert one.returncode == 0, one.stderr[-3000:]
+    return data, where / "one"
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_ranks_train_the_one_process_adapter(ranks: int, tiny_model: Path,
+def test_ranks_train_the_one_process_adapter(ranks: int, tiny_model: Path, one_process,
                                              tmp_path: Path) -> None:
     """Catches: a rank without its offset (every rank training the same pairs), per-rank
     normalisers (the NLL token mean weighted by rank, mlx-lm's mistake), gradients averaged
     instead of summed, or clipped before they are summed."""
-    data = write_pairs_jsonl(uneven_pairs(24), tmp_path / "pairs.jsonl", split="train")
-    one = train(tiny_model, data, tmp_path / "one", 1)
-    assert one.returncode == 0, one.stderr[-3000:]
+    data, one_dir = one_process
     caches = [Path(os.environ.get("TMPDIR") or "/tmp") / f"pomona-rank-{r}" / "mlx"
               for r in range(1, ranks)]
     for cache in caches:
@@ -83,8 +93,8 @@ def test_ranks_train_the_one_process_adapter(ranks: int, tiny_model: Path,
     assert all(cache.is_dir() for cache in caches)
     summary = json.loads((tmp_path / "many" / "summary.json").read_text())
     assert summary["world_size"] == ranks and summary["rank_pairs"] == [24 // ranks] * ranks
-    assert losses(tmp_path / "many") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
-    a = mx.load(str(tmp_path / "one" / "adapters.safetensors"))
+    assert losses(tmp_path / "many") == pytest.approx(losses(one_dir), rel=1e-5)
+    a = mx.load(str(one_dir / "adapters.safetensors"))
     b = mx.load(str(tmp_path / "many" / "adapters.safetensors"))
     assert a.keys() == b.keys()
     for k in a:

@@ -306,3 +306,32 @@ def test_two_pairs_under_one_id_are_refused_by_name(tiny_model: Path, tiny_data:
     data.write_text("\n".join([*lines, json.dumps(twin)]) + "\n")
     with pytest.raises(ValueError, match=re.escape(repr(twin["id"])) + ".*twice"):
         compute_reference(ReferenceSpec(str(tiny_model), str(data)))
+
+
+def test_score_and_evaluation_report_dpo_under_its_own_reference(tiny_model: Path,
+                                                                 tiny_data: Path,
+                                                                 orpo_adapter: Path,
+                                                                 tmp_path: Path) -> None:
+    """A DPO adapter trained against ``reference: DIR`` is scored and evaluated under DPO
+    against that same reference (its adapter config names it): evaluation's valid figures
+    equal training's last validation, and score's per-pair rewards average to them."""
+    from engine.cli import run_score
+    from tasks.evaluate import evaluate_adapter
+
+    out = tmp_path / "dpo"
+    train(cfg(tiny_model, tiny_data, out, loss="dpo", steps=2, val_every=2,
+              reference=str(orpo_adapter), warm_start=str(orpo_adapter), dpo_beta=0.5))
+    last = [r for r in records(out) if r["split"] == "valid"][-1]
+    metrics = evaluate_adapter(str(tiny_model), str(out), str(tiny_data), batch_size=4,
+                               head_chunk=16)
+    for name in ("loss", "rewards/chosen", "rewards/margins", "logps/accuracies"):
+        assert metrics[f"eval/valid/{name}"] == pytest.approx(last[f"val/{name}"], rel=1e-4,
+                                                              abs=1e-6), name
+    assert abs(last["val/rewards/chosen"]) > 1e-4  # it moved off its reference
+    scores = tmp_path / "scores.jsonl"
+    assert run_score(["--model", str(tiny_model), "--adapter", str(out), "--data",
+                      str(tiny_data), "--out", str(scores), "--split", "valid",
+                      "--batch-size", "4", "--head-chunk", "16"]) == 0
+    rows = [json.loads(line) for line in scores.read_text().splitlines()]
+    mean = sum(r["chosen_reward"] for r in rows) / len(rows)
+    assert mean == pytest.approx(last["val/rewards/chosen"], rel=1e-4, abs=1e-6)
