@@ -66,19 +66,33 @@ def tiny_data(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     return out
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A private local Ray with 2 CPU slots and 2 fake GPUs (never joins another cluster)."""
+@pytest.fixture(scope="session")
+def _ray_owner():
+    """Shuts down, at the end of a worker's session, the Ray ``ray_cluster`` started."""
     import ray
 
-    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # AF_UNIX socket paths: 107 bytes at most
-    os.environ["RAY_TMPDIR"] = tmp
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir=tmp,
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}},
-             log_to_driver=False)
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(_ray_owner):
+    """A private local Ray with 2 CPU slots and 2 fake GPUs (never joins another cluster),
+    started once per worker and kept across modules (a start costs ~5 s and its worker
+    processes' imports); a module that runs a cluster of its own (test_cluster.py) shuts it
+    down first, and the next module starts it again."""
+    import ray
+
+    if not ray.is_initialized():
+        tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # AF_UNIX paths: 107 bytes at most
+        os.environ["RAY_TMPDIR"] = tmp
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir=tmp,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve()
+                                                             .parents[1])}},
+                 log_to_driver=False)
     yield ray
-    ray.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,8 @@ def two_nodes():
     import ray
     from ray.cluster_utils import Cluster
 
+    if ray.is_initialized():  # the shared local Ray of conftest.py's ray_cluster
+        ray.shutdown()
     tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # AF_UNIX socket paths: 107 bytes at most
     os.environ["RAY_TMPDIR"] = tmp
     os.makedirs(f"{tmp}/ray")
