@@ -34,7 +34,7 @@ def _arg_type(hint: Any) -> tuple[Any, dict[str, Any]]:
 
 def train_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m engine train",
-                      description="Train one LoRA adapter with ORPO (or SFT).")
+                      description="Train one LoRA adapter (ORPO, SimPO, DPO or SFT).")
     p.add_argument("--config", help="YAML file of TrainConfig fields (CLI flags override).")
     hints = get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
@@ -57,9 +57,9 @@ def config_from_args(argv: list[str]) -> TrainConfig:
 class PrintMetrics:
     """Plain one-line-per-record progress on stderr (the engine has no terminal UI)."""
 
-    KEYS = ("loss", "nll_loss", "rewards/accuracies", "rewards/margins", "grad_norm",
-            "learning_rate", "tokens_per_sec", "peak_memory_gb", "val/loss",
-            "val/rewards/accuracies")
+    KEYS = ("loss", "nll_loss", "rewards/accuracies", "rewards/margins", "logps/accuracies",
+            "grad_norm", "learning_rate", "tokens_per_sec", "peak_memory_gb", "val/loss",
+            "val/rewards/accuracies", "val/logps/accuracies")
 
     def on_metrics(self, record: dict[str, Any]) -> None:
         parts = [f"{k}={record[k]:.4g}" for k in self.KEYS if k in record]
@@ -209,7 +209,7 @@ def run_score(argv: list[str]) -> int:
         data = load_pairs_for(a.data, a.model, stack, a.allow_tokenizer_mismatch)
         if spec.needs_reference:
             attach_reference(data, reference, None, options)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:  # OSError: a cache that cannot be written
         print(f"error: {err}", file=sys.stderr)
         return 2
     pairs = data.train + data.valid + data.test if a.split == "all" else data.split(a.split)
@@ -236,7 +236,7 @@ USAGE = """Train or score one adapter with no Prefect and no Ray.
     python -m engine score --model DIR [--adapter DIR] --data PATH --out FILE.jsonl
 
 Each command's --help lists its options. Benchmarks: python -m benchmarks --help."""
-COMMANDS = {"train": "Train one LoRA adapter (ORPO, SimPO or SFT).",
+COMMANDS = {"train": "Train one LoRA adapter (ORPO, SimPO, DPO or SFT).",
             "score": "Score preference pairs under a model (+ adapter)."}
 
 

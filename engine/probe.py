@@ -11,6 +11,7 @@ peak is per process and weights count in it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -34,6 +35,8 @@ def probe_steps(cfg: TrainConfig, variants: list[dict[str, Any]],
     attach_lora(model, lora_spec(cfg), cfg.seed)
     stack, _ = checked_stack(model)
     data = load_pairs_for(cfg.data, cfg.model, stack, cfg.allow_tokenizer_mismatch)
+    if cfg.loss_spec().needs_reference:  # a step's memory and time never read the values:
+        data.train = [dataclasses.replace(p, ref=(0.0, 0.0)) for p in data.train]  # no pass
     if batches == "worst":
         chosen = [sorted(data.train, key=pair_length, reverse=True)[: cfg.batch_size]]
     else:

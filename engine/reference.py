@@ -23,6 +23,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -73,6 +74,14 @@ class ReferenceSpec:
         return "ref-" + hashlib.sha256(body.encode()).hexdigest()[:32]
 
 
+def resolved_reference(reference: str) -> str:
+    """``reference`` as stored and keyed: "base", or the adapter folder's absolute path (a
+    relative one would name another folder, or none, where score later runs)."""
+    if reference == "base":
+        return reference
+    return str(Path(reference).expanduser().resolve())
+
+
 def cache_dir() -> Path:
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(root) / "pomona" / "reference"
@@ -99,7 +108,7 @@ def load_reference_model(spec: ReferenceSpec) -> tuple[Any, Any]:
     model, size or family) is refused here, before any forward, in one line."""
     if spec.reference == "base":
         return load_model(spec.model)
-    folder = Path(spec.reference)
+    folder = Path(spec.reference).expanduser()
     config = _adapter_config(folder)
     model, tokenizer = load_model(spec.model)
     _attach_reference_adapter(model, folder, config, spec.model)
@@ -148,12 +157,12 @@ def compute_reference(spec: ReferenceSpec, batch_size: int = 8, head_chunk: int 
     stack, _ = checked_stack(model)
     data = load_pairs_for(spec.data, spec.model, stack, allow_tokenizer_mismatch)
     pairs = [*data.train, *data.valid, *data.test]
-    seen: set[str] = set()
-    for p in pairs:  # the file keys pairs by id: two pairs under one would share one
-        if p.id in seen:
-            raise ValueError(f"{spec.data}: pair id {p.id!r} appears twice; DPO's reference "
-                             "log-probs are kept by id: give every pair its own")
-        seen.add(p.id)
+    seen: dict[str, Pair] = {}
+    for p in pairs:  # the file keys pairs by id: two different pairs under one would share
+        first = seen.setdefault(p.id, p)  # (identical rows, as tokenize ids them, may)
+        if (first.prompt, first.chosen, first.rejected) != (p.prompt, p.chosen, p.rejected):
+            raise ValueError(f"{spec.data}: pair id {p.id!r} names two different pairs; "
+                             "DPO's reference log-probs are kept by id: give each its own")
     layout = scoring_layout(prefix_share, tokenizer.pad_token_id or 0, "full")
     loaded = time.perf_counter()
     refs = reference_logps(model, stack, pairs, layout, batch_size,
@@ -227,15 +236,24 @@ def read_reference(path: str | Path, key: str) -> dict[str, tuple[float, float]]
     if not set(COLUMNS) <= set(table.column_names):
         raise ValueError(f"{path}: expected columns {COLUMNS}, found {table.column_names}")
     cols = table.to_pydict()
-    return {i: (c, r) for i, c, r in zip(cols["id"], cols["ref_chosen_logps"],
-                                          cols["ref_rejected_logps"], strict=True)}
+    refs = {i: (c, r) for i, c, r in zip(cols["id"], cols["ref_chosen_logps"],
+                                         cols["ref_rejected_logps"], strict=True)}
+    bad = next((i for i, v in refs.items() if not all(map(math.isfinite, v))), None)
+    if bad is not None:
+        raise ValueError(f"{path}: reference log-probs of pair {bad!r} are not finite "
+                         f"({refs[bad]}); the reference model overflowed on it")
+    return refs
 
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # released on close, or when the process dies
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # said, so a wait behind another process is not a hang
+            log.info("reference log-probs: another process is making %s; waiting", path.name)
+            fcntl.flock(f, fcntl.LOCK_EX)  # released on close, or when the process dies
         yield
 
 

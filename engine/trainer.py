@@ -53,7 +53,12 @@ from engine.model import (
 from engine.outputs import claim
 from engine.prefix import PrefixBatch, pair_batch
 from engine.recompute import chunk_mlps, mlp_chunks
-from engine.reference import ReferenceSpec, attach_reference, ensure_reference
+from engine.reference import (
+    ReferenceSpec,
+    attach_reference,
+    ensure_reference,
+    resolved_reference,
+)
 from engine.scoring import evaluate
 from engine.segmented import Grads, grads_to_tree, value_and_grad
 
@@ -455,11 +460,14 @@ def is_run_dir(path: Path) -> bool:
             or any((c / "state.json").is_file() for c in (path / "checkpoints").glob("step_*")))
 
 
-def reference_of(cfg: TrainConfig) -> tuple[ReferenceSpec, str | None, dict[str, Any]]:
+def reference_of(cfg: TrainConfig, ranks: int = 1
+                 ) -> tuple[ReferenceSpec, str | None, dict[str, Any]]:
     """DPO's reference as ``ensure_reference`` takes it: whose log-probs, the file to
-    read (None: Pomona's cache, computed once when missing) and the forward's options."""
-    return (ReferenceSpec(cfg.model, cfg.data, cfg.reference), cfg.reference_logps,
-            {"batch_size": cfg.batch_size, "head_chunk": cfg.head_chunk,
+    read (None: Pomona's cache, computed once when missing) and the forward's options (a
+    rank's share of the batch: one device runs the pass)."""
+    return (ReferenceSpec(cfg.model, cfg.data, resolved_reference(cfg.reference)),
+            cfg.reference_logps,
+            {"batch_size": max(1, cfg.batch_size // ranks), "head_chunk": cfg.head_chunk,
              "prefix_share": cfg.prefix_share,
              "allow_tokenizer_mismatch": cfg.allow_tokenizer_mismatch})
 
@@ -469,8 +477,8 @@ def loss_weights(cfg: TrainConfig) -> dict[str, Any]:
     DPO's reference too, which evaluation re-reads)."""
     weights = {k: v for k, v in asdict(cfg.loss_spec()).items()
                if k.startswith(f"{cfg.loss}_") or k == "nll_span"}
-    if cfg.loss_spec().needs_reference:
-        weights.update(rpo_alpha=cfg.rpo_alpha, reference=cfg.reference)
+    if cfg.loss_spec().needs_reference:  # absolute: score and evaluation run from anywhere
+        weights.update(rpo_alpha=cfg.rpo_alpha, reference=resolved_reference(cfg.reference))
     return weights
 
 
@@ -500,7 +508,11 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback], held: ExitStack) -> 
         held.enter_context(claim_run(cfg))
     out.mkdir(parents=True, exist_ok=True)
     if cfg.loss_spec().needs_reference:  # made before the policy loads: one model at a time
-        ensure_reference(*reference_of(cfg))
+        if cfg.warm_start and cfg.reference == "base":
+            log.warning("warm_start %s with reference base: the policy starts away from its "
+                        "reference (SFT, then DPO: give --reference %s)", cfg.warm_start,
+                        cfg.warm_start)
+        ensure_reference(*reference_of(cfg, ranks.size))
     model, tokenizer = load_model(cfg.model)
     spec = resolve_lora_keys(model, lora_spec(cfg))  # the family's targets, saved explicitly
     trainable = attach_lora(model, spec, cfg.seed)
@@ -512,7 +524,7 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback], held: ExitStack) -> 
         load_adapter_weights(model, Path(cfg.warm_start))
     data = load_pairs_for(cfg.data, cfg.model, stack, cfg.allow_tokenizer_mismatch)
     if cfg.loss_spec().needs_reference:
-        attach_reference(data, *reference_of(cfg))
+        attach_reference(data, *reference_of(cfg, ranks.size))
     check_train_split(data, cfg.data)
     refuse_beyond_context([*data.train, *data.valid, *data.test], stack.context)
     loss_spec = cfg.loss_spec()

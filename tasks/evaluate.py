@@ -49,18 +49,21 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec 
     from engine.layout_policy import scoring_layout
     from engine.load_check import checked_stack
     from engine.model import load_model
-    from engine.reference import ReferenceSpec, attach_reference
+    from engine.reference import ReferenceSpec, attach_reference, ensure_reference
     from engine.scoring import evaluate
 
     spec = loss or trained_loss(adapter) or LossSpec()
+    reference = ReferenceSpec(model, data, trained_reference(adapter))
+    options = {"batch_size": batch_size, "head_chunk": head_chunk,
+               "prefix_share": prefix_share,
+               "allow_tokenizer_mismatch": allow_tokenizer_mismatch}
+    if spec.needs_reference:  # made (or read) before the adapter's model loads: one at a time
+        ensure_reference(reference, None, options)
     loaded, tokenizer = load_model(model, adapter)
     stack, _ = checked_stack(loaded)
     pairs = load_pairs_for(data, model, stack, allow_tokenizer_mismatch)  # ids fit its vocab
     if spec.needs_reference:  # DPO's figures read the reference it trained against
-        attach_reference(pairs, ReferenceSpec(model, data, trained_reference(adapter)), None,
-                         {"batch_size": batch_size, "head_chunk": head_chunk,
-                          "prefix_share": prefix_share,
-                          "allow_tokenizer_mismatch": allow_tokenizer_mismatch})
+        attach_reference(pairs, reference, None, options)
     if not pairs.valid and not pairs.test:
         raise ValueError(f"{data}: no validation or test split to evaluate on")
     layout = scoring_layout(prefix_share, tokenizer.pad_token_id or 0, spec.nll_span)

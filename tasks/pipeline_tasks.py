@@ -18,8 +18,8 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed, State
 
-from engine.adapters import ADAPTER_FILE, CONFIG_FILE
-from engine.content_key import file_digest, model_fingerprint
+from engine.adapters import ADAPTER_FILE, CONFIG_FILE, trained_reference
+from engine.content_key import adapter_fingerprint, file_digest, model_fingerprint
 from engine.losses import LossSpec
 from tasks.evaluate import evaluate_adapter
 from tasks.leaderboard import (
@@ -103,7 +103,10 @@ def evaluation_key(context: Any, inputs: dict[str, Any]) -> str:
     adapter, loss = inputs["adapter"], inputs["loss"]
     weights = file_digest(Path(adapter) / ADAPTER_FILE) if adapter else "base"
     trained = file_digest(Path(adapter) / CONFIG_FILE) if adapter else None  # its own loss
-    body = json.dumps([model_fingerprint(inputs["model"]), weights, trained,
+    reference = trained_reference(adapter)  # DPO's: its bytes, not the path its config holds
+    if reference != "base":
+        reference = adapter_fingerprint(reference)
+    body = json.dumps([model_fingerprint(inputs["model"]), weights, trained, reference,
                        data_fingerprint(inputs["data"]),
                        dataclasses.asdict(loss) if loss else None,
                        inputs["generations"], inputs["out"], CODE_VERSION])

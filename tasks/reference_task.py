@@ -6,7 +6,9 @@ made once, before the trials start, in a Ray task on a trial's placement (a GPU 
 there is one; the driver never loads the model), with a progress artifact; trials then
 find them in the cache (or in the file ``reference_logps`` names). A re-run of the flow
 finds them too: Prefect reports the task run Cached, keyed on the reference's content
-key while its file is there.
+key while its file is in the driver's cache. The file lives in the cache of the node that
+made it: on a cluster without a shared filesystem, a trial on another node makes its own
+copy once (engine/reference.py's lock keeps that to one per node).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from engine.config import TrainConfig
-from engine.reference import ReferenceSpec, cache_dir, ensure_reference
+from engine.reference import ReferenceSpec, cache_dir, ensure_reference, resolved_reference
 from tasks.pipeline_tasks import artifact_key
 from tasks.sweep_spec import SweepSpec
 from tasks.trials import Placement
@@ -33,14 +35,18 @@ def reference_needs(spec: SweepSpec) -> list[tuple[ReferenceSpec, dict[str, Any]
     dist = spec.space.get("loss")
     if dist is not None and dist.kind == "choice":
         losses |= set(dist.args)
-    if "dpo" not in losses or spec.fixed.get("reference_logps"):
+    if "dpo" not in losses or spec.fixed.get("reference_logps") or spec.grid.get(
+            "reference_logps"):  # the spec names its own files
         return []
     references = spec.grid.get("reference") or [spec.fixed.get("reference", "base")]
+    drawn = spec.space.get("reference")
+    if drawn is not None and drawn.kind == "choice":  # every reference a search may draw
+        references = [*references, *drawn.args]
     defaults = TrainConfig()
     options = {k: (spec.grid[k][0] if spec.grid.get(k) else spec.fixed.get(k,
                                                                           getattr(defaults, k)))
                for k in OPTIONS}
-    return [(ReferenceSpec(spec.model, spec.data, r), options)
+    return [(ReferenceSpec(spec.model, spec.data, resolved_reference(r)), options)
             for r in dict.fromkeys(references)]
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.content_key import adapter_fingerprint, model_fingerprint
+from engine.content_key import adapter_fingerprint, file_digest, model_fingerprint
 from engine.model_source import check_source
 from engine.outputs import claim, mark_kind
 from tasks.memory_probe import resolve_auto
@@ -114,14 +114,20 @@ def check_sweep_out(spec: SweepSpec, out: Path) -> None:
 
 def cache_key(config: dict[str, Any], fingerprint: str, model_key: str) -> str:
     """What a trial's result depends on: its resolved config, the model's bytes
-    (``model_key``: engine/content_key.py, not its path), a warm start's adapter bytes (not
-    its path: re-trained in place, it is another start), the data, the code."""
+    (``model_key``: engine/content_key.py, not its path), a warm start's and a DPO
+    reference adapter's bytes (not their paths: re-trained in place, each is another
+    start), a given reference file's bytes, the data, the code."""
     body = json.dumps({k: v for k, v in config.items() if k not in ("out", "model",
-                                                                    "warm_start")},
+                                                                    "warm_start",
+                                                                    "reference_logps")},
                       sort_keys=True, default=str)
     text = f"{body}|{model_key}|{fingerprint}|{CODE_VERSION}"
     if config.get("warm_start"):
         text += f"|{adapter_fingerprint(config['warm_start'])}"
+    if config.get("reference", "base") != "base":
+        text += f"|reference:{adapter_fingerprint(config['reference'])}"
+    if config.get("reference_logps"):
+        text += f"|reference_logps:{file_digest(config['reference_logps'])}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -346,6 +346,11 @@ def _check_metric_of_losses(metric: str, fixed: dict, grid: dict, space: dict) -
     losses = set(grid.get("loss", [])) | set(dist.get("choice", []) if isinstance(dist, dict)
                                              else [])
     shared = ACROSS_LOSSES if "dpo" in losses else ACROSS_NON_REFERENCE_LOSSES
+    types = set(grid.get("dpo_loss_type", []))
+    kind = space.get("dpo_loss_type")
+    types |= set(kind.get("choice", []) if isinstance(kind, dict) else [])
+    if len(types) > 1:  # sigmoid and IPO: two losses on two scales (IPO starts at 1/(4β²))
+        losses, shared = losses | {f"dpo-{t}" for t in types}, ACROSS_LOSSES
     if len(losses) > 1 and metric not in shared:
         raise SpecError(f"metric={metric}: not comparable across losses {sorted(losses)}; "
                         f"rank a search over loss on one of {', '.join(shared)}")

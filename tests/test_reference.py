@@ -335,3 +335,44 @@ def test_score_and_evaluation_report_dpo_under_its_own_reference(tiny_model: Pat
     rows = [json.loads(line) for line in scores.read_text().splitlines()]
     mean = sum(r["chosen_reward"] for r in rows) / len(rows)
     assert mean == pytest.approx(last["val/rewards/chosen"], rel=1e-4, abs=1e-6)
+
+
+def test_review_fixes_probe_keys_paths_and_identical_rows(tiny_model: Path, tiny_data: Path,
+                                                         orpo_adapter: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """The memory probe measures DPO (it never needs the reference's values); a sweep's
+    trial key follows the reference adapter's bytes; a relative --reference is stored
+    absolute; identical rows under one id (tokenize's content ids) are not refused; a
+    search over dpo_loss_type cannot rank sigmoid against IPO on val/loss."""
+    import shutil
+
+    from engine.probe import probe_steps
+    from tasks.sweep import cache_key
+    from tasks.sweep_spec import SpecError, parse_spec
+
+    rows = probe_steps(cfg(tiny_model, tiny_data, tmp_path / "p", loss="dpo"),
+                       [{"segment_size": 0}, {"segment_size": 1}])
+    assert all("error" not in r and r["peak_gb"] > 0 for r in rows), rows
+
+    moved = shutil.copytree(orpo_adapter, tmp_path / "ref")
+    key = cache_key({"loss": "dpo", "reference": str(moved)}, "data", "model")
+    trained_adapter(tiny_model, tiny_data, tmp_path / "again", 1, 1e-2)
+    shutil.copy(tmp_path / "again" / "adapters.safetensors", moved / "adapters.safetensors")
+    assert cache_key({"loss": "dpo", "reference": str(moved)}, "data", "model") != key
+
+    monkeypatch.chdir(tmp_path)
+    train(cfg(tiny_model, tiny_data, tmp_path / "rel", loss="dpo", reference="ref"))
+    block = json.loads((tmp_path / "rel" / "adapter_config.json").read_text())["pomona"]
+    assert block["reference"] == str(moved.resolve())
+
+    lines = tiny_data.read_text().splitlines()
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text("\n".join([*lines, lines[0]]) + "\n")
+    assert len(compute_reference(ReferenceSpec(str(tiny_model), str(twice)))) == len(lines)
+
+    spec = {"name": "t", "model": str(tiny_model), "data": str(tiny_data),
+            "fixed": {"loss": "dpo"}, "grid": {"dpo_loss_type": ["sigmoid", "ipo"]}}
+    with pytest.raises(SpecError, match="not comparable"):
+        parse_spec({**spec, "metric": "val/loss"})
+    parse_spec({**spec, "metric": "val/logps/accuracies", "mode": "max"})
