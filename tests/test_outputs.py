@@ -204,7 +204,7 @@ def test_a_second_train_into_a_busy_out_is_refused_naming_the_holder(
 
 
 def test_a_second_sweep_is_refused_before_ray_and_a_dead_holder_frees_the_folder(
-        tiny_model: Path, tiny_data: Path, tmp_path: Path) -> None:
+        tiny_model: Path, tiny_data: Path, tmp_path: Path, no_ray: None) -> None:
     """Item 7: two sweeps into one --out both exited 0 with duplicate steps. The lock is
     the OS's: a killed holder (no clean exit) leaves the folder free."""
     out, spec = tmp_path / "sweep", spec_file(tmp_path / "s.yaml", tiny_model, tiny_data)
@@ -228,9 +228,18 @@ def ray_started() -> bool:
     return "ray" in sys.modules and sys.modules["ray"].is_initialized()
 
 
+@pytest.fixture
+def no_ray() -> None:
+    """No Ray in this process before the test (the worker's shared one, conftest.py's
+    ray_cluster, is shut down; the next module using it starts it again)."""
+    if ray_started():
+        sys.modules["ray"].shutdown()
+
+
 def test_a_sweep_on_a_read_only_out_is_refused_before_any_trial(tiny_model: Path,
                                                                 tiny_data: Path,
-                                                                tmp_path: Path) -> None:
+                                                                tmp_path: Path,
+                                                                no_ray: None) -> None:
     """Item 11: a read-only --out was found only after every trial ran (a traceback).
     As root, mode bits stop nothing, so the folder is one the kernel refuses to anyone."""
     if os.geteuid() == 0:
