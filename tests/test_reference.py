@@ -304,7 +304,7 @@ def test_two_pairs_under_one_id_are_refused_by_name(tiny_model: Path, tiny_data:
     twin["id"] = json.loads(lines[0])["id"]
     data = tmp_path / "twins.jsonl"
     data.write_text("\n".join([*lines, json.dumps(twin)]) + "\n")
-    with pytest.raises(ValueError, match=re.escape(repr(twin["id"])) + ".*twice"):
+    with pytest.raises(ValueError, match=re.escape(repr(twin["id"])) + ".*two different"):
         compute_reference(ReferenceSpec(str(tiny_model), str(data)))
 
 
