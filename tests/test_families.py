@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
+import mlx.core as mx
 import mlx_lm
 import pytest
 from typer.testing import CliRunner
@@ -53,4 +54,9 @@ def test_init_train_verify_load_generate(name: str, tmp_path: Path) -> None:
                                  "--verify"])
     assert result.exit_code == 0, result.output
     loaded, tok = mlx_lm.load(str(model), adapter_path=str(out))
-    assert mlx_lm.generate(loaded, tok, prompt=tok.encode("hello"), max_tokens=3) is not None
+    base, _ = mlx_lm.load(str(model))
+    prompt = mx.array([tok.encode("hello")])
+    moved = float(mx.abs(loaded(prompt) - base(prompt)).max())
+    assert moved > 0, "mlx-lm loaded the adapter, but it changes nothing"  # it was applied
+    assert isinstance(mlx_lm.generate(loaded, tok, prompt=tok.encode("hello"), max_tokens=3),
+                      str)
