@@ -12,7 +12,8 @@
 # micro-batch against two forwards), profile-2k, engine-8k|engine-4k|engine-2k (memory
 # rows and prefix rows at segment sizes 0/1/2/4), q4 (a 4-bit base), gemma4 (Gemma 4 E4B's
 # text decoder at 8k, 4-bit and bf16: plain, checkpoint, seg1, seg2, seg1p), train (the real
-# trainer end to end beside TRL: pomona bench train --trl), timeline (the 4k trainer's and
+# trainer end to end beside TRL: pomona bench train --trl), e4b-train (the trainer on the
+# E4B shape, levers against plain, and under a memory limit: bench train --preset e4b), timeline (the 4k trainer's and
 # engine's steps kernel by kernel, text), trl (ORPOTrainer + PEFT, with and without
 # gradient checkpointing, 4k and 8k). Every other result is one JSON file in OUT_DIR. Model: 16 layers, hidden 2048, GQA 32/8, intermediate 5632, vocab 32000, bf16.
 set -euo pipefail
@@ -63,6 +64,15 @@ for section in "${@:1:$#-1}"; do
       g4 4 8192 seg1p seg1p:1 seg1 seg2 checkpoint plain
       g4 0 8192 seg1p seg1 seg2 checkpoint plain
       g4 0 2048 plain checkpoint seg1 seg1p ;;
+    e4b-train)  # issue 27: the trainer a user runs on the E4B shape, rows side by side in
+                # one process (bench train --preset); the last line of each file is its JSON
+      mlx train --preset e4b --seq 2048 --warmup 2 --steps 4 --segment-size 1 --head-chunk 256 \
+        --row plain --row levers --profile --work /tmp/e4b-bf16 --json > "$out/e4b_train_2k_bf16.json" \
+        || echo "e4b-train 2k failed" >&2
+      mlx train --preset e4b --quantize 4 --seq 8192 --warmup 2 --steps 2 --segment-size 1 \
+        --head-chunk 256 --mlp-chunk 1024 --row levers --row levers,memory_limit_gb=9.3 \
+        --row levers,memory_limit_gb=9.8 --profile --profile-repeats 1 --work /tmp/e4b-q4 \
+        --json > "$out/e4b_train_8k_q4.json" || echo "e4b-train 8k failed" >&2 ;;
     batch)  # split layouts of several pairs a micro-batch against two forwards (issue 15)
       for shape in "1024 8" "1024 4" "2048 2" "2048 1" "4096 1"; do
         set -- $shape

@@ -31,6 +31,14 @@ PRESETS = {
                   "sliding_window": 1024, "sliding_window_pattern": 6,
                   "query_pre_attn_scalar": 256,
                   "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+    # E4B's structure at a CPU's size (benchmark code paths, not figures): 5 sliding
+    # layers to 1 full, wider full heads, shared K/V in the last third, per-layer inputs.
+    "e4b-mini": {"model_type": "gemma4_text", "hidden_size": 128, "num_hidden_layers": 12,
+                 "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "head_dim": 32, "global_head_dim": 64, "vocab_size": 4096,
+                 "vocab_size_per_layer_input": 4096, "hidden_size_per_layer_input": 16,
+                 "sliding_window": 64, "sliding_window_pattern": 6,
+                 "num_kv_shared_layers": 4},
 }
 
 

@@ -1,6 +1,10 @@
 """End-to-end training benchmark: the real trainer against TRL's ORPOTrainer, one run.
 
     pomona bench train --seq 4096 [--pairs 1] [--steps 8] [--warmup 3] [--trl] [--json]
+    pomona bench train --preset e4b --seq 2048 --row plain --row levers [--profile]
+
+``--preset`` or ``--row``: the trainer under named rows on a published shape or the llama
+below, side by side (benchmarks/trainer_rows.py); the rest of this docstring is the default.
 
 Pomona side: ``pomona model init`` at the benchmark shape (a random-init llama, like
 ``benchmarks/trl_orpo.py``'s), a tokenized dataset of pairs whose two sequences are
@@ -37,6 +41,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from benchmarks.shapes import PRESETS
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -60,6 +66,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trl", action="store_true", help="Also run TRL (torch + trl installed).")
     p.add_argument("--peak-tflops", type=float, default=0.0,
                    help="The device's dense matmul peak for MFU (H200 bf16: 681); 0 = none.")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="A published shape (random weights, benchmarks/shapes.py) instead of "
+                        "the llama above; rows as --row says (default plain, levers).")
+    p.add_argument("--quantize", type=int, choices=[4, 8], help="--preset at these bits.")
+    p.add_argument("--preset-layers", type=int, help="--preset with fewer layers (a quick look).")
+    p.add_argument("--row", action="append", default=[],
+                   help="A trainer row: plain|levers[,FIELD=VALUE...] (benchmarks/trainer_rows.py);"
+                        " repeat for more.")
+    p.add_argument("--mlp-chunk", type=int, default=0, help="levers rows: mlp_chunk.")
+    p.add_argument("--memory-limit-gb", type=float, default=0.0,
+                   help="levers rows: memory_limit_gb.")
+    p.add_argument("--profile", action="store_true",
+                   help="--row: each row's stage split too (benchmarks/phase_profile.py).")
+    p.add_argument("--profile-repeats", type=int, default=3,
+                   help="--profile: profiled steps a row (after one that compiles).")
     p.add_argument("--work", help="Keep the model and data here (default: a temporary dir).")
     p.add_argument("--json", action="store_true", help="Print one JSON object.")
     return p
@@ -73,7 +94,11 @@ def _model_and_data(a: argparse.Namespace, work: Path) -> tuple[Path, Path]:
     from tasks.model_factory import ModelSpec, init_model
 
     model = work / "model"
-    if not model.exists():
+    if a.preset:
+        from benchmarks.trainer_rows import model_dir
+
+        model = model_dir(a, work)
+    elif not model.exists():
         init_model(ModelSpec(layers=a.layers, hidden=a.hidden, heads=a.heads,
                              kv_heads=a.kv_heads, intermediate=a.intermediate, vocab=a.vocab,
                              dtype=a.dtype, max_position=max(4096, a.seq + 1)), model)
@@ -249,7 +274,8 @@ def useful_flops(a: argparse.Namespace) -> float:
     return 4 * layer * a.layers * tokens + 4 * a.hidden * a.vocab * loss_tokens + attention
 
 
-SHAPE = ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "dtype")
+SHAPE = ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "dtype", "preset",
+         "quantize", "preset_layers")
 
 
 def claim_work(work: Path, a: argparse.Namespace) -> None:
@@ -279,12 +305,26 @@ def check_args(a: argparse.Namespace) -> None:
 
 def main(argv: list[str]) -> int:
     a = parser().parse_args(argv)
+    if a.preset:
+        a.vocab = PRESETS[a.preset]["vocab_size"]
     try:
         check_args(a)
+        if a.preset or a.row:
+            from benchmarks.trainer_rows import row_fields
+
+            for spec in a.row:
+                row_fields(spec, a)
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(a.work or tmp)
             claim_work(work, a)
             model, data = _model_and_data(a, work)
+            if a.preset or a.row:  # the trainer under named configurations
+                from benchmarks import trainer_rows
+
+                rows = [trainer_rows.run_row(spec, a, model, data, work)
+                        for spec in a.row or ["plain", "levers"]]
+                trainer_rows.report(a, rows)
+                return 0
             rows = [pomona_row(a, work, model, data), engine_row(a, work, model, data)]
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,6 +21,10 @@ import mlx.core as mx
 # memory log is on) stages run one at a time, so a phase's time and peak are its own.
 _observers: list[Callable[[str], None]] = []
 _silent = [0]  # > 0 while a load-time check runs steps no one asked to watch
+# While observed: host seconds spent queueing stages (``async_eval``: MLX builds and
+# launches the kernels) and waiting for the device (``eval``); the rest of a stage's time
+# is Python building its graph. ``bench train --profile`` reads them per stage.
+clock = {"dispatch": 0.0, "wait": 0.0}
 
 
 @contextmanager
@@ -74,10 +79,15 @@ class InFlight:
         self.queue: deque[tuple] = deque()
 
     def push(self, *arrays) -> None:
+        t0 = time.perf_counter()
         mx.async_eval(*arrays)
+        t1 = time.perf_counter()
         self.queue.append(arrays)
         while len(self.queue) >= self.depth:
             mx.eval(*self.queue.popleft())
+        if _observers:
+            clock["dispatch"] += t1 - t0
+            clock["wait"] += time.perf_counter() - t1
 
     def drain(self) -> None:
         while self.queue:

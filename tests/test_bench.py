@@ -168,3 +168,34 @@ def test_trl_kind_runs_where_mlx_is_absent() -> None:
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "python -m benchmarks trl" in proc.stdout
+
+
+def test_train_bench_rows_of_a_published_shape(tmp_path, capsys) -> None:
+    """`pomona bench train --preset`: the trainer under named rows on a published shape's
+    structure (here E4B's at a CPU's size), each row's step and peak against the first,
+    and --profile's stage split by Gemma 4 layer type with each kind's peak."""
+    from benchmarks.train_bench import main
+
+    args = ["--preset", "e4b-mini", "--dtype", "float32", "--seq", "128", "--warmup", "1",
+            "--steps", "1", "--segment-size", "1", "--head-chunk", "32", "--row", "plain",
+            "--row", "levers,mlp_chunk=32", "--profile", "--profile-repeats", "1", "--json",
+            "--work", str(tmp_path)]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    plain, levers = out["rows"]
+    assert (plain["name"], levers["name"]) == ("plain", "levers,mlp_chunk=32")
+    assert plain["prefix_share_rate"] == 0 and levers["prefix_share_rate"] == 1
+    assert out["vs_first"][levers["name"]]["step"] == pytest.approx(
+        levers["step_s"] / plain["step_s"])
+    assert set(plain["profile"]["ms"]) == {"forward", "step", "update"}
+    kinds = levers["profile"]["ms"]
+    for kind in ("sliding own-kv", "full own-kv", "sliding kv-shared", "full kv-shared"):
+        assert kinds[f"forward {kind}"] > 0 and kinds[f"backward {kind}"] > 0
+        assert levers["profile"]["peak_gb"][f"backward {kind}"] > 0
+    assert kinds["head"] > 0 and kinds["update"] > 0
+    host = levers["profile"]["host_ms"]  # Python's graphs, MLX's queueing, the device
+    assert set(host) == {"build", "dispatch", "wait"} and all(v > 0 for v in host.values())
+    runs = tmp_path / "runs"
+    assert (runs / "levers_mlp_chunk-32" / "adapters.safetensors").exists()  # it trained
+    assert main([*args[:-2], "--row", "levers,mlp_chunks=32"]) == 2  # a misspelt field
+    assert "'mlp_chunks=32' is not FIELD=VALUE" in capsys.readouterr().err

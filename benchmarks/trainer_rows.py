@@ -1,0 +1,131 @@
+"""The real trainer under named configurations, side by side in one process and run.
+
+    pomona bench train --preset e4b --seq 2048 --row plain --row levers [--profile]
+    pomona bench train --preset e4b --quantize 4 --seq 8192 --mlp-chunk 1024 \\
+        --row levers --row levers,memory_limit_gb=9.3
+
+A row is a base and TrainConfig overrides: ``plain`` (levers off: segment_size 0,
+head_chunk 0, mlp_chunk 0, prefix_share off: mlx-lm's two forwards, dense logits, one
+``nn.value_and_grad``) or ``levers`` (this command's --segment-size, --head-chunk,
+--mlp-chunk, --prefix-share, --memory-limit-gb), then ``,field=value`` for any TrainConfig
+field. Each row is ``engine.trainer.train`` on the same model and pairs (``--preset``: a
+published shape with random weights, benchmarks/shapes.py), every check on; step time is
+the median over the steps after ``--warmup``, peak MLX's over those steps. Ratios: each
+row's step time and peak against the first row's. ``--profile`` adds each row's stage
+split (benchmarks/phase_profile.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+PLAIN = {"segment_size": 0, "head_chunk": 0, "mlp_chunk": 0, "prefix_share": "off",
+         "memory_limit_gb": 0.0}
+
+
+def row_fields(spec: str, a: argparse.Namespace) -> dict[str, Any]:
+    """The TrainConfig fields row ``spec`` sets (module docstring), or ValueError naming
+    it: checked for every row before any model is built."""
+    from engine.config import TrainConfig, coerce
+
+    base, *changes = spec.split(",")
+    if base not in ("plain", "levers"):
+        raise ValueError(f"--row {spec}: starts with plain or levers, got {base!r}")
+    fields = dict(PLAIN) if base == "plain" else {
+        "mlp_chunk": a.mlp_chunk, "memory_limit_gb": a.memory_limit_gb}
+    for change in changes:
+        name, eq, value = change.partition("=")
+        if not eq or name not in TrainConfig.__dataclass_fields__:
+            raise ValueError(f"--row {spec}: {change!r} is not FIELD=VALUE of a TrainConfig "
+                             "field")
+        fields[name] = coerce(name, value)
+    return fields
+
+
+def row_config(spec: str, a: argparse.Namespace, model: Path, data: Path, work: Path):
+    """Row ``spec``'s TrainConfig on the benchmark's model and pairs, validated."""
+    from benchmarks.train_bench import bench_config
+
+    slug = spec.replace(",", "_").replace("=", "-")
+    cfg = bench_config(a, model, data, work).replace(out=str(work / "runs" / slug),
+                                                     **row_fields(spec, a))
+    cfg.validate()
+    return cfg
+
+
+def run_row(spec: str, a: argparse.Namespace, model: Path, data: Path, work: Path
+            ) -> dict[str, Any]:
+    """One trainer run of row ``spec``: its steady step, tokens/s and peak."""
+    import mlx.core as mx
+
+    from benchmarks.phase_profile import profile
+    from benchmarks.train_bench import phase_medians, timed_phases
+    from engine.trainer import train
+
+    cfg = row_config(spec, a, model, data, work)
+    records: list[dict[str, Any]] = []
+
+    class Collect:
+        def on_metrics(self, record: dict[str, Any]) -> None:
+            if record["split"] == "train":
+                records.append(record)
+
+    with timed_phases() as phases:
+        train(cfg, [Collect()])
+    timed = records[a.warmup:]
+    steps = [2 * (a.seq + 1) * a.pairs / r["tokens_per_sec"] for r in timed]
+    step_s = statistics.median(steps)
+    row = {"name": spec, "step_s": step_s, "tokens_per_s": 2 * a.seq * a.pairs / step_s,
+           "steps_s": steps, "peak_gb": max(r["peak_memory_gb"] for r in timed),
+           "prefix_share_rate": statistics.mean(r["prefix_share_rate"] for r in timed),
+           "phases_ms": phase_medians(phases, steps, a.warmup)}
+    gc.collect()
+    mx.clear_cache()
+    if a.profile:
+        row["profile"] = profile(cfg, a.profile_repeats)
+        gc.collect()
+        mx.clear_cache()
+    return row
+
+
+def ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Each row's step time and peak over the first row's."""
+    first = rows[0]
+    return {r["name"]: {"step": r["step_s"] / first["step_s"],
+                        "peak": r["peak_gb"] / first["peak_gb"]} for r in rows}
+
+
+def report(a: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """Print the rows (one JSON object with ``--json``)."""
+    against = ratios(rows)
+    if a.json:
+        print(json.dumps({"config": vars(a), "rows": rows, "vs_first": against}))
+        return
+    for r in rows:
+        rel = against[r["name"]]
+        print(f"{r['name']:>28}  {r['step_s'] * 1e3:8.1f} ms/step  "
+              f"{r['tokens_per_s'] / 1e3:6.2f}k tok/s  peak {r['peak_gb']:6.2f} GB  "
+              f"step {rel['step']:.3f}x  peak {rel['peak']:.3f}x the first")
+        print(" " * 30 + "  ".join(f"{k} {v:.1f} ms" for k, v in r["phases_ms"].items()))
+        if "profile" in r:
+            print(" " * 30 + "profile: " + "  ".join(
+                f"{k} {v:.1f} ms" for k, v in r["profile"]["ms"].items()))
+            print(" " * 30 + "host: " + "  ".join(
+                f"{k} {v:.1f} ms" for k, v in r["profile"]["host_ms"].items()))
+            print(" " * 30 + "peaks: " + "  ".join(
+                f"{k} {v:.2f} GB" for k, v in r["profile"]["peak_gb"].items()))
+
+
+def model_dir(a: argparse.Namespace, work: Path) -> Path:
+    """The preset's model in ``work`` (written once; shapes.write_shape)."""
+    from benchmarks.shapes import write_shape
+
+    model = work / "model"
+    if not (model / "config.json").exists():
+        write_shape(a.preset, model, a.dtype, a.quantize or None, a.preset_layers)
+    return model
