@@ -16,8 +16,8 @@ from typing import Any
 
 from engine.adapters import atomic_write_text
 from engine.probe import largest_fitting, probe_steps
+from tasks.placement import Placement
 from tasks.sweep_spec import SpecError
-from tasks.trials import Placement
 
 # Peaks measured with inflight 2 vary a few percent run to run (two stages overlap as the
 # device's timing allows): a size must fit with this headroom.

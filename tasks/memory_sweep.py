@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from engine.adapters import atomic_write_text
+from tasks.placement import Placement
 from tasks.plots import figure, save_png
+from tasks.results_table import write_results
 from tasks.sweep_spec import SweepSpec
-from tasks.trials import Placement, write_results
 
 LABEL_KEYS = ("segment_size", "head_chunk", "prefix_share", "inflight")
 

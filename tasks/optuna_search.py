@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tasks.sweep_spec import Dist, SweepSpec, trial_id
-from tasks.trials import Summary, TrialRun
+from tasks.trial import Summary, TrialRun
 
 
 def distribution(dist: Dist):

@@ -27,19 +27,13 @@ import pyarrow.parquet as pq
 from engine.content_key import adapter_fingerprint, file_digest, model_fingerprint
 from engine.model_source import check_source
 from engine.outputs import claim, mark_kind
+from tasks.attempts import EventHook
 from tasks.memory_probe import resolve_auto
+from tasks.placement import Placement
+from tasks.results_table import write_results
+from tasks.scheduler import ListSource, TrialsInterrupted, Wrap, run_trials
 from tasks.sweep_spec import SpecError, SweepSpec
-from tasks.trials import (
-    EventHook,
-    ListSource,
-    Placement,
-    Summary,
-    TrialRun,
-    TrialsInterrupted,
-    Wrap,
-    run_trials,
-    write_results,
-)
+from tasks.trial import Summary, TrialRun
 
 # Bump when training semantics change: invalidates cached trials. 0.3.0: the test split
 # comes out of train, so a .jsonl without a split column trains on fewer rows. 0.4.0:
@@ -191,7 +185,7 @@ def run_sweep(spec: SweepSpec, out: Path, placement: Placement | None = None,
     """Run ``spec``'s trials on the connected Ray cluster into ``out``.
 
     ``progress(kind, summary)`` hears "plan" (counts), "started", "running", "retry",
-    "lost" and "finished" events; ``wrap`` runs each trial (tasks/trials.py: run_trials).
+    "lost" and "finished" events; ``wrap`` runs each trial (tasks/scheduler.py: run_trials).
     Ctrl-C: results so far are written (running trials ``cancelled``) and
     KeyboardInterrupt propagates.
     """

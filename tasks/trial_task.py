@@ -12,7 +12,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.trials import Summary, TrialRun
+from tasks.trial import Summary, TrialRun
 
 
 class MetricsTail:

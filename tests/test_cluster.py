@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.trials import Placement, TrialRun, run_trials
+from tasks.placement import Placement
+from tasks.scheduler import run_trials
+from tasks.trial import TrialRun
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 

@@ -33,7 +33,7 @@ def test_results_keep_every_trial_whatever_a_parameter_column_mixes(tmp_path: Pa
     """The issue's grid [3.0e-4, .nan, "1e-4"] made results.parquet fail with ArrowInvalid
     after every trial had run: nothing was written. Would catch: a column that Arrow cannot
     type as given costing the whole table."""
-    from tasks.trials import write_results
+    from tasks.results_table import write_results
 
     rows = [{"trial_id": "a", "status": "completed", "param/learning_rate": 3.0e-4,
              "param/lora_rank": 8, "flag": True},
@@ -54,8 +54,8 @@ def test_results_keep_every_trial_whatever_a_parameter_column_mixes(tmp_path: Pa
 # Item 5 -----------------------------------------------------------------------------------
 
 def _keys(model: Path, data: Path, out: Path) -> list[str]:
+    from tasks.placement import Placement
     from tasks.sweep import _SweepRun, plan
-    from tasks.trials import Placement
 
     spec = parse_spec({**SPEC, "model": str(model), "data": str(data),
                        "grid": {"seed": [0, 1]}})
@@ -159,7 +159,7 @@ def test_a_collapsed_trial_is_degenerate_and_kept_off_the_board(tiny_model, tiny
     """lr 1e8 (the issue): grad_norm 0.0 from step 2, val accuracy 0 and the lowest
     val/loss, reported "completed" and ranked first. Would catch: a collapsed run ranked."""
     from tasks.leaderboard import markdown, rank_trials
-    from tasks.trials import run_trial
+    from tasks.trial import run_trial
 
     config = {"model": str(tiny_model), "data": str(tiny_data), "out": str(tmp_path / "x"),
               "steps": 8, "batch_size": 4, "lora_rank": 4, "val_every": 4,

@@ -314,7 +314,7 @@ def test_leaderboard_with_nothing_held_out_is_one_line(tmp_path) -> None:
     from typer.testing import CliRunner
 
     from flows.cli import app
-    from tasks.trials import write_results
+    from tasks.results_table import write_results
 
     sweep = tmp_path / "sweep"
     write_results([{"trial_id": "t-1", "status": "completed"}], sweep / "results.parquet")
