@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from engine.batch import Pair
-from engine.data import check_fractions, load_pairs, stable_split, write_pairs_jsonl
+from engine.data import load_pairs, stable_split, write_pairs_jsonl
+from engine.splits import check_fractions
 from tasks.leaderboard import markdown, rank_trials
 
 IDS = [f"row-{i}" for i in range(4000)]
