@@ -197,7 +197,7 @@ def _run_sweep(spec: SweepSpec, out: Path, placement: Placement, progress: Event
                wrap: Wrap | None) -> list[Summary]:
     import ray
 
-    sweep = _SweepRun(spec, Path(out), placement or Placement(), progress)
+    sweep = SweepRun(spec, Path(out), placement or Placement(), progress)
     slots = check_cluster(sweep.placement, ray.cluster_resources(), spec.max_concurrent,
                           spec.ranks_per_trial)
     concurrent = min(slots, spec.max_concurrent)
@@ -216,7 +216,7 @@ def _run_sweep(spec: SweepSpec, out: Path, placement: Placement, progress: Event
     return sweep.write(rows)
 
 
-class _SweepRun:
+class SweepRun:
     """One run of a spec: the cache it reads, the trials it resolves, the rows it writes."""
 
     def __init__(self, spec: SweepSpec, out: Path, placement: Placement,

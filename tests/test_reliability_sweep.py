@@ -55,11 +55,11 @@ def test_results_keep_every_trial_whatever_a_parameter_column_mixes(tmp_path: Pa
 
 def _keys(model: Path, data: Path, out: Path) -> list[str]:
     from tasks.placement import Placement
-    from tasks.sweep import _SweepRun, plan
+    from tasks.sweep import SweepRun, plan
 
     spec = parse_spec({**SPEC, "model": str(model), "data": str(data),
                        "grid": {"seed": [0, 1]}})
-    run = _SweepRun(spec, out, Placement(), None)
+    run = SweepRun(spec, out, Placement(), None)
     for tid, config in plan(spec, out):
         run.cached(tid, config)
     return sorted(run.keys.values())
