@@ -18,16 +18,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled firs
 
 
 @pytest.fixture()
-def two_nodes():
+def two_nodes(monkeypatch):
     import ray
     from ray.cluster_utils import Cluster
 
     if ray.is_initialized():  # the shared local Ray of conftest.py's ray_cluster
         ray.shutdown()
     tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # AF_UNIX socket paths: 107 bytes at most
-    os.environ["RAY_TMPDIR"] = tmp
+    monkeypatch.setenv("RAY_TMPDIR", tmp)  # restored after the cluster is shut down
     os.makedirs(f"{tmp}/ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if "RAY_AUTH_MODE" not in os.environ:
+        monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     # Faster node-death detection than production's ~20 s, so the test takes seconds.
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0,

@@ -85,7 +85,8 @@ def test_sweep_reruns_exactly_what_changed(ray_cluster, tiny_model, tiny_data,
     assert [r["skipped"] for r in redone] == [False, False]
 
 
-def test_sweep_refuses_a_cluster_without_the_gpus_it_needs(tiny_model, tiny_data) -> None:
+def test_sweep_refuses_a_cluster_without_the_gpus_it_needs() -> None:
+    """check_cluster alone, on resource tables (no Ray, model or data)."""
     from tasks.placement import Placement
     from tasks.sweep import check_cluster
 
