@@ -29,7 +29,8 @@ from tasks.placement import Placement
 from tasks.reference_task import reference_needs, run_reference_task
 from tasks.sweep import metric_value, run_sweep
 from tasks.sweep_spec import SweepSpec, load_spec
-from tasks.trial import Summary, TrialRun
+from tasks.trial import Summary
+from tasks.trial_plan import TrialPlan
 from tasks.trial_task import trial_task
 
 TABLE_COLUMNS = ("trial_id", "status", "reason", "node", "attempts", "duration_s",
@@ -67,7 +68,7 @@ def sweep_stage(spec: SweepSpec, out_dir: Path, address: str | None = None,
             pct = 100.0 * counts["done"] / max(counts["total"], 1)
         update_progress_artifact(progress_id, min(pct, 100.0))
 
-    def wrap(trial: TrialRun, run: Callable[[], Summary]) -> Summary:
+    def wrap(trial: TrialPlan, run: Callable[[], Summary]) -> Summary:
         return trial_task(trial, run)
 
     placement = Placement(gpus=int(gpus), resource=resource)

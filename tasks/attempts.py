@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tasks.placement import Placement
-from tasks.trial import Summary, TrialActor, TrialRun, outcome
+from tasks.trial import Summary, TrialActor, outcome
+from tasks.trial_plan import TrialPlan
 
 EventHook = Callable[[str, Summary], None]  # ("started" | "retry" | "finished", summary)
 
@@ -57,7 +58,7 @@ class LiveTrials:
             for actor in actors if isinstance(actors, list) else [actors]:
                 ray.kill(actor)
 
-    def lost(self, trial: TrialRun, attempt: int, first: float, reason: str) -> Summary | None:
+    def lost(self, trial: TrialPlan, attempt: int, first: float, reason: str) -> Summary | None:
         """A process of the trial died: cancelled if the sweep is stopping (Ctrl-C killed
         it), else None (retry) after saying so."""
         if self.stopping.is_set():
@@ -81,7 +82,7 @@ class Attempts:
 class Strategy(Protocol):
     """How one attempt runs: the trial's summary, or None when its process was lost."""
 
-    def attempt(self, trial: TrialRun, attempt: int, first: float) -> Summary | None: ...
+    def attempt(self, trial: TrialPlan, attempt: int, first: float) -> Summary | None: ...
 
 
 class OneActor:
@@ -94,7 +95,7 @@ class OneActor:
         self.actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(TrialActor).options(
             **shared.placement.options())
 
-    def attempt(self, trial: TrialRun, attempt: int, first: float) -> Summary | None:
+    def attempt(self, trial: TrialPlan, attempt: int, first: float) -> Summary | None:
         import ray
 
         shared, live = self.shared, self.shared.live
@@ -103,8 +104,7 @@ class OneActor:
             if not live.register(trial.id, actor):
                 return outcome(trial, "cancelled", "sweep interrupted", first, attempt + 1)
             placed = actor.where.remote()
-            ref = actor.run.remote(trial.id, trial.config, shared.study, trial.number,
-                                   shared.metric)
+            ref = actor.run.remote(trial.to_dict(), shared.study, shared.metric)
             # Once the actor is up (the time limit counts from here): where it runs.
             live.event("running", {"trial_id": trial.id, "attempt": attempt,
                                    **ray.get(placed)})

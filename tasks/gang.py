@@ -29,7 +29,8 @@ from typing import Any
 
 from tasks.attempts import Attempts
 from tasks.placement import Placement
-from tasks.trial import Summary, TrialActor, TrialRun, outcome, run_trial, where
+from tasks.trial import Summary, TrialActor, outcome, run_trial, where
+from tasks.trial_plan import TrialPlan
 
 
 def bundle(placement: Placement) -> dict[str, float]:
@@ -92,9 +93,10 @@ class RankActor(TrialActor):
         ip = node_address()
         return {"ip": ip, "port": free_port(ip), "cuda": has_cuda(), **where()}
 
-    def run_rank(self, trial_id: str, config: dict[str, Any], meeting: dict[str, Any],
-                 rank: int, study: Any = None, number: int | None = None,
-                 metric: str = "val/loss") -> Summary:
+    def run_rank(self, plan: dict[str, Any], meeting: dict[str, Any], rank: int,
+                 study: Any = None, metric: str = "val/loss") -> Summary:
+        """Rank ``rank`` of the trial ``TrialPlan.to_dict`` sent (rebuilt here once)."""
+        trial = TrialPlan.from_dict(plan)
         path = None
         if meeting["backend"] == "ring":
             fd, path = tempfile.mkstemp(prefix="pomona-hostfile-", suffix=".json")
@@ -104,7 +106,8 @@ class RankActor(TrialActor):
             os.environ.pop(name, None)  # a reused process: nothing of another backend
         os.environ.update(rank_environment(meeting, rank, path))
         try:
-            return {**run_trial(trial_id, config, study, number, metric), "rank": rank}
+            return {**run_trial(trial.id, trial.config, study, trial.number, metric),
+                    "rank": rank}
         finally:
             if path:
                 os.unlink(path)
@@ -118,7 +121,7 @@ class Gang:
         self.shared, self.ranks = shared, ranks
         self.wait_s = wait_s  # how long a gang may wait for its placement group
 
-    def attempt(self, trial: TrialRun, attempt: int, first: float) -> Summary | None:
+    def attempt(self, trial: TrialPlan, attempt: int, first: float) -> Summary | None:
         """One attempt of ``trial`` as ``ranks`` ranks; None when a rank was lost."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -150,9 +153,9 @@ class Gang:
                                    "pids": [p["pid"] for p in places]})
             # Only rank 0 reports to the study (it alone emits metrics); if it is pruned,
             # the others are killed with the gang.
-            refs = [a.run_rank.remote(trial.id, trial.config, meeting, i,
-                                      *((shared.study, trial.number, shared.metric) if i == 0
-                                        else ()))
+            plan = trial.to_dict()
+            refs = [a.run_rank.remote(plan, meeting, i,
+                                      *((shared.study, shared.metric) if i == 0 else ()))
                     for i, a in enumerate(actors)]
             return self._wait_all(trial, refs, attempt, first)
         except ray.exceptions.RayActorError as err:
@@ -166,7 +169,7 @@ class Gang:
                 ray.kill(a)
             remove_placement_group(pg)
 
-    def _wait_all(self, trial: TrialRun, refs: list, attempt: int,
+    def _wait_all(self, trial: TrialPlan, refs: list, attempt: int,
                   first: float) -> Summary | None:
         """Rank 0's summary once every rank finished; a lost rank → None; a failed one →
         it."""

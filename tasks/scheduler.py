@@ -27,36 +27,37 @@ from tasks.attempts import Attempts, EventHook, LiveTrials, OneActor, Strategy
 from tasks.gang import Gang
 from tasks.placement import Placement
 from tasks.results_table import write_results
-from tasks.trial import Summary, TrialRun, outcome
+from tasks.trial import Summary, outcome
+from tasks.trial_plan import TrialPlan
 
 # Runs one trial's work (the callable) as the caller likes, e.g. as a Prefect task run.
-Wrap = Callable[[TrialRun, Callable[[], Summary]], Summary]
+Wrap = Callable[[TrialPlan, Callable[[], Summary]], Summary]
 
 
 class TrialSource(Protocol):
     """Where trials come from; ``ask`` and ``tell`` are called from several threads."""
 
-    def ask(self) -> TrialRun | None: ...
+    def ask(self) -> TrialPlan | None: ...
 
-    def tell(self, trial: TrialRun, summary: Summary) -> None: ...
+    def tell(self, trial: TrialPlan, summary: Summary) -> None: ...
 
 
 @dataclass
 class ListSource:
     """A fixed list of trials (grid and random search)."""
 
-    trials: list[TrialRun]
+    trials: list[TrialPlan]
     _next: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def ask(self) -> TrialRun | None:
+    def ask(self) -> TrialPlan | None:
         with self._lock:
             if self._next >= len(self.trials):
                 return None
             self._next += 1
             return self.trials[self._next - 1]
 
-    def tell(self, trial: TrialRun, summary: Summary) -> None:
+    def tell(self, trial: TrialPlan, summary: Summary) -> None:
         return None
 
 
@@ -77,7 +78,7 @@ class Retrying:
     retries: int
     retry_delay_s: float
 
-    def run(self, trial: TrialRun) -> Summary:
+    def run(self, trial: TrialPlan) -> Summary:
         """The trial's summary after at most ``retries`` retries of a lost process."""
         first = time.time()
         for attempt in range(self.retries + 1):
@@ -94,7 +95,7 @@ class Retrying:
                        "(node gone or killed)", first, self.retries + 1)
 
 
-def run_trials(source: TrialSource | list[TrialRun] | list[tuple[str, dict[str, Any]]],
+def run_trials(source: TrialSource | list[TrialPlan] | list[tuple[str, dict[str, Any]]],
                placement: Placement, max_concurrent: int, results: Path | None = None,
                time_limit_s: float = 0.0, retries: int = 2, retry_delay_s: float = 5.0,
                study: Any = None, metric: str = "val/loss",
@@ -109,9 +110,11 @@ def run_trials(source: TrialSource | list[TrialRun] | list[tuple[str, dict[str, 
     runs each trial's ``run()`` (the flow makes it a Prefect task run); worker threads
     run in a copy of the caller's context, so such task runs nest in the caller's flow run.
     ``ranks_per_trial`` > 1 runs each trial as a gang of that many ranks (tasks/gang.py).
+    A list may hold (id, TrainConfig fields) pairs: each becomes its plan (``TrialPlan.make``).
     """
     if isinstance(source, list):
-        source = ListSource([t if isinstance(t, TrialRun) else TrialRun(*t) for t in source])
+        source = ListSource([t if isinstance(t, TrialPlan) else TrialPlan.make(*t)
+                             for t in source])
     live = LiveTrials(on_event)
     shared = Attempts(placement, live, time_limit_s, study, metric)
     strategy: Strategy = Gang(shared, ranks_per_trial) if ranks_per_trial > 1 else OneActor(shared)

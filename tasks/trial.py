@@ -1,8 +1,9 @@
 """One trial in its own process: train one adapter, answer a small summary, never raise.
 
-A trial is a TrainConfig as a small dict (never arrays or models cross Ray). Its process
-is a fresh Ray actor (``TrialActor``) that the scheduler (tasks/scheduler.py) kills when
-the trial ends, so MLX's memory never leaks into the next. A trial that raises, goes
+A trial is a ``TrialPlan`` (tasks/trial_plan.py) that crosses Ray as its ``to_dict()``
+(never arrays or models) and is rebuilt once here. Its process is a fresh Ray actor
+(``TrialActor``) that the scheduler (tasks/scheduler.py) kills when the trial ends, so
+MLX's memory never leaks into the next. A trial that raises, goes
 non-finite or is pruned by the study comes back as a status with a reason.
 """
 
@@ -12,24 +13,16 @@ import os
 import socket
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any
 
+from engine.config import TrainConfig
 from tasks.degenerate import degenerate_reason
+from tasks.trial_plan import TrialPlan
 
 Summary = dict[str, Any]
 
 
-@dataclass(frozen=True)
-class TrialRun:
-    """One trial to run: id, TrainConfig fields, and its Optuna number when it has one."""
-
-    id: str
-    config: dict[str, Any]
-    number: int | None = None
-
-
-def outcome(trial: TrialRun, status: str, reason: str, started: float,
+def outcome(trial: TrialPlan, status: str, reason: str, started: float,
             attempts: int) -> Summary:
     """The summary of a trial its own process never answered for (cancelled, lost, over
     its time limit)."""
@@ -68,14 +61,13 @@ class GradNorms:
             self.reports.append((int(record["step"]), float(record["grad_norm"])))
 
 
-def run_trial(trial_id: str, config: dict[str, Any], study: Any = None,
+def run_trial(trial_id: str, config: TrainConfig, study: Any = None,
               number: int | None = None, metric: str = "val/loss") -> Summary:
     """Train one adapter (in the trial's process); return a small summary, never raise.
 
     A run that finishes but has collapsed (``degenerate_reason``) is ``degenerate``, with
     its reason: it keeps its adapter and metrics but is never ranked.
     """
-    from engine.config import TrainConfig
     from engine.trainer import NonFiniteLoss, train
 
     started = time.time()
@@ -83,7 +75,7 @@ def run_trial(trial_id: str, config: dict[str, Any], study: Any = None,
     norms = GradNorms()
     callbacks = [norms, *([PruneCallback(study, number, metric)] if study is not None else [])]
     try:
-        result = train(TrainConfig().replace(**config), callbacks)
+        result = train(config, callbacks)
     except TrialPruned as err:
         return {**base, "status": "pruned", "reason": str(err), "ended": time.time()}
     except NonFiniteLoss as err:
@@ -120,9 +112,11 @@ def where() -> dict[str, Any]:
 class TrialActor:
     """The process one trial runs in (made a Ray actor by tasks/attempts.py)."""
 
-    def run(self, trial_id: str, config: dict[str, Any], study: Any = None,
-            number: int | None = None, metric: str = "val/loss") -> Summary:
-        return run_trial(trial_id, config, study, number, metric)
+    def run(self, plan: dict[str, Any], study: Any = None, metric: str = "val/loss"
+            ) -> Summary:
+        """The trial ``TrialPlan.to_dict`` sent, rebuilt here once, trained."""
+        trial = TrialPlan.from_dict(plan)
+        return run_trial(trial.id, trial.config, study, trial.number, metric)
 
     def where(self) -> dict[str, Any]:
         return where()

@@ -12,7 +12,7 @@ import pytest
 
 from tasks.placement import Placement
 from tasks.scheduler import run_trials
-from tasks.trial import TrialRun
+from tasks.trial_plan import TrialPlan
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 
@@ -46,9 +46,10 @@ def two_nodes(monkeypatch):
 def test_node_removed_mid_trial_is_retried_on_the_other(two_nodes, tiny_model, tiny_data,
                                                         tmp_path) -> None:
     cluster, nodes = two_nodes
-    trials = [TrialRun(f"t{i}", {"model": str(tiny_model), "data": str(tiny_data),
-                                 "out": str(tmp_path / f"t{i}"), "steps": 150, "batch_size": 2,
-                                 "lora_rank": 4, "val_every": 0, "seed": i})
+    trials = [TrialPlan.make(f"t{i}", {"model": str(tiny_model), "data": str(tiny_data),
+                                       "out": str(tmp_path / f"t{i}"), "steps": 150,
+                                       "batch_size": 2, "lora_rank": 4, "val_every": 0,
+                                       "seed": i})
               for i in range(2)]
     running: list[dict] = []
     removed: list[str] = []
