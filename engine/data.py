@@ -28,24 +28,12 @@ from typing import Any
 import numpy as np
 
 from engine.batch import Pair
+from engine.splits import MAX_BAD_FRACTION, TEST_FRACTION, VALID_FRACTION, check_fractions
 from engine.token_ids import ID_COLUMNS, BadId, bad_id_rows, check_id_types, int_lists
 
 COLUMNS = ID_COLUMNS
 SPLITS = ("train", "valid", "test")
-VALID_FRACTION = 0.1
-TEST_FRACTION = 0.1
-MAX_BAD_FRACTION = 0.05  # share of unusable rows past which loading (and tokenizing) fails
 log = logging.getLogger(__name__)
-
-
-def check_fractions(valid_fraction: float, test_fraction: float) -> None:
-    """Raise ValueError unless both shares lie in [0, 1] and leave room for train."""
-    for name, value in (("valid_fraction", valid_fraction), ("test_fraction", test_fraction)):
-        if not 0 <= value <= 1:
-            raise ValueError(f"--{name.replace('_', '-')} {value}: must be between 0 and 1")
-    if valid_fraction + test_fraction >= 1:
-        raise ValueError(f"--valid-fraction {valid_fraction} + --test-fraction {test_fraction}"
-                         " is 1 or more: nothing would be left to train on")
 
 
 def split_notes(counts: dict[str, int], valid_fraction: float, test_fraction: float

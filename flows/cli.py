@@ -18,6 +18,10 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from flows.options import fills
+from tasks.model_families import ModelSpec
+from tasks.tokenize_options import TokenizeOptions
+
 app = typer.Typer(
     name="pomona",
     help="Preference fine-tuning (ORPO, SimPO, DPO, SFT) of mlx-lm models, swept with Ray, "
@@ -56,52 +60,23 @@ def check_address(address: str | None) -> None:
 
 
 @model_app.command("init")
+@fills(ModelSpec, "spec")
 def model_init(
     out: Annotated[Path, typer.Option(help="Directory to write the model to.")],
-    arch: Annotated[str, typer.Option(help="llama, mistral, qwen2, qwen3, qwen3_moe, phi3, "
-                                           "minicpm, ministral3, gemma3_text, gemma4_text or "
-                                           "gemma4 (a multimodal checkpoint).")] = "llama",
-    layers: Annotated[int, typer.Option(help="Transformer blocks.")] = 4,
-    hidden: Annotated[int, typer.Option(help="Model width.")] = 128,
-    heads: Annotated[int, typer.Option(help="Attention heads.")] = 4,
-    kv_heads: Annotated[int, typer.Option(help="Key/value heads (GQA).")] = 2,
-    intermediate: Annotated[int, typer.Option(help="MLP width.")] = 256,
-    vocab: Annotated[int, typer.Option(help="Vocabulary size (BPE trained locally).")] = 1024,
-    seed: Annotated[int, typer.Option(help="Weight seed; same seed, same bytes.")] = 0,
-    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16.")] = "float32",
-    window: Annotated[int, typer.Option(help="Sliding window of the sliding layers (llama, "
-                                             "mistral, ministral3: 0 = none; gemma: 0 = 32).")]
-    = 0,
-    window_pattern: Annotated[int, typer.Option(help="Every Nth layer full, the others "
-                                                     "sliding (0: the family's own).")] = 0,
-    rope_scaling: Annotated[str | None, typer.Option(help="llama: llama3 rope scaling.")]
-    = None,
-    kv_shared_layers: Annotated[int | None, typer.Option(
-        help="gemma4: the last N layers reuse earlier K/V (default layers // 3).")] = None,
-    ple: Annotated[int | None, typer.Option(help="gemma4: per-layer input width (default 16; "
-                                                  "0 = none).")] = None,
-    experts: Annotated[int, typer.Option(help="gemma4 / qwen3_moe: experts per MoE block.")]
-    = 0,
-    quantize: Annotated[int | None, typer.Option(help="4 or 8: quantize via mlx_lm.convert.")]
-    = None,
-    q_group_size: Annotated[int, typer.Option(help="Quantization group size.")] = 64,
+    spec: ModelSpec,
     overwrite: Annotated[bool, typer.Option(help="Replace a non-empty --out.")] = False,
 ) -> None:
     """Write a random-init model + locally trained tokenizer that mlx_lm.load reads."""
-    from tasks.model_factory import ModelSpec, init_model
+    from tasks.model_factory import init_model
 
-    spec = ModelSpec(arch=arch, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                     intermediate=intermediate, vocab=vocab, seed=seed, dtype=dtype,
-                     quantize=quantize, q_group_size=q_group_size, window=window,
-                     window_pattern=window_pattern, rope_scaling=rope_scaling,
-                     kv_shared_layers=kv_shared_layers, ple=ple, experts=experts)
     try:
         path = init_model(spec, out, overwrite=overwrite)
     except (ValueError, FileExistsError) as err:
         raise fail(str(err)) from err
     size = sum(f.stat().st_size for f in path.iterdir()) / 2**20
-    console.print(f"wrote {arch} model ({layers} layers, hidden {hidden}, vocab {vocab}"
-                  f"{f', {quantize}-bit' if quantize else ''}) to {path} [{size:.1f} MiB]")
+    console.print(f"wrote {spec.arch} model ({spec.layers} layers, hidden {spec.hidden}, vocab "
+                  f"{spec.vocab}{f', {spec.quantize}-bit' if spec.quantize else ''}) to {path} "
+                  f"[{size:.1f} MiB]")
 
 
 _DTYPE_HELP = ("Weights' dtype: bfloat16 (GPU, Mac) | float32 (a CPU: bf16 has no fast CPU "
@@ -186,30 +161,18 @@ def data_synth(
 
 
 @data_app.command("tokenize")
+@fills(TokenizeOptions, "options")
 def data_tokenize(
     input: Annotated[Path, typer.Option("--input", help="A preference file or a directory.")],
     model: Annotated[str, typer.Option(help="Model directory or repo id (its tokenizer).")],
     out: Annotated[Path, typer.Option(help="Dataset directory to write.")],
-    layout: Annotated[str | None, typer.Option(help="explicit | conversational | implicit "
-                                                    "(default: detect per file).")] = None,
-    chat_template: Annotated[str, typer.Option(help="auto | on | off.")] = "auto",
-    max_length: Annotated[int | None, typer.Option(
-        help="Max prompt+response tokens per branch; default: the model's context length "
-             "(config.json); 0 = none.")] = None,
-    max_prompt_length: Annotated[int, typer.Option(help="Max prompt tokens; 0 = none.")] = 0,
-    valid_fraction: Annotated[float, typer.Option(
-        help="Share of ids in valid (what training reports and sweeps rank on).")] = 0.1,
-    test_fraction: Annotated[float, typer.Option(
-        help="Share of ids in test (what the leaderboard reports; never ranked on).")] = 0.1,
-    max_bad_fraction: Annotated[float, typer.Option(help="Fail above this share of bad "
-                                                         "rows.")] = 0.05,
+    options: TokenizeOptions,
     preprocess: Annotated[bool, typer.Option(help="Run preprocess after.")] = True,
 ) -> None:
     """Tokenize preference files into an Arrow dataset (cached by content fingerprint)."""
     from flows.data_cli import run_tokenize
 
-    run_tokenize(console, input, model, out, layout, chat_template, max_length,
-                 max_prompt_length, valid_fraction, test_fraction, max_bad_fraction, preprocess)
+    run_tokenize(console, input, model, out, options, preprocess)
 
 
 @data_app.command("preprocess")

@@ -17,7 +17,8 @@ from rich.table import Table
 
 from tasks.dataset_dir import read_manifest
 from tasks.preprocess import preprocess_dataset
-from tasks.tokenize import TokenizeOptions, TokenizeReport, rejects_paths, tokenize_dataset
+from tasks.tokenize import TokenizeReport, rejects_paths, tokenize_dataset
+from tasks.tokenize_options import TokenizeOptions
 
 # OSError: unreadable or unwritable paths; ValueError: bad data or options (the data
 # modules' own errors all derive from these two).
@@ -42,12 +43,8 @@ def _warn_outliers(console: Console, report: TokenizeReport) -> None:
                   "memory in training: lower --max-length or remove them")
 
 
-def run_tokenize(console: Console, input: Path, model: str, out: Path, layout: str | None,
-                 chat_template: str, max_length: int | None, max_prompt_length: int,
-                 valid_fraction: float, test_fraction: float, max_bad_fraction: float,
-                 preprocess: bool) -> None:
-    options = TokenizeOptions(layout, chat_template, max_length, max_prompt_length,
-                              valid_fraction, test_fraction, max_bad_fraction)
+def run_tokenize(console: Console, input: Path, model: str, out: Path,
+                 options: TokenizeOptions, preprocess: bool) -> None:
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     try:
         with Progress(*columns, console=console, transient=True) as bar:

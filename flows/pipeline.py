@@ -36,9 +36,9 @@ from tasks.pipeline_tasks import (
     soup_task,
     tokenize_task,
 )
+from tasks.placement import Placement
 from tasks.sweep import check_model, is_sweep_dir
 from tasks.sweep_spec import load_spec
-from tasks.trials import Placement
 
 
 def is_pipeline_dir(path: Path) -> bool:

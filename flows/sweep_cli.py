@@ -16,9 +16,10 @@ from engine.outputs import RefusedOutput
 from flows.ray_session import RayAddressError, ray_session
 from tasks.leaderboard import why_unranked
 from tasks.memory_sweep import run_memory_sweep
+from tasks.placement import Placement
+from tasks.scheduler import TrialsInterrupted
 from tasks.sweep import check_inputs, check_sweep_out, metric_value, run_sweep
 from tasks.sweep_spec import SpecError, SweepSpec, load_spec
-from tasks.trials import Placement, TrialsInterrupted
 
 
 class SweepProgress:

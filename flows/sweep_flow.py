@@ -1,7 +1,7 @@
 """The sweep as a Prefect flow: every trial a task run, progress and results as artifacts.
 
 DPO trials' reference log-probs are made first, once per reference, as a task run of
-their own (tasks/reference_task.py). Trials still run in Ray actors (tasks/trials.py);
+their own (tasks/reference_task.py). Trials still run in Ray actors (tasks/scheduler.py);
 the flow wraps each one in a task run
 named after the trial, so the Prefect UI shows each trial's state, duration and log
 lines (where it ran, retries after a lost node, its result). A progress artifact moves
@@ -25,11 +25,13 @@ from prefect.artifacts import (
 
 from flows.ray_session import ray_session
 from tasks.pipeline_tasks import artifact_key
+from tasks.placement import Placement
 from tasks.reference_task import reference_needs, run_reference_task
 from tasks.sweep import metric_value, run_sweep
 from tasks.sweep_spec import SweepSpec, load_spec
+from tasks.trial import Summary
+from tasks.trial_plan import TrialPlan
 from tasks.trial_task import trial_task
-from tasks.trials import Placement, Summary, TrialRun
 
 TABLE_COLUMNS = ("trial_id", "status", "reason", "node", "attempts", "duration_s",
                  "peak_memory_gb", "tokens_per_sec")
@@ -66,7 +68,7 @@ def sweep_stage(spec: SweepSpec, out_dir: Path, address: str | None = None,
             pct = 100.0 * counts["done"] / max(counts["total"], 1)
         update_progress_artifact(progress_id, min(pct, 100.0))
 
-    def wrap(trial: TrialRun, run: Callable[[], Summary]) -> Summary:
+    def wrap(trial: TrialPlan, run: Callable[[], Summary]) -> Summary:
         return trial_task(trial, run)
 
     placement = Placement(gpus=int(gpus), resource=resource)

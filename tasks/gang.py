@@ -27,15 +27,10 @@ import tempfile
 import time
 from typing import Any
 
-from tasks.trials import (
-    Placement,
-    Summary,
-    TrialActor,
-    TrialRun,
-    _summary,
-    run_trial,
-    where,
-)
+from tasks.attempts import Attempts
+from tasks.placement import Placement
+from tasks.trial import Summary, TrialActor, outcome, run_trial, where
+from tasks.trial_plan import TrialPlan
 
 
 def bundle(placement: Placement) -> dict[str, float]:
@@ -98,9 +93,10 @@ class RankActor(TrialActor):
         ip = node_address()
         return {"ip": ip, "port": free_port(ip), "cuda": has_cuda(), **where()}
 
-    def run_rank(self, trial_id: str, config: dict[str, Any], meeting: dict[str, Any],
-                 rank: int, study: Any = None, number: int | None = None,
-                 metric: str = "val/loss") -> Summary:
+    def run_rank(self, plan: dict[str, Any], meeting: dict[str, Any], rank: int,
+                 study: Any = None, metric: str = "val/loss") -> Summary:
+        """Rank ``rank`` of the trial ``TrialPlan.to_dict`` sent (rebuilt here once)."""
+        trial = TrialPlan.from_dict(plan)
         path = None
         if meeting["backend"] == "ring":
             fd, path = tempfile.mkstemp(prefix="pomona-hostfile-", suffix=".json")
@@ -110,96 +106,95 @@ class RankActor(TrialActor):
             os.environ.pop(name, None)  # a reused process: nothing of another backend
         os.environ.update(rank_environment(meeting, rank, path))
         try:
-            return {**run_trial(trial_id, config, study, number, metric), "rank": rank}
+            return {**run_trial(trial.id, trial.config, study, trial.number, metric),
+                    "rank": rank}
         finally:
             if path:
                 os.unlink(path)
 
 
-def run_gang(runner: Any, trial: TrialRun, attempt: int, first: float) -> Summary | None:
-    """One attempt of ``trial`` as ``runner.ranks`` ranks; None when a rank was lost."""
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+class Gang:
+    """A strategy of the scheduler (tasks/attempts.py): each attempt as ``ranks`` ranks,
+    one actor per bundle of a placement group."""
 
-    n = runner.ranks
-    pg = placement_group([bundle(runner.placement)] * n, strategy="SPREAD")
-    actors: list[Any] = []
-    try:
-        ready, _ = ray.wait([pg.ready()], timeout=runner.gang_wait_s)
-        if not ready:
-            return _failed(trial, f"gang: the cluster did not grant {n} × "
-                           f"{bundle(runner.placement)} within {runner.gang_wait_s:g} s",
-                           first, attempt)
-        cls = ray.remote(max_restarts=0, max_task_retries=0)(RankActor)
-        for i in range(n):
-            strategy = PlacementGroupSchedulingStrategy(placement_group=pg,
-                                                        placement_group_bundle_index=i)
-            actors.append(cls.options(**runner.placement.options(),
-                                      scheduling_strategy=strategy).remote())
-        if not runner.register(trial.id, actors):
-            return _summary(trial, "cancelled", "sweep interrupted", first, attempt + 1)
-        places = ray.get([a.address.remote() for a in actors])
-        meeting = rendezvous(places, bool(runner.placement.gpus))
-        runner.event("running", {"trial_id": trial.id, "attempt": attempt, **places[0],
-                                 "backend": meeting["backend"],
-                                 "hosts": [f"{p['node']} ({p['ip']}:{p['port']}, pid "
-                                           f"{p['pid']})" for p in places],
-                                 "pids": [p["pid"] for p in places]})
-        # Only rank 0 reports to the study (it alone emits metrics); if it is pruned, the
-        # others are killed with the gang.
-        refs = [a.run_rank.remote(trial.id, trial.config, meeting, i,
-                                  *((runner.study, trial.number, runner.metric) if i == 0
-                                    else ()))
-                for i, a in enumerate(actors)]
-        return _wait_all(runner, trial, refs, attempt, first)
-    except ray.exceptions.RayActorError as err:
-        return _lost(runner, trial, attempt, first, err)
-    except ray.exceptions.RayError as err:  # e.g. an argument that would not unpickle
-        return _failed(trial, f"{type(err).__name__}: {err}"[:500], first, attempt)
-    finally:
-        with runner.lock:
-            runner.live.pop(trial.id, None)
-        for a in actors:
-            ray.kill(a)
-        remove_placement_group(pg)
+    def __init__(self, shared: Attempts, ranks: int, wait_s: float = 120.0):
+        self.shared, self.ranks = shared, ranks
+        self.wait_s = wait_s  # how long a gang may wait for its placement group
 
+    def attempt(self, trial: TrialPlan, attempt: int, first: float) -> Summary | None:
+        """One attempt of ``trial`` as ``ranks`` ranks; None when a rank was lost."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-def _wait_all(runner: Any, trial: TrialRun, refs: list, attempt: int,
-              first: float) -> Summary | None:
-    """Rank 0's summary once every rank finished; a lost rank → None; a failed one → it."""
-    import ray
-
-    deadline = time.time() + runner.time_limit_s if runner.time_limit_s else None
-    results: dict[int, Summary] = {}
-    pending = list(refs)
-    while pending:
-        left = None if deadline is None else max(deadline - time.time(), 0.0)
-        done, pending = ray.wait(pending, num_returns=1, timeout=left)
-        if not done:
-            return _failed(trial, f"time_limit: over {runner.time_limit_s:g} s (every rank "
-                           "killed)", first, attempt)
+        n, shared, live = self.ranks, self.shared, self.shared.live
+        pg = placement_group([bundle(shared.placement)] * n, strategy="SPREAD")
+        actors: list[Any] = []
         try:
-            summary = ray.get(done[0])
+            ready, _ = ray.wait([pg.ready()], timeout=self.wait_s)
+            if not ready:
+                return outcome(trial, "failed", f"gang: the cluster did not grant {n} × "
+                               f"{bundle(shared.placement)} within {self.wait_s:g} s",
+                               first, attempt + 1)
+            cls = ray.remote(max_restarts=0, max_task_retries=0)(RankActor)
+            for i in range(n):
+                strategy = PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                            placement_group_bundle_index=i)
+                actors.append(cls.options(**shared.placement.options(),
+                                          scheduling_strategy=strategy).remote())
+            if not live.register(trial.id, actors):
+                return outcome(trial, "cancelled", "sweep interrupted", first, attempt + 1)
+            places = ray.get([a.address.remote() for a in actors])
+            meeting = rendezvous(places, bool(shared.placement.gpus))
+            live.event("running", {"trial_id": trial.id, "attempt": attempt, **places[0],
+                                   "backend": meeting["backend"],
+                                   "hosts": [f"{p['node']} ({p['ip']}:{p['port']}, pid "
+                                             f"{p['pid']})" for p in places],
+                                   "pids": [p["pid"] for p in places]})
+            # Only rank 0 reports to the study (it alone emits metrics); if it is pruned,
+            # the others are killed with the gang.
+            plan = trial.to_dict()
+            refs = [a.run_rank.remote(plan, meeting, i,
+                                      *((shared.study, shared.metric) if i == 0 else ()))
+                    for i, a in enumerate(actors)]
+            return self._wait_all(trial, refs, attempt, first)
         except ray.exceptions.RayActorError as err:
-            return _lost(runner, trial, attempt, first, err)
-        results[refs.index(done[0])] = summary
-        if summary.get("status") in ("failed", "pruned"):  # the others would wait forever
-            return {**summary, "reason": f"rank {summary.get('rank')}: {summary['reason']}",
-                    "world_size": len(refs)}
-    main = results[0]
-    return {**main, "world_size": len(refs),
-            "hosts": [f"{r.get('node')} (pid {r.get('pid')})" for _, r in sorted(results.items())]}
+            return live.lost(trial, attempt, first, "a rank died: " + str(err).splitlines()[0])
+        except ray.exceptions.RayError as err:  # e.g. an argument that would not unpickle
+            return outcome(trial, "failed", f"{type(err).__name__}: {err}"[:500], first,
+                           attempt + 1)
+        finally:
+            live.release(trial.id)
+            for a in actors:
+                ray.kill(a)
+            remove_placement_group(pg)
 
+    def _wait_all(self, trial: TrialPlan, refs: list, attempt: int,
+                  first: float) -> Summary | None:
+        """Rank 0's summary once every rank finished; a lost rank → None; a failed one →
+        it."""
+        import ray
 
-def _lost(runner: Any, trial: TrialRun, attempt: int, first: float,
-          err: Exception) -> Summary | None:
-    if runner.stopping.is_set():
-        return _summary(trial, "cancelled", "sweep interrupted", first, attempt + 1)
-    runner.event("lost", {"trial_id": trial.id, "attempt": attempt,
-                          "reason": ("a rank died: " + str(err).splitlines()[0])[:200]})
-    return None
-
-
-def _failed(trial: TrialRun, reason: str, first: float, attempt: int) -> Summary:
-    return _summary(trial, "failed", reason, first, attempt + 1)
+        limit = self.shared.time_limit_s
+        deadline = time.time() + limit if limit else None
+        results: dict[int, Summary] = {}
+        pending = list(refs)
+        while pending:
+            left = None if deadline is None else max(deadline - time.time(), 0.0)
+            done, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not done:
+                return outcome(trial, "failed", f"time_limit: over {limit:g} s (every rank "
+                               "killed)", first, attempt + 1)
+            try:
+                summary = ray.get(done[0])
+            except ray.exceptions.RayActorError as err:
+                return self.shared.live.lost(trial, attempt, first,
+                                             "a rank died: " + str(err).splitlines()[0])
+            results[refs.index(done[0])] = summary
+            if summary.get("status") in ("failed", "pruned"):  # the others would wait forever
+                return {**summary, "reason": f"rank {summary.get('rank')}: "
+                        f"{summary['reason']}", "world_size": len(refs)}
+        main = results[0]
+        return {**main, "world_size": len(refs),
+                "hosts": [f"{r.get('node')} (pid {r.get('pid')})"
+                          for _, r in sorted(results.items())]}

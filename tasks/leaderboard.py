@@ -27,9 +27,10 @@ import pyarrow.parquet as pq
 
 from engine.adapters import atomic_write_text
 from engine.outputs import RefusedOutput
+from tasks.degenerate import below_chance
+from tasks.results_table import write_results
 from tasks.sweep import metric_value
 from tasks.sweep_spec import ACROSS_LOSSES, ACROSS_NON_REFERENCE_LOSSES
-from tasks.trials import below_chance, write_results
 
 ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
 EVAL_COLUMNS = ("eval/valid/logps/accuracies", "eval/test/logps/accuracies",

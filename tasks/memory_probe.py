@@ -16,8 +16,9 @@ from typing import Any
 
 from engine.adapters import atomic_write_text
 from engine.probe import largest_fitting, probe_steps
+from tasks.placement import Placement
 from tasks.sweep_spec import SpecError
-from tasks.trials import Placement
+from tasks.trial_plan import TrialPlan
 
 # Peaks measured with inflight 2 vary a few percent run to run (two stages overlap as the
 # device's timing allows): a size must fit with this headroom.
@@ -36,60 +37,63 @@ def candidate_sizes(model: str) -> list[int]:
     return [0] + [2**i for i in range(layers.bit_length()) if 2**i < layers]
 
 
-def probe_key(config: dict[str, Any], fingerprint: str) -> str:
-    body = {k: config.get(k) for k in MEMORY_FIELDS}
-    body.update(model=config["model"], data=fingerprint)
+def probe_key(fields: dict[str, Any], fingerprint: str) -> str:
+    """The probe cache's key of a trial's ``fields`` (those one rank trains: ``per_rank``)."""
+    body = {k: fields.get(k) for k in MEMORY_FIELDS}
+    body.update(model=fields["model"], data=fingerprint)
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _run_probe(config: dict[str, Any], sizes: list[int]) -> dict[int, float]:
+    """In the probe's fresh process: the peak of each segment size, from the trial's
+    config as ``TrainConfig.to_dict`` sent it (its one rebuild here)."""
     from engine.config import TrainConfig
 
-    cfg = TrainConfig().replace(**{**config, "segment_size": 0})
-    rows = probe_steps(cfg, [{"segment_size": k} for k in sizes])
+    rows = probe_steps(TrainConfig(**config), [{"segment_size": k} for k in sizes])
     # A size that failed (out of memory under the limit) fits no budget.
     return {int(r["segment_size"]): float(r.get("peak_gb", float("inf"))) for r in rows}
 
 
-def per_rank(config: dict[str, Any], ranks: int) -> dict[str, Any]:
-    """The config one rank of a ``ranks`` gang trains: its share of every batch."""
+def per_rank(plan: TrialPlan, ranks: int) -> dict[str, Any]:
+    """The fields one rank of a ``ranks`` gang trains: its share of every batch."""
     if ranks == 1:
-        return config
-    from engine.config import TrainConfig
-
-    return {**config, "batch_size": config.get("batch_size", TrainConfig().batch_size) // ranks}
+        return plan.fields
+    return {**plan.fields, "batch_size": plan.config.batch_size // ranks}
 
 
-def resolve_auto(trials: list[tuple[str, dict[str, Any]]], budget_gb: float,
-                 placement: Placement, fingerprint: str, cache: Path, ranks: int = 1
-                 ) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, str]]:
-    """Trials with every ``segment_size: auto`` replaced by the size that fits the budget,
-    and, per resolved trial, the probed peaks it was chosen from (JSON, for the results).
-    With ``ranks`` > 1 each rank holds a 1/ranks share of the batch: probed at that."""
+def resolve_auto(plans: list[TrialPlan], budget_gb: float, placement: Placement,
+                 fingerprint: str, cache: Path, ranks: int = 1
+                 ) -> tuple[list[TrialPlan], dict[str, str]]:
+    """The plans with every ``segment_size`` still auto resolved to the size that fits the
+    budget, and, per resolved trial, the probed peaks it was chosen from (JSON, for the
+    results). With ``ranks`` > 1 each rank holds a 1/ranks share of the batch: probed at
+    that. A plan's config holds an auto key at its default (0: the plain path), which is
+    what the probe starts from."""
     import ray
 
     known: dict[str, dict[str, float]] = json.loads(cache.read_text()) if cache.exists() else {}
-    todo = {key: per_rank(c, ranks) for _, c in trials if c.get("segment_size") == "auto"
-            and (key := probe_key(per_rank(c, ranks), fingerprint)) not in known}
+    todo = {key: p for p in plans if "segment_size" in p.auto
+            and (key := probe_key(per_rank(p, ranks), fingerprint)) not in known}
     if todo:
         probe = placement.fresh_task(_run_probe)
-        refs = {key: probe.remote({k: v for k, v in c.items() if k != "out"},
-                                  candidate_sizes(c["model"])) for key, c in todo.items()}
+        refs = {key: probe.remote({**p.config.to_dict(),
+                                   "batch_size": p.config.batch_size // ranks},
+                                  candidate_sizes(p.config.model)) for key, p in todo.items()}
         for key, ref in refs.items():
             known[key] = {str(k): v for k, v in ray.get(ref).items()}
         cache.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(cache, json.dumps(known, indent=2, sort_keys=True) + "\n")
     out, notes = [], {}
-    for trial_id, config in trials:
-        if config.get("segment_size") == "auto":
+    for plan in plans:
+        if "segment_size" in plan.auto:
             peaks = {int(k): v for k, v in
-                     known[probe_key(per_rank(config, ranks), fingerprint)].items()}
+                     known[probe_key(per_rank(plan, ranks), fingerprint)].items()}
             size = largest_fitting({k: v * AUTO_HEADROOM for k, v in peaks.items()}, budget_gb)
             if size is None:
-                raise SpecError(f"trial {trial_id}: no segment size fits memory_budget_gb="
+                raise SpecError(f"trial {plan.id}: no segment size fits memory_budget_gb="
                                 f"{budget_gb:g} with {AUTO_HEADROOM:.0%} of the probed peak "
                                 f"(probed peaks, GB: {peaks})")
-            config = {**config, "segment_size": size}
-            notes[trial_id] = json.dumps({str(k): round(v, 4) for k, v in sorted(peaks.items())})
-        out.append((trial_id, config))
+            plan = plan.resolve({"segment_size": size})
+            notes[plan.id] = json.dumps({str(k): round(v, 4) for k, v in sorted(peaks.items())})
+        out.append(plan)
     return out, notes

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from engine.adapters import atomic_write_text
+from tasks.placement import Placement
 from tasks.plots import figure, save_png
+from tasks.results_table import write_results
 from tasks.sweep_spec import SweepSpec
-from tasks.trials import Placement, write_results
 
 LABEL_KEYS = ("segment_size", "head_chunk", "prefix_share", "inflight")
 
@@ -62,7 +63,7 @@ def _run_memory_sweep(spec: SweepSpec, out: Path, placement: Placement | None
     placement = placement or Placement()
     out = Path(out)
     swept = [k for k in LABEL_KEYS if k in spec.grid] + sorted(set(spec.grid) - set(LABEL_KEYS))
-    variants = [{k: t.params[k] for k in swept} for t in spec.trials()]
+    variants = [{k: params[k] for k in swept} for params in spec.points()]
     base = {**spec.fixed, "model": spec.model, "data": spec.data, "out": str(out / "probe")}
     measure = placement.fresh_task(_measure)
     rows = pareto(ray.get(measure.remote(base, variants, spec.probe_batches)))

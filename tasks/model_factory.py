@@ -7,7 +7,7 @@ through exactly the code a user's downloaded model takes. Same spec, same bytes.
 
     pomona model init --out models/tiny --arch gemma4_text --layers 12 --seed 0 [--quantize 4]
 
-Each family's ``config.json`` comes from ``tasks/model_configs.py``.
+Each family's ``config.json`` and facts come from ``tasks/model_families.py``.
 """
 
 from __future__ import annotations
@@ -17,34 +17,24 @@ import io
 import json
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from engine.outputs import RefusedOutput, entries
-from tasks.model_configs import CONFIGS, NO_BOS, TIED
+from tasks.model_families import BOS, FAMILIES, IM_END, PAD, SPECIAL_TOKENS, ModelSpec
 from tasks.synthetic import LAYOUTS, TASKS, synth_rows
 
-ARCHS = tuple(CONFIGS)
 MARK = "pomona_model.json"  # the spec a model was made from: what makes it Pomona's
 # Everything a model of ours holds (mlx_lm.convert adds the last three when quantizing).
 MODEL_FILES = frozenset({"config.json", "model.safetensors", "tokenizer.json",
                          "tokenizer_config.json", MARK, "model.safetensors.index.json",
                          "chat_template.jinja", "README.md"})
-DTYPES = ("float32", "bfloat16", "float16")
-PAD, BOS, EOT = "<|pad|>", "<|bos|>", "<|endoftext|>"
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-SPECIAL_TOKENS = [PAD, BOS, EOT, IM_START, IM_END]  # ids 0..4, in this order
-
-# ChatML; BOS only where the tokenizer has one (llama here, not qwen2, as upstream).
-# Gemma 3's RMSNorm scales by (1 + w): its norms start at 0. Scalar gains start at 1.
-OFFSET_NORMS = ("gemma3_text",)
-UNIT_GAINS = ("layer_scalar", "router.scale", "per_expert_scale")
-# Gemma 4's attention has scale 1 (its trained q/k norms take the 1/√d role).
-UNSCALED_ATTENTION = ("gemma4_text", "gemma4")
+UNIT_GAINS = ("layer_scalar", "router.scale", "per_expert_scale")  # scalar gains start at 1
 QK_NORMS = ("q_norm.weight", "k_norm.weight")
 
+# ChatML; BOS only where the tokenizer has one (llama here, not qwen2, as upstream).
 CHAT_TEMPLATE = (
     "{% if bos_token %}{{ bos_token }}{% endif %}"
     "{% for message in messages %}"
@@ -52,125 +42,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What ``pomona model init`` builds. Defaults: a ~1M-parameter model that trains on CPU."""
-
-    arch: str = "llama"  # a key of tasks/model_configs.CONFIGS
-    layers: int = 4
-    hidden: int = 128
-    heads: int = 4
-    kv_heads: int = 2  # grouped-query attention, as in current llama/qwen models
-    intermediate: int = 256
-    vocab: int = 1024
-    seed: int = 0
-    dtype: str = "float32"  # CPU matmuls in bf16 skip BLAS and are slow: keep float32 there
-    max_position: int = 4096
-    tie_embeddings: bool | None = None  # None: the arch's usual choice
-    quantize: int | None = None  # 4 or 8 bits, through mlx_lm.convert
-    q_group_size: int = 64
-    window: int = 0  # sliding window (0: none; gemma families: 32)
-    window_pattern: int = 0  # every Nth layer full, the rest sliding (0: the family's own)
-    rope_scaling: str | None = None  # llama: "llama3"
-    kv_shared_layers: int | None = None  # gemma4: last N layers reuse K/V (None: layers // 3)
-    ple: int | None = None  # gemma4: per-layer input width (None: 16; 0: none)
-    experts: int = 0  # gemma4 / qwen3_moe: experts per MoE block (qwen3_moe: 0 means 4)
-    experts_per_token: int = 2
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
-        if self.arch not in ARCHS:
-            raise ValueError(f"arch={self.arch!r}: expected one of {', '.join(ARCHS)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}: expected one of {', '.join(DTYPES)}")
-        for name in ("layers", "hidden", "heads", "kv_heads", "intermediate"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
-        if self.hidden % self.heads:
-            raise ValueError(f"hidden={self.hidden} is not a multiple of heads={self.heads}")
-        if (self.hidden // self.heads) % 2:
-            raise ValueError(f"hidden={self.hidden} / heads={self.heads} gives head dim "
-                             f"{self.hidden // self.heads}; rotary needs it even")
-        if self.heads % self.kv_heads:
-            raise ValueError(f"heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
-        if self.vocab < 256 + len(SPECIAL_TOKENS):
-            raise ValueError(f"vocab={self.vocab}: byte-level BPE needs at least "
-                             f"{256 + len(SPECIAL_TOKENS)} (256 bytes + special tokens)")
-        for name in ("window", "window_pattern", "ple", "experts"):
-            if (getattr(self, name) or 0) < 0:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
-        self._check_features()
-        if self.window_pattern == 1:
-            raise ValueError("window_pattern=1 leaves no sliding layer; use window 0 instead")
-        if self.rope_scaling not in (None, "llama3"):
-            raise ValueError(f"rope_scaling={self.rope_scaling!r}: expected llama3 or none")
-        if self.kv_shared_layers is not None and not 0 <= self.kv_shared_layers < self.layers:
-            raise ValueError(f"kv_shared_layers={self.kv_shared_layers}: must be in "
-                             f"[0, layers={self.layers})")
-        if self.arch.startswith("gemma4"):
-            self._check_gemma4_sharing()
-        experts = self.experts or (4 if self.arch == "qwen3_moe" else 0)
-        if experts and not 1 <= self.experts_per_token <= experts:
-            raise ValueError(f"experts_per_token={self.experts_per_token}: must be in "
-                             f"[1, experts={experts}]")
-        if self.arch == "gemma3_text" and self.layers < (self.window_pattern or 6):
-            raise ValueError(f"gemma3_text needs layers >= window_pattern "
-                             f"({self.window_pattern or 6}): mlx-lm reads the first full "
-                             "layer's cache")
-        if self.quantize not in (None, 4, 8):
-            raise ValueError(f"quantize={self.quantize}: expected 4 or 8")
-        if self.quantize and (self.hidden % self.q_group_size or
-                              self.intermediate % self.q_group_size):
-            raise ValueError(f"quantize needs hidden ({self.hidden}) and intermediate "
-                             f"({self.intermediate}) to be multiples of q_group_size "
-                             f"({self.q_group_size})")
-
-    def _check_features(self) -> None:
-        """A setting the architecture has no use for is refused, not silently dropped."""
-        gemma4 = ("gemma4_text", "gemma4")
-        windowed = ("llama", "mistral", "ministral3", "gemma3_text", *gemma4)
-        used = {"window": windowed, "window_pattern": windowed, "rope_scaling": ("llama",
-                "mistral"), "kv_shared_layers": gemma4, "ple": gemma4,
-                "experts": (*gemma4, "qwen3_moe"), "experts_per_token": (*gemma4, "qwen3_moe")}
-        defaults = {f.name: f.default for f in fields(self)}
-        for name, archs in used.items():
-            if getattr(self, name) != defaults[name] and self.arch not in archs:
-                raise ValueError(f"{name}={getattr(self, name)!r}: arch {self.arch} has no "
-                                 f"use for it (only {', '.join(archs)})")
-        if self.window_pattern and not self.window and self.arch in ("llama", "mistral",
-                                                                     "ministral3"):
-            raise ValueError(f"window_pattern={self.window_pattern} without a window: set "
-                             "--window too")
-
-    def _check_gemma4_sharing(self) -> None:
-        """Each KV-shared layer reads the last earlier layer of its type: one must exist
-        (mlx-lm fails with a bare KeyError otherwise)."""
-        from tasks.model_configs import gemma4_text
-
-        config = gemma4_text(self)
-        types, shared = config["layer_types"], config["num_kv_shared_layers"]
-        first = self.layers - shared
-        for i in range(first, self.layers):
-            if types[i] not in types[:first]:
-                raise ValueError(
-                    f"gemma4: layer {i} ({types[i]}) shares K/V, but no earlier layer of that "
-                    f"type has its own (layers {self.layers}, kv_shared_layers {shared}, every "
-                    f"{self.window_pattern or 6}th full): use more layers or fewer shared")
-
-    @property
-    def tied(self) -> bool:
-        return self.arch in TIED if self.tie_embeddings is None else self.tie_embeddings
-
-    @property
-    def bos(self) -> bool:
-        """Whether the tokenizer prepends BOS (as the family's upstream tokenizer does)."""
-        return self.arch not in NO_BOS
 
 
 def tokenizer_corpus(rows_per_file: int = 200) -> list[str]:
@@ -222,11 +93,6 @@ def tokenizer_config(spec: ModelSpec) -> dict:
     }
 
 
-def model_config(spec: ModelSpec) -> dict:
-    """``config.json`` in the Hugging Face layout for ``spec.arch`` (tasks/model_configs.py)."""
-    return CONFIGS[spec.arch](spec)
-
-
 def init_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     """Seeded float32 weights for every parameter of the mlx-lm model ``config`` describes.
 
@@ -252,11 +118,12 @@ def init_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
         shapes.pop("lm_head.weight", None)  # gemma3_text ties when the head is absent
     rng = np.random.default_rng(seed)
     out_scale = 1.0 / np.sqrt(2.0 * text["num_hidden_layers"])
-    norm_value = 0.0 if config["model_type"] in OFFSET_NORMS else 1.0
+    family = FAMILIES[config["model_type"]]
+    norm_value = 0.0 if family.offset_norms else 1.0  # (1 + w) norms start at 0
     weights = {}
     for name in sorted(shapes):  # fixed order: the same seed gives the same bytes
         shape = shapes[name]
-        if config["model_type"] in UNSCALED_ATTENTION and name.endswith(QK_NORMS):
+        if family.unscaled_attention and name.endswith(QK_NORMS):
             # No 1/√d in the attention: q/k norm gains d^-1/4 give q·k that variance.
             weights[name] = np.full(shape, shape[-1] ** -0.25, np.float32)
         elif name.endswith("norm.weight"):
@@ -281,7 +148,7 @@ def _write_float_model(spec: ModelSpec, out: Path) -> None:
     import mlx.core as mx
     from mlx_lm.utils import save_config
 
-    config = model_config(spec)
+    config = spec.config()
     weights = init_weights(config, spec.seed)
     dtype = getattr(mx, spec.dtype)
     arrays = {k: mx.array(v).astype(dtype) for k, v in weights.items()}

@@ -11,19 +11,22 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
-from tasks.sweep_spec import Dist, SweepSpec, trial_id
-from tasks.trials import Summary, TrialRun
+from tasks.sweep_spec import Dist, PlanError, SweepSpec, trial_id
+from tasks.trial import Summary
+from tasks.trial_plan import TrialPlan, parse_auto
 
 
 def distribution(dist: Dist):
     """The Optuna distribution of one search-space dimension."""
     import optuna.distributions as od
 
-    if dist.kind == "choice":
-        return od.CategoricalDistribution(list(dist.args))
+    if dist.kind == "choice":  # Optuna's choices are plain values: AUTO as its word
+        return od.CategoricalDistribution([a if isinstance(a, (int, float, str)) else repr(a)
+                                           for a in dist.args])
     lo, hi = dist.args
     if dist.kind == "int":
         return od.IntDistribution(int(lo), int(hi))
@@ -75,13 +78,14 @@ class Study:
 class OptunaSource:
     """Asks the study for ``spec.num_samples`` trials; tells it each result.
 
-    ``build(id, params)`` turns sampled params into TrainConfig fields;
-    ``cached(id, config)`` returns a completed summary from an earlier run, or None.
+    ``build(params, number)`` makes the trial's plan (PlanError when its whole config is
+    invalid: a failed trial, never trained); ``cached(plan)`` returns a completed summary
+    from an earlier run, or None.
     """
 
     def __init__(self, spec: SweepSpec, study: Any,
-                 build: Callable[[str, dict[str, Any]], dict[str, Any]],
-                 cached: Callable[[str, dict[str, Any]], Summary | None],
+                 build: Callable[[dict[str, Any], int], TrialPlan],
+                 cached: Callable[[TrialPlan], Summary | None],
                  metric_of: Callable[[Summary], Any]):
         self.spec, self.study, self.build = spec, study, build
         self.cached, self.metric_of = cached, metric_of
@@ -91,30 +95,36 @@ class OptunaSource:
         self.running: set[str] = set()
         self.lock = threading.Lock()
 
-    def ask(self) -> TrialRun | None:
+    def ask(self) -> TrialPlan | None:
         import ray
 
         with self.lock:
             while self.asked < self.spec.num_samples:
                 self.asked += 1
                 number, sampled = ray.get(self.study.ask.remote())
-                params = {**self.spec.fixed, **sampled}
+                params = {**self.spec.fixed, **{k: parse_auto(k, v) for k, v in sampled.items()}}
                 tid = trial_id(params)
                 if tid in self.running:  # the sampler repeated a running point: skip it
                     self._tell(number, {"status": "failed"})
                     continue
-                config = self.build(tid, params)
-                old = self.finished.get(tid) or self.cached(tid, config)
+                try:
+                    plan = self.build(params, number)
+                except PlanError as err:  # a sampled combination no TrainConfig takes
+                    plan, now = None, time.time()
+                    self.finished[tid] = {"trial_id": tid, "status": "failed", "reason":
+                                          str(err), "started": now, "ended": now}
+                    self.reused.append(self.finished[tid])
+                old = self.finished.get(tid) or self.cached(plan)
                 if old is None:
                     self.running.add(tid)
-                    return TrialRun(tid, config, number)
+                    return plan
                 if tid not in self.finished:
                     self.reused.append(old)  # done in an earlier run: reported once
                     self.finished[tid] = old
                 self._tell(number, old)  # the same point again: its value, no training
             return None
 
-    def tell(self, trial: TrialRun, summary: Summary) -> None:
+    def tell(self, trial: TrialPlan, summary: Summary) -> None:
         with self.lock:
             self.running.discard(trial.id)
             self.finished[trial.id] = summary

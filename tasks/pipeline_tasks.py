@@ -30,12 +30,12 @@ from tasks.leaderboard import (
     swept_params,
     write_leaderboard,
 )
+from tasks.placement import Placement
 from tasks.plots import curves_png, inline_png, metric_vs_params_png
 from tasks.preprocess import preprocess_dataset
 from tasks.soup import make_soup
 from tasks.sweep import CODE_VERSION, data_fingerprint
 from tasks.tokenize import tokenize_dataset
-from tasks.trials import Placement
 
 
 def artifact_key(*parts: str) -> str:

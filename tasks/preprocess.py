@@ -14,8 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.data import TEST_FRACTION, check_fractions, split_counts, split_notes, stable_split
+from engine.data import split_counts, split_notes, stable_split
 from engine.outputs import check_apart
+from engine.splits import TEST_FRACTION, check_fractions
 from tasks.dataset_dir import check_replaceable, read_manifest, read_table, write_dataset
 
 

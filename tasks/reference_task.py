@@ -22,8 +22,8 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from engine.config import TrainConfig
 from engine.reference import ReferenceSpec, cache_dir, ensure_reference, resolved_reference
 from tasks.pipeline_tasks import artifact_key
+from tasks.placement import Placement
 from tasks.sweep_spec import SweepSpec
-from tasks.trials import Placement
 
 OPTIONS = ("batch_size", "head_chunk", "prefix_share", "allow_tokenizer_mismatch")
 

@@ -51,6 +51,12 @@ def _as_messages(x: str | Messages, role: str) -> Messages:
     return [{"role": role, "content": x}] if isinstance(x, str) else x
 
 
+def prompt_messages(conv: Conversation) -> Messages:
+    """``conv``'s prompt as chat messages, its system turn first: what the template renders
+    (with the generation prompt) and each response then extends."""
+    return _with_system(_as_messages(conv.prompt, "user"), conv.system)
+
+
 def _text(x: str | Messages) -> str:
     return x if isinstance(x, str) else "\n\n".join(m["content"] for m in x)
 
@@ -90,7 +96,7 @@ def render(conv: Conversation, template: ChatTemplate | None) -> Rendered:
     """Texts of ``conv``: through the chat template (prompt with the generation prompt,
     each response as the assistant turn) or, without one, as raw text."""
     if template is not None and not (conv.layout == "implicit" and isinstance(conv.prompt, str)):
-        msgs = _with_system(_as_messages(conv.prompt, "user"), conv.system)
+        msgs = prompt_messages(conv)
         prompt = template(msgs, add_generation_prompt=True)
         full = [template(msgs + _as_messages(r, "assistant"), add_generation_prompt=False)
                 for r in (conv.chosen, conv.rejected)]

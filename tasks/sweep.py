@@ -27,19 +27,14 @@ import pyarrow.parquet as pq
 from engine.content_key import adapter_fingerprint, file_digest, model_fingerprint
 from engine.model_source import check_source
 from engine.outputs import claim, mark_kind
+from tasks.attempts import EventHook
 from tasks.memory_probe import resolve_auto
+from tasks.placement import Placement
+from tasks.results_table import write_results
+from tasks.scheduler import ListSource, TrialsInterrupted, Wrap, run_trials
 from tasks.sweep_spec import SpecError, SweepSpec
-from tasks.trials import (
-    EventHook,
-    ListSource,
-    Placement,
-    Summary,
-    TrialRun,
-    TrialsInterrupted,
-    Wrap,
-    run_trials,
-    write_results,
-)
+from tasks.trial import Summary
+from tasks.trial_plan import TrialPlan
 
 # Bump when training semantics change: invalidates cached trials. 0.3.0: the test split
 # comes out of train, so a .jsonl without a split column trains on fewer rows. 0.4.0:
@@ -113,7 +108,8 @@ def check_sweep_out(spec: SweepSpec, out: Path) -> None:
 
 
 def cache_key(config: dict[str, Any], fingerprint: str, model_key: str) -> str:
-    """What a trial's result depends on: its resolved config, the model's bytes
+    """What a trial's result depends on: its resolved fields (``TrialPlan.fields``: what the
+    spec and the sweep set, as the spec wrote them), the model's bytes
     (``model_key``: engine/content_key.py, not its path), a warm start's and a DPO
     reference adapter's bytes (not their paths: re-trained in place, each is another
     start), a given reference file's bytes, the data, the code."""
@@ -129,22 +125,6 @@ def cache_key(config: dict[str, Any], fingerprint: str, model_key: str) -> str:
     if config.get("reference_logps"):
         text += f"|reference_logps:{file_digest(config['reference_logps'])}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def trial_config(spec: SweepSpec, out: Path, trial_id: str, params: dict[str, Any]
-                 ) -> dict[str, Any]:
-    """TrainConfig fields of one trial: its params, the sweep's model/data, its directory;
-    its best evaluation is picked by the metric the sweep ranks on."""
-    config = {**params, "best_metric": spec.metric, "best_mode": spec.mode,
-              "model": spec.model, "data": spec.data, "out": str(out / trial_id)}
-    if spec.memory_budget_gb > 0 and "memory_limit_gb" not in params:
-        config["memory_limit_gb"] = spec.memory_budget_gb
-    return config
-
-
-def plan(spec: SweepSpec, out: Path) -> list[tuple[str, dict[str, Any]]]:
-    """(trial id, TrainConfig fields) for every listed trial of ``spec``."""
-    return [(t.id, trial_config(spec, out, t.id, t.params)) for t in spec.trials()]
 
 
 def check_cluster(placement: Placement, resources: dict[str, float], expected: int = 1,
@@ -191,7 +171,7 @@ def run_sweep(spec: SweepSpec, out: Path, placement: Placement | None = None,
     """Run ``spec``'s trials on the connected Ray cluster into ``out``.
 
     ``progress(kind, summary)`` hears "plan" (counts), "started", "running", "retry",
-    "lost" and "finished" events; ``wrap`` runs each trial (tasks/trials.py: run_trials).
+    "lost" and "finished" events; ``wrap`` runs each trial (tasks/scheduler.py: run_trials).
     Ctrl-C: results so far are written (running trials ``cancelled``) and
     KeyboardInterrupt propagates.
     """
@@ -203,7 +183,7 @@ def _run_sweep(spec: SweepSpec, out: Path, placement: Placement, progress: Event
                wrap: Wrap | None) -> list[Summary]:
     import ray
 
-    sweep = _SweepRun(spec, Path(out), placement or Placement(), progress)
+    sweep = SweepRun(spec, Path(out), placement or Placement(), progress)
     slots = check_cluster(sweep.placement, ray.cluster_resources(), spec.max_concurrent,
                           spec.ranks_per_trial)
     concurrent = min(slots, spec.max_concurrent)
@@ -222,7 +202,7 @@ def _run_sweep(spec: SweepSpec, out: Path, placement: Placement, progress: Event
     return sweep.write(rows)
 
 
-class _SweepRun:
+class SweepRun:
     """One run of a spec: the cache it reads, the trials it resolves, the rows it writes."""
 
     def __init__(self, spec: SweepSpec, out: Path, placement: Placement,
@@ -233,7 +213,7 @@ class _SweepRun:
         self.before = previous_results(out)
         self.keys: dict[str, str] = {}  # trial id -> cache key of its resolved config
         self.notes: dict[str, str] = {}  # trial id -> probed peaks behind segment_size: auto
-        self.configs: dict[str, dict[str, Any]] = {}  # trial id -> TrainConfig fields
+        self.configs: dict[str, dict[str, Any]] = {}  # trial id -> its plan's fields
         self.done: list[Summary] = []  # completed in an earlier run: not run again
         self.rank: dict[str, int] = {}  # grid/random: the spec's order
         self.plan_counts: dict[str, Any] = {}
@@ -263,36 +243,35 @@ class _SweepRun:
             write_results(ordered, self.out / "results.parquet")
         return ordered
 
-    def cached(self, trial_id: str, config: dict[str, Any]) -> Summary | None:
+    def cached(self, plan: TrialPlan) -> Summary | None:
         """The earlier finished result of exactly this trial (completed, or degenerate: the
         same inputs collapse again), if its adapter is on disk."""
-        self.keys[trial_id] = cache_key(config, self.fingerprint, self.model_key)
-        old = self.before.get(trial_id)
+        self.keys[plan.id] = cache_key(plan.fields, self.fingerprint, self.model_key)
+        old = self.before.get(plan.id)
         ok = (old and old.get("status") in FINISHED
-              and old.get("cache_key") == self.keys[trial_id]
-              and (self.out / trial_id / "adapters.safetensors").exists())
+              and old.get("cache_key") == self.keys[plan.id]
+              and (self.out / plan.id / "adapters.safetensors").exists())
         return {**old, "skipped": True} if ok else None
 
-    def resolve(self, trials: list[tuple[str, dict[str, Any]]]
-                ) -> list[tuple[str, dict[str, Any]]]:
-        """``segment_size: auto`` replaced by the probed size that fits the budget."""
-        if not any(c.get("segment_size") == "auto" for _, c in trials):
-            return trials
-        resolved, notes = resolve_auto(trials, self.spec.memory_budget_gb, self.placement,
+    def resolve(self, plans: list[TrialPlan]) -> list[TrialPlan]:
+        """Every key still auto replaced by the probed size that fits the budget."""
+        if not any(p.auto for p in plans):
+            return plans
+        resolved, notes = resolve_auto(plans, self.spec.memory_budget_gb, self.placement,
                                        self.fingerprint, self.out / "probes.json",
                                        self.spec.ranks_per_trial)
         self.notes.update(notes)
         return resolved
 
     def list_source(self) -> tuple[ListSource, None]:
-        planned = self.resolve(plan(self.spec, self.out))
-        self.rank = {t: i for i, (t, _) in enumerate(planned)}
-        self.done = [c for t, config in planned if (c := self.cached(t, config)) is not None]
+        planned = self.resolve(self.spec.trials(self.out))
+        self.rank = {p.id: i for i, p in enumerate(planned)}
+        self.done = [c for p in planned if (c := self.cached(p)) is not None]
         for row in self.done:
             self.configs[row["trial_id"]] = {k[len("param/"):]: v for k, v in row.items()
                                              if k.startswith("param/")}
         skip = {d["trial_id"] for d in self.done}
-        todo = [TrialRun(t, c) for t, c in planned if t not in skip]
+        todo = [p for p in planned if p.id not in skip]
         self.plan_counts = {"trials": len(planned), "cached": len(self.done),
                             "to_run": len(todo)}
         return ListSource(todo), None
@@ -306,10 +285,9 @@ class _SweepRun:
         study = ray.remote(num_cpus=0)(Study).remote(spec.space, spec.mode, spec.seed,
                                                      spec.pruning)
 
-        def build(trial_id: str, params: dict[str, Any]) -> dict[str, Any]:
-            [(_, config)] = self.resolve([(trial_id, trial_config(spec, self.out, trial_id,
-                                                                  params))])
-            return config
+        def build(params: dict[str, Any], number: int) -> TrialPlan:
+            [plan] = self.resolve([spec.plan(params, self.out, number)])
+            return plan
 
         self.plan_counts = {"trials": spec.num_samples, "search": "optuna"}
         return OptunaSource(spec, study, build, self.cached,
@@ -336,11 +314,11 @@ class _Recording:
     def __init__(self, source: Any, configs: dict[str, dict[str, Any]]):
         self.source, self.configs = source, configs
 
-    def ask(self) -> TrialRun | None:
+    def ask(self) -> TrialPlan | None:
         trial = self.source.ask()
         if trial is not None:
-            self.configs[trial.id] = trial.config
+            self.configs[trial.id] = trial.fields
         return trial
 
-    def tell(self, trial: TrialRun, summary: Summary) -> None:
+    def tell(self, trial: TrialPlan, summary: Summary) -> None:
         self.source.tell(trial, summary)

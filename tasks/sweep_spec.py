@@ -1,4 +1,4 @@
-"""Sweep specs: a YAML file → validated trials (each a TrainConfig override set).
+"""Sweep specs: a YAML file → validated trials (each a typed plan: tasks/trial_plan.py).
 
     name: tiny
     model: runs/demo/model
@@ -23,8 +23,8 @@
 
 Every error names the key and file that is wrong. Parameter names are TrainConfig fields
 (``loss`` too: a search over it ranks on a metric every loss shares, ACROSS_LOSSES);
-``segment_size: auto`` is allowed with a ``memory_budget_gb`` (resolved per trial from a
-memory probe: tasks/memory_probe.py).
+``segment_size: auto`` is allowed with a ``memory_budget_gb`` (``AUTO`` in the plans,
+resolved per trial from a memory probe: tasks/memory_probe.py).
 Distributions: ``choice: [..]``, ``uniform: [lo, hi]``, ``loguniform: [lo, hi]``,
 ``int: [lo, hi]`` (inclusive).
 """
@@ -45,6 +45,7 @@ import numpy as np
 
 from engine.config import TrainConfig
 from engine.losses import LOSSES, LossSpec, validation_metrics
+from tasks.trial_plan import AUTO, TrialPlan, parse_auto
 
 KINDS = ("choice", "uniform", "loguniform", "int")
 SEARCHES = ("grid", "random", "optuna")
@@ -63,6 +64,10 @@ class SpecError(ValueError):
     """A sweep spec problem, naming the key."""
 
 
+class PlanError(SpecError):
+    """A trial whose whole TrainConfig is invalid (a rule across fields), naming it."""
+
+
 @dataclass(frozen=True)
 class Dist:
     """One search-space dimension."""
@@ -79,14 +84,6 @@ class Dist:
         if self.kind == "loguniform":
             return float(math.exp(rng.uniform(math.log(lo), math.log(hi))))
         return int(rng.integers(lo, hi + 1))
-
-
-@dataclass(frozen=True)
-class Trial:
-    """One trial: its stable id and the TrainConfig overrides it runs with."""
-
-    id: str
-    params: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -114,23 +111,37 @@ class SweepSpec:
     probe_batches: int = 8
     ranks_per_trial: int = 1  # > 1: a trial is a gang of ranks (tasks/gang.py)
 
-    def trials(self) -> list[Trial]:
-        """Grid points × ``num_samples`` draws from ``space`` (random search), in order.
-
-        Optuna search asks its sampler trial by trial instead; this lists its grid only.
-        """
+    def points(self) -> list[dict[str, Any]]:
+        """Grid points × ``num_samples`` draws from ``space`` (random search), in order: each
+        trial's params. Optuna search asks its sampler trial by trial; this lists its grid."""
         keys = sorted(self.grid)
         points = [dict(zip(keys, combo, strict=True))
                   for combo in itertools.product(*(self.grid[k] for k in keys))] or [{}]
         rng = np.random.default_rng(self.seed)
         draws = self.num_samples if self.space and self.search == "random" else 1
-        out = []
-        for point in points:
-            for _ in range(draws):
-                sampled = {k: d.sample(rng) for k, d in sorted(self.space.items())}
-                params = {**self.fixed, **point, **sampled}
-                out.append(Trial(trial_id(params), params))
-        return out
+        space = sorted(self.space.items())
+        return [{**self.fixed, **point, **{k: d.sample(rng) for k, d in space}}
+                for point in points for _ in range(draws)]
+
+    def trials(self, out: Path | None = None) -> list[TrialPlan]:
+        """Every listed trial (``points``) planned into ``out`` (default: runs/<name>)."""
+        out = Path("runs") / self.name if out is None else out
+        return [self.plan(params, out) for params in self.points()]
+
+    def plan(self, params: dict[str, Any], out: Path, number: int | None = None) -> TrialPlan:
+        """The trial of ``params`` (its id their hash), completed by the sweep: its model,
+        data and directory ``out/<id>``, its best evaluation picked by the metric the sweep
+        ranks on, the memory budget as its limit. Its TrainConfig is built and validated
+        whole here, once (PlanError naming the trial and the field)."""
+        tid = trial_id(params)
+        fields = {**params, "best_metric": self.metric, "best_mode": self.mode,
+                  "model": self.model, "data": self.data, "out": str(out / tid)}
+        if self.memory_budget_gb > 0 and "memory_limit_gb" not in params:
+            fields["memory_limit_gb"] = self.memory_budget_gb
+        try:
+            return TrialPlan.make(tid, fields, number)
+        except (ValueError, TypeError) as err:
+            raise PlanError(f"trial {tid} {json.dumps(params, default=str)}: {err}") from None
 
 
 def trial_id(params: dict[str, Any]) -> str:
@@ -151,8 +162,8 @@ def _check_value(name: str, value: Any, where: str) -> Any:
     """``value`` checked as TrainConfig field ``name`` would take it (type, range, finite);
     a string that TrainConfig reads as a number (``1e-4``: YAML 1.1 keeps it a string) is
     returned as that number, so trials, ids and the results table hold the number."""
-    if name == "segment_size" and value == "auto":
-        return value
+    if (auto := parse_auto(name, value)) is AUTO:
+        return auto
     try:
         config = TrainConfig(model="m", data="d").replace(**{name: value})
         config.validate()
@@ -285,11 +296,11 @@ def _parse(data: Any) -> SweepSpec:
     _check_metric_of_losses(metric, fixed, grid, space)
     pruning = _pruning(data.get("pruning", False), search)
     budget = seconds["memory_budget_gb"]
-    autos = [w for w, sec in (("fixed", fixed), ("grid", grid))
-             for k, v in sec.items() if k == "segment_size" and "auto" in _listed(v)]
+    autos = [f"{w}.{k}" for w, sec in (("fixed", fixed), ("grid", grid))
+             for k, v in sec.items() if AUTO in (v if isinstance(v, list) else [v])]
     if autos and budget <= 0:
-        raise SpecError(f"{autos[0]}.segment_size: auto needs memory_budget_gb > 0 (what the "
-                        "segment size must fit in)")
+        raise SpecError(f"{autos[0]}: auto needs memory_budget_gb > 0 (what the segment "
+                        "size must fit in)")
     kind = data.get("kind", "train")
     if kind not in ("train", "memory"):
         raise SpecError(f"kind={kind!r}: expected train or memory")
@@ -358,10 +369,6 @@ def _check_metric_of_losses(metric: str, fixed: dict, grid: dict, space: dict) -
         if loss in LOSSES and metric not in (names := validation_metrics(LossSpec(loss))):
             raise SpecError(f"metric={metric}: loss {loss} does not report it; it reports "
                             f"{', '.join(names)}")
-
-
-def _listed(value: Any) -> list:
-    return value if isinstance(value, list) else [value]
 
 
 def _pruning(raw: Any, search: str) -> dict[str, int]:

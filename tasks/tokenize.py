@@ -24,22 +24,15 @@ from typing import Any
 
 import numpy as np
 
-from engine.data import (
-    MAX_BAD_FRACTION,
-    TEST_FRACTION,
-    VALID_FRACTION,
-    check_fractions,
-    split_counts,
-    split_notes,
-    stable_split,
-)
+from engine.data import split_counts, split_notes, stable_split
 from engine.digests import sha256_file, tokenizer_hash
 from engine.model_source import local_model
 from engine.outputs import RefusedOutput, check_apart
 from tasks.dataset_dir import check_replaceable, read_manifest, shards_problem, write_dataset
 from tasks.pair_encoder import PairEncoder
-from tasks.preference_rows import LAYOUTS, Conversation, Reject, list_files, read_conversations
+from tasks.preference_rows import Conversation, Reject, list_files, read_conversations
 from tasks.render import ChatTemplate, Truncation, render, truncate
+from tasks.tokenize_options import TokenizeOptions
 
 DATA_CODE_VERSION = "2"  # bump when rendering/tokenization changes what gets written
 # config.json keys that hold a model's context length, across families.
@@ -48,35 +41,6 @@ CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_le
 OUTLIER_FACTOR = 4  # a pair this many times the p99 length is reported
 COLUMNS = ("id", "prompt_ids", "chosen_ids", "rejected_ids")
 Progress = Callable[[int, int], None]  # (rows read, tokens written so far)
-
-
-@dataclass(frozen=True)
-class TokenizeOptions:
-    """How files become token ids."""
-
-    layout: str | None = None  # None: detect per file
-    chat_template: str = "auto"  # auto (use it when the tokenizer has one) | on | off
-    max_length: int | None = None  # per branch, prompt + response; None: the model's; 0: none
-    max_prompt_length: int = 0
-    valid_fraction: float = VALID_FRACTION  # ranked and pruned on
-    test_fraction: float = TEST_FRACTION  # reported by the leaderboard, never chosen on
-    max_bad_fraction: float = MAX_BAD_FRACTION  # the limit loading pre-tokenized data applies
-    batch_rows: int = 1024
-
-    def check(self) -> None:
-        """Raise ValueError naming the first option out of range."""
-        if self.layout is not None and self.layout not in LAYOUTS:
-            raise ValueError(f"--layout {self.layout!r}: expected one of {', '.join(LAYOUTS)}")
-        if self.chat_template not in ("auto", "on", "off"):
-            raise ValueError(f"--chat-template {self.chat_template!r}: expected auto, on or off")
-        for name in ("max_length", "max_prompt_length"):
-            if (getattr(self, name) or 0) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be "
-                                 "0 (no limit) or more")
-        if not 0 <= self.max_bad_fraction <= 1:
-            raise ValueError(f"--max-bad-fraction {self.max_bad_fraction}: must be between "
-                             "0 and 1")
-        check_fractions(self.valid_fraction, self.test_fraction)
 
 
 @dataclass
@@ -321,10 +285,12 @@ def _manifest(fp: str, model_dir: Path, options: TokenizeOptions, use_template: 
 
 
 def tokenize_dataset(inputs: str | Path, model: str, out: str | Path,
-                     options: TokenizeOptions = TokenizeOptions(),
+                     options: TokenizeOptions | None = None,
                      progress: Progress | None = None) -> TokenizeReport:
-    """Tokenize preference files under ``inputs`` with ``model``'s tokenizer into ``out``."""
+    """Tokenize preference files under ``inputs`` with ``model``'s tokenizer into ``out``
+    (``options``: the defaults when None)."""
     started = time.perf_counter()
+    options = options or TokenizeOptions()
     options.check()
     inputs, out = Path(inputs), Path(out)
     files = list_files(inputs)

@@ -12,7 +12,8 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.trials import Summary, TrialRun
+from tasks.trial import Summary
+from tasks.trial_plan import TrialPlan
 
 
 class MetricsTail:
@@ -53,13 +54,13 @@ class MetricsTail:
 
 
 @task(cache_policy=NO_CACHE, persist_result=False, task_run_name="{trial.id}")
-def trial_task(trial: TrialRun, run: Callable[[], Summary]) -> Summary:
+def trial_task(trial: TrialPlan, run: Callable[[], Summary]) -> Summary:
     """One trial, run in its Ray actor by ``run``; its training log and outcome logged on
     this task run."""
     logger = get_run_logger()
-    logger.info("trial %s: %s", trial.id, {k: v for k, v in trial.config.items()
+    logger.info("trial %s: %s", trial.id, {k: v for k, v in trial.fields.items()
                                             if k not in ("model", "data", "out")})
-    metrics = Path(trial.config["out"]) / "metrics.jsonl"
+    metrics = Path(trial.config.out) / "metrics.jsonl"
     with MetricsTail(metrics, lambda line: logger.info("%s: %s", trial.id, line)):
         summary = run()
     log = logger.info if summary["status"] in ("completed", "pruned") else logger.warning

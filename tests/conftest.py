@@ -68,12 +68,15 @@ def tiny_data(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 @pytest.fixture(scope="session")
 def _ray_owner():
-    """Shuts down, at the end of a worker's session, the Ray ``ray_cluster`` started."""
+    """Shuts down, at the end of a worker's session, the Ray ``ray_cluster`` started, then
+    restores the environment that Ray needed while it ran (``env``: a MonkeyPatch)."""
     import ray
 
-    yield
+    env = pytest.MonkeyPatch()
+    yield env
     if ray.is_initialized():
         ray.shutdown()
+    env.undo()
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +89,9 @@ def ray_cluster(_ray_owner):
 
     if not ray.is_initialized():
         tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # AF_UNIX paths: 107 bytes at most
-        os.environ["RAY_TMPDIR"] = tmp
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        _ray_owner.setenv("RAY_TMPDIR", tmp)  # kept while this Ray runs (across modules)
+        if "RAY_AUTH_MODE" not in os.environ:
+            _ray_owner.setenv("RAY_AUTH_MODE", "disabled")
         ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir=tmp,
                  runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve()
                                                              .parents[1])}},
@@ -98,8 +102,9 @@ def ray_cluster(_ray_owner):
 @pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory: pytest.TempPathFactory):
     """A real Prefect API (a temporary server and database), shared: it takes ~20 s to start."""
-    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect"))
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PREFECT_HOME", str(tmp_path_factory.mktemp("prefect")))
+        with prefect_test_harness(server_startup_timeout=180):
+            yield

@@ -10,22 +10,25 @@ from pathlib import Path
 
 import pytest
 
-from tasks.trials import Placement, TrialRun, run_trials
+from tasks.placement import Placement
+from tasks.scheduler import run_trials
+from tasks.trial_plan import TrialPlan
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 
 
 @pytest.fixture()
-def two_nodes():
+def two_nodes(monkeypatch):
     import ray
     from ray.cluster_utils import Cluster
 
     if ray.is_initialized():  # the shared local Ray of conftest.py's ray_cluster
         ray.shutdown()
     tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # AF_UNIX socket paths: 107 bytes at most
-    os.environ["RAY_TMPDIR"] = tmp
+    monkeypatch.setenv("RAY_TMPDIR", tmp)  # restored after the cluster is shut down
     os.makedirs(f"{tmp}/ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if "RAY_AUTH_MODE" not in os.environ:
+        monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     # Faster node-death detection than production's ~20 s, so the test takes seconds.
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0,
@@ -43,9 +46,10 @@ def two_nodes():
 def test_node_removed_mid_trial_is_retried_on_the_other(two_nodes, tiny_model, tiny_data,
                                                         tmp_path) -> None:
     cluster, nodes = two_nodes
-    trials = [TrialRun(f"t{i}", {"model": str(tiny_model), "data": str(tiny_data),
-                                 "out": str(tmp_path / f"t{i}"), "steps": 150, "batch_size": 2,
-                                 "lora_rank": 4, "val_every": 0, "seed": i})
+    trials = [TrialPlan.make(f"t{i}", {"model": str(tiny_model), "data": str(tiny_data),
+                                       "out": str(tmp_path / f"t{i}"), "steps": 150,
+                                       "batch_size": 2, "lora_rank": 4, "val_every": 0,
+                                       "seed": i})
               for i in range(2)]
     running: list[dict] = []
     removed: list[str] = []

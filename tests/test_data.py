@@ -266,14 +266,14 @@ def test_preprocess_dedupes_and_shares(tiny_model, tmp_path) -> None:
 
 def test_compiled_template_matches_apply_chat_template(tiny_model, tiny_qwen2) -> None:
     from tasks.preference_rows import read_conversations
-    from tasks.render import ChatTemplate, _as_messages, _with_system
+    from tasks.render import ChatTemplate, prompt_messages
 
     for model in (tiny_model, tiny_qwen2):
         hf = load_tokenizer(model)._tokenizer
         fast = ChatTemplate(hf)
         assert fast.compiled is not None
         for conv in list(read_conversations(SAMPLES / "conversational.jsonl"))[:40]:
-            msgs = _with_system(_as_messages(conv.prompt, "user"), conv.system)
+            msgs = prompt_messages(conv)
             for extra, gen in (([], True), (conv.chosen, False)):
                 want = hf.apply_chat_template(msgs + extra, add_generation_prompt=gen,
                                               tokenize=False)

@@ -52,7 +52,6 @@ def test_score_loss_mistakes_are_one_line(tiny_model: Path, tiny_data: Path, tmp
     are refused by name before anything is scored (were: scored silently / a traceback)."""
     import json
 
-    from engine.adapters import trained_loss
     from engine.cli import run_score
 
     base = ["--model", str(tiny_model), "--data", str(tiny_data), "--out",
@@ -64,8 +63,9 @@ def test_score_loss_mistakes_are_one_line(tiny_model: Path, tiny_data: Path, tmp
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"pomona": {"loss": "kto"}}))
-    with pytest.raises(ValueError, match=r"adapter_config\.json.*kto"):
-        trained_loss(adapter)
+    assert run_score([*base, "--adapter", str(adapter)]) == 2  # through score's own path
+    err = capsys.readouterr().err
+    assert "adapter_config.json" in err and "kto" in err, err
     assert not (tmp_path / "s.jsonl").exists()
 
 

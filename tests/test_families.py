@@ -21,16 +21,15 @@ ARCHS = {**SPECS, **MOE}
 
 
 def init_args(name: str, out: Path) -> list[str]:
-    spec = asdict(ARCHS[name])
+    """The spec as `pomona model init` options: every field, so a field the command line
+    does not offer fails here."""
     args = ["model", "init", "--out", str(out)]
-    for key in ("arch", "layers", "hidden", "heads", "kv_heads", "intermediate", "vocab",
-                "window", "window_pattern", "ple", "experts"):
-        if spec[key] is not None:
-            args += [f"--{key.replace('_', '-')}", str(spec[key])]
-    if spec["rope_scaling"]:
-        args += ["--rope-scaling", spec["rope_scaling"]]
-    if spec["kv_shared_layers"] is not None:
-        args += ["--kv-shared-layers", str(spec["kv_shared_layers"])]
+    for key, value in asdict(ARCHS[name]).items():
+        flag = f"--{key.replace('_', '-')}"
+        if isinstance(value, bool):
+            args.append(flag if value else f"--no-{flag[2:]}")
+        elif value is not None:
+            args += [flag, str(value)]
     return args
 
 

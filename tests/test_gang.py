@@ -15,7 +15,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tasks.trials import Placement, run_trials
+from tasks.placement import Placement
+from tasks.scheduler import run_trials
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 

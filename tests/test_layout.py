@@ -45,3 +45,97 @@ def test_datasets_is_not_a_package() -> None:
 def test_packages_exist() -> None:
     for package in ("engine", "tasks", "flows", "benchmarks"):
         assert (ROOT / package / "__init__.py").is_file()
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
+    """Every module ``path`` names in an import, wherever the import stands (a function-level
+    import still closes a circle), plus ``package.name`` for each ``from package import
+    name`` (a submodule when such a module exists)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    here = module_name(path, root).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found |= {module, *(f"{module}.{a.name}" for a in node.names)}
+    return found
+
+
+def import_graph(package: str, root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports."""
+    paths = {module_name(p, root): p for p in sorted((root / package).rglob("*.py"))}
+    return {m: {n for n in imported_modules(p, root) if n in paths and n != m}
+            for m, p in paths.items()}
+
+
+def find_circle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle of ``graph`` as the modules along it (first == last), or []."""
+    state: dict[str, str] = {}  # "open" while on the current path, "done" after
+    path: list[str] = []
+
+    def visit(module: str) -> list[str]:
+        state[module] = "open"
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                return [*path[path.index(target):], target]
+            if target not in state and (circle := visit(target)):
+                return circle
+        path.pop()
+        state[module] = "done"
+        return []
+
+    for module in sorted(graph):
+        if module not in state and (circle := visit(module)):
+            return circle
+    return []
+
+
+def test_circle_detector_sees_function_level_and_relative_imports(tmp_path: Path) -> None:
+    """The detector itself: a circle closed only inside a function, or through a relative
+    import, is still one; a chain without a way back is none."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from pkg import b\n")
+    (pkg / "b.py").write_text("from .c import x\n")
+    (pkg / "c.py").write_text("import pkg.a\n")
+    assert find_circle(import_graph("pkg", tmp_path)) == ["pkg.a", "pkg.b", "pkg.c", "pkg.a"]
+    (pkg / "c.py").write_text("import os\n")
+    assert find_circle(import_graph("pkg", tmp_path)) == []
+
+
+@pytest.mark.parametrize("package", ["engine", "tasks", "flows", "benchmarks"])
+def test_no_import_circle_inside_a_package(package: str) -> None:
+    """A circle (a -> b -> a, however long, function-level imports included) means two
+    modules are one concept split in two, or one reads the other's insides (issue 26)."""
+    circle = find_circle(import_graph(package))
+    assert not circle, "import circle: " + " -> ".join(circle)
+
+
+def private_imports(path: Path) -> list[str]:
+    """``from our_module import _name`` in ``path``: another module's private name."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    ours = {"engine", "tasks", "flows", "benchmarks", "tests"}
+    return [f"line {node.lineno}: from {node.module} import {a.name}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level
+            and node.module.split(".")[0] in ours
+            for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+
+
+@pytest.mark.parametrize("package", ["engine", "tasks", "flows", "benchmarks", "tests"])
+def test_no_module_imports_another_modules_private_names(package: str) -> None:
+    """A ``_name`` is its module's inside: make it public or move it (issue 26)."""
+    found = [f"{p.relative_to(ROOT)} {line}" for p in sorted((ROOT / package).rglob("*.py"))
+             for line in private_imports(p)]
+    assert not found, "imports of private names:\n" + "\n".join(found)

@@ -1,6 +1,7 @@
 """A user's data mistake that only shows inside the pipeline flow (every row bad, an
 empty file) ends `pomona pipeline` with exit 2 and its one-line message, not a traceback;
-the flow run in Prefect ends Failed with that message."""
+the flow run in Prefect ends Failed, its tokenize task run Failed with that message (what
+the UI shows)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ SPEC = ROOT / "flows" / "configs" / "tiny.yaml"
     ("", "no rows"), ('{"prompt": "p", "chosen": "", "rejected": ""}\n', "are bad")])
 def test_pipeline_data_mistakes_exit_2(rows: str, says: str, prefect_api, tiny_model: Path,
                                        tmp_path: Path) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
     from prefect.settings import PREFECT_API_URL
 
     raw = tmp_path / "raw.jsonl"
@@ -33,3 +36,14 @@ def test_pipeline_data_mistakes_exit_2(rows: str, says: str, prefect_api, tiny_m
     assert "Traceback" not in out, out
     [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
     assert says in line.lower() and "raw.jsonl" in line, line
+    # The run as Prefect recorded it (what the UI shows): Failed, and the failed tokenize task
+    # run in it carries the same message.
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=["pomona-pipeline"])))
+        [run] = [r for r in runs if r.parameters.get("raw") == str(raw)]
+        tasks = [t for t in client.read_task_runs() if t.flow_run_id == run.id]
+    assert run.state is not None and run.state.is_failed(), run.state
+    [tokenize] = [t for t in tasks if t.name.startswith("tokenize")]
+    assert tokenize.state is not None and tokenize.state.is_failed(), tokenize.state
+    assert says in (tokenize.state.message or "").lower(), tokenize.state.message

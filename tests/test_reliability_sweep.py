@@ -33,7 +33,7 @@ def test_results_keep_every_trial_whatever_a_parameter_column_mixes(tmp_path: Pa
     """The issue's grid [3.0e-4, .nan, "1e-4"] made results.parquet fail with ArrowInvalid
     after every trial had run: nothing was written. Would catch: a column that Arrow cannot
     type as given costing the whole table."""
-    from tasks.trials import write_results
+    from tasks.results_table import write_results
 
     rows = [{"trial_id": "a", "status": "completed", "param/learning_rate": 3.0e-4,
              "param/lora_rank": 8, "flag": True},
@@ -54,14 +54,14 @@ def test_results_keep_every_trial_whatever_a_parameter_column_mixes(tmp_path: Pa
 # Item 5 -----------------------------------------------------------------------------------
 
 def _keys(model: Path, data: Path, out: Path) -> list[str]:
-    from tasks.sweep import _SweepRun, plan
-    from tasks.trials import Placement
+    from tasks.placement import Placement
+    from tasks.sweep import SweepRun
 
     spec = parse_spec({**SPEC, "model": str(model), "data": str(data),
                        "grid": {"seed": [0, 1]}})
-    run = _SweepRun(spec, out, Placement(), None)
-    for tid, config in plan(spec, out):
-        run.cached(tid, config)
+    run = SweepRun(spec, out, Placement(), None)
+    for trial in spec.trials(out):
+        run.cached(trial)
     return sorted(run.keys.values())
 
 
@@ -133,11 +133,11 @@ def test_yaml_numbers_are_numbers_and_bad_settings_name_their_key(tmp_path: Path
     spec.write_text("name: s\nmodel: m\ndata: d\nfixed: {steps: 1e3}\n"
                     "grid: {learning_rate: [3.0e-4, 1e-4]}\n")
     trials = load_spec(spec).trials()
-    assert [t.params["learning_rate"] for t in trials] == [3.0e-4, 1e-4]
-    assert all(t.params["steps"] == 1000 for t in trials)
+    assert [t.fields["learning_rate"] for t in trials] == [3.0e-4, 1e-4]
+    assert all(t.fields["steps"] == 1000 for t in trials)
     spec.write_text("name: s\nmodel: m\ndata: d\nsearch: random\n"
                     "space: {learning_rate: {loguniform: [1e-5, 1e-3]}}\n")
-    assert 1e-5 <= load_spec(spec).trials()[0].params["learning_rate"] <= 1e-3
+    assert 1e-5 <= load_spec(spec).trials()[0].fields["learning_rate"] <= 1e-3
     for text, message in [("grid: {learning_rate: [3.0e-4, .nan, 1e-4]}",
                            "grid.learning_rate=nan: must be a finite number"),
                           ("fixed: {grad_clip: -1}", "fixed.grad_clip=-1.0: must be >= 0"),
@@ -158,13 +158,14 @@ def test_a_collapsed_trial_is_degenerate_and_kept_off_the_board(tiny_model, tiny
                                                                 tmp_path) -> None:
     """lr 1e8 (the issue): grad_norm 0.0 from step 2, val accuracy 0 and the lowest
     val/loss, reported "completed" and ranked first. Would catch: a collapsed run ranked."""
+    from engine.config import TrainConfig
     from tasks.leaderboard import markdown, rank_trials
-    from tasks.trials import run_trial
+    from tasks.trial import run_trial
 
     config = {"model": str(tiny_model), "data": str(tiny_data), "out": str(tmp_path / "x"),
               "steps": 8, "batch_size": 4, "lora_rank": 4, "val_every": 4,
               "report_every": 1, "learning_rate": 1e8}
-    collapsed = run_trial("collapsed", config)
+    collapsed = run_trial("collapsed", TrainConfig(**config))
     assert collapsed["status"] == "degenerate", collapsed
     assert collapsed["reason"].startswith("degenerate: zero gradients for ")
     assert Path(collapsed["adapter"], "adapters.safetensors").exists()  # kept, not ranked

@@ -1,4 +1,5 @@
-"""The adapter soup against a hand computation, and as an adapter mlx-lm loads."""
+"""The adapter soup against a hand computation, and as an adapter mlx-lm loads (its logits
+against the base model with the mean update added by hand)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,45 @@ def test_soup_refuses_mismatched_adapters(tmp_path: Path) -> None:
     (other / "adapter_config.json").write_text((tmp_path / "a" / "adapter_config.json").read_text())
     with pytest.raises(ValueError, match="adapts other modules"):
         make_soup([tmp_path / "a", other], tmp_path / "soup")
+
+
+def test_mlx_lm_loads_the_soup_as_the_mean_update(tiny_model: Path, tmp_path: Path) -> None:
+    """mlx-lm loads a soup of two adapters of the real model (sharing B: the mean update has
+    rank ≤ r, so the soup is exact) and its logits equal the base model's with the mean ΔW
+    added to the weights by hand. Would catch: names, shapes or a config mlx-lm cannot load,
+    or a scale it applies twice or not at all."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load
+
+    lora = {"rank": 2, "scale": 1.5, "dropout": 0.0}
+    model, tokenizer = load(str(tiny_model))
+    linear_to_lora_layers(model, 2, lora)  # which modules mlx-lm adapts, and their shapes
+    params = dict(tree_flatten(model.parameters()))
+    modules = [k.removesuffix(".lora_a") for k in params if k.endswith(".lora_a")]
+    rng = np.random.default_rng(3)
+    shared = {m: rng.normal(0, 0.05, params[f"{m}.lora_b"].shape) for m in modules}
+    for name in ("a", "b"):
+        weights = {}
+        for m in modules:
+            a = rng.normal(0, 0.05, params[f"{m}.lora_a"].shape)
+            weights[f"{m}.lora_a"] = a.astype(np.float32)
+            weights[f"{m}.lora_b"] = shared[m].astype(np.float32)
+        (tmp_path / name).mkdir()
+        save_file(weights, str(tmp_path / name / "adapters.safetensors"))
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps(
+            {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": lora}))
+    soup = make_soup([tmp_path / "a", tmp_path / "b"], tmp_path / "soup")
+
+    souped, _ = load(str(tiny_model), adapter_path=str(soup))
+    base, _ = load(str(tiny_model))
+    weights = dict(tree_flatten(base.parameters()))
+    mean = {m: (delta_weights(tmp_path / "a")[m] + delta_weights(tmp_path / "b")[m]) / 2
+            for m in modules}
+    base.load_weights([(f"{m}.weight", weights[f"{m}.weight"] + mx.array(d.T, mx.float32))
+                       for m, d in mean.items()], strict=False)
+    prompt = mx.array([tokenizer.encode("sort: 3 1 2")])
+    got, want = souped(prompt), base(prompt)
+    assert float(mx.abs(want - load(str(tiny_model))[0](prompt)).max()) > 1e-3  # it moves
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)

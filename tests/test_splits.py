@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from engine.batch import Pair
-from engine.data import check_fractions, load_pairs, stable_split, write_pairs_jsonl
+from engine.data import load_pairs, stable_split, write_pairs_jsonl
+from engine.splits import check_fractions
 from tasks.leaderboard import markdown, rank_trials
 
 IDS = [f"row-{i}" for i in range(4000)]
@@ -314,7 +315,7 @@ def test_leaderboard_with_nothing_held_out_is_one_line(tmp_path) -> None:
     from typer.testing import CliRunner
 
     from flows.cli import app
-    from tasks.trials import write_results
+    from tasks.results_table import write_results
 
     sweep = tmp_path / "sweep"
     write_results([{"trial_id": "t-1", "status": "completed"}], sweep / "results.parquet")

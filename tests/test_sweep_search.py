@@ -8,9 +8,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from tasks.placement import Placement
+from tasks.scheduler import TrialsInterrupted
 from tasks.sweep import run_sweep
 from tasks.sweep_spec import parse_spec
-from tasks.trials import Placement, TrialsInterrupted
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 

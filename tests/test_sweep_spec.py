@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from tasks.sweep_spec import SpecError, load_spec, parse_spec, trial_id
+from tasks.trial_plan import AUTO
 
 pytestmark = pytest.mark.unit
 BASE = {"name": "s", "model": "m", "data": "d"}
@@ -17,9 +18,9 @@ def test_grid_expands_to_the_cartesian_product_with_fixed_params() -> None:
                        "grid": {"segment_size": [1, 2], "lora_rank": [4, 8, 16]}})
     trials = spec.trials()
     assert len(trials) == 6 and spec.search == "grid"
-    assert {(t.params["segment_size"], t.params["lora_rank"]) for t in trials} == {
+    assert {(t.fields["segment_size"], t.fields["lora_rank"]) for t in trials} == {
         (s, r) for s in (1, 2) for r in (4, 8, 16)}
-    assert all(t.params["steps"] == 5 for t in trials)
+    assert all(t.fields["steps"] == 5 for t in trials)
     assert len({t.id for t in trials}) == 6
 
 
@@ -29,12 +30,12 @@ def test_random_search_is_seeded_and_within_bounds() -> None:
                      "lora_rank": {"choice": [4, 8]}, "warmup_steps": {"int": [0, 3]},
                      "orpo_lambda": {"uniform": [0.05, 0.5]}}}
     a, b = parse_spec(raw).trials(), parse_spec(raw).trials()
-    assert [t.params for t in a] == [t.params for t in b]
+    assert [t.fields for t in a] == [t.fields for t in b]
     assert a != parse_spec({**raw, "seed": 4}).trials()
     for t in a:
-        assert 1e-5 <= t.params["learning_rate"] <= 1e-3
-        assert t.params["lora_rank"] in (4, 8) and t.params["warmup_steps"] in range(4)
-        assert 0.05 <= t.params["orpo_lambda"] <= 0.5
+        assert 1e-5 <= t.fields["learning_rate"] <= 1e-3
+        assert t.fields["lora_rank"] in (4, 8) and t.fields["warmup_steps"] in range(4)
+        assert 0.05 <= t.fields["orpo_lambda"] <= 0.5
 
 
 def test_trial_ids_are_stable_and_order_free() -> None:
@@ -75,7 +76,9 @@ def test_segment_size_auto_is_allowed(tmp_path: Path) -> None:
     path = tmp_path / "s.yaml"
     path.write_text("name: s\nmodel: m\ndata: d\nmemory_budget_gb: 8\n"
                     "grid:\n  segment_size: [auto, 2]\n")
-    assert [t.params["segment_size"] for t in load_spec(path).trials()] == ["auto", 2]
+    plans = load_spec(path).trials()
+    assert [t.fields["segment_size"] for t in plans] == [AUTO, 2]
+    assert [t.auto for t in plans] == [{"segment_size"}, set()]
     path.write_text("name: [unclosed\n")
     with pytest.raises(SpecError, match=r"s\.yaml: not valid YAML"):
         load_spec(path)
@@ -93,10 +96,10 @@ def test_loss_is_searched_like_any_key_and_ranked_on_a_shared_metric() -> None:
     own scale) cannot rank them, val/rewards/accuracies can (sft's rewards are ℓ)."""
     grid = {**BASE, "grid": {"loss": ["orpo", "simpo"]}, "metric": "val/rewards/accuracies",
             "mode": "max"}
-    assert [t.params["loss"] for t in parse_spec(grid).trials()] == ["orpo", "simpo"]
+    assert [t.fields["loss"] for t in parse_spec(grid).trials()] == ["orpo", "simpo"]
     space = {**BASE, "search": "random", "num_samples": 6, "metric": "val/nll_loss",
              "space": {"loss": {"choice": ["orpo", "simpo", "sft"]}}}
-    assert {t.params["loss"] for t in parse_spec(space).trials()} <= {"orpo", "simpo", "sft"}
+    assert {t.fields["loss"] for t in parse_spec(space).trials()} <= {"orpo", "simpo", "sft"}
     with pytest.raises(SpecError, match="not comparable across losses"):
         parse_spec({**grid, "metric": "val/loss"})
     assert len(parse_spec({**grid, "grid": {"loss": ["orpo", "sft"]}}).trials()) == 2
@@ -109,13 +112,11 @@ def test_each_trial_picks_its_best_evaluation_by_the_ranking_metric(tmp_path) ->
     """A sweep ranked on accuracy (max) trains trials whose best_val is the most accurate
     evaluation; a spec cannot set another rule (the sweep would rank on values picked by
     it), and a metric its loss does not report is refused before anything trains."""
-    from tasks.sweep import plan
-
     spec = parse_spec({"name": "s", "model": "m", "data": "d", "metric":
                        "val/rewards/accuracies", "mode": "max",
                        "grid": {"learning_rate": [1e-4, 2e-4]}})
-    configs = [c for _, c in plan(spec, tmp_path)]
-    assert {(c["best_metric"], c["best_mode"]) for c in configs} == {
+    configs = [t.config for t in spec.trials(tmp_path)]
+    assert {(c.best_metric, c.best_mode) for c in configs} == {
         ("val/rewards/accuracies", "max")}
     for where in ({"fixed": {"best_metric": "val/nll_loss"}},
                   {"grid": {"best_mode": ["min", "max"]}}):

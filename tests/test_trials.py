@@ -8,7 +8,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.trials import Placement, run_trials
+from tasks.placement import Placement
+from tasks.scheduler import run_trials
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 
@@ -84,9 +85,10 @@ def test_sweep_reruns_exactly_what_changed(ray_cluster, tiny_model, tiny_data,
     assert [r["skipped"] for r in redone] == [False, False]
 
 
-def test_sweep_refuses_a_cluster_without_the_gpus_it_needs(tiny_model, tiny_data) -> None:
+def test_sweep_refuses_a_cluster_without_the_gpus_it_needs() -> None:
+    """check_cluster alone, on resource tables (no Ray, model or data)."""
+    from tasks.placement import Placement
     from tasks.sweep import check_cluster
-    from tasks.trials import Placement
 
     with pytest.raises(RuntimeError, match="no GPUs"):
         check_cluster(Placement(gpus=1), {"CPU": 8.0})

@@ -8,8 +8,8 @@ with this list.
 
 To add a family: read its ``mlx_lm/models/<type>.py``; if its embedding, layer call, masks,
 cross-layer state or head differ from ``Stack``'s, subclass it in ``engine/arch/<family>.py``
-overriding only those hooks; add a line to ``FAMILIES``, a config to
-``tasks/model_configs.py`` and the family to the parity tests (tests/test_arch.py).
+overriding only those hooks; add a line to ``FAMILIES``, a config builder and its record
+to ``tasks/model_families.py`` and the family to the parity tests (tests/test_arch.py).
 """
 
 from __future__ import annotations

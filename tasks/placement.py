@@ -1,0 +1,38 @@
+"""Where one trial runs: a GPU, a custom resource a cluster declares, or CPU slots.
+
+A trial's actor asks Ray for exactly one GPU (``num_gpus=1``: Ray >= 2.60 reports an
+Apple-Silicon GPU as GPU 1, and sets CUDA_VISIBLE_DEVICES on CUDA hosts), or one unit of a
+custom resource (``ray start --resources '{"mlx_gpu": 1}'``), or one CPU slot when there
+is no GPU. Probes, evaluations and references run on the same placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What one trial holds: a GPU, a custom resource, or CPU slots."""
+
+    gpus: int = 0  # 1 = one GPU per trial
+    resource: str | None = None  # e.g. "mlx_gpu", declared by `ray start --resources`
+    cpus: float = 1.0  # slot size when there is no GPU
+
+    def options(self) -> dict[str, Any]:
+        # An actor that asks for a GPU or custom resource but not num_cpus would also hold
+        # a CPU for life (DESIGN.md, Ray facts): ask for none.
+        if self.resource:
+            return {"num_cpus": 0, "resources": {self.resource: 1}}
+        if self.gpus:
+            return {"num_cpus": 0, "num_gpus": 1}
+        return {"num_cpus": self.cpus}
+
+    def fresh_task(self, fn: Callable[..., Any]) -> Any:
+        """``fn`` as a Ray task on this placement, in a fresh worker process each call
+        (MLX's peak and memory are per process: probes and evaluations measure alone)."""
+        import ray
+
+        return ray.remote(max_calls=1)(fn).options(**self.options())

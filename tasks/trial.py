@@ -1,0 +1,122 @@
+"""One trial in its own process: train one adapter, answer a small summary, never raise.
+
+A trial is a ``TrialPlan`` (tasks/trial_plan.py) that crosses Ray as its ``to_dict()``
+(never arrays or models) and is rebuilt once here. Its process is a fresh Ray actor
+(``TrialActor``) that the scheduler (tasks/scheduler.py) kills when the trial ends, so
+MLX's memory never leaks into the next. A trial that raises, goes
+non-finite or is pruned by the study comes back as a status with a reason.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from typing import Any
+
+from engine.config import TrainConfig
+from tasks.degenerate import degenerate_reason
+from tasks.trial_plan import TrialPlan
+
+Summary = dict[str, Any]
+
+
+def outcome(trial: TrialPlan, status: str, reason: str, started: float,
+            attempts: int) -> Summary:
+    """The summary of a trial its own process never answered for (cancelled, lost, over
+    its time limit)."""
+    return {"trial_id": trial.id, "status": status, "reason": reason, "started": started,
+            "ended": time.time(), "attempts": attempts}
+
+
+class TrialPruned(Exception):
+    """Raised inside a trial when the study says its validation metric is not promising."""
+
+
+class PruneCallback:
+    """Engine callback: report each validation ``metric`` to the study; stop if pruned."""
+
+    def __init__(self, study: Any, number: int, metric: str):
+        self.study, self.number, self.metric = study, number, metric
+
+    def on_metrics(self, record: dict[str, Any]) -> None:
+        import ray
+
+        if record.get("split") != "valid" or self.metric not in record:
+            return
+        step, value = int(record["step"]), float(record[self.metric])
+        if ray.get(self.study.report.remote(self.number, step, value)):
+            raise TrialPruned(f"pruned at step {step}: {self.metric}={value:.4g}")
+
+
+class GradNorms:
+    """Engine callback: the ``grad_norm`` of every training report, in order."""
+
+    def __init__(self) -> None:
+        self.reports: list[tuple[int, float]] = []
+
+    def on_metrics(self, record: dict[str, Any]) -> None:
+        if record.get("split") == "train" and "grad_norm" in record:
+            self.reports.append((int(record["step"]), float(record["grad_norm"])))
+
+
+def run_trial(trial_id: str, config: TrainConfig, study: Any = None,
+              number: int | None = None, metric: str = "val/loss") -> Summary:
+    """Train one adapter (in the trial's process); return a small summary, never raise.
+
+    A run that finishes but has collapsed (``degenerate_reason``) is ``degenerate``, with
+    its reason: it keeps its adapter and metrics but is never ranked.
+    """
+    from engine.trainer import NonFiniteLoss, train
+
+    started = time.time()
+    base = {"trial_id": trial_id, **where(), "started": started}
+    norms = GradNorms()
+    callbacks = [norms, *([PruneCallback(study, number, metric)] if study is not None else [])]
+    try:
+        result = train(config, callbacks)
+    except TrialPruned as err:
+        return {**base, "status": "pruned", "reason": str(err), "ended": time.time()}
+    except NonFiniteLoss as err:
+        return {**base, "status": "failed", "reason": f"non_finite: {err}",
+                "ended": time.time()}
+    except Exception as err:  # a trial's crash is its result, not the sweep's
+        reason = f"{type(err).__name__}: {err}"
+        return {**base, "status": "failed", "reason": reason, "ended": time.time(),
+                "traceback": traceback.format_exc(limit=5)}
+    best = result.best_val or {}
+    reason = degenerate_reason(norms.reports, best)
+    return {**base, "status": "degenerate" if reason else "completed", "reason": reason,
+            "ended": time.time(),
+            "adapter": result.out, "steps": result.steps,
+            "final_loss": result.final.get("loss"), "best_val_loss": best.get("val/loss"),
+            "best_val_accuracy": best.get("val/logps/accuracies"),
+            **{f"best/{k}": v for k, v in best.items() if k.startswith("val/")},
+            "peak_memory_gb": result.peak_memory_gb, "tokens_per_sec": result.tokens_per_sec}
+
+
+def where() -> dict[str, Any]:
+    """Where this process runs: host, Ray node id, pid, the GPU it was given."""
+    try:
+        import ray
+
+        # Asked outside Ray (a plain call of run_trial), the runtime context starts one.
+        node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:
+        node_id = None
+    return {"node": socket.gethostname(), "node_id": node_id, "pid": os.getpid(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+class TrialActor:
+    """The process one trial runs in (made a Ray actor by tasks/attempts.py)."""
+
+    def run(self, plan: dict[str, Any], study: Any = None, metric: str = "val/loss"
+            ) -> Summary:
+        """The trial ``TrialPlan.to_dict`` sent, rebuilt here once, trained."""
+        trial = TrialPlan.from_dict(plan)
+        return run_trial(trial.id, trial.config, study, trial.number, metric)
+
+    def where(self) -> dict[str, Any]:
+        return where()

@@ -1,0 +1,92 @@
+"""One typed trial plan from spec to actor: its TrainConfig built once, its keys unchanged."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.config import TrainConfig
+from tasks.sweep import cache_key
+from tasks.sweep_spec import parse_spec
+from tasks.trial_plan import AUTO, TrialPlan
+
+
+@pytest.mark.unit
+def test_cache_keys_and_ids_are_those_of_the_dict_plans(tmp_path: Path) -> None:
+    """Keys printed by the code before plans were typed (a trial's TrainConfig fields as a
+    dict, ``"auto"`` a string), ``segment_size: auto`` resolved to 3. Would catch: a plan
+    whose fields drift from what was hashed (a coerced 8.0, a tuple, a dropped default),
+    which would re-train every cached trial of every earlier sweep."""
+    spec = parse_spec({"name": "a", "model": "m", "data": "d", "memory_budget_gb": 8,
+                       "fixed": {"steps": 5, "learning_rate": "1e-4",
+                                 "lora_keys": ["self_attn.q_proj"]},
+                       "grid": {"segment_size": ["auto", 2, 4.0], "lora_rank": [4, 8.0]}})
+    plans = [p.resolve({"segment_size": 3}) if p.auto else p
+             for p in spec.trials(Path("/tmp/sweepout"))]
+    assert [(p.id, cache_key(p.fields, "fp", "mk")) for p in plans] == [
+        ("t-b513ce53df", "0f3b13fbe73a5dc2"), ("t-7799dcf59a", "c7448729a823be95"),
+        ("t-9fac87eaed", "b869d27a6228a542"), ("t-14f06ac7e2", "206060a901968ea8"),
+        ("t-24bd16bde4", "bea9ac9ee2b21739"), ("t-db576096ac", "0bcbac999873dd30")]
+    sent = TrialPlan.from_dict(pickle.loads(pickle.dumps(plans[0].to_dict())))
+    assert sent.config.segment_size == 3 and sent.config.lora_keys == ("self_attn.q_proj",)
+    assert sent.config == TrainConfig().replace(**plans[0].fields)  # the dict path's config
+    with pytest.raises(ValueError, match="segment_size still auto"):
+        spec.trials(tmp_path)[0].to_dict()
+
+
+@pytest.mark.integration
+def test_train_config_is_built_once_per_trial_from_spec_to_actor(
+        tiny_model: Path, tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    """A grid of three trials, one ``segment_size: auto``, planned as a sweep plans them:
+    listed, resolved by the real memory probe on the tiny model (its Ray task run in this
+    process), keyed for the cache, sent as ``to_dict`` (pickled, as Ray would) and rebuilt
+    in the actor. TrainConfig is constructed three times on the driver (once per trial)
+    and three times in the actors. Would catch: a config rebuilt to validate a value, to
+    probe, or to resolve ``auto``, or a plan that reaches the actor still auto."""
+    import ray
+
+    from tasks.placement import Placement
+    from tasks.sweep import SweepRun
+
+    built = {"driver": 0, "probe": 0, "actor": 0}
+    where = ["driver"]
+    init = TrainConfig.__init__
+
+    def counted(self: TrainConfig, *args: Any, **kwargs: Any) -> None:
+        built[where[-1]] += 1
+        init(self, *args, **kwargs)
+
+    class InProcess:  # Placement.fresh_task's Ray task, run here so its builds are seen
+        def __init__(self, fn: Any):
+            self.fn = fn
+
+        def remote(self, *args: Any) -> Any:
+            where.append("probe")
+            try:
+                return self.fn(*pickle.loads(pickle.dumps(args)))
+            finally:
+                where.pop()
+
+    spec = parse_spec({"name": "s", "model": str(tiny_model), "data": str(tiny_data),
+                       "memory_budget_gb": 1000.0,
+                       "fixed": {"steps": 2, "batch_size": 4, "lora_rank": 4},
+                       "grid": {"segment_size": ["auto", 1, 2]}})
+    monkeypatch.setattr(TrainConfig, "__init__", counted)
+    monkeypatch.setattr(Placement, "fresh_task", lambda self, fn: InProcess(fn))
+    monkeypatch.setattr(ray, "get", lambda value: value)
+    sweep = SweepRun(spec, tmp_path / "sweep", Placement(), None)
+    source, _ = sweep.list_source()
+    sent = [pickle.dumps(p.to_dict()) for p in source.trials]
+    assert built["driver"] == 3 and built["probe"] >= 1  # the probe's rebuild, its sizes
+    where.append("actor")
+    actors = [TrialPlan.from_dict(pickle.loads(s)) for s in sent]
+    assert (built["driver"], built["actor"]) == (3, 3)
+    [auto] = [a for a in actors if a.id in sweep.notes]  # the probe's pick, sent
+    assert auto.fields["segment_size"] is not AUTO
+    assert auto.config.segment_size == auto.fields["segment_size"] in (0, 1, 2)
+    assert [a.config.segment_size for a in actors][1:] == [1, 2]
+    assert set(sweep.keys) == {a.id for a in actors}  # each keyed for the cache
