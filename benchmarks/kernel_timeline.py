@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import train_bench
-from engine import trainer
+from engine import step, trainer
 
 
 def labelled(name: str, fn):
@@ -41,7 +41,7 @@ def trace_trainer(prof: Any, a: argparse.Namespace, model: Path, data: Path, wor
     make_update = trainer.make_update
     trainer.dispatch_grads = labelled("dispatch", trainer.dispatch_grads)
     trainer.make_update = lambda *x, **k: labelled("update", make_update(*x, **k))
-    trainer.StepGrads.read = labelled("read", trainer.StepGrads.read)
+    step.StepGrads.read = labelled("read", step.StepGrads.read)
     trainer.Prefetch.next = labelled("step", trainer.Prefetch.next)
 
     class StartAfterWarmup:

@@ -90,7 +90,8 @@ def profile(cfg: Any, repeats: int = 3) -> dict[str, Any]:
     from engine.prefix import pair_batch
     from engine.recompute import chunk_mlps
     from engine.segmented import value_and_grad
-    from engine.trainer import lora_spec, make_optimizer, make_update, memory_limit
+    from engine.trainer import lora_spec, memory_limit
+    from engine.update import make_optimizer, make_update
 
     with memory_limit(cfg.memory_limit_gb):
         model, tokenizer = load_model(cfg.model)

@@ -160,3 +160,30 @@ def load_checkpoint(model: nn.Module, optimizer: Any, ckpt: Path) -> dict[str, A
     opt_state = mx.load(str(ckpt / "optimizer.safetensors"))
     optimizer.state = tree_unflatten(list(opt_state.items()))
     return json.loads((ckpt / "state.json").read_text())
+
+
+def prepare_out(out: Path, resume_step: int | None) -> None:
+    """Clear what an earlier run in ``out`` wrote that this one writes again.
+
+    A fresh start (``resume_step`` None) removes the old adapter, summary, metrics and
+    checkpoints, as mlx-lm overwrites its ``--adapter-path`` (and a sweep re-runs a trial in
+    its directory): a run killed later leaves no old adapter beside its new metrics, and
+    ``resume: auto`` never picks up an old run's checkpoint. A resume keeps the
+    checkpoints, trims metrics.jsonl back to the checkpoint's step (the steps after it run
+    again) and removes the final adapter and summary until it writes them anew. Files the
+    trainer does not write are left alone; ``out`` is a Pomona run (``claim_run``).
+    """
+    log = out / "metrics.jsonl"
+    for stale in (out / ADAPTER_FILE, out / CONFIG_FILE, out / "summary.json"):
+        stale.unlink(missing_ok=True)
+    if resume_step is None:
+        log.unlink(missing_ok=True)
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    elif log.exists():
+        def kept(line: str) -> bool:
+            try:
+                return int(json.loads(line)["step"]) <= resume_step
+            except (ValueError, KeyError, TypeError):
+                return False  # a line cut short by the kill
+        lines = log.read_text().splitlines(keepends=True)
+        atomic_write_text(log, "".join(line for line in lines if kept(line)))

@@ -99,7 +99,8 @@ def log_to_stderr() -> None:
 
 
 def run_train(argv: list[str]) -> int:
-    from engine.trainer import NonFiniteLoss, VerifyFailed, train
+    from engine.load_check import VerifyFailed
+    from engine.trainer import NonFiniteLoss, train
 
     log_to_stderr()
     try:

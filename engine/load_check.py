@@ -1,4 +1,5 @@
-"""The load-time check: a family's Stack must reproduce the model's own logits and gradients.
+"""The load-time check: a family's Stack must reproduce the model's own logits and gradients;
+and ``--verify``, the configured path against the plain one on a real batch.
 
 Every path that trains, probes or scores reads the model through a ``Stack``
 (engine/arch); ``checked_stack`` refuses a model whose decomposition is wrong rather than
@@ -18,6 +19,7 @@ user's ``MLX_ENABLE_TF32=1`` is refused by name here).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -31,11 +33,16 @@ from mlx.utils import tree_flatten
 
 from engine.arch import FAMILIES, make_stack, model_type, supported
 from engine.arch.stack import Stack
-from engine.batch import PairBatch
+from engine.batch import PairBatch, batch_norms
 from engine.check_copy import CheckCopy, is_quantized, same_structure, structural_copy
+from engine.config import TrainConfig
 from engine.head import token_logps
 from engine.inflight import silent_phases
-from engine.segmented import segmented_value_and_grad
+from engine.losses import LossSpec, pair_loss
+from engine.model import set_dropout_seed
+from engine.prefix import PrefixBatch, pair_batch
+from engine.recompute import chunk_mlps, mlp_chunks
+from engine.segmented import segmented_value_and_grad, value_and_grad
 
 log = logging.getLogger(__name__)
 
@@ -285,3 +292,62 @@ def checked_stack(model: nn.Module) -> tuple[Stack, dict[str, Any]]:
                          f"decomposition does not fit it ({type(err).__name__}: {err}); "
                          f"supported: {supported()}") from err
     return stack, figures
+
+
+class VerifyFailed(RuntimeError):
+    """``--verify``: the configured path's loss or gradients differ from the plain path's."""
+
+
+def verify_paths(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch,
+                 spec: LossSpec, cfg: TrainConfig, rtol: float | None = None
+                 ) -> dict[str, float]:
+    """One step through the configured path and the plain dense two-forward path (whole
+    MLPs); raise if they differ by more than ``rtol`` (default: the tolerance for the
+    model's dtype, engine/load_check.py). A half-precision or quantized model is verified
+    on its float32 structural copy (engine/check_copy.py; the batch's ids folded into its
+    vocabulary): two bf16 paths of one deep stack differ by O(1) however right both are."""
+    where = "the plain dense path"
+    if native_dtype(stack) != mx.float32 or is_quantized(stack):
+        copy = structural_copy(model, stack)
+        if cfg.mlp_chunk:
+            chunk_mlps(copy.stack.layers, cfg.mlp_chunk)
+        model, stack, batch = copy.model, copy.stack, fold_ids(batch, copy.vocab)
+        where += f" on a float32 copy ({copy.describe()})"
+    pairs = pair_batch(batch)
+    norms = batch_norms([pairs])
+    resp, nll, refs = mx.array(pairs.resp_mask), mx.array(pairs.nll_mask), pairs.ref_array()
+
+    def fn(lp: mx.array) -> Any:
+        return pair_loss(lp, resp, nll, spec, norms, refs)
+
+    set_dropout_seed(model, 0)
+    with mlp_chunks(stack.layers, 0):
+        ref_loss, _, ref = value_and_grad(model, stack, pairs, fn)
+    if rtol is None:
+        dtype = stack.embed(mx.array(pairs.inputs[:1, :1])).dtype
+        rtol = TOLERANCE.get(dtype, 3e-2)
+    loss, _, got = value_and_grad(model, stack, batch, fn, cfg.segment_size, cfg.head_chunk,
+                                  cfg.inflight)
+    scale = max(max(float(mx.abs(g).max()) for g in ref.values()), 1e-12)
+    grad_err = max(float(mx.abs(got[k] - ref[k]).max()) for k in ref) / scale
+    loss_err = abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-12)
+    path = (f"segment_size={cfg.segment_size}, head_chunk={cfg.head_chunk}, "
+            f"shared={pairs is not batch}")
+    if set(got) != set(ref) or grad_err > rtol or loss_err > rtol:
+        raise VerifyFailed(f"--verify failed: {path} differs from {where} (loss rel "
+                           f"err {loss_err:.2e}, grad rel err {grad_err:.2e}, tolerance {rtol})")
+    log.info("--verify passed: %s matches %s on %d pairs (loss rel err %.2e, grad rel err "
+             "%.2e over %d LoRA arrays, tolerance %g)", path, where, pairs.pairs, loss_err,
+             grad_err, len(ref), rtol)
+    return {"loss_rel_err": loss_err, "grad_rel_err": grad_err, "tolerance": rtol,
+            "pairs": pairs.pairs, "arrays": len(ref)}
+
+
+def fold_ids(batch: PairBatch | PrefixBatch, vocab: int) -> PairBatch | PrefixBatch:
+    """``batch`` with every token id taken modulo ``vocab`` (a structural copy's rows):
+    the same layout and masks over ids the copy has."""
+    if isinstance(batch, PrefixBatch):
+        return dataclasses.replace(batch, inputs=batch.inputs % vocab,
+                                   pairs=fold_ids(batch.pairs, vocab))
+    return dataclasses.replace(batch, inputs=batch.inputs % vocab,
+                               targets=batch.targets % vocab)

@@ -58,7 +58,7 @@ def _measure(model, stack, chosen: list, c: TrainConfig, pad_id: int,
     """Peak and speed of ``repeats`` passes over ``chosen`` micro-batches under ``c``."""
     from engine.layout_policy import choose_layout, resolve_pad_multiple
     from engine.prefix import PrefixBatch, pair_batch
-    from engine.trainer import step_grads
+    from engine.step import step_grads
 
     c.validate()
     pad = resolve_pad_multiple(c.pad_multiple)

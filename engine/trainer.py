@@ -1,66 +1,68 @@
-"""The training loop: one LoRA adapter trained with ORPO (or SFT) on one dataset.
+"""The training loop: one LoRA adapter trained on one dataset with one loss.
 
-AdamW (bias-corrected by default, as torch/TRL), linear warmup + cosine decay, global-norm
-clipping, gradient accumulation (normalised over the whole optimizer batch, so 4×1 equals
-1×4), validation every N steps, checkpoints with optimizer state and resume. Progress
-leaves through callbacks (``on_metrics``) and ``metrics.jsonl``; nothing here prints UI.
+    python -m engine train --model DIR --data DIR --out DIR [--loss orpo|simpo|sft|dpo]
+
+``train(cfg)`` reads top to bottom: claim the output folder, DPO's reference, load the
+model and attach LoRA, the load check (engine/load_check.py), the data and its refusals,
+then per step: the prefetched micro-batches (engine/prefetch.py), their gradients
+(engine/step.py), the compiled update (engine/update.py), the metrics window
+(engine/report_window.py), validation and checkpoints; the adapter and summary last.
+Progress leaves through callbacks (``on_metrics``) and ``metrics.jsonl``; nothing here
+prints UI.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import mlx.core as mx
-import mlx.nn as nn
-import mlx.optimizers as optim
-from mlx.utils import tree_flatten
 
 from engine.adapters import (
     atomic_write_text,
     latest_checkpoint,
     load_adapter_weights,
     load_checkpoint,
+    prepare_out,
     prune_checkpoints,
     save_adapters,
     save_checkpoint,
 )
-from engine.arch.stack import Stack
-from engine.batch import PairBatch, batch_norms
-from engine.check_copy import is_quantized, structural_copy
+from engine.batch import PairBatch
 from engine.config import TrainConfig
 from engine.data import check_train_split, micro_batches, pair_length
 from engine.data_fit import load_pairs_for
-from engine.distributed import SINGLE, Ranks, init_ranks
+from engine.distributed import init_ranks
 from engine.layout_policy import choose_layout, resolve_pad_multiple, resolve_prefix_attention
-from engine.load_check import TOLERANCE, checked_stack, native_dtype
-from engine.losses import LossSpec, Norms, pair_loss, validation_metrics
+from engine.load_check import checked_stack, verify_paths
+from engine.losses import validation_metrics
 from engine.model import (
     LoraSpec,
     attach_lora,
     load_model,
     resolve_lora_keys,
-    set_dropout_seed,
 )
 from engine.outputs import claim
-from engine.prefix import PrefixBatch, pair_batch
-from engine.recompute import chunk_mlps, mlp_chunks
+from engine.prefetch import Prefetch
+from engine.prefix import PrefixBatch
+from engine.recompute import chunk_mlps
 from engine.reference import (
     ReferenceSpec,
     attach_reference,
     ensure_reference,
     resolved_reference,
 )
+from engine.report_window import Window
 from engine.scoring import evaluate
-from engine.segmented import Grads, grads_to_tree, value_and_grad
+from engine.step import dispatch_grads
+from engine.update import make_optimizer, make_update
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +75,6 @@ class Callback(Protocol):
 
 class NonFiniteLoss(RuntimeError):
     """The loss or gradient norm became NaN/inf; names the step and the pairs."""
-
-
-class VerifyFailed(RuntimeError):
-    """``--verify``: the configured path's loss or gradients differ from the plain path's."""
 
 
 @dataclass
@@ -103,178 +101,6 @@ def lora_spec(cfg: TrainConfig) -> LoraSpec:
                     cfg.lora_layers)
 
 
-def make_optimizer(cfg: TrainConfig) -> optim.AdamW:
-    decay_steps = max(cfg.steps - cfg.warmup_steps, 1)
-    if cfg.lr_schedule == "cosine":
-        main = optim.cosine_decay(cfg.learning_rate, decay_steps,
-                                  cfg.learning_rate * cfg.min_lr_ratio)
-    else:
-        def main(step: mx.array) -> mx.array:
-            return mx.array(cfg.learning_rate)
-    schedule = main
-    if cfg.warmup_steps > 0:
-        warm = optim.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
-        schedule = optim.join_schedules([warm, main], [cfg.warmup_steps])
-    return optim.AdamW(learning_rate=schedule, betas=[cfg.adam_beta1, cfg.adam_beta2],
-                       eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
-                       bias_correction=cfg.bias_correction)
-
-
-@dataclass
-class StepGrads:
-    """One optimizer step's loss, metrics and grads, dispatched to the device but not yet
-    read: the trainer queues the update behind them and then waits once (``read``)."""
-
-    losses: list[mx.array]
-    metrics: list[dict[str, mx.array]]
-    grads: Grads
-    counts: dict[str, float]  # micro_batches, shared_batches, tokens (host numbers)
-    norms: Norms
-
-    def read(self, ranks: Ranks = SINGLE) -> tuple[float, dict[str, float]]:
-        """Summed loss and metric sums as host floats (with several ranks, every rank's)."""
-        mx.eval(self.losses, self.metrics)
-        total, sums = 0.0, {}
-        for loss, metrics in zip(self.losses, self.metrics, strict=True):
-            total += float(loss)
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-        sums.update(self.counts)
-        sums["loss"] = total
-        sums = ranks.sum_floats(sums)
-        total = sums.pop("loss")
-        sums["pairs"], sums["nll_tokens"] = self.norms.pairs, self.norms.nll_tokens
-        return total, sums
-
-
-def dispatch_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | PrefixBatch],
-                   spec: LossSpec, cfg: TrainConfig, step: int, ranks: Ranks = SINGLE
-                   ) -> StepGrads:
-    """Loss, metrics and grads of one optimizer step's micro-batches (this rank's shards;
-    with several ranks, normalised and summed over all of them), the last micro-batch's
-    backward still running on return: nothing here waits for it."""
-    layouts = [pair_batch(b) for b in micro]
-    norms: Norms = ranks.sum_norms(batch_norms(layouts))
-    losses, metric_list, grads = [], [], {}
-    for i, (b, pb) in enumerate(zip(micro, layouts, strict=True)):
-        if i:  # bound the accumulation: the earlier micro-batches finish first
-            mx.eval(losses, metric_list, grads)
-        set_dropout_seed(model, (cfg.seed * 1_000_003 + step) * 1009 + i)
-        resp, nll, ref = mx.array(pb.resp_mask), mx.array(pb.nll_mask), pb.ref_array()
-        loss, metrics, g = value_and_grad(
-            model, stack, b,
-            lambda lp, r=resp, n=nll, f=ref: pair_loss(lp, r, n, spec, norms, f),
-            cfg.segment_size, cfg.head_chunk, cfg.inflight)
-        grads = g if not grads else {k: grads[k] + g[k] for k in grads}
-        losses.append(loss)
-        metric_list.append(metrics)
-    counts = {"micro_batches": len(micro),
-              "shared_batches": sum(isinstance(b, PrefixBatch) for b in micro),
-              "tokens": sum(pb.tokens for pb in layouts)}
-    return StepGrads(losses, metric_list, ranks.sum_arrays(grads), counts, norms)
-
-
-def step_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | PrefixBatch],
-               spec: LossSpec, cfg: TrainConfig, step: int, ranks: Ranks = SINGLE
-               ) -> tuple[float, dict[str, float], Grads]:
-    """``dispatch_grads``, waited for: summed loss, metric sums and evaluated grads."""
-    pending = dispatch_grads(model, stack, micro, spec, cfg, step, ranks)
-    mx.eval(pending.grads)
-    return (*pending.read(ranks), pending.grads)
-
-
-class Window:
-    """Accumulates training metrics between reports."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.losses: list[float] = []
-        self.norms: list[float] = []
-        self.tokens, self.seconds = 0, 0.0
-        mx.reset_peak_memory()
-
-    def add(self, loss: float, sums: dict[str, float], grad_norm: float, tokens: int,
-            seconds: float) -> None:
-        for k, v in sums.items():
-            self.sums[k] = self.sums.get(k, 0.0) + v
-        self.losses.append(loss)
-        self.norms.append(grad_norm)
-        self.tokens += tokens
-        self.seconds += seconds
-
-    def record(self, step: int, lr: float) -> dict[str, Any]:
-        s = dict(self.sums)
-        pairs, nll_tokens = s.pop("pairs"), s.pop("nll_tokens")
-        share = s.pop("shared_batches") / max(s.pop("micro_batches"), 1)
-        rec: dict[str, Any] = {"step": step, "split": "train",
-                               "loss": sum(self.losses) / len(self.losses),
-                               "nll_loss": s.pop("nll_sum") / nll_tokens}
-        rec.update({k: v / pairs for k, v in s.items()})
-        rec.update({"grad_norm": sum(self.norms) / len(self.norms), "learning_rate": lr,
-                    "prefix_share_rate": share,
-                    "tokens_per_sec": self.tokens / max(self.seconds, 1e-9),
-                    "peak_memory_gb": mx.get_peak_memory() / 1e9})
-        return rec
-
-
-def verify_paths(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch,
-                 spec: LossSpec, cfg: TrainConfig, rtol: float | None = None
-                 ) -> dict[str, float]:
-    """One step through the configured path and the plain dense two-forward path (whole
-    MLPs); raise if they differ by more than ``rtol`` (default: the tolerance for the
-    model's dtype, engine/load_check.py). A half-precision or quantized model is verified
-    on its float32 structural copy (engine/check_copy.py; the batch's ids folded into its
-    vocabulary): two bf16 paths of one deep stack differ by O(1) however right both are."""
-    where = "the plain dense path"
-    if native_dtype(stack) != mx.float32 or is_quantized(stack):
-        copy = structural_copy(model, stack)
-        if cfg.mlp_chunk:
-            chunk_mlps(copy.stack.layers, cfg.mlp_chunk)
-        model, stack, batch = copy.model, copy.stack, fold_ids(batch, copy.vocab)
-        where += f" on a float32 copy ({copy.describe()})"
-    pairs = pair_batch(batch)
-    norms = batch_norms([pairs])
-    resp, nll, refs = mx.array(pairs.resp_mask), mx.array(pairs.nll_mask), pairs.ref_array()
-
-    def fn(lp: mx.array) -> Any:
-        return pair_loss(lp, resp, nll, spec, norms, refs)
-
-    set_dropout_seed(model, 0)
-    with mlp_chunks(stack.layers, 0):
-        ref_loss, _, ref = value_and_grad(model, stack, pairs, fn)
-    if rtol is None:
-        dtype = stack.embed(mx.array(pairs.inputs[:1, :1])).dtype
-        rtol = TOLERANCE.get(dtype, 3e-2)
-    loss, _, got = value_and_grad(model, stack, batch, fn, cfg.segment_size, cfg.head_chunk,
-                                  cfg.inflight)
-    scale = max(max(float(mx.abs(g).max()) for g in ref.values()), 1e-12)
-    grad_err = max(float(mx.abs(got[k] - ref[k]).max()) for k in ref) / scale
-    loss_err = abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-12)
-    path = (f"segment_size={cfg.segment_size}, head_chunk={cfg.head_chunk}, "
-            f"shared={pairs is not batch}")
-    if set(got) != set(ref) or grad_err > rtol or loss_err > rtol:
-        raise VerifyFailed(f"--verify failed: {path} differs from {where} (loss rel "
-                           f"err {loss_err:.2e}, grad rel err {grad_err:.2e}, tolerance {rtol})")
-    log.info("--verify passed: %s matches %s on %d pairs (loss rel err %.2e, grad rel err "
-             "%.2e over %d LoRA arrays, tolerance %g)", path, where, pairs.pairs, loss_err,
-             grad_err, len(ref), rtol)
-    return {"loss_rel_err": loss_err, "grad_rel_err": grad_err, "tolerance": rtol,
-            "pairs": pairs.pairs, "arrays": len(ref)}
-
-
-def fold_ids(batch: PairBatch | PrefixBatch, vocab: int) -> PairBatch | PrefixBatch:
-    """``batch`` with every token id taken modulo ``vocab`` (a structural copy's rows):
-    the same layout and masks over ids the copy has."""
-    if isinstance(batch, PrefixBatch):
-        return dataclasses.replace(batch, inputs=batch.inputs % vocab,
-                                   pairs=fold_ids(batch.pairs, vocab))
-    return dataclasses.replace(batch, inputs=batch.inputs % vocab,
-                               targets=batch.targets % vocab)
-
-
 def _emit(record: dict[str, Any], out: Path, callbacks: Sequence[Callback]) -> None:
     log = out / "metrics.jsonl"
     try:
@@ -284,115 +110,6 @@ def _emit(record: dict[str, Any], out: Path, callbacks: Sequence[Callback]) -> N
         raise OSError(err.errno, f"cannot write {log}: {err.strerror or err}") from None
     for cb in callbacks:
         cb.on_metrics(record)
-
-
-def prepare_out(out: Path, resume_step: int | None) -> None:
-    """Clear what an earlier run in ``out`` wrote that this one writes again.
-
-    A fresh start (``resume_step`` None) removes the old adapter, summary, metrics and
-    checkpoints, as mlx-lm overwrites its ``--adapter-path`` (and a sweep re-runs a trial in
-    its directory): a run killed later leaves no old adapter beside its new metrics, and
-    ``resume: auto`` never picks up an old run's checkpoint. A resume keeps the
-    checkpoints, trims metrics.jsonl back to the checkpoint's step (the steps after it run
-    again) and removes the final adapter and summary until it writes them anew. Files the
-    trainer does not write are left alone; ``out`` is a Pomona run (``claim_run``).
-    """
-    import shutil
-
-    from engine.adapters import ADAPTER_FILE, CONFIG_FILE
-
-    log = out / "metrics.jsonl"
-    for stale in (out / ADAPTER_FILE, out / CONFIG_FILE, out / "summary.json"):
-        stale.unlink(missing_ok=True)
-    if resume_step is None:
-        log.unlink(missing_ok=True)
-        shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    elif log.exists():
-        def kept(line: str) -> bool:
-            try:
-                return int(json.loads(line)["step"]) <= resume_step
-            except (ValueError, KeyError, TypeError):
-                return False  # a line cut short by the kill
-        lines = log.read_text().splitlines(keepends=True)
-        atomic_write_text(log, "".join(line for line in lines if kept(line)))
-
-
-class Prefetch:
-    """Builds the next step's micro-batches on a worker thread while this step runs: the
-    numpy layouts then cost no device time (MLX releases the GIL while it evaluates).
-    The order is the iterator's own, so runs stay deterministic; ``steps`` bounds it."""
-
-    def __init__(self, make: Callable[[], list], steps: int):
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.make, self.left = make, steps
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pomona-batches")
-        self.pending = self.pool.submit(make) if steps > 0 else None
-
-    def next(self) -> list:
-        micro = self.pending.result()
-        self.left -= 1
-        self.pending = self.pool.submit(self.make) if self.left > 0 else None
-        if self.pending is None:
-            self.pool.shutdown(wait=False)
-        return micro
-
-
-def make_update(model: nn.Module, optimizer: optim.AdamW, clip: float
-                ) -> Callable[[Grads], mx.array]:
-    """``update(grads) → norm``: clip (``clip`` > 0) and one AdamW update as ONE compiled
-    function over the trainable arrays alone, queued (``async_eval``) and returned unread,
-    so the host launches its small kernels while the backward's last stage still runs.
-    Host time is the cost here (~128 arrays): the frozen weights stay out of compile's
-    inputs, and the trees it takes are filled in place, not rebuilt from names each call.
-    Call after the optimizer state is loaded."""
-    optimizer.init(model.trainable_parameters())  # the state compile reads and writes
-    params, grads_tree = _Tree(model.trainable_parameters()), _Tree(model.trainable_parameters())
-
-    def step(tree: dict, current: dict) -> tuple[mx.array, dict]:
-        clipped, norm = optim.clip_grad_norm(tree, clip if clip > 0 else float("inf"))
-        return norm, optimizer.apply_gradients(clipped if clip > 0 else tree, current)
-
-    compiled = mx.compile(step, inputs=optimizer.state, outputs=optimizer.state)
-
-    def update(grads: Grads) -> mx.array:
-        tree = grads_tree.fill(grads) if grads.keys() == grads_tree.paths.keys() else (
-            grads_to_tree(grads))  # grads for a subset: the tree they name
-        norm, new = compiled(tree, params.fill(params.read(model)))
-        params.write(model, new, grads)
-        mx.async_eval(norm, optimizer.state, new)
-        return norm
-
-    return update
-
-
-class _Tree:
-    """A nested parameter tree (dicts and lists) with each leaf's path resolved once, so
-    reading, filling and writing its ~128 leaves skips mlx.utils' name parsing."""
-
-    def __init__(self, tree: dict):
-        self.tree = tree
-        self.paths = {k: [int(p) if p.isdigit() else p for p in k.split(".")]
-                      for k, _ in tree_flatten(tree)}
-
-    @staticmethod
-    def _parent(root: Any, path: list) -> Any:
-        for p in path[:-1]:
-            root = root[p]
-        return root
-
-    def fill(self, flat: dict[str, mx.array]) -> dict:
-        for k, path in self.paths.items():
-            self._parent(self.tree, path)[path[-1]] = flat[k]
-        return self.tree
-
-    def read(self, root: Any) -> dict[str, mx.array]:
-        return {k: self._parent(root, path)[path[-1]] for k, path in self.paths.items()}
-
-    def write(self, root: Any, new: dict, names: Iterable[str]) -> None:
-        for k in names:
-            path = self.paths[k]
-            self._parent(root, path)[path[-1]] = self._parent(new, path)[path[-1]]
 
 
 def better(rec: dict[str, Any], best: dict[str, Any], metric: str, mode: str) -> bool:

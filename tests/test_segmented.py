@@ -179,8 +179,9 @@ def test_dpo_step_accumulates_and_verifies_through_every_lever(tiny_model: Path)
     so the step's sigmoid rewards are known: β·(S − R) = −β·offset, summed over the pairs
     (a reference in the wrong rows or pairs would move them)."""
     from engine.config import TrainConfig
+    from engine.load_check import verify_paths
     from engine.prefix import split_prefix_batch
-    from engine.trainer import step_grads, verify_paths
+    from engine.step import step_grads
 
     model, stack = lora_model(tiny_model)
     pairs = with_reference(model, stack, tokenized_pairs(tiny_model, 4, seed=19))

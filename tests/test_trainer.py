@@ -56,7 +56,7 @@ def test_accumulation_4x1_equals_1x4(tiny_model, tiny_data) -> None:
     from engine.batch import make_batch
     from engine.losses import LossSpec
     from engine.model import LoraSpec, attach_lora, lora_modules
-    from engine.trainer import step_grads
+    from engine.step import step_grads
     from tests.parity import assert_same
 
     model, _ = mlx_lm.load(str(tiny_model))

@@ -13,6 +13,7 @@ import pytest
 
 from engine import trainer
 from engine.config import TrainConfig
+from engine.segmented import grads_to_tree
 
 pytestmark = pytest.mark.integration
 TIMING = {"tokens_per_sec", "peak_memory_gb"}
@@ -32,7 +33,7 @@ def sync_update(model, optimizer, clip):
     """The old update, uncompiled: the norm read on the host before the update is built."""
 
     def update(grads):
-        tree = trainer.grads_to_tree(grads)
+        tree = grads_to_tree(grads)
         if clip > 0:
             tree, norm = optim.clip_grad_norm(tree, clip)
         else:

@@ -1,0 +1,83 @@
+"""One optimizer step's gradients: every micro-batch's loss, metrics and LoRA grads through
+the configured path (engine/segmented.py), normalised over the whole optimizer batch (so
+4×1 equals 1×4) and, with several ranks, summed over all of them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.arch.stack import Stack
+from engine.batch import PairBatch, batch_norms
+from engine.config import TrainConfig
+from engine.distributed import SINGLE, Ranks
+from engine.losses import LossSpec, Norms, pair_loss
+from engine.model import set_dropout_seed
+from engine.prefix import PrefixBatch, pair_batch
+from engine.segmented import Grads, value_and_grad
+
+
+@dataclass
+class StepGrads:
+    """One optimizer step's loss, metrics and grads, dispatched to the device but not yet
+    read: the trainer queues the update behind them and then waits once (``read``)."""
+
+    losses: list[mx.array]
+    metrics: list[dict[str, mx.array]]
+    grads: Grads
+    counts: dict[str, float]  # micro_batches, shared_batches, tokens (host numbers)
+    norms: Norms
+
+    def read(self, ranks: Ranks = SINGLE) -> tuple[float, dict[str, float]]:
+        """Summed loss and metric sums as host floats (with several ranks, every rank's)."""
+        mx.eval(self.losses, self.metrics)
+        total, sums = 0.0, {}
+        for loss, metrics in zip(self.losses, self.metrics, strict=True):
+            total += float(loss)
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        sums.update(self.counts)
+        sums["loss"] = total
+        sums = ranks.sum_floats(sums)
+        total = sums.pop("loss")
+        sums["pairs"], sums["nll_tokens"] = self.norms.pairs, self.norms.nll_tokens
+        return total, sums
+
+
+def dispatch_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | PrefixBatch],
+                   spec: LossSpec, cfg: TrainConfig, step: int, ranks: Ranks = SINGLE
+                   ) -> StepGrads:
+    """Loss, metrics and grads of one optimizer step's micro-batches (this rank's shards;
+    with several ranks, normalised and summed over all of them), the last micro-batch's
+    backward still running on return: nothing here waits for it."""
+    layouts = [pair_batch(b) for b in micro]
+    norms: Norms = ranks.sum_norms(batch_norms(layouts))
+    losses, metric_list, grads = [], [], {}
+    for i, (b, pb) in enumerate(zip(micro, layouts, strict=True)):
+        if i:  # bound the accumulation: the earlier micro-batches finish first
+            mx.eval(losses, metric_list, grads)
+        set_dropout_seed(model, (cfg.seed * 1_000_003 + step) * 1009 + i)
+        resp, nll, ref = mx.array(pb.resp_mask), mx.array(pb.nll_mask), pb.ref_array()
+        loss, metrics, g = value_and_grad(
+            model, stack, b,
+            lambda lp, r=resp, n=nll, f=ref: pair_loss(lp, r, n, spec, norms, f),
+            cfg.segment_size, cfg.head_chunk, cfg.inflight)
+        grads = g if not grads else {k: grads[k] + g[k] for k in grads}
+        losses.append(loss)
+        metric_list.append(metrics)
+    counts = {"micro_batches": len(micro),
+              "shared_batches": sum(isinstance(b, PrefixBatch) for b in micro),
+              "tokens": sum(pb.tokens for pb in layouts)}
+    return StepGrads(losses, metric_list, ranks.sum_arrays(grads), counts, norms)
+
+
+def step_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | PrefixBatch],
+               spec: LossSpec, cfg: TrainConfig, step: int, ranks: Ranks = SINGLE
+               ) -> tuple[float, dict[str, float], Grads]:
+    """``dispatch_grads``, waited for: summed loss, metric sums and evaluated grads."""
+    pending = dispatch_grads(model, stack, micro, spec, cfg, step, ranks)
+    mx.eval(pending.grads)
+    return (*pending.read(ranks), pending.grads)
