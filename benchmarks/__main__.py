@@ -10,15 +10,15 @@ import sys
 
 from engine.parsers import command_parser
 
-# kind → (module, one line); the engine's kinds share engine_bench.main(argv, kind).
+# kind → (module, one line); each module's main(argv) runs it.
 KINDS = {
-    "memory": ("engine_bench", "Peak and step time per lever: plain, checkpointing, segments, "
+    "memory": ("memory_bench", "Peak and step time per lever: plain, checkpointing, segments, "
                                "heads (a fresh process a row)."),
-    "prefix": ("engine_bench", "Two forwards against the shared forward, per prompt:response "
+    "prefix": ("prefix_bench", "Two forwards against the shared forward, per prompt:response "
                                "ratio."),
-    "attention": ("engine_bench", "MLX's fused attention at query:key shapes."),
-    "profile": ("engine_bench", "Where one segmented step's time goes, stage by stage."),
-    "ops": ("engine_bench", "One layer's blocks op by op, forward and backward."),
+    "attention": ("attention_bench", "MLX's fused attention at query:key shapes."),
+    "profile": ("profile_bench", "Where one segmented step's time goes, stage by stage."),
+    "ops": ("ops_bench", "One layer's blocks op by op, forward and backward."),
     "tokenize": ("tokenize_bench", "Pomona's tokenizer against Hugging Face datasets.map."),
     "train": ("train_bench", "The real trainer end to end, beside its engine and TRL."),
     "trl": ("trl_orpo", "TRL's ORPOTrainer + PEFT alone (torch only, no MLX)."),
@@ -52,8 +52,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks") -> i
 
         ensure_fast_blas()  # Linux CPU: re-run with OpenBLAS preloaded (engine/blas.py)
     module = importlib.import_module(f"benchmarks.{KINDS[args.command][0]}")
-    if module.__name__.endswith("engine_bench"):
-        return module.main(rest, args.command)
     return int(module.main(rest) or 0)
 
 

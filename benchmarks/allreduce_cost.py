@@ -15,7 +15,7 @@ import argparse
 
 import mlx.nn as nn
 
-from benchmarks.engine_bench import PRESETS, _model_args
+from benchmarks.bench_model import PRESETS, model_args
 from engine.arch import make_stack
 
 RANK = 16
@@ -39,7 +39,7 @@ def models() -> dict[str, nn.Module]:
             intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=8,
             rms_norm_eps=1e-5, vocab_size=128256))
 
-    family, args = _model_args(argparse.Namespace(**{**PRESETS["e4b"], "head_dim": 256}))
+    family, args = model_args(argparse.Namespace(**{**PRESETS["e4b"], "head_dim": 256}))
     return {"Llama 3.2 3B": llama_model(3072, 28, 24, 8192),
             "Llama 3.1 8B": llama_model(4096, 32, 32, 14336),
             "Gemma 4 E4B (text)": family.Model(args)}

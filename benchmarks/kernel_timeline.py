@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from benchmarks import train_bench
+from benchmarks import train_bench, trainer_timing
 from engine import step, trainer
 
 
@@ -49,7 +49,7 @@ def trace_trainer(prof: Any, a: argparse.Namespace, model: Path, data: Path, wor
             if record["split"] == "train" and record["step"] == a.warmup:
                 prof.start()
 
-    trainer.train(train_bench.bench_config(a, model, data, work), [StartAfterWarmup()])
+    trainer.train(trainer_timing.bench_config(a, model, data, work), [StartAfterWarmup()])
 
 
 def trace_engine(a: argparse.Namespace, model_dir: Path, data: Path, work: Path) -> None:

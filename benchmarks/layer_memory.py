@@ -25,12 +25,12 @@ import sys
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.engine_bench import _model, _pair_batch
-from benchmarks.engine_bench import parser as bench_parser
+from benchmarks.bench_args import parser as bench_parser
+from benchmarks.bench_model import build_model, pair_batch
 from engine import attention
 from engine.prefix_patch import layout_masks
 from engine.recompute import chunk_mlps
-from engine.segmented import _Segment
+from engine.segmented import Segment
 
 
 def _measure(fn) -> float:
@@ -55,7 +55,7 @@ def _kind(stack, i: int) -> str:
     return f"{layer.layer_type.split('_')[0]} {role} mlp {width}".replace("  ", " ")
 
 
-def _layer_row(stack, masks, states: dict, i: int, h_in: mx.array, seg: _Segment,
+def _layer_row(stack, masks, states: dict, i: int, h_in: mx.array, seg: Segment,
                cot: mx.array) -> dict:
     """Layer i's three measurements (module docstring), from its input ``h_in``."""
     layer = stack.layers[i]
@@ -90,9 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                                           and q.shape[2] > attention.FULL_BLOCK else 0)
     if a.memory_limit_gb:
         mx.set_memory_limit(int(a.memory_limit_gb * 2**30))
-    model, stack = _model(a)
+    model, stack = build_model(a)
     chunk_mlps(stack.layers, a.mlp_chunk)
-    batch = _pair_batch(a, shared=True)
+    batch = pair_batch(a, shared=True)
     at = [int(x) for x in a.at.split(",") if x] or sorted({
         0, max(stack.donors), max(i for i in range(len(stack.layers)) if stack.window(i) is None),
         len(stack.layers) - 1})
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         mx.eval(h, side)
         states, inputs = {}, []
         for i in range(len(stack.layers)):
-            seg = _Segment(stack, i, i + 1, masks, side, states)
+            seg = Segment(stack, i, i + 1, masks, side, states)
             inputs.append((h, seg))
             h, exported = seg.forward(h, seg.inputs)
             states.update(exported)

@@ -101,3 +101,19 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         print(f"{r['op']:>14}  fwd {r['fwd_ms']:8.3f} ms  fwd+bwd {r['fwd_bwd_ms']:8.3f} ms  "
               f"bwd {r['fwd_bwd_ms'] - r['fwd_ms']:8.3f} ms", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    import json
+
+    from benchmarks.bench_args import parse
+    from benchmarks.bench_model import build_model
+
+    a = parse(argv, "ops", __doc__)
+    _, stack = build_model(argparse.Namespace(**{**vars(a), "layers": 1}))
+    rows = op_rows(stack.layers[0], a)
+    if a.json:
+        print(json.dumps({"config": vars(a), "device": str(mx.default_device()), "rows": rows}))
+    else:
+        print_rows(rows)
+    return 0

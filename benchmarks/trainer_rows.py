@@ -49,7 +49,7 @@ def row_fields(spec: str, a: argparse.Namespace) -> dict[str, Any]:
 
 def row_config(spec: str, a: argparse.Namespace, model: Path, data: Path, work: Path):
     """Row ``spec``'s TrainConfig on the benchmark's model and pairs, validated."""
-    from benchmarks.train_bench import bench_config
+    from benchmarks.trainer_timing import bench_config
 
     slug = spec.replace(",", "_").replace("=", "-")
     cfg = bench_config(a, model, data, work).replace(out=str(work / "runs" / slug),
@@ -64,7 +64,7 @@ def run_row(spec: str, a: argparse.Namespace, model: Path, data: Path, work: Pat
     import mlx.core as mx
 
     from benchmarks.phase_profile import profile
-    from benchmarks.train_bench import phase_medians, timed_phases
+    from benchmarks.trainer_timing import phase_medians, timed_phases
     from engine.trainer import train
 
     cfg = row_config(spec, a, model, data, work)

@@ -76,7 +76,7 @@ def _unflat(arrays: list[mx.array], donors: list[int], arity: dict[int, int]
     return out
 
 
-class _Segment:
+class Segment:
     """One segment's forward as a function of its primals, and its vjp."""
 
     def __init__(self, stack: Stack, start: int, end: int, masks: Masks, side: list,
@@ -161,7 +161,7 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch | 
         phase_done("embed")
         boundaries, states, segments = [h], {}, []
         for s, e in ranges:  # forward: keep only boundary states, each evaluated
-            segments.append(_Segment(stack, s, e, masks, side, states))
+            segments.append(Segment(stack, s, e, masks, side, states))
             h, exported = segments[-1].forward(h, segments[-1].inputs)
             states.update(exported)
             # Bounded in-flight evaluation: one eval for the whole forward, or async_eval

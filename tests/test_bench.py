@@ -45,12 +45,14 @@ def test_memory_limit_reaches_mlx_and_a_negative_one_is_refused(capsys) -> None:
     ``memory_limit_gb`` (a GB/GiB mix-up or a dropped flag fails); below 0, exit 2."""
     import mlx.core as mx
 
-    from benchmarks.engine_bench import parse, run_row
+    from benchmarks.bench_args import parse
+    from benchmarks.memory_bench import make_step
+    from benchmarks.row_runner import measure
 
     a = parse([*TOY, "--seq", "64", "--head-chunk", "32", "--memory-limit-gb", "0.5"])
     before = mx.set_memory_limit(2**40)
     try:
-        assert run_row("seg1", a)["step_s"] > 0
+        assert measure("seg1", a, make_step)["step_s"] > 0
         assert mx.set_memory_limit(2**40) == 2**29
     finally:
         mx.set_memory_limit(before)
