@@ -16,15 +16,13 @@ inputs).
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.bench_args import parse
 from benchmarks.bench_model import pair_batch
-from benchmarks.row_runner import measure, report, run_rows, step_line
+from benchmarks.row_runner import table
 
 
 def step_fn(name: str, model, stack, batch, head_chunk: int, inflight: int):
@@ -92,13 +90,6 @@ def _ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def main(argv: list[str]) -> int:
-    a = parse(argv, "memory", __doc__)
-    if a.row:
-        print(json.dumps(measure(a.row, a, make_step)))
-        return 0
-    names = a.rows.split(",") if a.rows else [
+    return table("memory", argv, __doc__, make_step, lambda a: [
         "plain", "checkpoint", *[f"seg{k}" for k in a.segments.split(",") if k],
-        "head_dense", "head_bounded"]
-    rows = run_rows("memory", argv, names, a, step_line)
-    report(a, rows, _ratios([r for r in rows if "error" not in r]))
-    return 0
+        "head_dense", "head_bounded"], _ratios)

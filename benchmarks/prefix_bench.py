@@ -12,14 +12,12 @@ ratio (P + R = ``--seq``), each in a fresh process (benchmarks/row_runner.py).
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.bench_args import parse
-from benchmarks.row_runner import measure, report, run_rows, step_line
+from benchmarks.row_runner import table
 
 
 def prefix_step(path: str, ratio: str, model, stack, a: argparse.Namespace):
@@ -72,12 +70,6 @@ def _prefix_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def main(argv: list[str]) -> int:
-    a = parse(argv, "prefix", __doc__)
-    if a.row:
-        print(json.dumps(measure(a.row, a, make_step)))
-        return 0
-    names = a.rows.split(",") if a.rows else [
-        f"{p}@{r}" for r in a.ratios.split(",") for p in ("two_forward", "shared", "shared_mask")]
-    rows = run_rows("prefix", argv, names, a, step_line)
-    report(a, rows, _prefix_ratios([r for r in rows if "error" not in r]))
-    return 0
+    return table("prefix", argv, __doc__, make_step, lambda a: [
+        f"{p}@{r}" for r in a.ratios.split(",") for p in ("two_forward", "shared", "shared_mask")],
+        _prefix_ratios)

@@ -22,6 +22,23 @@ from benchmarks.bench_model import build_model
 MakeStep = Callable[[str, Any, Any, argparse.Namespace], tuple[Callable[[], Any], dict]]
 
 
+def table(kind: str, argv: list[str], doc: str | None, make_step: MakeStep,
+          default_rows: Callable[[argparse.Namespace], list[str]],
+          ratios: Callable[[list[dict[str, Any]]], dict[str, float]]) -> int:
+    """A kind's whole run: one ``--row`` measured here, or every row (``--rows``, else
+    ``default_rows``) in its own process, then the table's ratios over the rows that ran."""
+    from benchmarks.bench_args import parse
+
+    a = parse(argv, kind, doc)
+    if a.row:
+        print(json.dumps(measure(a.row, a, make_step)))
+        return 0
+    names = a.rows.split(",") if a.rows else default_rows(a)
+    rows = run_rows(kind, argv, names, a, step_line)
+    report(a, rows, ratios([r for r in rows if "error" not in r]))
+    return 0
+
+
 def run_rows(kind: str, argv: list[str], names: list[str], a: argparse.Namespace,
              line: Callable[[dict[str, Any]], str]) -> list[dict[str, Any]]:
     """Every row of ``names`` in its own ``python -m benchmarks KIND ... --row NAME``;
