@@ -57,7 +57,7 @@ def data_fingerprint(data: str) -> str:
                  options.get("test_fraction")]
         return hashlib.sha256(json.dumps([m["fingerprint"], *split]).encode()).hexdigest()
     if path.is_file():
-        return hashlib.sha256(path.read_bytes()).hexdigest()
+        return file_digest(path)
     raise FileNotFoundError(f"sweep data not found: {data}")
 
 

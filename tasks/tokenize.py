@@ -24,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from engine.content_key import file_digest
 from engine.data import split_counts, split_notes, stable_split
-from engine.digests import sha256_file, tokenizer_hash
+from engine.digests import tokenizer_hash
 from engine.model_source import model_dir, read_config
 from engine.outputs import RefusedOutput, check_apart
 from tasks.dataset_dir import check_replaceable, read_manifest, shards_problem, write_dataset
@@ -83,7 +84,9 @@ class _Collected:
 
 
 def fingerprint(files: list[Path], folder: Path, options: TokenizeOptions) -> str:
-    body = {"sources": [sha256_file(f) for f in files], "tokenizer": tokenizer_hash(folder),
+    """The dataset's cache key: its inputs' SHA-256 (engine/content_key.py, kept by file
+    stat: a cache hit reads no input again), the tokenizer, the options, the code."""
+    body = {"sources": [file_digest(f) for f in files], "tokenizer": tokenizer_hash(folder),
             "options": asdict(options), "code": DATA_CODE_VERSION}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
@@ -258,7 +261,7 @@ def _manifest(fp: str, folder: Path, options: TokenizeOptions, use_template: boo
         "fingerprint": fp, "tokenizer": str(folder), "tokenizer_hash": tokenizer_hash(folder),
         "code_version": DATA_CODE_VERSION, "options": asdict(options),
         "chat_template": use_template, "preprocessed": False,
-        "sources": [{"path": str(f), "sha256": sha256_file(f)} for f in files],
+        "sources": [{"path": str(f), "sha256": file_digest(f)} for f in files],
         "rows": {"total": len(rows["id"]), **split_counts(rows["split"]), "read": got.read},
         "rejects": dict(Counter(r.reason for r in got.rejects)), "truncation": dict(got.trunc),
         "token_lengths": {k: _length_stats(rows[f"{k}_ids"])
