@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.gguf_import import IMPORTER_VERSION
-from engine.model_source import GGUF_DTYPE
+from engine.model_source import GGUF_DTYPE, model_dir, source_kind
 
 MODEL_FILES = ("config.json", "*.safetensors", "tokenizer.json", "tokenizer_config.json")
 ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")  # mlx-lm's adapter folder
@@ -56,13 +56,14 @@ def model_fingerprint(model: str) -> str:
     """What a model's results depend on: the hashes of its config, weights and tokenizer
     (a local directory, or a Hugging Face id already in the local cache); a hub id not
     downloaded yet is keyed on its name (its first download changes the key once)."""
-    local = Path(model).expanduser()
-    if local.is_file() and local.suffix == ".gguf":  # imported by content (model_source)
-        return f"gguf-{file_digest(local)[:24]}-{GGUF_DTYPE}-v{IMPORTER_VERSION}"
-    if not local.is_dir():
-        local = _hub_snapshot(model)
-        if local is None:
-            return f"repo:{model}"
+    try:
+        kind = source_kind(model)
+        if kind == "gguf":  # imported by content (model_source)
+            digest = file_digest(Path(model).expanduser())
+            return f"gguf-{digest[:24]}-{GGUF_DTYPE}-v{IMPORTER_VERSION}"
+        local = model_dir(model)
+    except FileNotFoundError:  # not here, or not downloaded: no local bytes to hash
+        return f"repo:{model}"
     files = sorted({p for pattern in MODEL_FILES for p in local.glob(pattern) if p.is_file()})
     if not files:
         return f"dir:{local.resolve()}"  # not a model directory: loading it will say so
@@ -81,15 +82,6 @@ def adapter_fingerprint(path: str | Path) -> str:
         return f"missing:{folder.resolve()}"
     body = json.dumps(digests, sort_keys=True)
     return "adapter-" + hashlib.sha256(body.encode()).hexdigest()[:24]
-
-
-def _hub_snapshot(model: str) -> Path | None:
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(model, local_files_only=True))
-    except Exception:  # not a repo id, or not downloaded: no local bytes to hash
-        return None
 
 
 def _read_cache() -> dict[str, dict[str, Any]]:

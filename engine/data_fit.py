@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.data import PairSet, load_pairs
 from engine.digests import tokenizer_hash
-from engine.model_source import local_model
+from engine.model_source import model_dir
 
 MISMATCH_FLAG = "--allow-tokenizer-mismatch"
 
@@ -31,25 +31,6 @@ def model_vocab(stack: Any) -> int:
     return min(rows, int(weight.shape[0])) if weight is not None else rows
 
 
-def model_dir(model: str) -> Path | None:
-    """The local directory of ``model`` (a path, a GGUF file's cached import, or a Hugging
-    Face id already fetched by loading it); None when there is none to read its tokenizer
-    files from."""
-    local = Path(model).expanduser()
-    if local.is_dir():
-        return local
-    if local.is_file() and local.suffix == ".gguf":
-        return Path(local_model(model))
-    if local.exists() or model.startswith(("/", ".", "~")):
-        return None  # nothing a tokenizer could be read from
-    try:
-        from mlx_lm.utils import hf_repo_to_path
-
-        return Path(hf_repo_to_path(model))
-    except Exception:  # not a repo id the hub client knows: nothing to compare
-        return None
-
-
 def tokenizer_problem(data: str | Path, model: str) -> str | None:
     """Why ``data`` was tokenized for another tokenizer than ``model``'s, or None (a file
     without a manifest, or a model without local tokenizer files, cannot tell)."""
@@ -58,8 +39,11 @@ def tokenizer_problem(data: str | Path, model: str) -> str | None:
     except (OSError, ValueError):
         return None
     theirs = manifest.get("tokenizer_hash") if isinstance(manifest, dict) else None
-    local = model_dir(model)
-    if not theirs or local is None:
+    if not theirs:
+        return None
+    try:
+        local = model_dir(model)
+    except FileNotFoundError:  # no local tokenizer files to compare with
         return None
     ours = tokenizer_hash(local)
     if ours == theirs:

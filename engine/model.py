@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -20,7 +19,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from engine.model_source import local_model
+from engine.model_source import hub_error, local_model, source_kind
 
 
 def load_model(model: str, adapter_path: str | None = None) -> tuple[nn.Module, Any]:
@@ -29,15 +28,12 @@ def load_model(model: str, adapter_path: str | None = None) -> tuple[nn.Module, 
     offline, a mistyped path otherwise ends as a hub connection error."""
     import mlx_lm
 
-    source = local_model(model)
-    if Path(source).is_dir():
-        return mlx_lm.load(source, adapter_path=adapter_path)
+    if source_kind(model) != "repo":
+        return mlx_lm.load(local_model(model), adapter_path=adapter_path)
     try:
-        return mlx_lm.load(source, adapter_path=adapter_path)
+        return mlx_lm.load(model, adapter_path=adapter_path)
     except Exception as err:  # the hub client's many failure types: name them all
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise FileNotFoundError(f"model {model!r}: no such directory here ({Path.cwd()}), and "
-                                f"as a Hugging Face repo id: {first}") from err
+        raise hub_error(model, err) from err
 
 
 @dataclass(frozen=True)

@@ -128,9 +128,9 @@ def model_fetch(
 
 
 def _print_model(path: Path) -> None:
-    import json
+    from engine.model_source import read_config
 
-    config = json.loads((path / "config.json").read_text())
+    config = read_config(path)
     size = sum(f.stat().st_size for f in path.iterdir()) / 2**20
     console.print(f"wrote {config['model_type']} model ({config['num_hidden_layers']} layers, "
                   f"hidden {config['hidden_size']}, vocab {config['vocab_size']}) to {path} "

@@ -23,6 +23,7 @@ from prefect import flow, get_run_logger
 
 from engine.adapters import trained_loss
 from engine.losses import LossSpec
+from engine.model_source import source_kind
 from engine.outputs import claim
 from flows.ray_session import ray_session
 from flows.sweep_flow import sweep_stage
@@ -37,7 +38,7 @@ from tasks.pipeline_tasks import (
     tokenize_task,
 )
 from tasks.placement import Placement
-from tasks.sweep import check_model, is_sweep_dir
+from tasks.sweep import is_sweep_dir
 from tasks.sweep_spec import load_spec
 
 
@@ -74,7 +75,7 @@ def check_pipeline_inputs(raw: str, model: str, spec: str, out: str | None = Non
     load_spec(spec)
     if not Path(raw).exists():
         raise FileNotFoundError(f"raw preference data not found: {raw}")
-    check_model(model)
+    source_kind(model)  # a local path that is not there; a repo id is mlx-lm's
     if out is not None:
         with claim_pipeline(out, raw, model, spec):
             pass  # the flow claims it again while it runs

@@ -26,6 +26,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from engine.adapters import atomic_write_text
+from engine.model_source import source_kind
 from engine.outputs import RefusedOutput
 from tasks.degenerate import below_chance
 from tasks.results_table import write_results
@@ -80,7 +81,6 @@ def check_leaderboard_inputs(sweep_dir: Path, model: str, data: str, metric: str
     ``sweep_dir`` holds a finished sweep's results and ``data`` has rows to evaluate on:
     before any cluster or flow starts."""
     from tasks.evaluate import held_out_problem
-    from tasks.sweep import check_model
 
     if not (Path(sweep_dir) / "results.parquet").is_file():
         raise FileNotFoundError(f"{sweep_dir}: no results.parquet; give the folder a "
@@ -96,7 +96,7 @@ def check_leaderboard_inputs(sweep_dir: Path, model: str, data: str, metric: str
     if len(losses) > 1 and metric not in shared:  # each loss's val/loss has its own scale
         raise ValueError(f"--metric {metric}: not comparable across the sweep's losses "
                          f"{sorted(losses)}; rank on one of {', '.join(shared)}")
-    check_model(model)
+    source_kind(model)  # a local path that is not there; a repo id is mlx-lm's
     if not Path(data).exists():
         raise FileNotFoundError(f"--data {data}: no such dataset")
     if (problem := held_out_problem(data)) is not None:

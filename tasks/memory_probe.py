@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.adapters import atomic_write_text
+from engine.model_source import read_config, source_kind
 from engine.probe import largest_fitting, probe_steps
 from tasks.placement import Placement
 from tasks.sweep_spec import SpecError
@@ -30,9 +31,9 @@ MEMORY_FIELDS = ("batch_size", "lora_rank", "lora_keys", "lora_layers", "lora_dr
 
 
 def candidate_sizes(model: str) -> list[int]:
-    """0 (plain) and powers of two below the model's layer count."""
-    config = Path(model) / "config.json"
-    layers = json.loads(config.read_text()).get("num_hidden_layers", 32) if config.exists() \
+    """0 (plain) and powers of two below the model's layer count (32 assumed for a .gguf
+    or a repo id: their config is not read before the probe loads them)."""
+    layers = read_config(model).get("num_hidden_layers", 32) if source_kind(model) == "dir" \
         else 32
     return [0] + [2**i for i in range(layers.bit_length()) if 2**i < layers]
 

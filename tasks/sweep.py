@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from engine.content_key import adapter_fingerprint, file_digest, model_fingerprint
-from engine.model_source import check_source
+from engine.model_source import source_kind
 from engine.outputs import claim, mark_kind
 from tasks.attempts import EventHook
 from tasks.memory_probe import resolve_auto
@@ -57,14 +57,8 @@ def data_fingerprint(data: str) -> str:
                  options.get("test_fraction")]
         return hashlib.sha256(json.dumps([m["fingerprint"], *split]).encode()).hexdigest()
     if path.is_file():
-        return hashlib.sha256(path.read_bytes()).hexdigest()
+        return file_digest(path)
     raise FileNotFoundError(f"sweep data not found: {data}")
-
-
-def check_model(model: str) -> None:
-    """Refuse a model path that is not there, before anything starts (a Hugging Face id,
-    ``org/name``, is left to mlx-lm: it may download it)."""
-    check_source(model)
 
 
 def check_inputs(spec: SweepSpec) -> None:
@@ -73,7 +67,7 @@ def check_inputs(spec: SweepSpec) -> None:
     (SpecError: every trial would refuse it, engine/data_fit.py)."""
     from engine.data_fit import tokenizer_problem
 
-    check_model(spec.model)
+    source_kind(spec.model)  # a local path that is not there; a repo id is mlx-lm's
     data_fingerprint(spec.data)
     allowed = spec.fixed.get("allow_tokenizer_mismatch") or any(
         spec.grid.get("allow_tokenizer_mismatch", []))

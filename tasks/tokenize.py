@@ -24,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
+from engine.content_key import file_digest
 from engine.data import split_counts, split_notes, stable_split
-from engine.digests import sha256_file, tokenizer_hash
-from engine.model_source import local_model
+from engine.digests import tokenizer_hash
+from engine.model_source import model_dir, read_config
 from engine.outputs import RefusedOutput, check_apart
 from tasks.dataset_dir import check_replaceable, read_manifest, shards_problem, write_dataset
 from tasks.pair_encoder import PairEncoder
@@ -82,8 +83,10 @@ class _Collected:
     read: int = 0
 
 
-def fingerprint(files: list[Path], model_dir: Path, options: TokenizeOptions) -> str:
-    body = {"sources": [sha256_file(f) for f in files], "tokenizer": tokenizer_hash(model_dir),
+def fingerprint(files: list[Path], folder: Path, options: TokenizeOptions) -> str:
+    """The dataset's cache key: its inputs' SHA-256 (engine/content_key.py, kept by file
+    stat: a cache hit reads no input again), the tokenizer, the options, the code."""
+    body = {"sources": [file_digest(f) for f in files], "tokenizer": tokenizer_hash(folder),
             "options": asdict(options), "code": DATA_CODE_VERSION}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
@@ -94,13 +97,13 @@ def _split_rows(manifest: dict[str, Any]) -> dict[str, int]:
     return {name: int(rows.get(name) or 0) for name in ("train", "valid", "test")}
 
 
-def context_length(model_dir: Path) -> int:
+def context_length(folder: Path) -> int:
     """The model's context length from its config.json (0 when it states none)."""
     try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
+        config = read_config(folder)
     except (OSError, ValueError):
         return 0
-    nested = config.get("text_config") if isinstance(config, dict) else None
+    nested = config.get("text_config")
     for cfg in (config, nested):  # multimodal configs nest it under text_config
         for key in CONTEXT_KEYS if isinstance(cfg, dict) else ():
             if isinstance(cfg.get(key), int) and cfg[key] > 0:
@@ -115,32 +118,15 @@ def rejects_paths(out: Path) -> tuple[Path, Path]:
             out.parent / f"{out.name}.failed.rejects.jsonl")
 
 
-def _resolve_model_dir(model: str) -> Path:
-    try:
-        path = Path(local_model(model))
-    except FileNotFoundError as err:
-        raise FileNotFoundError(f"--model {err}") from err
-    if path.is_dir():
-        return path
-    from mlx_lm.utils import hf_repo_to_path  # a repo id: the local snapshot mlx-lm uses
-
-    try:
-        return Path(hf_repo_to_path(model))
-    except Exception as err:  # the hub client's many failure types
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise FileNotFoundError(f"--model {model}: no such directory here, and as a Hugging "
-                                f"Face repo id: {first}") from err
-
-
-def _load_tokenizer(model_dir: Path) -> Any:
-    """The fast (Hugging Face) tokenizer of ``model_dir``, or ValueError naming it."""
+def _load_tokenizer(folder: Path) -> Any:
+    """The fast (Hugging Face) tokenizer of ``folder``, or ValueError naming it."""
     from mlx_lm.utils import load_tokenizer
 
     try:
-        tokenizer = load_tokenizer(model_dir)
+        tokenizer = load_tokenizer(folder)
     except Exception as err:  # transformers raises many types for a missing/odd tokenizer
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ValueError(f"--model {model_dir}: cannot load its tokenizer ({first}); it needs "
+        raise ValueError(f"--model {folder}: cannot load its tokenizer ({first}); it needs "
                          "tokenizer.json and tokenizer_config.json") from err
     return getattr(tokenizer, "_tokenizer", tokenizer)
 
@@ -268,14 +254,14 @@ def _check_apart(out: Path, inputs: Path, files: list[Path]) -> None:
                                 "another --out")
 
 
-def _manifest(fp: str, model_dir: Path, options: TokenizeOptions, use_template: bool,
+def _manifest(fp: str, folder: Path, options: TokenizeOptions, use_template: bool,
               files: list[Path], got: _Collected) -> dict[str, Any]:
     rows = got.rows
     return {
-        "fingerprint": fp, "tokenizer": str(model_dir), "tokenizer_hash": tokenizer_hash(model_dir),
+        "fingerprint": fp, "tokenizer": str(folder), "tokenizer_hash": tokenizer_hash(folder),
         "code_version": DATA_CODE_VERSION, "options": asdict(options),
         "chat_template": use_template, "preprocessed": False,
-        "sources": [{"path": str(f), "sha256": sha256_file(f)} for f in files],
+        "sources": [{"path": str(f), "sha256": file_digest(f)} for f in files],
         "rows": {"total": len(rows["id"]), **split_counts(rows["split"]), "read": got.read},
         "rejects": dict(Counter(r.reason for r in got.rejects)), "truncation": dict(got.trunc),
         "token_lengths": {k: _length_stats(rows[f"{k}_ids"])
@@ -295,10 +281,13 @@ def tokenize_dataset(inputs: str | Path, model: str, out: str | Path,
     inputs, out = Path(inputs), Path(out)
     files = list_files(inputs)
     _check_apart(out, inputs, files)
-    model_dir = _resolve_model_dir(model)
+    try:
+        folder = model_dir(model)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"--model {err}") from err
     if options.max_length is None:  # the model's own limit: no pair longer than it can train
-        options = replace(options, max_length=context_length(model_dir))
-    fp = fingerprint(files, model_dir, options)
+        options = replace(options, max_length=context_length(folder))
+    fp = fingerprint(files, folder, options)
     manifest = read_manifest(out)
     broken = shards_problem(out, manifest) if manifest is not None else None
     if manifest is not None and manifest.get("fingerprint") == fp and broken is None:
@@ -310,9 +299,9 @@ def tokenize_dataset(inputs: str | Path, model: str, out: str | Path,
                                                 options.test_fraction))
     notes = [f"{out}: {broken}; tokenizing again"] if broken else []
     check_replaceable(out)  # before the work, not only when writing (write_dataset checks)
-    hf_tok = _load_tokenizer(model_dir)
+    hf_tok = _load_tokenizer(folder)
     if options.chat_template == "on" and not hf_tok.chat_template:
-        raise ValueError(f"--chat-template on: the tokenizer of {model_dir} has no chat "
+        raise ValueError(f"--chat-template on: the tokenizer of {folder} has no chat "
                          "template. Use --chat-template off or auto")
     use_template = options.chat_template == "on" or (
         options.chat_template == "auto" and bool(hf_tok.chat_template))
@@ -325,7 +314,7 @@ def tokenize_dataset(inputs: str | Path, model: str, out: str | Path,
     notes += split_notes(split_counts(got.rows["split"]), options.valid_fraction,
                          options.test_fraction)  # refuses an empty train split
     got.rows["prefix_shared"] = [None] * len(got.rows["id"])  # set by preprocess
-    manifest = _manifest(fp, model_dir, options, use_template, files, got)
+    manifest = _manifest(fp, folder, options, use_template, files, got)
     write_dataset(out, got.rows, manifest)
     _write_rejects(kept_path, got.rejects)  # after the dataset: the two always match
     failed_path.unlink(missing_ok=True)  # an earlier failure's report no longer applies

@@ -139,3 +139,58 @@ def test_no_module_imports_another_modules_private_names(package: str) -> None:
     found = [f"{p.relative_to(ROOT)} {line}" for p in sorted((ROOT / package).rglob("*.py"))
              for line in private_imports(p)]
     assert not found, "imports of private names:\n" + "\n".join(found)
+
+
+RESOLVER = ROOT / "engine" / "model_source.py"
+HUB_LOOKUPS = {"hf_repo_to_path", "snapshot_download"}
+
+
+def resolver_leaks(source: str) -> list[str]:
+    """What decides where a ``--model`` lives, or reads its config, outside the resolver:
+    a looks-local rule (``count("/")``, ``startswith(("/", ".", "~"))``), a hub lookup, or
+    ``… / "config.json"`` that is not the ``config_path=`` a writer (``save_config``) gets."""
+    tree = ast.parse(source)
+    written = {id(k.value) for node in ast.walk(tree) if isinstance(node, ast.Call)
+               for k in node.keywords if k.arg == "config_path"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
+                (node.func.attr == "count" and any(isinstance(a, ast.Constant)
+                                                   and a.value == "/" for a in node.args))
+                or (node.func.attr == "startswith" and "~" in {
+                    getattr(e, "value", None) for a in node.args for e in ast.walk(a)})):
+            found.append(f"line {node.lineno}: a looks-local rule")
+        elif (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)
+              and isinstance(node.right, ast.Constant) and node.right.value == "config.json"
+              and id(node) not in written):
+            found.append(f"line {node.lineno}: a config.json read")
+        elif ((isinstance(node, ast.Name) and node.id in HUB_LOOKUPS)
+              or (isinstance(node, ast.Attribute) and node.attr in HUB_LOOKUPS)
+              or (isinstance(node, ast.alias) and node.name in HUB_LOOKUPS)):
+            found.append(f"line {node.lineno}: a hub lookup")
+    return found
+
+
+def test_resolver_leak_detector() -> None:
+    """The detector itself: each way a second resolver crept in before (tasks/sweep.py's
+    ``count("/") > 1``, engine/data_fit.py's ``startswith``, a hub lookup in
+    tasks/tokenize.py and engine/content_key.py, a raw config read in tasks/memory_probe.py)
+    is seen; writing a config is not a read."""
+    leaks = resolver_leaks('local = model.count("/") > 1 or m.startswith(("/", "~"))\n'
+                           'from huggingface_hub import snapshot_download\n'
+                           'import mlx_lm.utils\np = mlx_lm.utils.hf_repo_to_path(m)\n'
+                           'c = Path(m) / "config.json"\n')
+    assert sorted(line.split(":")[0] for line in leaks) == ["line 1", "line 1", "line 2",
+                                                             "line 4", "line 5"]
+    assert resolver_leaks('save_config(c, config_path=out / "config.json")\n'
+                          'n = text.count("a") + name.startswith("_")\n') == []
+
+
+@pytest.mark.parametrize("package", ["engine", "tasks", "flows"])
+def test_one_model_resolver(package: str) -> None:
+    """Whether ``--model`` is a directory, a .gguf or a repo id, and its config.json, are
+    engine/model_source.py's alone (issue 26: four rules had drifted apart)."""
+    found = [f"{p.relative_to(ROOT)} {leak}" for p in sorted((ROOT / package).rglob("*.py"))
+             if p != RESOLVER for leak in resolver_leaks(p.read_text())]
+    assert not found, "use engine/model_source.py (source_kind, model_dir, read_config):\n" \
+        + "\n".join(found)
