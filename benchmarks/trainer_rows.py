@@ -100,11 +100,33 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
                         "peak": r["peak_gb"] / first["peak_gb"]} for r in rows}
 
 
+def host() -> dict[str, Any]:
+    """The machine the rows ran on: a segmented step is built and queued by the host, so
+    a slower or busier CPU slows it where plain autograd's one graph does not notice."""
+    import os
+    import platform
+
+    import mlx.core as mx
+
+    cpu = platform.processor()
+    try:
+        names = [ln.split(":", 1)[1].strip()
+                 for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                 if ln.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    return {"cpu": cpu, "cpus": os.cpu_count(), "load_avg": list(os.getloadavg()),
+            "device": str(info.get("device_name", mx.default_device()))}
+
+
 def report(a: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     """Print the rows (one JSON object with ``--json``)."""
     against = ratios(rows)
     if a.json:
-        print(json.dumps({"config": vars(a), "rows": rows, "vs_first": against}))
+        print(json.dumps({"config": vars(a), "host": host(), "rows": rows,
+                          "vs_first": against}))
         return
     for r in rows:
         rel = against[r["name"]]

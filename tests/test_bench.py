@@ -186,6 +186,7 @@ def test_train_bench_rows_of_a_published_shape(tmp_path, capsys) -> None:
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     plain, levers = out["rows"]
     assert (plain["name"], levers["name"]) == ("plain", "levers,mlp_chunk=32")
+    assert out["host"]["cpus"] >= 1 and len(out["host"]["load_avg"]) == 3  # who built them
     assert plain["prefix_share_rate"] == 0 and levers["prefix_share_rate"] == 1
     assert out["vs_first"][levers["name"]]["step"] == pytest.approx(
         levers["step_s"] / plain["step_s"])
