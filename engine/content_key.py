@@ -1,55 +1,22 @@
 """Content keys for caches: a model (or a warm-start adapter) is its bytes, never its path.
 
 Re-initialising or re-downloading a model in place keeps its path and changes its bytes;
-a cache keyed on the path would reuse adapters trained on the old weights. Hashing a
-multi-GB model on every sweep would cost minutes, so each file's SHA-256 is kept in
-``$XDG_CACHE_HOME/pomona/file-hashes.json`` (default ``~/.cache``) under its resolved path
-with its size, mtime and inode, and computed again only when one of them changes.
+a cache keyed on the path would reuse adapters trained on the old weights. Each file's
+SHA-256 comes from ``engine.digests.file_digest`` (cached by size, mtime and inode).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import threading
 from pathlib import Path
-from typing import Any
 
+from engine.digests import file_digest
 from engine.gguf_import import IMPORTER_VERSION
 from engine.model_source import GGUF_DTYPE, model_dir, source_kind
 
 MODEL_FILES = ("config.json", "*.safetensors", "tokenizer.json", "tokenizer_config.json")
 ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")  # mlx-lm's adapter folder
-_lock = threading.Lock()
-_memory: dict[str, dict[str, Any]] = {}  # resolved path -> {"stat": [...], "sha256": ...}
-
-
-def hash_cache_path() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "pomona" / "file-hashes.json"
-
-
-def file_digest(path: str | Path) -> str:
-    """SHA-256 of ``path``'s bytes, from the cache while its size, mtime and inode hold."""
-    real = Path(path).resolve()  # a Hugging Face snapshot links to content-named blobs
-    st = real.stat()
-    stat = [st.st_size, st.st_mtime_ns, st.st_ino]
-    key = str(real)
-    with _lock:
-        if not _memory:
-            _memory.update(_read_cache())
-        entry = _memory.get(key)
-        if entry and entry.get("stat") == stat:
-            return entry["sha256"]
-    digest = hashlib.sha256()
-    with real.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    with _lock:
-        _memory[key] = {"stat": stat, "sha256": digest.hexdigest()}
-        _write_cache(_memory)
-    return digest.hexdigest()
 
 
 def model_fingerprint(model: str) -> str:
@@ -82,23 +49,3 @@ def adapter_fingerprint(path: str | Path) -> str:
         return f"missing:{folder.resolve()}"
     body = json.dumps(digests, sort_keys=True)
     return "adapter-" + hashlib.sha256(body.encode()).hexdigest()[:24]
-
-
-def _read_cache() -> dict[str, dict[str, Any]]:
-    try:
-        data = json.loads(hash_cache_path().read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write_cache(entries: dict[str, dict[str, Any]]) -> None:
-    """Best effort: a read-only home only costs hashing again next time."""
-    path = hash_cache_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps(entries))
-        os.replace(tmp, path)
-    except OSError:
-        pass

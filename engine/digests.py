@@ -1,6 +1,12 @@
 """Content digests the engine and the data tasks share: a file's SHA-256 and a tokenizer's
 fingerprint.
 
+``file_digest``: hashing a multi-GB model on every sweep or load would cost minutes, so
+each file's SHA-256 is kept in ``$XDG_CACHE_HOME/pomona/file-hashes.json`` (default
+``~/.cache``) under its resolved path with its size, mtime and inode, and computed again
+only when one of them changes. ``sha256_file`` always reads the bytes (a download or a
+shard checked against its stored hash).
+
 ``pomona data tokenize`` writes ``tokenizer_hash(model_dir)`` into a dataset's manifest
 (DESIGN.md, the data contract); the trainer, scoring and evaluation compute it again for
 the model they load and refuse data tokenized for another vocabulary (engine/data_fit.py).
@@ -12,7 +18,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import threading
 from pathlib import Path
+from typing import Any
 
 # What decides how text becomes ids: the tokenizer itself and the settings of its config
 # that change an encoding. A copy written by another tool (mlx_lm.convert re-saves the
@@ -58,3 +67,54 @@ def tokenizer_hash(model_dir: str | Path) -> str:
         kept = {k: config.get(k) for k in ENCODING_KEYS} if isinstance(config, dict) else config
         h.update(b"tokenizer_config.json" + json.dumps(kept, sort_keys=True).encode())
     return h.hexdigest()
+
+
+_lock = threading.Lock()
+_memory: dict[str, dict[str, Any]] = {}  # resolved path -> {"stat": [...], "sha256": ...}
+
+
+def hash_cache_path() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "pomona" / "file-hashes.json"
+
+
+def file_digest(path: str | Path) -> str:
+    """SHA-256 of ``path``'s bytes, from the cache while its size, mtime and inode hold."""
+    real = Path(path).resolve()  # a Hugging Face snapshot links to content-named blobs
+    st = real.stat()
+    stat = [st.st_size, st.st_mtime_ns, st.st_ino]
+    key = str(real)
+    with _lock:
+        if not _memory:
+            _memory.update(_read_cache())
+        entry = _memory.get(key)
+        if entry and entry.get("stat") == stat:
+            return entry["sha256"]
+    digest = hashlib.sha256()
+    with real.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    with _lock:
+        _memory[key] = {"stat": stat, "sha256": digest.hexdigest()}
+        _write_cache(_memory)
+    return digest.hexdigest()
+
+
+def _read_cache() -> dict[str, dict[str, Any]]:
+    try:
+        data = json.loads(hash_cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cache(entries: dict[str, dict[str, Any]]) -> None:
+    """Best effort: a read-only home only costs hashing again next time."""
+    path = hash_cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps(entries))
+        os.replace(tmp, path)
+    except OSError:
+        pass

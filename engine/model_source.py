@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Literal
 
-from engine.digests import sha256_file
+from engine.digests import file_digest
 from engine.gguf_import import IMPORTER_VERSION, MARK, import_gguf
 
 GGUF_DTYPE = "bfloat16"  # what a checkpoint ships as; `pomona model import` chooses others
@@ -54,23 +54,12 @@ def cache_root() -> Path:
     return Path(root) / "pomona" / "models"
 
 
-_digests: dict[tuple, str] = {}  # (path, size, mtime, inode) -> SHA-256, this process
-
-
-def gguf_digest(path: Path) -> str:
-    """SHA-256 of ``path``, hashed once per process while its size, mtime and inode hold
-    (a model is looked up by every loader: 8 s a time for a 5 GB file)."""
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
-    if key not in _digests:
-        _digests[key] = sha256_file(path)
-    return _digests[key]
 
 
 def imported_gguf(path: Path, dtype: str = GGUF_DTYPE) -> Path:
     """The cached import of GGUF ``path`` (made now when missing: a few seconds per
     hundred MB, with a line saying so; imports of it by older importers are removed)."""
-    digest = gguf_digest(path)
+    digest = file_digest(path)
     stem = f"gguf-{digest[:20]}-{dtype}-v"
     target = cache_root() / f"{stem}{IMPORTER_VERSION}"
     if (target / "config.json").is_file():

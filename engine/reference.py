@@ -38,8 +38,9 @@ from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from engine.adapters import load_adapter_weights
 from engine.batch import Pair
-from engine.content_key import adapter_fingerprint, file_digest, model_fingerprint
+from engine.content_key import adapter_fingerprint, model_fingerprint
 from engine.data_fit import load_pairs_for
+from engine.digests import file_digest
 from engine.layout_policy import scoring_layout
 from engine.load_check import checked_stack
 from engine.model import load_model, use_input_dtype_lora

@@ -19,7 +19,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed, State
 
 from engine.adapters import ADAPTER_FILE, CONFIG_FILE, trained_reference
-from engine.content_key import adapter_fingerprint, file_digest, model_fingerprint
+from engine.content_key import adapter_fingerprint, model_fingerprint
+from engine.digests import file_digest
 from engine.losses import LossSpec
 from tasks.evaluate import evaluate_adapter
 from tasks.leaderboard import (

@@ -24,7 +24,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.content_key import adapter_fingerprint, file_digest, model_fingerprint
+from engine.content_key import adapter_fingerprint, model_fingerprint
+from engine.digests import file_digest
 from engine.model_source import source_kind
 from engine.outputs import claim, mark_kind
 from tasks.attempts import EventHook

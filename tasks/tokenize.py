@@ -24,9 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.content_key import file_digest
 from engine.data import split_counts, split_notes, stable_split
-from engine.digests import tokenizer_hash
+from engine.digests import file_digest, tokenizer_hash
 from engine.model_source import model_dir, read_config
 from engine.outputs import RefusedOutput, check_apart
 from tasks.dataset_dir import check_replaceable, read_manifest, shards_problem, write_dataset
@@ -84,7 +83,7 @@ class _Collected:
 
 
 def fingerprint(files: list[Path], folder: Path, options: TokenizeOptions) -> str:
-    """The dataset's cache key: its inputs' SHA-256 (engine/content_key.py, kept by file
+    """The dataset's cache key: its inputs' SHA-256 (engine/digests.py, kept by file
     stat: a cache hit reads no input again), the tokenizer, the options, the code."""
     body = {"sources": [file_digest(f) for f in files], "tokenizer": tokenizer_hash(folder),
             "options": asdict(options), "code": DATA_CODE_VERSION}

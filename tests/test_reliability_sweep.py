@@ -69,7 +69,7 @@ def test_caches_key_on_the_model_bytes_not_its_path(tmp_path: Path, monkeypatch)
     """The issue: re-initialising the model in place with another seed gave "2 trials: 2
     cached" and the old adapters were reused; the pipeline's evaluation cache did the same.
     Would catch: a cache key built from the model path string."""
-    from engine.content_key import file_digest
+    from engine.digests import file_digest
     from tasks.model_factory import init_model
     from tasks.pipeline_tasks import evaluation_key
     from tests.conftest import TINY
@@ -92,9 +92,9 @@ def test_caches_key_on_the_model_bytes_not_its_path(tmp_path: Path, monkeypatch)
     cache = tmp_path / "cache" / "pomona" / "file-hashes.json"
     entries = json.loads(cache.read_text())
     assert str(weights.resolve()) in entries
-    import engine.content_key as content_key
+    import engine.digests as digests
 
-    content_key._memory[str(weights.resolve())]["sha256"] = "planted"
+    digests._memory[str(weights.resolve())]["sha256"] = "planted"
     assert file_digest(weights) == "planted"  # not read again while its stat holds
     os.utime(weights, ns=(0, 0))
     assert file_digest(weights) != "planted"  # a changed mtime: hashed again
