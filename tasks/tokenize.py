@@ -283,7 +283,7 @@ def tokenize_dataset(inputs: str | Path, model: str, out: str | Path,
     try:
         folder = model_dir(model)
     except FileNotFoundError as err:
-        raise FileNotFoundError(f"--model {err}") from err
+        raise FileNotFoundError(f"--{err}") from err  # the message opens "model ...": the option
     if options.max_length is None:  # the model's own limit: no pair longer than it can train
         options = replace(options, max_length=context_length(folder))
     fp = fingerprint(files, folder, options)

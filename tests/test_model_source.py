@@ -76,6 +76,11 @@ def test_a_repo_id_reads_its_local_snapshot(tiny_model: Path, tmp_path: Path,
                                                 rf"\({tmp_path}\), and as a Hugging Face"):
         model_dir("org/typo")
     assert model_fingerprint("org/typo") == "repo:org/typo"
+    from tasks.tokenize import tokenize_dataset
+
+    (tmp_path / "raw.jsonl").write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n')
+    with pytest.raises(FileNotFoundError, match=r"^--model 'org/typo': no such directory"):
+        tokenize_dataset(tmp_path / "raw.jsonl", "org/typo", tmp_path / "out")  # the option
 
 
 def test_a_gguf_file_is_read_through_its_import(tmp_path: Path, monkeypatch) -> None:
