@@ -137,10 +137,10 @@ def report(a: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         if "profile" in r:
             print(" " * 30 + "profile: " + "  ".join(
                 f"{k} {v:.1f} ms" for k, v in r["profile"]["ms"].items()))
-            print(" " * 30 + "host: " + "  ".join(
-                f"{k} {v:.1f} ms" for k, v in r["profile"]["host_ms"].items()))
-            print(" " * 30 + "peaks: " + "  ".join(
-                f"{k} {v:.2f} GB" for k, v in r["profile"]["peak_gb"].items()))
+            for label, key, unit in (("host", "host_ms", "ms"), ("peaks", "peak_gb", "GB")):
+                if r["profile"][key]:  # plain autograd has no stages to split
+                    print(" " * 30 + f"{label}: " + "  ".join(
+                        f"{k} {v:.2f} {unit}" for k, v in r["profile"][key].items()))
 
 
 def model_dir(a: argparse.Namespace, work: Path) -> Path:

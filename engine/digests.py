@@ -71,11 +71,26 @@ def tokenizer_hash(model_dir: str | Path) -> str:
 
 _lock = threading.Lock()
 _memory: dict[str, dict[str, Any]] = {}  # resolved path -> {"stat": [...], "sha256": ...}
+_deferred, _dirty = [0], [False]  # inside file_digests: the cache file written at its end
 
 
 def hash_cache_path() -> Path:
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(root) / "pomona" / "file-hashes.json"
+
+
+def file_digests(paths: list[Path]) -> list[str]:
+    """``file_digest`` of each, the cache file written once at the end (a folder of many
+    inputs would otherwise rewrite it once per file)."""
+    _deferred[0] += 1
+    try:
+        return [file_digest(p) for p in paths]
+    finally:
+        _deferred[0] -= 1
+        with _lock:
+            if _dirty[0] and not _deferred[0]:
+                _write_cache(_memory)
+                _dirty[0] = False
 
 
 def file_digest(path: str | Path) -> str:
@@ -96,7 +111,9 @@ def file_digest(path: str | Path) -> str:
             digest.update(block)
     with _lock:
         _memory[key] = {"stat": stat, "sha256": digest.hexdigest()}
-        _write_cache(_memory)
+        _dirty[0] = bool(_deferred[0])
+        if not _deferred[0]:
+            _write_cache(_memory)
     return digest.hexdigest()
 
 

@@ -17,16 +17,15 @@ from typing import Any
 
 from tasks.sweep_spec import Dist, PlanError, SweepSpec, trial_id
 from tasks.trial import Summary
-from tasks.trial_plan import TrialPlan, parse_auto
+from tasks.trial_plan import AUTO, TrialPlan, param_columns, parse_auto
 
 
 def distribution(dist: Dist):
     """The Optuna distribution of one search-space dimension."""
     import optuna.distributions as od
 
-    if dist.kind == "choice":  # Optuna's choices are plain values: AUTO as its word
-        return od.CategoricalDistribution([a if isinstance(a, (int, float, str)) else repr(a)
-                                           for a in dist.args])
+    if dist.kind == "choice":  # the spec's values as they are; AUTO as its word
+        return od.CategoricalDistribution(["auto" if a is AUTO else a for a in dist.args])
     lo, hi = dist.args
     if dist.kind == "int":
         return od.IntDistribution(int(lo), int(hi))
@@ -107,13 +106,16 @@ class OptunaSource:
                 if tid in self.running:  # the sampler repeated a running point: skip it
                     self._tell(number, {"status": "failed"})
                     continue
-                try:
-                    plan = self.build(params, number)
-                except PlanError as err:  # a sampled combination no TrainConfig takes
-                    plan, now = None, time.time()
-                    self.finished[tid] = {"trial_id": tid, "status": "failed", "reason":
-                                          str(err), "started": now, "ended": now}
-                    self.reused.append(self.finished[tid])
+                plan = None
+                if tid not in self.finished:  # a point seen before is answered below
+                    try:
+                        plan = self.build(params, number)
+                    except PlanError as err:  # a sampled combination no TrainConfig takes
+                        now = time.time()
+                        self.finished[tid] = {"trial_id": tid, "status": "failed", "reason":
+                                              str(err), "started": now, "ended": now,
+                                              **param_columns(params)}
+                        self.reused.append(self.finished[tid])  # reported once
                 old = self.finished.get(tid) or self.cached(plan)
                 if old is None:
                     self.running.add(tid)

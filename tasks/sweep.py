@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import threading
+import time
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,9 @@ from tasks.memory_probe import resolve_auto
 from tasks.placement import Placement
 from tasks.results_table import write_results
 from tasks.scheduler import ListSource, TrialsInterrupted, Wrap, run_trials
-from tasks.sweep_spec import SpecError, SweepSpec
+from tasks.sweep_spec import PlanError, SpecError, SweepSpec, trial_id
 from tasks.trial import Summary
-from tasks.trial_plan import TrialPlan
+from tasks.trial_plan import TrialPlan, param_columns
 
 # Bump when training semantics change: invalidates cached trials. 0.3.0: the test split
 # comes out of train, so a .jsonl without a split column trains on fewer rows. 0.4.0:
@@ -259,17 +260,32 @@ class SweepRun:
         return resolved
 
     def list_source(self) -> tuple[ListSource, None]:
-        planned = self.resolve(self.spec.trials(self.out))
-        self.rank = {p.id: i for i, p in enumerate(planned)}
+        planned, refused = self.plan_points()
+        planned = self.resolve(planned)
+        self.rank = {trial_id(p): i for i, p in enumerate(self.spec.points())}
         self.done = [c for p in planned if (c := self.cached(p)) is not None]
         for row in self.done:
             self.configs[row["trial_id"]] = {k[len("param/"):]: v for k, v in row.items()
                                              if k.startswith("param/")}
         skip = {d["trial_id"] for d in self.done}
         todo = [p for p in planned if p.id not in skip]
-        self.plan_counts = {"trials": len(planned), "cached": len(self.done),
+        self.plan_counts = {"trials": len(planned) + len(refused), "cached": len(self.done),
                             "to_run": len(todo)}
+        self.done += refused
         return ListSource(todo), None
+
+    def plan_points(self) -> tuple[list[TrialPlan], list[Summary]]:
+        """Every listed point planned; a point no TrainConfig takes (a rule across fields,
+        e.g. mlp_chunk with lora_dropout) is a failed row naming why, and the others run."""
+        planned, refused = [], []
+        for params in self.spec.points():
+            try:
+                planned.append(self.spec.plan(params, self.out))
+            except PlanError as err:
+                tid, now = trial_id(params), time.time()
+                refused.append({"trial_id": tid, "status": "failed", "reason": str(err),
+                                "started": now, "ended": now, **param_columns(params)})
+        return planned, refused
 
     def optuna_source(self) -> tuple[Any, Any]:
         import ray

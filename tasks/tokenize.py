@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from engine.data import split_counts, split_notes, stable_split
-from engine.digests import file_digest, tokenizer_hash
+from engine.digests import file_digest, file_digests, tokenizer_hash
 from engine.model_source import model_dir, read_config
 from engine.outputs import RefusedOutput, check_apart
 from tasks.dataset_dir import check_replaceable, read_manifest, shards_problem, write_dataset
@@ -85,7 +85,7 @@ class _Collected:
 def fingerprint(files: list[Path], folder: Path, options: TokenizeOptions) -> str:
     """The dataset's cache key: its inputs' SHA-256 (engine/digests.py, kept by file
     stat: a cache hit reads no input again), the tokenizer, the options, the code."""
-    body = {"sources": [file_digest(f) for f in files], "tokenizer": tokenizer_hash(folder),
+    body = {"sources": file_digests(files), "tokenizer": tokenizer_hash(folder),
             "options": asdict(options), "code": DATA_CODE_VERSION}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 

@@ -97,3 +97,9 @@ class TrialPlan:
         config = TrainConfig(**data["config"])
         config.validate()
         return cls(data["id"], dict(data["fields"]), config, frozenset(), data["number"])
+
+
+def param_columns(params: dict[str, Any]) -> dict[str, Any]:
+    """The results table's ``param/`` columns of a point refused before it was planned (a
+    key left auto has no size: left out)."""
+    return {f"param/{k}": v for k, v in params.items() if v is not AUTO}

@@ -90,3 +90,64 @@ def test_train_config_is_built_once_per_trial_from_spec_to_actor(
     assert auto.config.segment_size == auto.fields["segment_size"] in (0, 1, 2)
     assert [a.config.segment_size for a in actors][1:] == [1, 2]
     assert set(sweep.keys) == {a.id for a in actors}  # each keyed for the cache
+
+
+@pytest.mark.integration
+def test_a_point_no_config_takes_is_one_failed_row_and_the_others_run(
+        tiny_model: Path, tiny_data: Path, tmp_path: Path) -> None:
+    """A grid crossing mlp_chunk with lora_dropout (a rule across fields): the one bad
+    point becomes a failed row naming why, with its params, and the three others are
+    planned, as when the bad one failed in its actor. Would catch: the whole sweep refused
+    for one point, or the point dropped from the table."""
+    from tasks.placement import Placement
+    from tasks.sweep import SweepRun
+
+    spec = parse_spec({"name": "x", "model": str(tiny_model), "data": str(tiny_data),
+                       "fixed": {"steps": 1},
+                       "grid": {"mlp_chunk": [0, 64], "lora_dropout": [0.0, 0.1]}})
+    run = SweepRun(spec, tmp_path / "out", Placement(), None)
+    planned, refused = run.plan_points()
+    assert len(planned) == 3
+    [bad] = refused
+    assert bad["status"] == "failed" and "mlp_chunk" in bad["reason"] and bad["reason"].startswith(
+        f"trial {bad['trial_id']}")
+    assert (bad["param/mlp_chunk"], bad["param/lora_dropout"]) == (64, 0.1)
+
+
+@pytest.mark.unit
+def test_optuna_choices_keep_their_values_and_a_bad_point_is_one_row(monkeypatch) -> None:
+    """Optuna's choices are the spec's values (None and lists stay themselves; auto is its
+    word), and a sampled point no TrainConfig takes is reported once however often the
+    sampler repeats it. Would catch: choices turned into their repr (a lora_keys choice
+    training the key "None"), or the results table holding the same trial N times."""
+    import ray
+
+    from tasks.optuna_search import OptunaSource, distribution
+    from tasks.sweep_spec import Dist, PlanError
+
+    dist = distribution(Dist("choice", (None, AUTO, 3, "x")))
+    assert list(dist.choices) == [None, "auto", 3, "x"]
+
+    class Remote:
+        def __init__(self, fn):
+            self.remote = fn
+
+    told: list[tuple] = []
+
+    class Study:  # the sampler repeating one point
+        ask = Remote(lambda: (len(told), {"mlp_chunk": 64, "lora_dropout": 0.1}))
+        tell = Remote(lambda *args: told.append(args))
+
+    def build(params: dict[str, Any], number: int) -> TrialPlan:
+        raise PlanError(f"trial t-x {params}: mlp_chunk with lora_dropout > 0")
+
+    spec = parse_spec({"name": "o", "model": "m", "data": "d", "search": "optuna",
+                       "num_samples": 4, "metric": "val/loss", "mode": "min",
+                       "space": {"mlp_chunk": {"choice": [0, 64]},
+                                 "lora_dropout": {"choice": [0.0, 0.1]}}})
+    monkeypatch.setattr(ray, "get", lambda x: x)
+    source = OptunaSource(spec, Study(), build, lambda plan: None, lambda s: None)
+    assert source.ask() is None  # every sample the same bad point: nothing to train
+    assert len(told) == 4 and all(state == "fail" for _, _, state in told)
+    [row] = source.reused
+    assert row["status"] == "failed" and row["param/mlp_chunk"] == 64
