@@ -231,8 +231,13 @@ def test_adapters_load_and_generate_in_mlx_lm(family_dir, tmp_path: Path) -> Non
                       verify=True))
     keys = json.loads((out / "adapter_config.json").read_text())["lora_parameters"]["keys"]
     assert "self_attn.k_proj" in keys and not any(k.startswith("per_layer") for k in keys)
+    import mlx.core as mx
+
     model, tok = mlx_lm.load(str(path), adapter_path=str(out))
-    assert mlx_lm.generate(model, tok, prompt=tok.encode("hi"), max_tokens=3) is not None
+    assert isinstance(mlx_lm.generate(model, tok, prompt=tok.encode("hi"), max_tokens=3), str)
+    base, _ = mlx_lm.load(str(path))
+    tokens = mx.array([tok.encode("hi there")])
+    assert float(mx.abs(model(tokens) - base(tokens)).max()) > 1e-5  # the trained LoRA acts
 
 
 def test_blocked_full_layers_stay_exact(family_dir, monkeypatch) -> None:

@@ -49,7 +49,14 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
     assert (best / "adapters.safetensors").exists() and (best / "adapter_config.json").exists()
     assert (best / "SOURCE").read_text().strip() == trials[0]["trial_id"]
     fused, _ = mlx_lm.load(summary["fused"])  # a standalone model with the adapter inside
-    assert fused is not None
+    import mlx.core as mx
+
+    tuned, _ = mlx_lm.load(str(tiny_model), adapter_path=str(best))
+    base_model, _ = mlx_lm.load(str(tiny_model))
+    tokens = mx.array([[1, 5, 9, 13, 17, 21]])
+    want = tuned(tokens)
+    effect = float(mx.abs(want - base_model(tokens)).max())  # what the adapter changes
+    assert float(mx.abs(fused(tokens) - want).max()) < 0.1 * effect, effect
     samples = (out / "base" / "generations.jsonl").read_text().splitlines()
     assert len(samples) == 2 and all(json.loads(x)["split"] == "test" for x in samples)
     assert "| 1 | " in (out / "leaderboard.md").read_text()
