@@ -71,8 +71,10 @@ for section in "${@:1:$#-1}"; do
         || echo "e4b-train 2k failed" >&2
       mlx train --preset e4b --quantize 4 --seq 8192 --warmup 2 --steps 2 --segment-size 1 \
         --head-chunk 256 --mlp-chunk 1024 --row levers --row levers,memory_limit_gb=9.3 \
-        --row levers,memory_limit_gb=9.8 --profile --profile-repeats 1 --work /tmp/e4b-q4 \
-        --json > "$out/e4b_train_8k_q4.json" || echo "e4b-train 8k failed" >&2 ;;
+        --row levers,env.MLX_MAX_MB_PER_BUFFER=40 \
+        --row levers,memory_limit_gb=9.3,env.MLX_MAX_MB_PER_BUFFER=40 --profile \
+        --profile-repeats 1 --work /tmp/e4b-q4 --json > "$out/e4b_train_8k_q4.json" \
+        || echo "e4b-train 8k failed" >&2 ;;
     batch)  # split layouts of several pairs a micro-batch against two forwards (issue 15)
       for shape in "1024 8" "1024 4" "2048 2" "2048 1" "4096 1"; do
         set -- $shape

@@ -72,13 +72,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize", type=int, choices=[4, 8], help="--preset at these bits.")
     p.add_argument("--preset-layers", type=int, help="--preset with fewer layers (a quick look).")
     p.add_argument("--row", action="append", default=[],
-                   help="A trainer row: plain|levers[,FIELD=VALUE...] (benchmarks/trainer_rows.py);"
-                        " repeat for more.")
+                   help="A trainer row: plain|levers[,FIELD=VALUE...][,env.NAME=VALUE...] "
+                        "(benchmarks/trainer_rows.py); repeat for more.")
     p.add_argument("--mlp-chunk", type=int, default=0, help="levers rows: mlp_chunk.")
     p.add_argument("--memory-limit-gb", type=float, default=0.0,
                    help="levers rows: memory_limit_gb.")
     p.add_argument("--profile", action="store_true",
                    help="--row: each row's stage split too (benchmarks/phase_profile.py).")
+    p.add_argument("--one-row", action="store_true", help=argparse.SUPPRESS)  # a child row
     p.add_argument("--profile-repeats", type=int, default=3,
                    help="--profile: profiled steps a row (after one that compiles).")
     p.add_argument("--work", help="Keep the model and data here (default: a temporary dir).")
@@ -261,10 +262,11 @@ def main(argv: list[str]) -> int:
     try:
         check_args(a)
         if a.preset or a.row:
-            from benchmarks.trainer_rows import row_fields
+            from benchmarks.trainer_rows import row_env, row_fields
 
             for spec in a.row:
                 row_fields(spec, a)
+                row_env(spec)
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(a.work or tmp)
             claim_work(work, a)
@@ -272,8 +274,7 @@ def main(argv: list[str]) -> int:
             if a.preset or a.row:  # the trainer under named configurations
                 from benchmarks import trainer_rows
 
-                rows = [trainer_rows.run_row(spec, a, model, data, work)
-                        for spec in a.row or ["plain", "levers"]]
+                rows = trainer_rows.run_rows(a, argv, model, data, work)
                 trainer_rows.report(a, rows)
                 return 0
             rows = [pomona_row(a, work, model, data), engine_row(a, work, model, data)]

@@ -13,6 +13,11 @@ published shape with random weights, benchmarks/shapes.py), every check on; step
 the median over the steps after ``--warmup``, peak MLX's over those steps. Ratios: each
 row's step time and peak against the first row's. ``--profile`` adds each row's stage
 split (benchmarks/phase_profile.py).
+
+``,env.NAME=VALUE`` sets an environment variable for the row: MLX reads some once per
+process (``MLX_MAX_MB_PER_BUFFER``, ``MLX_MAX_OPS_PER_BUFFER``: how far the host may queue
+ahead of the device), so when any row sets one, every row runs in its own process
+(``python -m benchmarks train ... --row SPEC --one-row``), the model and pairs shared.
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +47,54 @@ def row_fields(spec: str, a: argparse.Namespace) -> dict[str, Any]:
     fields = dict(PLAIN) if base == "plain" else {
         "mlp_chunk": a.mlp_chunk, "memory_limit_gb": a.memory_limit_gb}
     for change in changes:
+        if change.startswith("env."):  # the row's process environment (row_env)
+            continue
         name, eq, value = change.partition("=")
         if not eq or name not in TrainConfig.__dataclass_fields__:
             raise ValueError(f"--row {spec}: {change!r} is not FIELD=VALUE of a TrainConfig "
                              "field")
         fields[name] = coerce(name, value)
     return fields
+
+
+def row_env(spec: str) -> dict[str, str]:
+    """The environment variables row ``spec`` sets (``env.NAME=VALUE`` items)."""
+    items = [c[len("env."):].partition("=") for c in spec.split(",")[1:] if c.startswith("env.")]
+    bad = [name for name, eq, _ in items if not eq or not name]
+    if bad:
+        raise ValueError(f"--row {spec}: env.NAME=VALUE, got env.{bad[0]}")
+    return {name: value for name, _, value in items}
+
+
+def run_rows(a: argparse.Namespace, argv: list[str], model: Path, data: Path, work: Path
+             ) -> list[dict[str, Any]]:
+    """Every row, here in turn, or each in its own process when any sets ``env.``."""
+    specs = a.row or ["plain", "levers"]
+    if a.one_row or not any(row_env(s) for s in specs):
+        return [run_row(spec, a, model, data, work) for spec in specs]
+    return [child_row(spec, argv, work) for spec in specs]
+
+
+def child_row(spec: str, argv: list[str], work: Path) -> dict[str, Any]:
+    """Row ``spec`` in a fresh ``python -m benchmarks train`` with its environment; a
+    row that dies is a row saying so."""
+    kept, skip = [], False
+    for arg in argv:  # the command's own rows, folder and output form are the parent's
+        if skip:
+            skip = False
+        elif arg in ("--row", "--work"):
+            skip = True
+        elif arg not in ("--json", "--one-row"):
+            kept.append(arg)
+    cmd = [sys.executable, "-m", "benchmarks", "train", *kept, "--row", spec, "--work",
+           str(work), "--json", "--one-row"]
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          env={**os.environ, **row_env(spec)})
+    if proc.returncode:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
+        return {"name": spec, "error": f"exit {proc.returncode}: {last}"}
+    [row] = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
+    return row
 
 
 def row_config(spec: str, a: argparse.Namespace, model: Path, data: Path, work: Path):
@@ -83,6 +133,7 @@ def run_row(spec: str, a: argparse.Namespace, model: Path, data: Path, work: Pat
     row = {"name": spec, "step_s": step_s, "tokens_per_s": 2 * a.seq * a.pairs / step_s,
            "steps_s": steps, "peak_gb": max(r["peak_memory_gb"] for r in timed),
            "prefix_share_rate": statistics.mean(r["prefix_share_rate"] for r in timed),
+           "pid": os.getpid(), "env": row_env(spec),
            "phases_ms": phase_medians(phases, steps, a.warmup)}
     gc.collect()
     mx.clear_cache()
@@ -94,10 +145,13 @@ def run_row(spec: str, a: argparse.Namespace, model: Path, data: Path, work: Pat
 
 
 def ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Each row's step time and peak over the first row's."""
-    first = rows[0]
+    """Each row's step time and peak over the first row's (rows that ran)."""
+    ran = [r for r in rows if "error" not in r]
+    if not ran:
+        return {}
+    first = ran[0]
     return {r["name"]: {"step": r["step_s"] / first["step_s"],
-                        "peak": r["peak_gb"] / first["peak_gb"]} for r in rows}
+                        "peak": r["peak_gb"] / first["peak_gb"]} for r in ran}
 
 
 def host() -> dict[str, Any]:
@@ -129,6 +183,9 @@ def report(a: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
                           "vs_first": against}))
         return
     for r in rows:
+        if "error" in r:
+            print(f"{r['name']:>28}  {r['error']}")
+            continue
         rel = against[r["name"]]
         print(f"{r['name']:>28}  {r['step_s'] * 1e3:8.1f} ms/step  "
               f"{r['tokens_per_s'] / 1e3:6.2f}k tok/s  peak {r['peak_gb']:6.2f} GB  "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -180,12 +181,16 @@ def test_train_bench_rows_of_a_published_shape(tmp_path, capsys) -> None:
 
     args = ["--preset", "e4b-mini", "--dtype", "float32", "--seq", "128", "--warmup", "1",
             "--steps", "1", "--segment-size", "1", "--head-chunk", "32", "--row", "plain",
-            "--row", "levers,mlp_chunk=32", "--profile", "--profile-repeats", "1", "--json",
-            "--work", str(tmp_path)]
+            "--row", "levers,mlp_chunk=32,env.MLX_MAX_OPS_PER_BUFFER=40", "--profile",
+            "--profile-repeats", "1", "--json", "--work", str(tmp_path)]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     plain, levers = out["rows"]
-    assert (plain["name"], levers["name"]) == ("plain", "levers,mlp_chunk=32")
+    assert (plain["name"], levers["name"]) == (
+        "plain", "levers,mlp_chunk=32,env.MLX_MAX_OPS_PER_BUFFER=40")
+    # A row setting MLX's once-a-process variables: every row in a process of its own.
+    assert levers["env"] == {"MLX_MAX_OPS_PER_BUFFER": "40"} and plain["env"] == {}
+    assert len({plain["pid"], levers["pid"], os.getpid()}) == 3
     assert out["host"]["cpus"] >= 1 and len(out["host"]["load_avg"]) == 3  # who built them
     assert plain["prefix_share_rate"] == 0 and levers["prefix_share_rate"] == 1
     assert out["vs_first"][levers["name"]]["step"] == pytest.approx(
@@ -199,6 +204,9 @@ def test_train_bench_rows_of_a_published_shape(tmp_path, capsys) -> None:
     host = levers["profile"]["host_ms"]  # Python's graphs, MLX's queueing, the device
     assert set(host) == {"build", "dispatch", "wait"} and all(v > 0 for v in host.values())
     runs = tmp_path / "runs"
-    assert (runs / "levers_mlp_chunk-32" / "adapters.safetensors").exists()  # it trained
+    assert (runs / "levers_mlp_chunk-32_env.MLX_MAX_OPS_PER_BUFFER-40" /
+            "adapters.safetensors").exists()  # it trained
     assert main([*args[:-2], "--row", "levers,mlp_chunks=32"]) == 2  # a misspelt field
     assert "'mlp_chunks=32' is not FIELD=VALUE" in capsys.readouterr().err
+    assert main([*args[:-2], "--row", "levers,env.=1"]) == 2  # a variable with no name
+    assert "env.NAME=VALUE" in capsys.readouterr().err
