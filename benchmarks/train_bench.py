@@ -253,6 +253,17 @@ def check_args(a: argparse.Namespace) -> None:
                              f"least {least}")
     if a.peak_tflops < 0:
         raise ValueError(f"--peak-tflops {a.peak_tflops}: must be >= 0")
+    if a.profile_repeats < 1:
+        raise ValueError(f"--profile-repeats {a.profile_repeats}: must be at least 1")
+    for flag, value in (("--quantize", a.quantize), ("--preset-layers", a.preset_layers)):
+        if value is not None and not a.preset:
+            raise ValueError(f"{flag} {value}: only with --preset (the llama here is "
+                             "bfloat16 or float32 as --dtype says)")
+    if a.preset_layers is not None:  # the shared-K/V layers need donors below them
+        least = PRESETS[a.preset].get("num_kv_shared_layers", 0) + 1
+        if a.preset_layers < least:
+            raise ValueError(f"--preset-layers {a.preset_layers}: {a.preset} needs at least "
+                             f"{least} (its last {least - 1} read shared K/V)")
 
 
 def main(argv: list[str]) -> int:

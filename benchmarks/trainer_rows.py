@@ -84,7 +84,7 @@ def child_row(spec: str, argv: list[str], work: Path) -> dict[str, Any]:
             skip = False
         elif arg in ("--row", "--work"):
             skip = True
-        elif arg not in ("--json", "--one-row"):
+        elif arg not in ("--json", "--one-row") and not arg.startswith(("--row=", "--work=")):
             kept.append(arg)
     cmd = [sys.executable, "-m", "benchmarks", "train", *kept, "--row", spec, "--work",
            str(work), "--json", "--one-row"]

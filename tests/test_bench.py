@@ -135,6 +135,12 @@ def test_train_bench_never_writes_into_a_foreign_folder(tmp_path, capsys) -> Non
     assert [p.name for p in tmp_path.iterdir()] == ["thesis.txt"]
     assert main(["--pairs", "0"]) == 2
     assert "--pairs 0: must be at least 1" in capsys.readouterr().err
+    for bad, says in ((["--profile-repeats", "0"], "--profile-repeats 0: must be at least 1"),
+                      (["--quantize", "4"], "--quantize 4: only with --preset"),
+                      (["--preset", "e4b-mini", "--preset-layers", "3"],
+                       "e4b-mini needs at least 5")):  # a traceback in mlx-lm otherwise
+        assert main(bad) == 2
+        assert says in capsys.readouterr().err
 
 
 
