@@ -1,8 +1,8 @@
 """The engine benchmarks' one model builder: a random-init model (llama, or Gemma 4's text
 decoder at ``--preset e4b``) with LoRA r=16 on q/k/v/o, its Stack, and one pair.
 
-Random weights: the shape is what is measured. ``PRESETS`` are published shapes as the
-engine benchmarks' flags (benchmarks/shapes.py writes the same shapes as model folders).
+Random weights: the shape is what is measured. ``PRESETS`` are benchmarks/shapes.py's
+published shapes (which it writes as model folders) as the engine benchmarks' flags.
 """
 
 from __future__ import annotations
@@ -12,10 +12,25 @@ import argparse
 import mlx.core as mx
 import numpy as np
 
+from benchmarks.shapes import PRESETS as SHAPES
+
+
+def as_flags(config: dict) -> dict:
+    """A published Gemma 4 text config (benchmarks/shapes.py) as this builder's flags; its
+    full layers' heads are twice the sliding ones' (``model_args``)."""
+    if config["global_head_dim"] != 2 * config["head_dim"]:
+        raise ValueError(f"{config['model_type']}: full heads of {config['global_head_dim']}, "
+                         f"not twice {config['head_dim']}: model_args cannot build it")
+    return dict(arch=config["model_type"], layers=config["num_hidden_layers"],
+                hidden=config["hidden_size"], intermediate=config["intermediate_size"],
+                heads=config["num_attention_heads"], kv_heads=config["num_key_value_heads"],
+                head_dim=config["head_dim"], vocab=config["vocab_size"],
+                ple=config["hidden_size_per_layer_input"], window=config["sliding_window"],
+                kv_shared=config["num_kv_shared_layers"])
+
+
 # Gemma 4 E4B's text decoder as published (the reference trainer's model).
-PRESETS = {"e4b": dict(arch="gemma4_text", layers=42, hidden=2560, intermediate=10240,
-                       heads=8, kv_heads=2, head_dim=256, vocab=262144, ple=256,
-                       window=512, kv_shared=18)}
+PRESETS = {"e4b": as_flags(SHAPES["e4b"])}
 
 
 def model_args(a: argparse.Namespace):

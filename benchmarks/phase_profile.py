@@ -81,37 +81,13 @@ def profile(cfg: Any, repeats: int = 3) -> dict[str, Any]:
     """Median milliseconds per stage kind of ``cfg``'s engine step on its first batch, and
     of one update (``ms``), and each stage kind's peak GB (``peak_gb``); plain autograd:
     its forward alone and its step."""
-    from engine.batch import batch_norms
-    from engine.data import load_pairs
-    from engine.layout_policy import choose_layout, resolve_pad_multiple
-    from engine.load_check import checked_stack
-    from engine.losses import pair_loss
-    from engine.model import attach_lora, load_model, resolve_lora_keys
-    from engine.prefix import pair_batch
-    from engine.recompute import chunk_mlps
-    from engine.segmented import value_and_grad
-    from engine.trainer import lora_spec, memory_limit
+    from benchmarks.trainer_timing import engine_step_of
+    from engine.trainer import memory_limit
     from engine.update import make_optimizer, make_update
 
     with memory_limit(cfg.memory_limit_gb):
-        model, tokenizer = load_model(cfg.model)
-        attach_lora(model, resolve_lora_keys(model, lora_spec(cfg)), cfg.seed)
-        stack, _ = checked_stack(model)
-        if cfg.mlp_chunk:
-            chunk_mlps(stack.layers, cfg.mlp_chunk)
-        batch = choose_layout(load_pairs(cfg.data).train[: cfg.batch_size], cfg,
-                              resolve_pad_multiple(cfg.pad_multiple), tokenizer.pad_token_id or 0)
-        pb = pair_batch(batch)
-        norms, spec = batch_norms([pb]), cfg.loss_spec()
-        resp, nll = mx.array(pb.resp_mask), mx.array(pb.nll_mask)
-
-        def loss(lp: mx.array) -> Any:
-            return pair_loss(lp, resp, nll, spec, norms)
-
-        def step() -> Any:
-            return value_and_grad(model, stack, batch, loss, cfg.segment_size, cfg.head_chunk,
-                                  cfg.inflight)
-
+        es = engine_step_of(cfg)
+        model, stack, loss, pb, step = es.model, es.stack, es.loss, es.pairs, es.run
         update = make_update(model, make_optimizer(cfg), cfg.grad_clip)
         runs, peaks, hosts = [], {}, []
         for _ in range(repeats + 1):  # the first compiles

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.shapes import PRESETS
-from benchmarks.trainer_timing import bench_config, phase_medians, timed_phases
+from benchmarks.trainer_timing import bench_config, engine_step_of, timed_train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,28 +115,12 @@ def _model_and_data(a: argparse.Namespace, work: Path) -> tuple[Path, Path]:
 
 def pomona_row(a: argparse.Namespace, work: Path, model: Path, data: Path) -> dict[str, Any]:
     """The trainer's steady-state step on the benchmark's pairs."""
-    from engine.trainer import train
-
-    records: list[dict[str, Any]] = []
-
-    class Collect:
-        def on_metrics(self, record: dict[str, Any]) -> None:
-            if record["split"] == "train":
-                records.append(record)
-
-    cfg = bench_config(a, model, data, work)
-    with timed_phases() as phases:
-        train(cfg, [Collect()])
-    timed = records[a.warmup:]
-    tokens = 2 * a.seq * a.pairs
     # The trainer's tokens/s counts every token of a sequence (seq + 1 here): its step time.
-    steps = [2 * (a.seq + 1) * a.pairs / r["tokens_per_sec"] for r in timed]
-    step_s = statistics.median(steps)
-    return {"name": "pomona", "seq": a.seq, "pairs": a.pairs, "step_s": step_s,
-            "tokens_per_s": tokens / step_s, "steps_s": steps,
-            "peak_mb": max(r["peak_memory_gb"] for r in timed) * 1e9 / 2**20,
-            "prefix_share_rate": statistics.mean(r["prefix_share_rate"] for r in timed),
-            "phases_ms": phase_medians(phases, steps, a.warmup)}
+    t = timed_train(bench_config(a, model, data, work), a.warmup, 2 * (a.seq + 1) * a.pairs)
+    return {"name": "pomona", "seq": a.seq, "pairs": a.pairs, "step_s": t["step_s"],
+            "tokens_per_s": 2 * a.seq * a.pairs / t["step_s"], "steps_s": t["steps_s"],
+            "peak_mb": t["peak_gb"] * 1e9 / 2**20, "prefix_share_rate": t["prefix_share_rate"],
+            "phases_ms": t["phases_ms"]}
 
 
 def engine_step(a: argparse.Namespace, work: Path, model_dir: Path, data: Path
@@ -146,32 +130,8 @@ def engine_step(a: argparse.Namespace, work: Path, model_dir: Path, data: Path
     took the shared layout."""
     import mlx.core as mx
 
-    from engine.batch import batch_norms
-    from engine.data import load_pairs
-    from engine.layout_policy import choose_layout, resolve_pad_multiple
-    from engine.load_check import checked_stack
-    from engine.losses import pair_loss
-    from engine.model import attach_lora, load_model
-    from engine.prefix import pair_batch
-    from engine.segmented import value_and_grad
-    from engine.trainer import lora_spec
-
-    cfg = bench_config(a, model_dir, data, work)
-    model, tokenizer = load_model(cfg.model)
-    attach_lora(model, lora_spec(cfg), cfg.seed)
-    stack, _ = checked_stack(model)
-    batch = choose_layout(load_pairs(cfg.data).train[: a.pairs], cfg,
-                          resolve_pad_multiple(cfg.pad_multiple), tokenizer.pad_token_id or 0)
-    pb = pair_batch(batch)
-    norms, spec = batch_norms([pb]), cfg.loss_spec()
-    resp, nll = mx.array(pb.resp_mask), mx.array(pb.nll_mask)
-
-    def step() -> None:
-        mx.eval(value_and_grad(model, stack, batch,
-                               lambda lp: pair_loss(lp, resp, nll, spec, norms),
-                               cfg.segment_size, cfg.head_chunk, cfg.inflight))
-
-    return step, batch is not pb
+    step = engine_step_of(bench_config(a, model_dir, data, work))
+    return (lambda: mx.eval(step.run())), step.shared
 
 
 def engine_row(a: argparse.Namespace, work: Path, model_dir: Path, data: Path

@@ -26,7 +26,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -114,27 +113,12 @@ def run_row(spec: str, a: argparse.Namespace, model: Path, data: Path, work: Pat
     import mlx.core as mx
 
     from benchmarks.phase_profile import profile
-    from benchmarks.trainer_timing import phase_medians, timed_phases
-    from engine.trainer import train
+    from benchmarks.trainer_timing import timed_train
 
     cfg = row_config(spec, a, model, data, work)
-    records: list[dict[str, Any]] = []
-
-    class Collect:
-        def on_metrics(self, record: dict[str, Any]) -> None:
-            if record["split"] == "train":
-                records.append(record)
-
-    with timed_phases() as phases:
-        train(cfg, [Collect()])
-    timed = records[a.warmup:]
-    steps = [2 * (a.seq + 1) * a.pairs / r["tokens_per_sec"] for r in timed]
-    step_s = statistics.median(steps)
-    row = {"name": spec, "step_s": step_s, "tokens_per_s": 2 * a.seq * a.pairs / step_s,
-           "steps_s": steps, "peak_gb": max(r["peak_memory_gb"] for r in timed),
-           "prefix_share_rate": statistics.mean(r["prefix_share_rate"] for r in timed),
-           "pid": os.getpid(), "env": row_env(spec),
-           "phases_ms": phase_medians(phases, steps, a.warmup)}
+    t = timed_train(cfg, a.warmup, 2 * (a.seq + 1) * a.pairs)
+    row = {"name": spec, **t, "tokens_per_s": 2 * a.seq * a.pairs / t["step_s"],
+           "pid": os.getpid(), "env": row_env(spec)}
     gc.collect()
     mx.clear_cache()
     if a.profile:

@@ -1,5 +1,6 @@
 """The trainer as the benchmarks run it: the benchmark's TrainConfig (LoRA r16 on q/k/v/o,
-as TRL's side) and the trainer's step phases timed on the host."""
+as TRL's side), a config trained with its steady steps and host phases timed, and the
+engine's own step on that config's model and first batch."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 def bench_config(a: argparse.Namespace, model: Path, data: Path, work: Path):
@@ -58,3 +61,76 @@ def phase_medians(phases: dict[str, list[float]], steps: list[float], warmup: in
     timed = {k: v[warmup:] for k, v in phases.items()}
     wait = [s - sum(v[i] for v in timed.values()) for i, s in enumerate(steps)]
     return {k: statistics.median(v) * 1e3 for k, v in {**timed, "wait": wait}.items()}
+
+
+def timed_train(cfg: Any, warmup: int, fed: int) -> dict[str, Any]:
+    """Train ``cfg``, reporting every step: the steady steps after ``warmup`` (seconds
+    each, their median), their peak GB and prefix-share rate, and the host phases.
+    ``fed``: tokens a step as the trainer counts them (every token of a sequence), so
+    its tokens/s gives the step's wall time."""
+    from engine.trainer import train
+
+    records: list[dict[str, Any]] = []
+
+    class Collect:
+        def on_metrics(self, record: dict[str, Any]) -> None:
+            if record["split"] == "train":
+                records.append(record)
+
+    with timed_phases() as phases:
+        train(cfg, [Collect()])
+    timed = records[warmup:]
+    steps = [fed / r["tokens_per_sec"] for r in timed]
+    return {"step_s": statistics.median(steps), "steps_s": steps,
+            "peak_gb": max(r["peak_memory_gb"] for r in timed),
+            "prefix_share_rate": statistics.mean(r["prefix_share_rate"] for r in timed),
+            "phases_ms": phase_medians(phases, steps, warmup)}
+
+
+@dataclass
+class EngineStep:
+    """The engine's step (forward + backward, no update) as ``cfg`` trains it, on its
+    model and first batch: ``run()`` returns the loss, metrics and grads unevaluated."""
+
+    model: Any
+    stack: Any
+    pairs: Any  # the batch in the two-forward layout (its masks, targets)
+    shared: bool  # whether the batch took the prefix-shared layout
+    loss: Callable[[Any], Any]
+    run: Callable[[], Any]
+
+
+def engine_step_of(cfg: Any) -> EngineStep:
+    """``cfg``'s model loaded with its LoRA, checked, MLPs chunked as it says; its batch."""
+    import mlx.core as mx
+
+    from engine.batch import batch_norms
+    from engine.data import load_pairs
+    from engine.layout_policy import choose_layout, resolve_pad_multiple
+    from engine.load_check import checked_stack
+    from engine.losses import pair_loss
+    from engine.model import attach_lora, load_model, resolve_lora_keys
+    from engine.prefix import pair_batch
+    from engine.recompute import chunk_mlps
+    from engine.segmented import value_and_grad
+    from engine.trainer import lora_spec
+
+    model, tokenizer = load_model(cfg.model)
+    attach_lora(model, resolve_lora_keys(model, lora_spec(cfg)), cfg.seed)
+    stack, _ = checked_stack(model)
+    if cfg.mlp_chunk:
+        chunk_mlps(stack.layers, cfg.mlp_chunk)
+    batch = choose_layout(load_pairs(cfg.data).train[: cfg.batch_size], cfg,
+                          resolve_pad_multiple(cfg.pad_multiple), tokenizer.pad_token_id or 0)
+    pb = pair_batch(batch)
+    norms, spec = batch_norms([pb]), cfg.loss_spec()
+    resp, nll = mx.array(pb.resp_mask), mx.array(pb.nll_mask)
+
+    def loss(lp: mx.array) -> Any:
+        return pair_loss(lp, resp, nll, spec, norms)
+
+    def run() -> Any:
+        return value_and_grad(model, stack, batch, loss, cfg.segment_size, cfg.head_chunk,
+                              cfg.inflight)
+
+    return EngineStep(model, stack, pb, batch is not pb, loss, run)
