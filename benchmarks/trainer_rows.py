@@ -17,7 +17,9 @@ split (benchmarks/phase_profile.py).
 ``,env.NAME=VALUE`` sets an environment variable for the row: MLX reads some once per
 process (``MLX_MAX_MB_PER_BUFFER``, ``MLX_MAX_OPS_PER_BUFFER``: how far the host may queue
 ahead of the device), so when any row sets one, every row runs in its own process
-(``python -m benchmarks train ... --row SPEC --one-row``), the model and pairs shared.
+(``python -m benchmarks train ... --row SPEC --one-row``), the model and pairs shared. A
+row with ``memory_limit_gb`` starts as ``pomona train`` re-runs itself under a limit, with
+MLX's queue capped (engine/command_queue.py), so it has its own process too.
 """
 
 from __future__ import annotations
@@ -65,18 +67,27 @@ def row_env(spec: str) -> dict[str, str]:
     return {name: value for name, _, value in items}
 
 
+def process_env(spec: str, a: argparse.Namespace) -> dict[str, str]:
+    """What row ``spec``'s process starts with: the queue cap a run under its memory limit
+    gets from the CLIs (engine/command_queue.py), then its ``env.`` items."""
+    from engine.command_queue import queue_env
+
+    return {**queue_env(row_fields(spec, a)["memory_limit_gb"]), **row_env(spec)}
+
+
 def run_rows(a: argparse.Namespace, argv: list[str], model: Path, data: Path, work: Path
              ) -> list[dict[str, Any]]:
-    """Every row, here in turn, or each in its own process when any sets ``env.``."""
+    """Every row, here in turn, or each in its own process when any starts with its own
+    environment (``process_env``)."""
     specs = a.row or ["plain", "levers"]
-    if a.one_row or not any(row_env(s) for s in specs):
+    if a.one_row or not any(process_env(s, a) for s in specs):
         return [run_row(spec, a, model, data, work) for spec in specs]
-    return [child_row(spec, argv, work) for spec in specs]
+    return [child_row(spec, argv, work, process_env(spec, a)) for spec in specs]
 
 
-def child_row(spec: str, argv: list[str], work: Path) -> dict[str, Any]:
-    """Row ``spec`` in a fresh ``python -m benchmarks train`` with its environment; a
-    row that dies is a row saying so."""
+def child_row(spec: str, argv: list[str], work: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Row ``spec`` in a fresh ``python -m benchmarks train`` with ``env`` added; a row
+    that dies is a row saying so."""
     kept, skip = [], False
     for arg in argv:  # the command's own rows, folder and output form are the parent's
         if skip:
@@ -88,7 +99,7 @@ def child_row(spec: str, argv: list[str], work: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "benchmarks", "train", *kept, "--row", spec, "--work",
            str(work), "--json", "--one-row"]
     proc = subprocess.run(cmd, capture_output=True, text=True,
-                          env={**os.environ, **row_env(spec)})
+                          env={**os.environ, **env})
     if proc.returncode:
         last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
         return {"name": spec, "error": f"exit {proc.returncode}: {last}"}
@@ -118,7 +129,7 @@ def run_row(spec: str, a: argparse.Namespace, model: Path, data: Path, work: Pat
     cfg = row_config(spec, a, model, data, work)
     t = timed_train(cfg, a.warmup, 2 * (a.seq + 1) * a.pairs)
     row = {"name": spec, **t, "tokens_per_s": 2 * a.seq * a.pairs / t["step_s"],
-           "pid": os.getpid(), "env": row_env(spec)}
+           "pid": os.getpid(), "env": process_env(spec, a)}
     gc.collect()
     mx.clear_cache()
     if a.profile:

@@ -8,6 +8,10 @@ from engine.blas import ensure_fast_blas
 
 ensure_fast_blas()  # Linux CPU: re-run with OpenBLAS preloaded (engine/blas.py)
 
+from engine.command_queue import entry_point  # noqa: E402
+
+entry_point()  # a run under a memory limit may re-run with MLX's queue capped
+
 from engine.cli import main  # noqa: E402
 
 raise SystemExit(main())

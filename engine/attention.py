@@ -13,6 +13,9 @@ with one of the engine's mask objects gets:
 - ``Window(None)`` (a full layer): one causal call, or on a GPU with heads wider than the
   fused kernels take, query blocks, each recomputed in the backward (``full_block``).
 
+Either takes blocks only when one call's scores would pass ``WHOLE_SCORES_BYTES``: below it
+blocks save no memory that matters and only add kernels the host must queue.
+
 Any other mask passes through unchanged.
 """
 
@@ -87,6 +90,17 @@ FUSED_HEAD_DIM, FULL_BLOCK = 128, 512
 # Sliding layers attend in blocks of at most this many query rows (a 4096-token window in
 # one block would hold 4096 × 8192 scores per head).
 SLIDING_BLOCK = 512
+# One call's [B, H, Lq, Lk] scores (counted as float32) up to this size attend in one call,
+# unblocked: blocks and their recompute only add kernels there, and a segmented step at
+# short lengths is bound by the host queueing them (Gemma 4 E4B, one 2k pair on an H200:
+# docs/performance.md). At 8k a layer's scores are 2 GiB: blocked.
+WHOLE_SCORES_BYTES = 256 * 2**20
+
+
+def whole(queries: mx.array, keys: mx.array) -> bool:
+    """Whether one attention call of these shapes is small enough to run unblocked."""
+    b, h, lq, _ = queries.shape
+    return b * h * lq * keys.shape[2] * 4 <= WHOLE_SCORES_BYTES
 
 
 def full_block(queries: mx.array) -> int:
@@ -98,10 +112,14 @@ def full_block(queries: mx.array) -> int:
 def attend(sdpa, queries: mx.array, keys: mx.array, values: mx.array, cache, scale: float,
            window: int | None, *args, **kwargs) -> mx.array:
     """Causal attention of the last Lq of Lk positions (keys within ``window``, if any)."""
-    if window is not None and keys.shape[2] > window:
+    lq, lk = queries.shape[2], keys.shape[2]
+    if window is not None and lk > window and whole(queries, keys):
+        mask = create_causal_mask(lq, offset=lk - lq, window_size=window)
+        return sdpa(queries, keys, values, cache, scale, mask, *args, **kwargs)
+    if window is not None and lk > window:
         return blockwise_attention(sdpa, queries, keys, values, cache, scale, window,
                                    min(window, SLIDING_BLOCK), *args, recompute=True, **kwargs)
-    block = full_block(queries)
+    block = 0 if whole(queries, keys) else full_block(queries)
     if window is None and block:
         return blockwise_attention(sdpa, queries, keys, values, cache, scale, None, block,
                                    *args, recompute=True, **kwargs)

@@ -99,12 +99,14 @@ def log_to_stderr() -> None:
 
 
 def run_train(argv: list[str]) -> int:
+    from engine.command_queue import ensure_queue
     from engine.load_check import VerifyFailed
     from engine.trainer import NonFiniteLoss, train
 
     log_to_stderr()
     try:
         cfg = config_from_args(argv)
+        ensure_queue(cfg.memory_limit_gb)  # a CLI under a limit: re-run with MLX's queue capped
         result = train(cfg, [PrintMetrics()])
     except (ValueError, OSError) as err:  # a file where --out should be a folder, too
         print(f"error: {err}", file=sys.stderr)

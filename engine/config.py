@@ -132,7 +132,9 @@ class TrainConfig:
     memory_limit_gb: float = _f(0.0, "MLX's memory limit in GiB; past it, evaluation waits for "
                                      "queued GPU work to free its buffers, so peak stays near "
                                      "what a step needs (a 16 GB Mac mini: ~9; "
-                                     "docs/performance.md). 0 = MLX's default.")
+                                     "docs/performance.md). The run's process also caps MLX's "
+                                     "queue (MLX_MAX_MB_PER_BUFFER=40; the CLIs re-run "
+                                     "themselves with it). 0 = MLX's default.")
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field (types, ranges, required paths)."""

@@ -8,7 +8,7 @@ position-dependent inputs, such as Ministral 3's query scale, reads).
 
 - ``CausalMasks``: the two-forward layout, right-padded: what mlx-lm's own
   ``create_attention_mask`` gives (``"causal"``, or once T > window the same windowed
-  attention, computed block by block).
+  attention, computed block by block where its scores are large: engine/attention.py).
 - ``BlockMasks``: the prefix-shared array layout (engine/prefix.py): a block-sparse mask,
   and for a sliding layer the same mask cut to keys within the window, counted in logical
   positions (a rejected token's window covers the prompt as if chosen were absent).

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
@@ -36,6 +37,7 @@ from engine.adapters import (
     save_checkpoint,
 )
 from engine.batch import PairBatch
+from engine.command_queue import QUEUE_MB, queue_note
 from engine.config import TrainConfig
 from engine.data import check_train_split, micro_batches, pair_length
 from engine.data_fit import load_pairs_for
@@ -145,10 +147,13 @@ def refuse_beyond_context(pairs: Sequence, context: int | None) -> None:
 
 @contextmanager
 def memory_limit(gib: float) -> Iterator[None]:
-    """Inside: MLX's memory limit at ``gib`` GiB (0: unchanged); the old one after."""
+    """Inside: MLX's memory limit at ``gib`` GiB (0: unchanged); the old one after. The
+    log says whether MLX's queue is capped to match (engine/command_queue.py)."""
     if gib <= 0:
         yield
         return
+    note = queue_note(gib)
+    (log.info if QUEUE_MB in os.environ else log.warning)(note)
     before = mx.set_memory_limit(int(gib * 2**30))
     try:
         yield

@@ -391,8 +391,10 @@ def ui(
 def main() -> None:
     """Console-script entry point (on a Linux CPU, first OpenBLAS: engine/blas.py)."""
     from engine.blas import ensure_fast_blas
+    from engine.command_queue import entry_point
 
     ensure_fast_blas()
+    entry_point()  # `pomona train` under a memory limit may re-run with MLX's queue capped
     app()
 
 

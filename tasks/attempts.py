@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from engine.command_queue import queue_env
 from tasks.placement import Placement
 from tasks.trial import Summary, TrialActor, outcome
 from tasks.trial_plan import TrialPlan
@@ -92,14 +93,14 @@ class OneActor:
         import ray
 
         self.shared = shared
-        self.actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(TrialActor).options(
-            **shared.placement.options())
+        self.actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(TrialActor)
 
     def attempt(self, trial: TrialPlan, attempt: int, first: float) -> Summary | None:
         import ray
 
         shared, live = self.shared, self.shared.live
-        actor = self.actor_cls.remote()
+        actor = self.actor_cls.options(**shared.placement.options(
+            queue_env(trial.config.memory_limit_gb))).remote()
         try:
             if not live.register(trial.id, actor):
                 return outcome(trial, "cancelled", "sweep interrupted", first, attempt + 1)

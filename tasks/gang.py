@@ -27,6 +27,7 @@ import tempfile
 import time
 from typing import Any
 
+from engine.command_queue import queue_env
 from tasks.attempts import Attempts
 from tasks.placement import Placement
 from tasks.trial import Summary, TrialActor, outcome, run_trial, where
@@ -140,7 +141,8 @@ class Gang:
             for i in range(n):
                 strategy = PlacementGroupSchedulingStrategy(placement_group=pg,
                                                             placement_group_bundle_index=i)
-                actors.append(cls.options(**shared.placement.options(),
+                actors.append(cls.options(**shared.placement.options(
+                    queue_env(trial.config.memory_limit_gb)),
                                           scheduling_strategy=strategy).remote())
             if not live.register(trial.id, actors):
                 return outcome(trial, "cancelled", "sweep interrupted", first, attempt + 1)

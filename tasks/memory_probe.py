@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.adapters import atomic_write_text
+from engine.command_queue import queue_env
 from engine.model_source import read_config, source_kind
 from engine.probe import largest_fitting, probe_steps
 from tasks.placement import Placement
@@ -76,7 +77,7 @@ def resolve_auto(plans: list[TrialPlan], budget_gb: float, placement: Placement,
     todo = {key: p for p in plans if "segment_size" in p.auto
             and (key := probe_key(per_rank(p, ranks), fingerprint)) not in known}
     if todo:
-        probe = placement.fresh_task(_run_probe)
+        probe = placement.fresh_task(_run_probe, queue_env(budget_gb))  # as trials run
         refs = {key: probe.remote({**p.config.to_dict(),
                                    "batch_size": p.config.batch_size // ranks},
                                   candidate_sizes(p.config.model)) for key, p in todo.items()}

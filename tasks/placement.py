@@ -8,7 +8,7 @@ is no GPU. Probes, evaluations and references run on the same placement.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,18 +21,22 @@ class Placement:
     resource: str | None = None  # e.g. "mlx_gpu", declared by `ray start --resources`
     cpus: float = 1.0  # slot size when there is no GPU
 
-    def options(self) -> dict[str, Any]:
+    def options(self, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Ray options of a process on this placement, started with ``env`` set (MLX reads
+        some settings once, at import: engine/command_queue.py)."""
         # An actor that asks for a GPU or custom resource but not num_cpus would also hold
         # a CPU for life (DESIGN.md, Ray facts): ask for none.
         if self.resource:
-            return {"num_cpus": 0, "resources": {self.resource: 1}}
-        if self.gpus:
-            return {"num_cpus": 0, "num_gpus": 1}
-        return {"num_cpus": self.cpus}
+            held: dict[str, Any] = {"num_cpus": 0, "resources": {self.resource: 1}}
+        elif self.gpus:
+            held = {"num_cpus": 0, "num_gpus": 1}
+        else:
+            held = {"num_cpus": self.cpus}
+        return {**held, "runtime_env": {"env_vars": dict(env)}} if env else held
 
-    def fresh_task(self, fn: Callable[..., Any]) -> Any:
+    def fresh_task(self, fn: Callable[..., Any], env: Mapping[str, str] | None = None) -> Any:
         """``fn`` as a Ray task on this placement, in a fresh worker process each call
         (MLX's peak and memory are per process: probes and evaluations measure alone)."""
         import ray
 
-        return ray.remote(max_calls=1)(fn).options(**self.options())
+        return ray.remote(max_calls=1)(fn).options(**self.options(env))

@@ -15,6 +15,7 @@ import time
 import traceback
 from typing import Any
 
+from engine.command_queue import QUEUE_MB
 from engine.config import TrainConfig
 from tasks.degenerate import degenerate_reason
 from tasks.trial_plan import TrialPlan
@@ -97,7 +98,8 @@ def run_trial(trial_id: str, config: TrainConfig, study: Any = None,
 
 
 def where() -> dict[str, Any]:
-    """Where this process runs: host, Ray node id, pid, the GPU it was given."""
+    """Where this process runs: host, Ray node id, pid, the GPU it was given, and MLX's
+    command-buffer cap (set under a memory limit: engine/command_queue.py)."""
     try:
         import ray
 
@@ -106,7 +108,8 @@ def where() -> dict[str, Any]:
     except Exception:
         node_id = None
     return {"node": socket.gethostname(), "node_id": node_id, "pid": os.getpid(),
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "mlx_queue_mb": os.environ.get(QUEUE_MB)}
 
 
 class TrialActor:

@@ -38,12 +38,17 @@ def assert_same_attention(ours, mask, q, k, v, cot) -> None:
         assert float(mx.abs(g - r).max()) <= 1e-5
 
 
+@pytest.mark.parametrize("blocked", [True, False])
 @pytest.mark.parametrize(("lq", "lk", "window"), [
     (37, 37, 8), (64, 64, 16), (16, 16, 16), (40, 100, 16), (33, 41, 8), (5, 70, 16),
     (70, 70, 1), (50, 50, 49), (48, 48, 7)])
-def test_windowed_equals_dense_mask(lq: int, lk: int, window: int) -> None:
+def test_windowed_equals_dense_mask(lq: int, lk: int, window: int, blocked: bool,
+                                    monkeypatch) -> None:
     """Catches a block that misses the window's earliest key, sees one too many, or whose
-    key tiles' gradients are not summed over the two blocks that read them."""
+    key tiles' gradients are not summed over the two blocks that read them; and, whole
+    (scores under the budget), a window mask offset for queries that end the keys."""
+    if blocked:
+        monkeypatch.setattr(attention, "WHOLE_SCORES_BYTES", 0)
     q, k, v, cot = inputs(lq, lk, lq * 1000 + lk, rows=2)
     dense = create_causal_mask(lq, offset=lk - lq, window_size=window)
     assert_same_attention(lambda q, k, v: attention.attend(sdpa, q, k, v, None, 0.35, window),
@@ -74,6 +79,26 @@ def test_windows_wider_than_a_block(lq: int, lk: int, window: int, block: int) -
             lambda q, k, v, r=recompute: blockwise_attention(sdpa, q, k, v, None, 0.35, window,
                                                              block, recompute=r),
             dense, q, k, v, cot)
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_blocks_only_past_the_scores_budget(window: int | None, monkeypatch) -> None:
+    """One call while [B, H, Lq, Lk] float32 scores fit ``WHOLE_SCORES_BYTES``; blocks past
+    it (sliding layers past their window; full layers where wide heads block)."""
+    monkeypatch.setattr(attention, "full_block", lambda q: 16)
+    calls: list[object] = []
+
+    def counting(q, k, v, cache, scale, mask):
+        calls.append(mask)
+        return sdpa(q, k, v, cache, scale, mask)
+
+    q, k, v, _ = inputs(64, 64, 5)
+    budget = 4 * 64 * 64 * 4  # exactly these scores
+    for limit, expected in ((budget, 1), (budget - 1, 4)):
+        monkeypatch.setattr(attention, "WHOLE_SCORES_BYTES", limit)
+        calls.clear()
+        mx.eval(attention.attend(counting, q, k, v, None, 0.35, window))
+        assert len(calls) == expected, (limit, calls)
 
 
 def test_full_layers_block_only_wide_heads_on_a_gpu() -> None:

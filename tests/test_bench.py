@@ -179,23 +179,28 @@ def test_trl_kind_runs_where_mlx_is_absent() -> None:
     assert "python -m benchmarks trl" in proc.stdout
 
 
-def test_train_bench_rows_of_a_published_shape(tmp_path, capsys) -> None:
+LEVERS = "levers,mlp_chunk=32,memory_limit_gb=50,env.MLX_MAX_OPS_PER_BUFFER=40"
+
+
+def test_train_bench_rows_of_a_published_shape(tmp_path, capsys, monkeypatch) -> None:
     """`pomona bench train --preset`: the trainer under named rows on a published shape's
     structure (here E4B's at a CPU's size), each row's step and peak against the first,
     and --profile's stage split by Gemma 4 layer type with each kind's peak."""
     from benchmarks.train_bench import main
 
+    monkeypatch.delenv("MLX_MAX_MB_PER_BUFFER", raising=False)
     args = ["--preset", "e4b-mini", "--dtype", "float32", "--seq", "128", "--warmup", "1",
             "--steps", "1", "--segment-size", "1", "--head-chunk", "32", "--row", "plain",
-            "--row", "levers,mlp_chunk=32,env.MLX_MAX_OPS_PER_BUFFER=40", "--profile",
+            "--row", LEVERS, "--profile",
             "--profile-repeats", "1", "--json", "--work", str(tmp_path)]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     plain, levers = out["rows"]
-    assert (plain["name"], levers["name"]) == (
-        "plain", "levers,mlp_chunk=32,env.MLX_MAX_OPS_PER_BUFFER=40")
-    # A row setting MLX's once-a-process variables: every row in a process of its own.
-    assert levers["env"] == {"MLX_MAX_OPS_PER_BUFFER": "40"} and plain["env"] == {}
+    assert (plain["name"], levers["name"]) == ("plain", LEVERS)
+    # A row setting MLX's once-a-process variables: every row in a process of its own; one
+    # under a memory limit starts as `pomona train` would, MLX's queue capped.
+    assert levers["env"] == {"MLX_MAX_OPS_PER_BUFFER": "40", "MLX_MAX_MB_PER_BUFFER": "40"}
+    assert plain["env"] == {}
     assert len({plain["pid"], levers["pid"], os.getpid()}) == 3
     assert out["host"]["cpus"] >= 1 and len(out["host"]["load_avg"]) == 3  # who built them
     assert plain["prefix_share_rate"] == 0 and levers["prefix_share_rate"] == 1
@@ -210,7 +215,7 @@ def test_train_bench_rows_of_a_published_shape(tmp_path, capsys) -> None:
     host = levers["profile"]["host_ms"]  # Python's graphs, MLX's queueing, the device
     assert set(host) == {"build", "dispatch", "wait"} and all(v > 0 for v in host.values())
     runs = tmp_path / "runs"
-    assert (runs / "levers_mlp_chunk-32_env.MLX_MAX_OPS_PER_BUFFER-40" /
+    assert (runs / LEVERS.replace(",", "_").replace("=", "-") /
             "adapters.safetensors").exists()  # it trained
     assert main([*args[:-2], "--row", "levers,mlp_chunks=32"]) == 2  # a misspelt field
     assert "'mlp_chunks=32' is not FIELD=VALUE" in capsys.readouterr().err

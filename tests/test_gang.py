@@ -34,7 +34,10 @@ def test_a_gang_of_two_trains_one_adapter_as_one_process_would(ray_cluster, tiny
     whose ranks trained alone would have half-batch gradients), and the summary says how
     many ranks and which processes. Catches a missing rank offset or hostfile."""
     events: list[tuple[str, dict]] = []
-    gang = run_trials([_trial(tiny_model, tiny_data, tmp_path, "gang")], Placement(),
+    # Under a memory limit (50 GiB: no number changes) every rank starts with MLX's queue
+    # capped, as a one-actor trial does (engine/command_queue.py).
+    gang = run_trials([_trial(tiny_model, tiny_data, tmp_path, "gang", memory_limit_gb=50.0)],
+                      Placement(),
                       max_concurrent=1, ranks_per_trial=2,
                       on_event=lambda kind, s: events.append((kind, s)))
     one = run_trials([_trial(tiny_model, tiny_data, tmp_path, "one")], Placement(),
@@ -43,6 +46,7 @@ def test_a_gang_of_two_trains_one_adapter_as_one_process_would(ray_cluster, tiny
     assert gang[0]["world_size"] == 2 and gang[0]["rank"] == 0 and len(gang[0]["hosts"]) == 2
     running = [s for k, s in events if k == "running"]
     assert len(running) == 1 and len(set(running[0]["pids"])) == 2
+    assert running[0]["mlx_queue_mb"] == "40"
     summary = json.loads((tmp_path / "gang" / "summary.json").read_text())
     assert summary["world_size"] == 2 and sum(summary["rank_pairs"]) == 3 * 4
     assert summary["rank_pairs"] == [6, 6]

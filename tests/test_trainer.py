@@ -246,11 +246,16 @@ def test_prefix_share_rate_counts_shared_and_fallen_back_batches(tiny_model, tmp
 
 
 def test_memory_limit_is_applied_then_restored_and_changes_no_number(tiny_model, tiny_data,
-                                                                     tmp_path) -> None:
+                                                                     tmp_path, caplog,
+                                                                     monkeypatch) -> None:
     """``memory_limit_gb`` sets MLX's limit for the run only (a later run in the process
     must not inherit it) and, being a wait, not a change of maths, gives the same adapter
-    and losses. Catches a limit set in the wrong unit (GB vs GiB), left behind, or dropped."""
+    and losses. Catches a limit set in the wrong unit (GB vs GiB), left behind, or dropped.
+    Called as a library in a process started without MLX's queue cap, it says so."""
     from engine import trainer
+    from engine.command_queue import QUEUE_MB
+
+    monkeypatch.delenv(QUEUE_MB, raising=False)
 
     seen = []
     real = trainer.mx.set_memory_limit
@@ -270,6 +275,8 @@ def test_memory_limit_is_applied_then_restored_and_changes_no_number(tiny_model,
     finally:
         trainer.mx.set_memory_limit = real
         mx.set_memory_limit(before)
+    [note] = [r for r in caplog.records if "command buffers" in r.getMessage()]
+    assert note.levelname == "WARNING" and f"{QUEUE_MB}=40" in note.getMessage()
     a, b = adapters(tmp_path / "limited"), adapters(tmp_path / "free")
     assert all(np.array_equal(a[k], b[k]) for k in a)
     assert losses(tmp_path / "limited") == losses(tmp_path / "free")

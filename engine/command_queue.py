@@ -1,0 +1,63 @@
+"""How far MLX queues GPU work ahead of the device: bounded in a process with a memory limit.
+
+MLX keeps a command buffer's arrays alive until the device has run it, and lets the host
+queue up to 10 buffers ahead (transforms.cpp). On CUDA a buffer holds up to 1000 MB on an
+H100/H200 (MLX's sm90 default): Gemma 4 E4B, 4-bit, one 8k pair peaked at 16.0 GB where
+the step's live set is ~9 GB. Past ``memory_limit_gb`` MLX then drains the device buffer by
+buffer: 1.4× the step. With buffers capped at 40 MB (Metal's default on a base Mac mini)
+the same step peaked at 9.2 GB for 1.08× (docs/performance.md). Without a limit the cap is
+not set: at 2k, where the segmented step is bound by the host queueing kernels, small
+buffers cost 1.5×.
+
+MLX reads the cap once, when the process makes its first GPU stream (at import), so it is
+an environment variable of the process that trains: ``python -m engine`` and ``pomona``
+re-execute themselves with it, a sweep's Ray actors and probes start with it. A value the
+user set is kept.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+
+QUEUE_MB = "MLX_MAX_MB_PER_BUFFER"
+BOUNDED_MB = 40
+_entry = [False]  # True in a process started by a CLI entry point: it may re-execute
+
+
+def queue_env(memory_limit_gb: float, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """Variables a process training under ``memory_limit_gb`` starts with (none without a
+    limit): the cap, the one set in ``environ`` if any (a Ray worker on another machine
+    does not inherit the driver's environment)."""
+    if memory_limit_gb <= 0:
+        return {}
+    return {QUEUE_MB: environ.get(QUEUE_MB, str(BOUNDED_MB))}
+
+
+def entry_point() -> None:
+    """Called by ``python -m engine`` and ``pomona``: this process is theirs to re-execute."""
+    _entry[0] = True
+
+
+def ensure_queue(memory_limit_gb: float) -> None:
+    """Re-execute this process with the cap when it trains under a limit, started without
+    one, and is a CLI's own (a library caller gets ``queue_note``'s warning instead)."""
+    env = queue_env(memory_limit_gb)
+    if not env or QUEUE_MB in os.environ or not _entry[0]:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **env})
+
+
+def queue_note(memory_limit_gb: float) -> str | None:
+    """The log line of a run under a limit: the cap it trains with, or the missing one."""
+    if memory_limit_gb <= 0:
+        return None
+    if QUEUE_MB in os.environ:
+        return (f"memory limit {memory_limit_gb:g} GiB; MLX command buffers capped at "
+                f"{os.environ[QUEUE_MB]} MB ({QUEUE_MB})")
+    return (f"memory limit {memory_limit_gb:g} GiB with MLX's default command buffers: on "
+            f"CUDA the host may queue GBs past the limit, then wait buffer by buffer; start "
+            f"the process with {QUEUE_MB}={BOUNDED_MB} (engine/command_queue.py)")
