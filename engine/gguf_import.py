@@ -135,6 +135,19 @@ def read_metadata(reader: Any) -> dict[str, Any]:
     return out
 
 
+def gguf_layer_count(path: str | Path) -> int | None:
+    """``{arch}.block_count`` from a GGUF's header (the tensors are not read), or None
+    where the file is not a readable GGUF or does not state it."""
+    import gguf
+
+    try:
+        fields = gguf.GGUFReader(str(path)).fields
+        arch = fields["general.architecture"].contents()
+        return int(fields[f"{arch}.block_count"].contents())
+    except (KeyError, ValueError, OSError, TypeError):
+        return None
+
+
 def _arch_of(meta: dict[str, Any], path: Path) -> Arch:
     name = meta.get("general.architecture")
     if name not in ARCHS:

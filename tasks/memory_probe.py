@@ -16,7 +16,8 @@ from typing import Any
 
 from engine.adapters import atomic_write_text
 from engine.command_queue import queue_env
-from engine.model_source import read_config, source_kind
+from engine.gguf_import import gguf_layer_count
+from engine.model_source import model_dir, read_config, source_kind
 from engine.probe import largest_fitting, probe_steps
 from tasks.placement import Placement
 from tasks.sweep_spec import SpecError
@@ -32,11 +33,25 @@ MEMORY_FIELDS = ("batch_size", "lora_rank", "lora_keys", "lora_layers", "lora_dr
 
 
 def candidate_sizes(model: str) -> list[int]:
-    """0 (plain) and powers of two below the model's layer count (32 assumed for a .gguf
-    or a repo id: their config is not read before the probe loads them)."""
-    layers = read_config(model).get("num_hidden_layers", 32) if source_kind(model) == "dir" \
-        else 32
+    """0 (plain) and powers of two below the model's layer count (``layer_count``; 32
+    where its files cannot say before the probe loads them)."""
+    layers = layer_count(model) or 32
     return [0] + [2**i for i in range(layers.bit_length()) if 2**i < layers]
+
+
+def layer_count(model: str) -> int | None:
+    """Decoder layers as the model's files state them, no weights read: the config.json of
+    a directory or of a repo id's local snapshot (a multimodal one's ``text_config``), a
+    GGUF's ``block_count``; None where they do not say (a repo id not downloaded here)."""
+    if source_kind(model) == "gguf":
+        return gguf_layer_count(model)
+    try:
+        config = read_config(model_dir(model))
+    except (OSError, ValueError):  # the probe's own load names what is wrong
+        return None
+    layers = config.get("num_hidden_layers") or (config.get("text_config") or {}).get(
+        "num_hidden_layers")
+    return int(layers) if layers else None
 
 
 def probe_key(fields: dict[str, Any], fingerprint: str) -> str:

@@ -1,6 +1,7 @@
 """MLX's queue capped in every process that trains under a memory limit, and only there
-(engine/command_queue.py): the CLI re-runs itself with the cap, a sweep's actors start with
-it, a library caller is told it is missing."""
+(engine/command_queue.py): the CLI re-runs itself with the cap. A sweep's actors start with
+it (tests/test_sweep_search.py, tests/test_gang.py); a library caller is told it is
+missing (tests/test_trainer.py)."""
 
 from __future__ import annotations
 
@@ -38,25 +39,3 @@ def test_the_cli_reruns_itself_capped_under_a_limit(limit: str, tiny_model: Path
     capped = f"capped at {BOUNDED_MB} MB ({QUEUE_MB})" in proc.stderr
     assert capped == (limit != "0"), proc.stderr
     assert "default command buffers" not in proc.stderr
-
-
-def test_sweep_actors_start_capped_under_a_limit(ray_cluster, tiny_model, tiny_data, tmp_path,
-                                                 monkeypatch) -> None:
-    """A trial with ``memory_limit_gb`` runs in an actor whose process has the cap (its
-    "running" event says so); one without runs in MLX's default."""
-    from tasks.placement import Placement
-    from tasks.scheduler import run_trials
-    from tasks.trial_plan import TrialPlan
-
-    monkeypatch.delenv(QUEUE_MB, raising=False)
-    base = {"model": str(tiny_model), "data": str(tiny_data), "steps": 1, "batch_size": 2,
-            "val_every": 0, "lora_rank": 4}
-    trials = [TrialPlan.make(name, {**base, "out": str(tmp_path / name), **extra})
-              for name, extra in (("limited", {"memory_limit_gb": 50.0}), ("free", {}))]
-    seen: dict[str, object] = {}
-    rows = run_trials(trials, Placement(), max_concurrent=1,
-                      on_event=lambda kind, s: seen.setdefault(s["trial_id"], s)
-                      if kind == "running" else None)
-    assert [r["status"] for r in rows] == ["completed", "completed"], rows
-    assert seen["limited"]["mlx_queue_mb"] == str(BOUNDED_MB)
-    assert seen["free"]["mlx_queue_mb"] is None

@@ -37,6 +37,7 @@ def test_optuna_prunes_a_hopeless_trial(ray_cluster, tiny_model, tiny_data, tmp_
     assert all(r["reason"].startswith("pruned at step") for r in pruned)
     done = [r for r in rows if r["status"] == "completed"]
     assert all(r["best/val/loss"] is not None for r in done)
+    assert all(r["mlx_queue_mb"] is None for r in done)  # no limit: MLX's own queue
     table = pq.read_table(tmp_path / "results.parquet").to_pylist()
     assert sorted(r["trial_id"] for r in table) == sorted(r["trial_id"] for r in rows)
     # A re-run asks the same seeded sampler: completed trials come from the cache.
@@ -59,6 +60,9 @@ def test_segment_size_auto_fits_the_budget(ray_cluster, tiny_model, tiny_data, t
     peaks = {int(k): v for k, v in peaks.items()}
     assert sorted(peaks) == [0, 1, 2]  # plain and the powers of two below 4 layers
     assert big[0]["status"] == "completed" and big[0]["param/segment_size"] == 0
+    # Under the budget (its memory limit) the trial's actor started with MLX's queue capped
+    # (engine/command_queue.py), as the probes did.
+    assert big[0]["mlx_queue_mb"] == "40"
     smallest = min(peaks, key=peaks.get)
     assert smallest != 0 and peaks[smallest] * AUTO_HEADROOM < peaks[0], peaks
     raw["memory_budget_gb"] = budget = peaks[smallest] * AUTO_HEADROOM

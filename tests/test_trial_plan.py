@@ -76,7 +76,7 @@ def test_train_config_is_built_once_per_trial_from_spec_to_actor(
                        "fixed": {"steps": 2, "batch_size": 4, "lora_rank": 4},
                        "grid": {"segment_size": ["auto", 1, 2]}})
     monkeypatch.setattr(TrainConfig, "__init__", counted)
-    monkeypatch.setattr(Placement, "fresh_task", lambda self, fn: InProcess(fn))
+    monkeypatch.setattr(Placement, "fresh_task", lambda self, fn, env=None: InProcess(fn))
     monkeypatch.setattr(ray, "get", lambda value: value)
     sweep = SweepRun(spec, tmp_path / "sweep", Placement(), None)
     source, _ = sweep.list_source()
