@@ -13,8 +13,8 @@ with one of the engine's mask objects gets:
 - ``Window(None)`` (a full layer): one causal call, or on a GPU with heads wider than the
   fused kernels take, query blocks, each recomputed in the backward (``full_block``).
 
-Either takes blocks only when one call's scores would pass ``WHOLE_SCORES_BYTES``: below it
-blocks save no memory that matters and only add kernels the host must queue.
+Inside a segment (``whole_scores``) either runs as one call where its scores fit the
+segment's share of ``WHOLE_SCORES_BYTES``: there blocks only add kernels the host must queue.
 
 Any other mask passes through unchanged.
 """
@@ -25,6 +25,9 @@ import bisect
 import functools
 import itertools
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -90,17 +93,32 @@ FUSED_HEAD_DIM, FULL_BLOCK = 128, 512
 # Sliding layers attend in blocks of at most this many query rows (a 4096-token window in
 # one block would hold 4096 × 8192 scores per head).
 SLIDING_BLOCK = 512
-# One call's [B, H, Lq, Lk] scores (counted as float32) up to this size attend in one call,
-# unblocked: blocks and their recompute only add kernels there, and a segmented step at
-# short lengths is bound by the host queueing them (Gemma 4 E4B, one 2k pair on an H200:
-# docs/performance.md). At 8k a layer's scores are 2 GiB: blocked.
+# A segment's attention calls whose [B, H, Lq, Lk] scores (counted as float32) fit this
+# budget, split over its layers, run unblocked: there blocks and their recompute only add
+# kernels, and a segmented step at short lengths is bound by the host queueing them (Gemma
+# 4 E4B, one 2k pair on an H200: docs/performance.md). Unfused attention (Metal and CPU in
+# training, CUDA past head dim 128) keeps a call's scores for the backward, so the budget
+# holds only inside a segment, whose graph is evaluated alone (``whole_scores``); a graph
+# over the whole model (plain autograd) blocks as before. At 8k a layer's are 2 GiB.
 WHOLE_SCORES_BYTES = 256 * 2**20
+_budget: ContextVar[int] = ContextVar("whole_scores_budget", default=0)
 
 
-def whole(queries: mx.array, keys: mx.array) -> bool:
-    """Whether one attention call of these shapes is small enough to run unblocked."""
+@contextmanager
+def whole_scores(layers: int) -> Iterator[None]:
+    """Inside: calls whose scores fit ``WHOLE_SCORES_BYTES / layers`` run unblocked (the
+    segmented engine, around one segment of ``layers`` layers)."""
+    token = _budget.set(WHOLE_SCORES_BYTES // max(layers, 1))
+    try:
+        yield
+    finally:
+        _budget.reset(token)
+
+
+def whole(queries: mx.array, n_keys: int) -> bool:
+    """Whether one call of ``queries`` over ``n_keys`` keys runs unblocked here."""
     b, h, lq, _ = queries.shape
-    return b * h * lq * keys.shape[2] * 4 <= WHOLE_SCORES_BYTES
+    return b * h * lq * n_keys * 4 <= _budget.get()
 
 
 def full_block(queries: mx.array) -> int:
@@ -113,13 +131,17 @@ def attend(sdpa, queries: mx.array, keys: mx.array, values: mx.array, cache, sca
            window: int | None, *args, **kwargs) -> mx.array:
     """Causal attention of the last Lq of Lk positions (keys within ``window``, if any)."""
     lq, lk = queries.shape[2], keys.shape[2]
-    if window is not None and lk > window and whole(queries, keys):
-        mask = create_causal_mask(lq, offset=lk - lq, window_size=window)
-        return sdpa(queries, keys, values, cache, scale, mask, *args, **kwargs)
     if window is not None and lk > window:
-        return blockwise_attention(sdpa, queries, keys, values, cache, scale, window,
-                                   min(window, SLIDING_BLOCK), *args, recompute=True, **kwargs)
-    block = 0 if whole(queries, keys) else full_block(queries)
+        lo = max(0, lk - lq - window + 1)  # keys before any query's window
+        if not whole(queries, lk - lo):
+            return blockwise_attention(sdpa, queries, keys, values, cache, scale, window,
+                                       min(window, SLIDING_BLOCK), *args, recompute=True,
+                                       **kwargs)
+        if lo:
+            keys, values = keys[:, :, lo:], values[:, :, lo:]
+        mask = create_causal_mask(lq, offset=lk - lo - lq, window_size=window)
+        return sdpa(queries, keys, values, cache, scale, mask, *args, **kwargs)
+    block = 0 if whole(queries, lk) else full_block(queries)
     if window is None and block:
         return blockwise_attention(sdpa, queries, keys, values, cache, scale, None, block,
                                    *args, recompute=True, **kwargs)

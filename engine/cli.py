@@ -54,6 +54,14 @@ def config_from_args(argv: list[str]) -> TrainConfig:
     return TrainConfig().replace(**overrides)
 
 
+def replayable(argv: list[str]) -> bool:
+    """Whether a new process given ``argv`` reads the same config: its ``--config`` is a
+    regular file by name (a pipe, ``<(...)`` or ``/dev/stdin`` is read to its end here)."""
+    path = train_parser().parse_args(argv).config
+    return path is None or (Path(path).is_file()
+                            and not str(Path(path).absolute()).startswith(("/dev/", "/proc/")))
+
+
 class PrintMetrics:
     """Plain one-line-per-record progress on stderr (the engine has no terminal UI)."""
 
@@ -106,7 +114,8 @@ def run_train(argv: list[str]) -> int:
     log_to_stderr()
     try:
         cfg = config_from_args(argv)
-        ensure_queue(cfg.memory_limit_gb)  # a CLI under a limit: re-run with MLX's queue capped
+        if replayable(argv):  # a CLI under a limit: re-run with MLX's queue capped
+            ensure_queue(cfg.memory_limit_gb, ["-m", "engine", "train", *argv])
         result = train(cfg, [PrintMetrics()])
     except (ValueError, OSError) as err:  # a file where --out should be a folder, too
         print(f"error: {err}", file=sys.stderr)

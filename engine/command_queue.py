@@ -17,6 +17,7 @@ user set is kept.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Mapping
@@ -40,24 +41,30 @@ def entry_point() -> None:
     _entry[0] = True
 
 
-def ensure_queue(memory_limit_gb: float) -> None:
-    """Re-execute this process with the cap when it trains under a limit, started without
-    one, and is a CLI's own (a library caller gets ``queue_note``'s warning instead)."""
+def ensure_queue(memory_limit_gb: float, argv: list[str]) -> None:
+    """Re-execute as ``python ARGV`` with the cap when this process trains under a limit,
+    started without one, and is a CLI's own (a library caller, or a failed exec, gets
+    ``queue_note``'s warning instead)."""
     env = queue_env(memory_limit_gb)
     if not env or QUEUE_MB in os.environ or not _entry[0]:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **env})
+    try:
+        os.execve(sys.executable, [sys.executable, *argv], {**os.environ, **env})
+    except OSError:
+        return
 
 
-def queue_note(memory_limit_gb: float) -> str | None:
-    """The log line of a run under a limit: the cap it trains with, or the missing one."""
+def queue_note(memory_limit_gb: float) -> tuple[int, str] | None:
+    """The log level and line of a run under a limit: the cap it trains with (info), or
+    that it has none (a warning); None without a limit."""
     if memory_limit_gb <= 0:
         return None
     if QUEUE_MB in os.environ:
-        return (f"memory limit {memory_limit_gb:g} GiB; MLX command buffers capped at "
-                f"{os.environ[QUEUE_MB]} MB ({QUEUE_MB})")
-    return (f"memory limit {memory_limit_gb:g} GiB with MLX's default command buffers: on "
-            f"CUDA the host may queue GBs past the limit, then wait buffer by buffer; start "
-            f"the process with {QUEUE_MB}={BOUNDED_MB} (engine/command_queue.py)")
+        return logging.INFO, (f"memory limit {memory_limit_gb:g} GiB; MLX command buffers "
+                              f"capped at {os.environ[QUEUE_MB]} MB ({QUEUE_MB})")
+    return logging.WARNING, (
+        f"memory limit {memory_limit_gb:g} GiB with MLX's default command buffers: on CUDA "
+        f"the host may queue GBs past the limit, then wait buffer by buffer; start the "
+        f"process with {QUEUE_MB}={BOUNDED_MB} (engine/command_queue.py)")

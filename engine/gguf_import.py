@@ -144,7 +144,7 @@ def gguf_layer_count(path: str | Path) -> int | None:
         fields = gguf.GGUFReader(str(path)).fields
         arch = fields["general.architecture"].contents()
         return int(fields[f"{arch}.block_count"].contents())
-    except (KeyError, ValueError, OSError, TypeError):
+    except Exception:  # any unreadable header (a truncated file: IndexError); loading names it
         return None
 
 

@@ -33,7 +33,8 @@ class Masks(Protocol):
 class CausalMasks:
     """Causal masks over T contiguous positions, as ``Window``s (engine/attention.py): a
     sliding layer past its window attends block by block instead of through mlx-lm's
-    [T, T] array; a full layer is one "causal" call unless its heads are too wide to fuse."""
+    [T, T] array; a full layer is one "causal" call unless its heads are too wide to fuse.
+    Inside a segment either is one call where its scores are small (``whole_scores``)."""
 
     positions = None
 

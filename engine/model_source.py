@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from engine.digests import file_digest
-from engine.gguf_import import IMPORTER_VERSION, MARK, import_gguf
+from engine.gguf_import import IMPORTER_VERSION, MARK, gguf_layer_count, import_gguf
 
 GGUF_DTYPE = "bfloat16"  # what a checkpoint ships as; `pomona model import` chooses others
 Kind = Literal["dir", "gguf", "repo"]
@@ -124,3 +124,18 @@ def read_config(folder: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path}: a JSON {type(config).__name__}, not the object of model "
                          "settings config.json holds")
     return config
+
+
+def layer_count(model: str) -> int | None:
+    """Decoder layers as the model's files state them, no weights read: the config.json of
+    a directory or of a repo id's local snapshot (a multimodal one's ``text_config``), a
+    GGUF's ``block_count``; None where they do not say (a repo id not downloaded here)."""
+    if source_kind(model) == "gguf":
+        return gguf_layer_count(model)
+    try:
+        config = read_config(model_dir(model))
+    except (OSError, ValueError):  # the probe's own load names what is wrong
+        return None
+    layers = config.get("num_hidden_layers") or (config.get("text_config") or {}).get(
+        "num_hidden_layers")
+    return int(layers) if layers else None

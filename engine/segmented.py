@@ -26,6 +26,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from engine.arch.stack import Stack, State
+from engine.attention import whole_scores
 from engine.batch import PairBatch
 from engine.head import bounded_head_grad, dense_logps, token_logps
 from engine.inflight import InFlight, phase_done
@@ -99,7 +100,8 @@ class Segment:
                 ) -> tuple[mx.array, dict[int, State]]:
         """The segment's output and the donor states it exports."""
         states = dict(inputs)
-        h = self.stack.run(self.start, self.end, h, self.masks, self.side, states)
+        with whole_scores(self.end - self.start):  # its graph is evaluated alone
+            h = self.stack.run(self.start, self.end, h, self.masks, self.side, states)
         return h, {d: states[d] for d in self.exports}
 
     def vjp(self, h_in: mx.array, cotangent: mx.array, state_cots: dict[int, State],

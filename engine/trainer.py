@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
@@ -37,7 +36,7 @@ from engine.adapters import (
     save_checkpoint,
 )
 from engine.batch import PairBatch
-from engine.command_queue import QUEUE_MB, queue_note
+from engine.command_queue import queue_note
 from engine.config import TrainConfig
 from engine.data import check_train_split, micro_batches, pair_length
 from engine.data_fit import load_pairs_for
@@ -152,8 +151,7 @@ def memory_limit(gib: float) -> Iterator[None]:
     if gib <= 0:
         yield
         return
-    note = queue_note(gib)
-    (log.info if QUEUE_MB in os.environ else log.warning)(note)
+    log.log(*queue_note(gib))
     before = mx.set_memory_limit(int(gib * 2**30))
     try:
         yield

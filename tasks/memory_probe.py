@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.adapters import atomic_write_text
-from engine.command_queue import queue_env
-from engine.gguf_import import gguf_layer_count
-from engine.model_source import model_dir, read_config, source_kind
+from engine.command_queue import QUEUE_MB, queue_env
+from engine.model_source import layer_count
 from engine.probe import largest_fitting, probe_steps
 from tasks.placement import Placement
 from tasks.sweep_spec import SpecError
@@ -39,25 +38,13 @@ def candidate_sizes(model: str) -> list[int]:
     return [0] + [2**i for i in range(layers.bit_length()) if 2**i < layers]
 
 
-def layer_count(model: str) -> int | None:
-    """Decoder layers as the model's files state them, no weights read: the config.json of
-    a directory or of a repo id's local snapshot (a multimodal one's ``text_config``), a
-    GGUF's ``block_count``; None where they do not say (a repo id not downloaded here)."""
-    if source_kind(model) == "gguf":
-        return gguf_layer_count(model)
-    try:
-        config = read_config(model_dir(model))
-    except (OSError, ValueError):  # the probe's own load names what is wrong
-        return None
-    layers = config.get("num_hidden_layers") or (config.get("text_config") or {}).get(
-        "num_hidden_layers")
-    return int(layers) if layers else None
-
-
 def probe_key(fields: dict[str, Any], fingerprint: str) -> str:
     """The probe cache's key of a trial's ``fields`` (those one rank trains: ``per_rank``)."""
     body = {k: fields.get(k) for k in MEMORY_FIELDS}
     body.update(model=fields["model"], data=fingerprint)
+    queue = queue_env(fields.get("memory_limit_gb") or 0.0).get(QUEUE_MB)
+    if queue:  # the process's queue cap changes its peak (engine/command_queue.py)
+        body["queue_mb"] = queue
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -92,10 +79,9 @@ def resolve_auto(plans: list[TrialPlan], budget_gb: float, placement: Placement,
     todo = {key: p for p in plans if "segment_size" in p.auto
             and (key := probe_key(per_rank(p, ranks), fingerprint)) not in known}
     if todo:
-        probe = placement.fresh_task(_run_probe, queue_env(budget_gb))  # as trials run
-        refs = {key: probe.remote({**p.config.to_dict(),
-                                   "batch_size": p.config.batch_size // ranks},
-                                  candidate_sizes(p.config.model)) for key, p in todo.items()}
+        refs = {key: placement.fresh_task(_run_probe, queue_env(p.config.memory_limit_gb))
+                .remote({**p.config.to_dict(), "batch_size": p.config.batch_size // ranks},
+                        candidate_sizes(p.config.model)) for key, p in todo.items()}
         for key, ref in refs.items():
             known[key] = {str(k): v for k, v in ray.get(ref).items()}
         cache.parent.mkdir(parents=True, exist_ok=True)

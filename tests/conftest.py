@@ -92,6 +92,9 @@ def ray_cluster(_ray_owner):
         _ray_owner.setenv("RAY_TMPDIR", tmp)  # kept while this Ray runs (across modules)
         if "RAY_AUTH_MODE" not in os.environ:
             _ray_owner.setenv("RAY_AUTH_MODE", "disabled")
+        # Trials start with MLX's queue capped only under a limit (tests/test_gang.py); not
+        # because the shell that ran the tests set it (Ray's workers inherit this env).
+        _ray_owner.delenv("MLX_MAX_MB_PER_BUFFER", raising=False)
         ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir=tmp,
                  runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve()
                                                              .parents[1])}},

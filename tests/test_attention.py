@@ -42,17 +42,16 @@ def assert_same_attention(ours, mask, q, k, v, cot) -> None:
 @pytest.mark.parametrize(("lq", "lk", "window"), [
     (37, 37, 8), (64, 64, 16), (16, 16, 16), (40, 100, 16), (33, 41, 8), (5, 70, 16),
     (70, 70, 1), (50, 50, 49), (48, 48, 7)])
-def test_windowed_equals_dense_mask(lq: int, lk: int, window: int, blocked: bool,
-                                    monkeypatch) -> None:
+def test_windowed_equals_dense_mask(lq: int, lk: int, window: int, blocked: bool) -> None:
     """Catches a block that misses the window's earliest key, sees one too many, or whose
     key tiles' gradients are not summed over the two blocks that read them; and, whole
-    (scores under the budget), a window mask offset for queries that end the keys."""
-    if blocked:
-        monkeypatch.setattr(attention, "WHOLE_SCORES_BYTES", 0)
+    (scores under the budget), keys trimmed to the windows or a mask offset for queries
+    that end the keys."""
     q, k, v, cot = inputs(lq, lk, lq * 1000 + lk, rows=2)
     dense = create_causal_mask(lq, offset=lk - lq, window_size=window)
-    assert_same_attention(lambda q, k, v: attention.attend(sdpa, q, k, v, None, 0.35, window),
-                          dense, q, k, v, cot)
+    with attention.whole_scores(10**9 if blocked else 1):  # a budget of 0 bytes, or 256 MiB
+        assert_same_attention(lambda q, k, v: attention.attend(sdpa, q, k, v, None, 0.35,
+                                                               window), dense, q, k, v, cot)
 
 
 @pytest.mark.parametrize(("lq", "lk", "block"), [(37, 37, 8), (64, 64, 16), (20, 50, 8),
@@ -82,23 +81,33 @@ def test_windows_wider_than_a_block(lq: int, lk: int, window: int, block: int) -
 
 
 @pytest.mark.parametrize("window", [None, 16])
-def test_blocks_only_past_the_scores_budget(window: int | None, monkeypatch) -> None:
-    """One call while [B, H, Lq, Lk] float32 scores fit ``WHOLE_SCORES_BYTES``; blocks past
-    it (sliding layers past their window; full layers where wide heads block)."""
+def test_one_call_only_inside_a_segment_and_its_budget(window: int | None, monkeypatch) -> None:
+    """One call while [B, H, Lq, Lk] float32 scores fit the segment's share of
+    ``WHOLE_SCORES_BYTES`` (a window's keys trimmed to what it reaches); blocks past it, and
+    outside a segment, where a graph over every layer would keep every layer's scores."""
     monkeypatch.setattr(attention, "full_block", lambda q: 16)
-    calls: list[object] = []
+    calls: list[tuple] = []
 
     def counting(q, k, v, cache, scale, mask):
-        calls.append(mask)
+        calls.append(k.shape)
         return sdpa(q, k, v, cache, scale, mask)
 
-    q, k, v, _ = inputs(64, 64, 5)
-    budget = 4 * 64 * 64 * 4  # exactly these scores
-    for limit, expected in ((budget, 1), (budget - 1, 4)):
+    q, k, v, _ = inputs(48, 100, 5)  # 48 queries ending 100 keys: 3 blocks of 16
+    reach = 100 if window is None else 48 + window - 1  # the keys 16-wide windows reach
+    budget = 4 * 48 * reach * 4  # exactly those scores, for one layer
+    for limit, layers, expected in ((budget, 1, 1), (budget - 1, 1, None), (2 * budget, 2, 1),
+                                    (2 * budget, 3, None), (10**12, None, None)):
         monkeypatch.setattr(attention, "WHOLE_SCORES_BYTES", limit)
         calls.clear()
-        mx.eval(attention.attend(counting, q, k, v, None, 0.35, window))
-        assert len(calls) == expected, (limit, calls)
+        if layers is None:  # outside any segment
+            mx.eval(attention.attend(counting, q, k, v, None, 0.35, window))
+        else:
+            with attention.whole_scores(layers):
+                mx.eval(attention.attend(counting, q, k, v, None, 0.35, window))
+        if expected:
+            assert calls == [(1, 2, reach, 8)], (limit, layers, calls)
+        else:
+            assert len(calls) > 1, (limit, layers, calls)
 
 
 def test_full_layers_block_only_wide_heads_on_a_gpu() -> None:

@@ -24,18 +24,45 @@ def test_the_cap_goes_with_a_limit_and_a_set_value_is_kept() -> None:
     assert queue_env(9.3, {QUEUE_MB: "16"}) == {QUEUE_MB: "16"}  # the user's own
 
 
-@pytest.mark.parametrize("limit", ["0", "50"])
-def test_the_cli_reruns_itself_capped_under_a_limit(limit: str, tiny_model: Path,
-                                                    tiny_data: Path, tmp_path: Path) -> None:
-    """``python -m engine train --memory-limit-gb`` started without the cap trains with it
-    (MLX read its default at import: only a new process takes it); without a limit, not."""
+# Loaded by every interpreter started with this folder on PYTHONPATH: the value each one
+# started with (what MLX reads at import), one line per process.
+SITECUSTOMIZE = """import os
+with open(os.environ["QUEUE_LOG"], "a") as f:
+    f.write(repr(os.environ.get("MLX_MAX_MB_PER_BUFFER")) + "\\n")
+"""
+
+
+@pytest.mark.parametrize(("cli", "limit", "config"), [
+    ("engine", "50", None), ("flows.cli", "50", None), ("engine", "0", None),
+    ("engine", "50", "pipe")])
+def test_the_cli_reruns_itself_capped_under_a_limit(cli: str, limit: str, config: str | None,
+                                                    tiny_model: Path, tiny_data: Path,
+                                                    tmp_path: Path) -> None:
+    """``python -m engine train`` and ``pomona train`` under ``--memory-limit-gb``, started
+    without the cap, train in a new process started with it (MLX read its default at
+    import: setting the variable in-process would do nothing); without a limit, in the one
+    process. A config from a pipe cannot be read twice: no second process, a warning."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    log = tmp_path / "starts.txt"
     env = {k: v for k, v in os.environ.items() if k != QUEUE_MB}
-    proc = subprocess.run([sys.executable, "-m", "engine", "train", "--model", str(tiny_model),
-                           "--data", str(tiny_data), "--out", str(tmp_path / "run"),
-                           "--steps", "1", "--batch-size", "2", "--val-every", "0",
-                           "--memory-limit-gb", limit],
+    env.update(QUEUE_LOG=str(log), PYTHONPATH=os.pathsep.join(
+        [str(tmp_path / "site"), str(ROOT), env.get("PYTHONPATH", "")]))
+    args = ["--model", str(tiny_model), "--data", str(tiny_data), "--out",
+            str(tmp_path / "run"), "--steps", "1", "--batch-size", "2", "--val-every", "0"]
+    stdin = None
+    if config == "pipe":  # --config /dev/stdin: the limit arrives through a pipe
+        args, stdin = [*args, "--config", "/dev/stdin"], f"memory_limit_gb: {limit}\n"
+    else:
+        args += ["--memory-limit-gb", limit]
+    proc = subprocess.run([sys.executable, "-m", cli, "train", *args], input=stdin,
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr
-    capped = f"capped at {BOUNDED_MB} MB ({QUEUE_MB})" in proc.stderr
-    assert capped == (limit != "0"), proc.stderr
-    assert "default command buffers" not in proc.stderr
+    starts = log.read_text().split()
+    # (Without OpenBLAS preloaded a Linux CPU process re-runs itself once more first.)
+    if limit == "0" or config == "pipe":
+        assert set(starts) == {"None"} and "capped at" not in proc.stderr, starts
+        assert ("default command buffers" in proc.stderr) == (limit != "0"), proc.stderr
+    else:  # the first process, then the one that trained, started with the cap
+        assert starts[0] == "None" and starts[-1] == repr(str(BOUNDED_MB)), starts
+        assert f"capped at {BOUNDED_MB} MB ({QUEUE_MB})" in proc.stderr, proc.stderr

@@ -98,30 +98,3 @@ def test_fetch_refuses_bad_options_before_any_download(monkeypatch, tmp_path: Pa
         result = CliRunner().invoke(app, ["model", "fetch", "gemma3-270m", *args])
         lines = [x for x in result.output.splitlines() if x.strip()]
         assert result.exit_code == 2 and len(lines) == 1 and message in lines[0], result.output
-
-
-
-def test_segment_size_auto_probes_the_layers_a_model_states(tmp_path: Path, monkeypatch) -> None:
-    """``segment_size: auto`` probes powers of two below the real layer count: a GGUF's
-    header, a multimodal config's text_config (Gemma 4 E4B: 42 layers, so 32 is a
-    candidate); 32 only where nothing says (it was assumed for every GGUF and repo id)."""
-    import gguf
-
-    from tasks.memory_probe import candidate_sizes
-
-    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
-    writer.add_block_count(12)
-    writer.add_tensor("blk.0.attn_q.weight", np.zeros((4, 32), np.float32))
-    for step in (writer.write_header_to_file, writer.write_kv_data_to_file,
-                 writer.write_tensors_to_file, writer.close):
-        step()
-    assert candidate_sizes(str(tmp_path / "m.gguf")) == [0, 1, 2, 4, 8]
-    mm = tmp_path / "mm"
-    mm.mkdir()
-    (mm / "config.json").write_text('{"model_type": "gemma4", '
-                                    '"text_config": {"num_hidden_layers": 42}}')
-    assert candidate_sizes(str(mm)) == [0, 1, 2, 4, 8, 16, 32]
-    bare = write_gguf(tmp_path / "bare.gguf", "llama")  # no block_count
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    for unknown in (str(bare), "nobody/not-downloaded-here"):
-        assert candidate_sizes(unknown) == [0, 1, 2, 4, 8, 16]

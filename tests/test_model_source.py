@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from engine.content_key import model_fingerprint
@@ -131,3 +132,33 @@ def test_cache_keys_are_pinned(tiny_model: Path, tmp_path: Path, monkeypatch) ->
     raw_sha = "a1d491af98b2e03955bc9a6a1775de197f6535c356908ccc1b77bd4c3ee6485c"
     manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
     assert data_fingerprint(str(raw)) == raw_sha == manifest["sources"][0]["sha256"]
+
+
+def test_segment_size_auto_probes_the_layers_a_model_states(tmp_path: Path, monkeypatch) -> None:
+    """``segment_size: auto`` probes powers of two below the real layer count: a GGUF's
+    header, a multimodal config's text_config (Gemma 4 E4B: 42 layers, so 32 is a
+    candidate); 32 only where nothing says (it was assumed for every GGUF and repo id)."""
+    import gguf
+
+    from tasks.memory_probe import candidate_sizes
+
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    writer.add_block_count(12)
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((4, 32), np.float32))
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file,
+                 writer.write_tensors_to_file, writer.close):
+        step()
+    assert candidate_sizes(str(tmp_path / "m.gguf")) == [0, 1, 2, 4, 8]
+    mm = tmp_path / "mm"
+    mm.mkdir()
+    (mm / "config.json").write_text('{"model_type": "gemma4", '
+                                    '"text_config": {"num_hidden_layers": 42}}')
+    assert candidate_sizes(str(mm)) == [0, 1, 2, 4, 8, 16, 32]
+    from tests.test_gguf_import import write_gguf
+
+    bare = write_gguf(tmp_path / "bare.gguf", "llama")  # no block_count
+    cut = tmp_path / "cut.gguf"  # a truncated header
+    cut.write_bytes((tmp_path / "m.gguf").read_bytes()[:40])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for unknown in (str(bare), str(cut), "nobody/not-downloaded-here"):
+        assert candidate_sizes(unknown) == [0, 1, 2, 4, 8, 16]

@@ -72,7 +72,7 @@ def test_segment_size_auto_fits_the_budget(ray_cluster, tiny_model, tiny_data, t
     assert peaks[small["param/segment_size"]] * AUTO_HEADROOM <= budget
     assert small["param/memory_limit_gb"] == pytest.approx(budget)
     assert json.loads(small["segment_size_probe_gb"]).keys() == {"0", "1", "2"}
-    config = {"model": str(tiny_model), **raw["fixed"]}
+    config = {"model": str(tiny_model), **raw["fixed"], "memory_limit_gb": budget}
     assert probe_key(config, data_fingerprint(str(tiny_data))) in probes
     raw["memory_budget_gb"] = peaks[smallest] / 2  # nothing fits: said, with the numbers
     with pytest.raises(Exception, match="no segment size fits memory_budget_gb"):
