@@ -15,6 +15,8 @@ import os
 import sys
 from pathlib import Path
 
+from engine.reexec import reexec
+
 # Where Debian/Ubuntu install it; POMONA_OPENBLAS names another library file.
 OPENBLAS_GLOB = "/usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0"
 CHECKED = "POMONA_BLAS_CHECKED"  # set in the re-executed process (and by users to opt out)
@@ -53,7 +55,6 @@ def ensure_fast_blas(argv: list[str] | None = None) -> None:
               "./run, which preloads it", file=sys.stderr)
         return
     preload = ":".join([lib, *filter(None, [os.environ.get("LD_PRELOAD")])])
-    args = sys.orig_argv[1:] if argv is None else argv
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *args], {**os.environ, "LD_PRELOAD": preload})
+    reexec(sys.orig_argv[1:] if argv is None else argv, {"LD_PRELOAD": preload})
+    print(f"warning: could not re-run {sys.executable} with {lib} preloaded; MLX uses its "
+          "reference BLAS (training ~8x slower)", file=sys.stderr)

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Mapping
+
+from engine.reexec import reexec
 
 QUEUE_MB = "MLX_MAX_MB_PER_BUFFER"
 BOUNDED_MB = 40
@@ -46,14 +47,8 @@ def ensure_queue(memory_limit_gb: float, argv: list[str]) -> None:
     started without one, and is a CLI's own (a library caller, or a failed exec, gets
     ``queue_note``'s warning instead)."""
     env = queue_env(memory_limit_gb)
-    if not env or QUEUE_MB in os.environ or not _entry[0]:
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        os.execve(sys.executable, [sys.executable, *argv], {**os.environ, **env})
-    except OSError:
-        return
+    if env and QUEUE_MB not in os.environ and _entry[0]:
+        reexec(argv, env)
 
 
 def queue_note(memory_limit_gb: float) -> tuple[int, str] | None:
