@@ -133,7 +133,8 @@ class TrainConfig:
                                      "queued GPU work to free its buffers, so peak stays near "
                                      "what a step needs (a 16 GB Mac mini: ~9; "
                                      "docs/performance.md). The run's process also caps MLX's "
-                                     "queue (MLX_MAX_MB_PER_BUFFER=40; the CLIs re-run "
+                                     "queue (MLX_MAX_MB_PER_BUFFER: 40 on a Mac, 100 on "
+                                     "CUDA; the CLIs re-run "
                                      "themselves with it). 0 = MLX's default.")
 
     def validate(self) -> None:

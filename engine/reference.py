@@ -45,7 +45,7 @@ from engine.layout_policy import scoring_layout
 from engine.load_check import checked_stack
 from engine.model import load_model, use_input_dtype_lora
 from engine.prefix import pair_batch
-from engine.scoring import forward_logps, length_groups
+from engine.scoring import forward_logps, length_groups, read_positions
 
 REFERENCE_VERSION = "1"  # bump when the forward's semantics change: old files are not read
 KEY_FIELD = b"pomona_reference_key"
@@ -188,7 +188,8 @@ def reference_logps(model: Any, stack: Any, pairs: Sequence[Pair],
         group = [pairs[i] for i in idx]
         batch = layout(group)
         two = pair_batch(batch)
-        lp = forward_logps(model, stack, batch, head_chunk).astype(mx.float32)
+        lp = forward_logps(model, stack, batch, head_chunk,
+                           read_positions(two.resp_mask)).astype(mx.float32)
         sums = (lp * mx.array(two.resp_mask)).sum(axis=-1)
         mx.eval(sums)
         k = len(group)

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from engine.command_queue import bounded_mb
+
 pytestmark = pytest.mark.integration
 TOY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "500",
        "--repeats", "1", "--json"]
@@ -199,7 +201,8 @@ def test_train_bench_rows_of_a_published_shape(tmp_path, capsys, monkeypatch) ->
     assert (plain["name"], levers["name"]) == ("plain", LEVERS)
     # A row setting MLX's once-a-process variables: every row in a process of its own; one
     # under a memory limit starts as `pomona train` would, MLX's queue capped.
-    assert levers["env"] == {"MLX_MAX_OPS_PER_BUFFER": "40", "MLX_MAX_MB_PER_BUFFER": "40"}
+    assert levers["env"] == {"MLX_MAX_OPS_PER_BUFFER": "40",
+                             "MLX_MAX_MB_PER_BUFFER": str(bounded_mb())}
     assert plain["env"] == {}
     assert len({plain["pid"], levers["pid"], os.getpid()}) == 3
     assert out["host"]["cpus"] >= 1 and len(out["host"]["load_avg"]) == 3  # who built them

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.command_queue import BOUNDED_MB, QUEUE_MB, queue_env
+from engine.command_queue import QUEUE_MB, bounded_mb, queue_env
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_cap_goes_with_a_limit_and_a_set_value_is_kept() -> None:
     assert queue_env(0.0, {}) == {}
-    assert queue_env(9.3, {}) == {QUEUE_MB: str(BOUNDED_MB)}
+    assert queue_env(9.3, {}) == {QUEUE_MB: str(bounded_mb())}
+    # Metal keeps MLX's own base-Mac default; CUDA gets the H200's measured 100 MB
+    assert (bounded_mb("darwin"), bounded_mb("linux")) == (40, 100)
     assert queue_env(9.3, {QUEUE_MB: "16"}) == {QUEUE_MB: "16"}  # the user's own
 
 
@@ -63,5 +65,5 @@ def test_the_cli_reruns_itself_capped_under_a_limit(cli: str, config: str | None
         assert set(starts) == {"None"} and "capped at" not in proc.stderr, starts
         assert "default command buffers" in proc.stderr, proc.stderr
     else:  # the first process, then the one that trained, started with the cap
-        assert starts[0] == "None" and starts[-1] == repr(str(BOUNDED_MB)), starts
-        assert f"capped at {BOUNDED_MB} MB ({QUEUE_MB})" in proc.stderr, proc.stderr
+        assert starts[0] == "None" and starts[-1] == repr(str(bounded_mb())), starts
+        assert f"capped at {bounded_mb()} MB ({QUEUE_MB})" in proc.stderr, proc.stderr

@@ -75,12 +75,13 @@ def one_process(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
     return data, where / "one"
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [3])  # two ranks: tests/test_gang.py, through Ray
 def test_ranks_train_the_one_process_adapter(ranks: int, tiny_model: Path, one_process,
                                              tmp_path: Path) -> None:
     """Catches: a rank without its offset (every rank training the same pairs), per-rank
     normalisers (the NLL token mean weighted by rank, mlx-lm's mistake), gradients averaged
-    instead of summed, or clipped before they are summed."""
+    instead of summed, or clipped before they are summed. Three ranks: a world size that
+    is not a power of two (the same launcher and ring as two, which the gang test runs)."""
     data, one_dir = one_process
     caches = [Path(os.environ.get("TMPDIR") or "/tmp") / f"pomona-rank-{r}" / "mlx"
               for r in range(1, ranks)]

@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from engine.command_queue import bounded_mb
 from tasks.placement import Placement
 from tasks.scheduler import run_trials
 
@@ -46,7 +47,7 @@ def test_a_gang_of_two_trains_one_adapter_as_one_process_would(ray_cluster, tiny
     assert gang[0]["world_size"] == 2 and gang[0]["rank"] == 0 and len(gang[0]["hosts"]) == 2
     running = [s for k, s in events if k == "running"]
     assert len(running) == 1 and len(set(running[0]["pids"])) == 2
-    assert running[0]["mlx_queue_mb"] == "40"
+    assert running[0]["mlx_queue_mb"] == str(bounded_mb())
     summary = json.loads((tmp_path / "gang" / "summary.json").read_text())
     assert summary["world_size"] == 2 and sum(summary["rank_pairs"]) == 3 * 4
     assert summary["rank_pairs"] == [6, 6]

@@ -278,3 +278,37 @@ def test_simpo_and_dpo_run_every_lever_unchanged(tiny_model: Path, spec: LossSpe
         assert np.array_equal(shared.pairs.ref, two.ref)
         for k, chunk in ((0, 0), (1, 16), (2, 0)):
             assert_same(run(model, stack, shared, shared.pairs, spec, k, chunk), ref)
+
+
+READ_ATOL = 1e-5  # float32 log-probs of the same rows: only the matmul's blocking differs
+
+
+@pytest.mark.parametrize("layout", ["two", "shared"])
+@pytest.mark.parametrize("head_chunk", [0, 7])
+def test_scoring_reads_only_the_positions_asked_for(tiny_model: Path, layout: str,
+                                                    head_chunk: int) -> None:
+    """engine/scoring.forward_logps with ``active`` (the head on read positions alone, as
+    evaluation calls it) equals the whole head there, to READ_ATOL, and is 0 elsewhere;
+    and the metrics evaluation reports from it equal the whole head's."""
+    from engine.scoring import evaluate, forward_logps, read_positions
+
+    model, stack = lora_model(tiny_model)
+    pairs = tokenized_pairs(tiny_model, 3, seed=11)
+    two = make_batch(pairs, "response")
+    batch = two if layout == "two" else split_prefix_batch(pairs, "response",
+                                                           attention="mask")
+    active = read_positions(two.resp_mask, two.nll_mask)
+    assert 0 < active.sum() < active.size / 2  # prompts and pads are most positions
+    whole = np.array(forward_logps(model, stack, batch, head_chunk))
+    read = np.array(forward_logps(model, stack, batch, head_chunk, active))
+    np.testing.assert_allclose(read[active], whole[active], rtol=0, atol=READ_ATOL)
+    assert not read[~active].any()
+    spec = LossSpec("orpo", 0.3, "response")
+    got = evaluate(model, stack, pairs, spec, 3, head_chunk=head_chunk,
+                   layout=lambda g: batch)
+    # the naive path: the whole head's log-probs through the same loss
+    lp = mx.array(whole)
+    _, metrics = pair_loss(lp, mx.array(two.resp_mask), mx.array(two.nll_mask), spec,
+                           batch_norms([two]), two.ref_array())
+    for k in ("logps/chosen", "logps/rejected", "log_odds_ratio"):
+        assert got[k] == pytest.approx(float(metrics[k]) / len(pairs), abs=1e-5), k

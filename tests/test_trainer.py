@@ -253,7 +253,7 @@ def test_memory_limit_is_applied_then_restored_and_changes_no_number(tiny_model,
     and losses. Catches a limit set in the wrong unit (GB vs GiB), left behind, or dropped.
     Called as a library in a process started without MLX's queue cap, it says so."""
     from engine import trainer
-    from engine.command_queue import QUEUE_MB
+    from engine.command_queue import QUEUE_MB, bounded_mb
 
     monkeypatch.delenv(QUEUE_MB, raising=False)
 
@@ -276,7 +276,7 @@ def test_memory_limit_is_applied_then_restored_and_changes_no_number(tiny_model,
         trainer.mx.set_memory_limit = real
         mx.set_memory_limit(before)
     [note] = [r for r in caplog.records if "command buffers" in r.getMessage()]
-    assert note.levelname == "WARNING" and f"{QUEUE_MB}=40" in note.getMessage()
+    assert note.levelname == "WARNING" and f"{QUEUE_MB}={bounded_mb()}" in note.getMessage()
     a, b = adapters(tmp_path / "limited"), adapters(tmp_path / "free")
     assert all(np.array_equal(a[k], b[k]) for k in a)
     assert losses(tmp_path / "limited") == losses(tmp_path / "free")
