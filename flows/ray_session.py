@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import stat
 import warnings
 from collections.abc import Iterator
@@ -59,9 +60,23 @@ def ray_session(address: str | None) -> Iterator[None]:
         ray.shutdown()
 
 
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """RayAddressError unless something accepts TCP at ``address``'s HOST:PORT within
+    ``timeout_s`` (Ray itself retries an absent head for minutes)."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise RayAddressError(f"--address {address}: nothing answers there within "
+                              f"{timeout_s:g} s ({err.strerror or err}); is the head running "
+                              "(`ray start --head`) and reachable from here?") from None
+
+
 def _connect(ray: ModuleType, address: str) -> None:
     """``ray.init`` at ``address``; its failures (Ray exits the process when no head
     answers) as one RayAddressError."""
+    if address != "auto":
+        check_reachable(address)
     try:
         ray.init(address=address, log_to_driver=False)
     except (ConnectionError, ValueError, RuntimeError, SystemExit) as err:

@@ -10,13 +10,17 @@ its process was lost and the trial may be retried. Every actor it starts is regi
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from engine.command_queue import queue_env
+from tasks.node_files import Bundle, pull
 from tasks.placement import Placement
 from tasks.trial import Summary, TrialActor, outcome
+from tasks.trial_inputs import SweepFiles
 from tasks.trial_plan import TrialPlan
 
 EventHook = Callable[[str, Summary], None]  # ("started" | "retry" | "finished", summary)
@@ -78,6 +82,49 @@ class Attempts:
     time_limit_s: float = 0.0
     study: Any = None
     metric: str = "val/loss"
+    files: SweepFiles = field(default_factory=SweepFiles)  # inputs by content
+    box: Any = None  # the MetricsBox trials send their metric lines to
+
+
+def relay(box: Any, trial_id: str, out: Path, first: bool) -> None:
+    """The trial's metric lines so far into the driver's ``out/metrics.jsonl`` (an attempt
+    starts the file afresh), where its Prefect task run follows them."""
+    import ray
+
+    lines = ray.get(box.take.remote(trial_id)) if box is not None else []
+    if first or lines:
+        out.mkdir(parents=True, exist_ok=True)
+        with (out / "metrics.jsonl").open("w" if first else "a") as f:
+            f.writelines(line + "\n" for line in lines)
+
+
+def collect(trial: TrialPlan, actor: Any, summary: Summary) -> Summary:
+    """The attempt's outputs pulled from its node into the trial's folder on the driver
+    (tasks/node_files.py); its scratch folder removed there."""
+    import ray
+
+    listed = summary.pop("outputs", None)
+    if listed is None:
+        return summary
+    out = Path(trial.config.out)
+    pull(Bundle.from_dict(listed), lambda rel, offset, n: ray.get(
+        actor.read.remote(rel, offset, n)), out)
+    ray.get(actor.cleanup.remote())
+    return {**summary, "adapter": str(out)}
+
+
+def wait_relaying(shared: Attempts, trial: TrialPlan, ref: Any) -> bool:
+    """Wait for ``ref`` within the time limit, relaying metric lines every 2 s; whether it
+    finished."""
+    import ray
+
+    out, deadline = Path(trial.config.out), time.time() + (shared.time_limit_s or 1e12)
+    relay(shared.box, trial.id, out, first=True)
+    while True:
+        ready, _ = ray.wait([ref], timeout=max(min(2.0, deadline - time.time()), 0.0))
+        relay(shared.box, trial.id, out, first=False)
+        if ready or time.time() >= deadline:
+            return bool(ready)
 
 
 class Strategy(Protocol):
@@ -104,16 +151,20 @@ class OneActor:
         try:
             if not live.register(trial.id, actor):
                 return outcome(trial, "cancelled", "sweep interrupted", first, attempt + 1)
+            inputs = shared.files.for_config(trial.config)
             placed = actor.where.remote()
-            ref = actor.run.remote(trial.to_dict(), shared.study, shared.metric)
+            ref = actor.run.remote(trial.to_dict(), shared.study, shared.metric, inputs,
+                                   shared.box)
             # Once the actor is up (the time limit counts from here): where it runs.
             live.event("running", {"trial_id": trial.id, "attempt": attempt,
                                    **ray.get(placed)})
-            ready, _ = ray.wait([ref], timeout=shared.time_limit_s or None)
-            if not ready:
+            if not wait_relaying(shared, trial, ref):
                 return outcome(trial, "failed", f"time_limit: over {shared.time_limit_s:g} s",
                                first, attempt + 1)
-            return ray.get(ref)
+            return collect(trial, actor, ray.get(ref))
+        except OSError as err:  # an input the driver cannot list, or a result it cannot write
+            return outcome(trial, "failed", f"{type(err).__name__}: {err}"[:500], first,
+                           attempt + 1)
         except ray.exceptions.RayActorError as err:
             return live.lost(trial, attempt, first, str(err).splitlines()[0])
         except ray.exceptions.RayError as err:  # e.g. an argument that would not unpickle

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.losses import LossSpec
+from tasks.trial_inputs import fetched, remove_scratch, scratch_dir
 
 EVAL_SPLITS = ("valid", "test")
 # Every split has these (None without rows); the loss's extras come on top.
@@ -38,12 +39,13 @@ log = logging.getLogger(__name__)
 def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec | None = None,
                      batch_size: int = 8, head_chunk: int = 0, generations: int = 0,
                      out: str | None = None, max_tokens: int = 64,
-                     prefix_share: str = "auto", allow_tokenizer_mismatch: bool = False
-                     ) -> dict[str, Any]:
+                     prefix_share: str = "auto", allow_tokenizer_mismatch: bool = False,
+                     reference: str | None = None) -> dict[str, Any]:
     """The valid and test metrics of ``adapter`` (None: the base model) on ``data``, under
     ``loss`` (None: the adapter's own, else ORPO's defaults); ``prefix_share`` as in
     training (one forward per pair where it pays). Data tokenized for another tokenizer
-    is refused unless ``allow_tokenizer_mismatch`` (engine/data_fit.py)."""
+    is refused unless ``allow_tokenizer_mismatch`` (engine/data_fit.py). ``reference``: where
+    a DPO adapter's reference adapter lies on this node (None: where its config says)."""
     from engine.adapters import atomic_write_text, trained_loss, trained_reference
     from engine.data_fit import load_pairs_for
     from engine.layout_policy import scoring_layout
@@ -53,7 +55,7 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec 
     from engine.scoring import evaluate
 
     spec = loss or trained_loss(adapter) or LossSpec()
-    reference = ReferenceSpec(model, data, trained_reference(adapter))
+    reference = ReferenceSpec(model, data, reference or trained_reference(adapter))
     options = {"batch_size": batch_size, "head_chunk": head_chunk,
                "prefix_share": prefix_share,
                "allow_tokenizer_mismatch": allow_tokenizer_mismatch}
@@ -89,6 +91,27 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec 
                                         for t in texts))
         metrics["generations"] = str(path)
     return metrics
+
+
+def evaluate_on_node(inputs: dict[str, Any], model: str, adapter: str | None, data: str,
+                     loss: LossSpec | None = None, generations: int = 0, **options: Any
+                     ) -> dict[str, Any]:
+    """``evaluate_adapter`` where it runs (a Ray task on a GPU or slot), on this node's
+    copies of ``inputs`` (tasks/trial_inputs.py: the model, adapter, data and reference
+    by content); generated samples come back as ``generations_text`` for the driver to
+    write, not as a file on this node."""
+    local = fetched(inputs)
+    scratch = scratch_dir("evaluate")
+    try:
+        metrics = evaluate_adapter(local.get("model", model), local.get("adapter", adapter),
+                                   local.get("data", data), loss, generations=generations,
+                                   out=str(scratch), reference=local.get("reference"),
+                                   **options)
+        if metrics.get("generations"):
+            metrics["generations_text"] = Path(metrics.pop("generations")).read_text()
+        return metrics
+    finally:
+        remove_scratch(str(scratch))
 
 
 def split_metrics(split: str, values: dict[str, Any]) -> dict[str, Any]:

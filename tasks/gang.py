@@ -25,12 +25,13 @@ import os
 import socket
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from engine.command_queue import queue_env
-from tasks.attempts import Attempts
+from tasks.attempts import Attempts, collect, relay
 from tasks.placement import Placement
-from tasks.trial import Summary, TrialActor, outcome, run_trial, where
+from tasks.trial import Summary, TrialActor, outcome, where
 from tasks.trial_plan import TrialPlan
 
 
@@ -87,6 +88,17 @@ def has_cuda() -> bool:
     return mx.cuda.is_available()
 
 
+# What a rank says when a peer's process or node went away under a collective: MLX's ring
+# and NCCL speak before Ray declares the node dead (DESIGN.md, lab cluster facts).
+PEER_LOST = ("connection to a peer was lost", "[ring]", "NCCL error", "ncclRemoteError",
+             "Connection reset by peer", "Broken pipe")
+
+
+def peer_lost(reason: str) -> bool:
+    """Whether a rank's failure is a lost peer (the gang retries whole), not its own."""
+    return any(mark in reason for mark in PEER_LOST)
+
+
 class RankActor(TrialActor):
     """The process one rank of a gang runs in."""
 
@@ -95,9 +107,10 @@ class RankActor(TrialActor):
         return {"ip": ip, "port": free_port(ip), "cuda": has_cuda(), **where()}
 
     def run_rank(self, plan: dict[str, Any], meeting: dict[str, Any], rank: int,
-                 study: Any = None, metric: str = "val/loss") -> Summary:
-        """Rank ``rank`` of the trial ``TrialPlan.to_dict`` sent (rebuilt here once)."""
-        trial = TrialPlan.from_dict(plan)
+                 study: Any = None, metric: str = "val/loss",
+                 inputs: dict[str, Any] | None = None, box: Any = None) -> Summary:
+        """Rank ``rank`` of the trial ``TrialPlan.to_dict`` sent, on this node's copies of
+        ``inputs`` (rank 0's outputs are the trial's)."""
         path = None
         if meeting["backend"] == "ring":
             fd, path = tempfile.mkstemp(prefix="pomona-hostfile-", suffix=".json")
@@ -107,8 +120,7 @@ class RankActor(TrialActor):
             os.environ.pop(name, None)  # a reused process: nothing of another backend
         os.environ.update(rank_environment(meeting, rank, path))
         try:
-            return {**run_trial(trial.id, trial.config, study, trial.number, metric),
-                    "rank": rank}
+            return {**self.run(plan, study, metric, inputs, box), "rank": rank}
         finally:
             if path:
                 os.unlink(path)
@@ -155,11 +167,17 @@ class Gang:
                                    "pids": [p["pid"] for p in places]})
             # Only rank 0 reports to the study (it alone emits metrics); if it is pruned,
             # the others are killed with the gang.
-            plan = trial.to_dict()
+            plan, inputs = trial.to_dict(), shared.files.for_config(trial.config)
             refs = [a.run_rank.remote(plan, meeting, i,
-                                      *((shared.study, shared.metric) if i == 0 else ()))
+                                      *((shared.study, shared.metric) if i == 0 else
+                                        (None, shared.metric)), inputs,
+                                      shared.box if i == 0 else None)
                     for i, a in enumerate(actors)]
-            return self._wait_all(trial, refs, attempt, first)
+            summary = self._wait_all(trial, refs, attempt, first)
+            if summary is None or summary.get("status") not in ("completed", "degenerate"):
+                return summary
+            ray.get([a.cleanup.remote() for a in actors[1:]])
+            return collect(trial, actors[0], summary)
         except ray.exceptions.RayActorError as err:
             return live.lost(trial, attempt, first, "a rank died: " + str(err).splitlines()[0])
         except ray.exceptions.RayError as err:  # e.g. an argument that would not unpickle
@@ -178,12 +196,17 @@ class Gang:
         import ray
 
         limit = self.shared.time_limit_s
-        deadline = time.time() + limit if limit else None
+        deadline = time.time() + (limit or 1e12)
         results: dict[int, Summary] = {}
         pending = list(refs)
+        out = Path(trial.config.out)
+        relay(self.shared.box, trial.id, out, first=True)
         while pending:
-            left = None if deadline is None else max(deadline - time.time(), 0.0)
-            done, pending = ray.wait(pending, num_returns=1, timeout=left)
+            left = max(deadline - time.time(), 0.0)
+            done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 2.0))
+            relay(self.shared.box, trial.id, out, first=False)
+            if not done and time.time() < deadline:
+                continue
             if not done:
                 return outcome(trial, "failed", f"time_limit: over {limit:g} s (every rank "
                                "killed)", first, attempt + 1)
@@ -193,6 +216,9 @@ class Gang:
                 return self.shared.live.lost(trial, attempt, first,
                                              "a rank died: " + str(err).splitlines()[0])
             results[refs.index(done[0])] = summary
+            if summary.get("status") == "failed" and peer_lost(summary.get("reason", "")):
+                return self.shared.live.lost(trial, attempt, first, f"rank "
+                                             f"{summary.get('rank')}: {summary['reason']}")
             if summary.get("status") in ("failed", "pruned"):  # the others would wait forever
                 return {**summary, "reason": f"rank {summary.get('rank')}: "
                         f"{summary['reason']}", "world_size": len(refs)}

@@ -20,6 +20,7 @@ from engine.model_source import layer_count
 from engine.probe import largest_fitting, probe_steps
 from tasks.placement import Placement
 from tasks.sweep_spec import SpecError
+from tasks.trial_inputs import SweepFiles, fetched
 from tasks.trial_plan import TrialPlan
 
 # Peaks measured with inflight 2 vary a few percent run to run (two stages overlap as the
@@ -48,11 +49,14 @@ def probe_key(fields: dict[str, Any], fingerprint: str) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _run_probe(config: dict[str, Any], sizes: list[int]) -> dict[int, float]:
+def _run_probe(config: dict[str, Any], sizes: list[int], inputs: dict[str, Any] | None = None
+               ) -> dict[int, float]:
     """In the probe's fresh process: the peak of each segment size, from the trial's
-    config as ``TrainConfig.to_dict`` sent it (its one rebuild here)."""
+    config as ``TrainConfig.to_dict`` sent it (its one rebuild here), on this node's
+    copies of its ``inputs`` (tasks/trial_inputs.py)."""
     from engine.config import TrainConfig
 
+    config = {**config, **fetched(inputs)}
     rows = probe_steps(TrainConfig(**config), [{"segment_size": k} for k in sizes])
     # A size that failed (out of memory under the limit) fits no budget.
     return {int(r["segment_size"]): float(r.get("peak_gb", float("inf"))) for r in rows}
@@ -79,9 +83,11 @@ def resolve_auto(plans: list[TrialPlan], budget_gb: float, placement: Placement,
     todo = {key: p for p in plans if "segment_size" in p.auto
             and (key := probe_key(per_rank(p, ranks), fingerprint)) not in known}
     if todo:
+        files = SweepFiles()
         refs = {key: placement.fresh_task(_run_probe, queue_env(p.config.memory_limit_gb))
                 .remote({**p.config.to_dict(), "batch_size": p.config.batch_size // ranks},
-                        candidate_sizes(p.config.model)) for key, p in todo.items()}
+                        candidate_sizes(p.config.model), files.for_config(p.config))
+                for key, p in todo.items()}
         for key, ref in refs.items():
             known[key] = {str(k): v for k, v in ray.get(ref).items()}
         cache.parent.mkdir(parents=True, exist_ok=True)

@@ -18,11 +18,11 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed, State
 
-from engine.adapters import ADAPTER_FILE, CONFIG_FILE, trained_reference
+from engine.adapters import ADAPTER_FILE, CONFIG_FILE, atomic_write_text, trained_reference
 from engine.content_key import adapter_fingerprint, model_fingerprint
 from engine.digests import file_digest
 from engine.losses import LossSpec
-from tasks.evaluate import evaluate_adapter
+from tasks.evaluate import evaluate_on_node
 from tasks.leaderboard import (
     compact_markdown,
     export_best,
@@ -37,6 +37,7 @@ from tasks.preprocess import preprocess_dataset
 from tasks.soup import make_soup
 from tasks.sweep import CODE_VERSION, data_fingerprint
 from tasks.tokenize import tokenize_dataset
+from tasks.trial_inputs import SweepFiles
 
 
 def artifact_key(*parts: str) -> str:
@@ -124,11 +125,22 @@ def evaluate_task(name: str, model: str, adapter: str | None, data: str,
     import ray
 
     settings = settings or EvalSettings()
-    remote = placement.fresh_task(evaluate_adapter)
-    metrics = ray.get(remote.remote(model, adapter, data, loss, settings.batch_size,
-                                    settings.head_chunk, generations, out,
+    reference = trained_reference(adapter)
+    paths = {"model": model, "data": data, "adapter": adapter,
+             "reference": None if reference == "base" else reference}
+    inputs = SweepFiles().for_paths({k: v for k, v in paths.items()
+                                     if v and Path(v).exists()})
+    remote = placement.fresh_task(evaluate_on_node)
+    metrics = ray.get(remote.remote(inputs, model, adapter, data, loss, generations,
+                                    batch_size=settings.batch_size,
+                                    head_chunk=settings.head_chunk,
                                     prefix_share=settings.prefix_share,
                                     allow_tokenizer_mismatch=settings.allow_tokenizer_mismatch))
+    if "generations_text" in metrics:  # the driver alone writes its outputs
+        path = Path(out) / "generations.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, metrics.pop("generations_text"))
+        metrics["generations"] = str(path)
     logger = get_run_logger()
     logger.info("%s: %s", name, {k: round(v, 4) if isinstance(v, float) else v
                                  for k, v in metrics.items() if not k.endswith("/missing")})

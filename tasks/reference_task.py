@@ -13,7 +13,9 @@ copy once (engine/reference.py's lock keeps that to one per node).
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -24,6 +26,7 @@ from engine.reference import ReferenceSpec, cache_dir, ensure_reference, resolve
 from tasks.pipeline_tasks import artifact_key
 from tasks.placement import Placement
 from tasks.sweep_spec import SweepSpec
+from tasks.trial_inputs import SweepFiles, fetched
 
 OPTIONS = ("batch_size", "head_chunk", "prefix_share", "allow_tokenizer_mismatch")
 
@@ -63,10 +66,13 @@ class ProgressBox:
         return self.value
 
 
-def make_reference(spec: ReferenceSpec, options: dict[str, Any], box: Any
-                   ) -> tuple[str, bool, float]:
-    """``ensure_reference`` where Ray placed it: (file, was cached, seconds)."""
+def make_reference(spec: ReferenceSpec, options: dict[str, Any], box: Any,
+                   inputs: dict[str, Any] | None = None) -> tuple[str, bool, float]:
+    """``ensure_reference`` where Ray placed it, on this node's copies of ``inputs``
+    (tasks/trial_inputs.py): (file, was cached, seconds). The file stays in that node's
+    cache; a trial elsewhere makes its own copy once (the same content key)."""
     started = time.perf_counter()
+    spec = dataclasses.replace(spec, **fetched(inputs))
     path, cached = ensure_reference(spec, None, {
         **options, "progress": lambda done, total: box.set.remote(done, total)})
     return str(path), cached, time.perf_counter() - started
@@ -97,7 +103,10 @@ def reference_task(spec: ReferenceSpec, options: dict[str, Any], placement: Plac
     progress = create_progress_artifact(0.0, key=artifact_key(label, "reference"),
                                         description=f"reference log-probs: {spec.reference} "
                                                     f"on {spec.data}")
-    ref = placement.fresh_task(make_reference).remote(spec, options, box)
+    paths = {"model": spec.model, "data": spec.data, "reference": spec.reference}
+    inputs = SweepFiles().for_paths({k: v for k, v in paths.items()
+                                     if v != "base" and Path(v).exists()})
+    ref = placement.fresh_task(make_reference).remote(spec, options, box, inputs)
     while not ray.wait([ref], timeout=2.0)[0]:
         done, total = ray.get(box.get.remote())
         if total:

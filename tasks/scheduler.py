@@ -28,6 +28,7 @@ from tasks.gang import Gang
 from tasks.placement import Placement
 from tasks.results_table import write_results
 from tasks.trial import Summary, outcome
+from tasks.trial_inputs import metrics_box
 from tasks.trial_plan import TrialPlan
 
 # Runs one trial's work (the callable) as the caller likes, e.g. as a Prefect task run.
@@ -87,7 +88,10 @@ class Retrying:
             self.live.event("started", {"trial_id": trial.id, "attempt": attempt})
             summary = self.strategy.attempt(trial, attempt, first)
             if summary is not None:
-                return {**summary, "attempts": attempt + 1}
+                # After a retry its duration spans every attempt (the last one's start kept).
+                return {**summary, "attempts": attempt + 1,
+                        **({"started": first, "attempt_started": summary.get("started")}
+                           if attempt else {})}
             if attempt < self.retries:
                 self.live.event("retry", {"trial_id": trial.id, "attempt": attempt})
                 self.live.stopping.wait(self.retry_delay_s)
@@ -116,7 +120,7 @@ def run_trials(source: TrialSource | list[TrialPlan] | list[tuple[str, dict[str,
         source = ListSource([t if isinstance(t, TrialPlan) else TrialPlan.make(*t)
                              for t in source])
     live = LiveTrials(on_event)
-    shared = Attempts(placement, live, time_limit_s, study, metric)
+    shared = Attempts(placement, live, time_limit_s, study, metric, box=metrics_box())
     strategy: Strategy = Gang(shared, ranks_per_trial) if ranks_per_trial > 1 else OneActor(shared)
     runner = Retrying(strategy, live, retries, retry_delay_s)
     summaries: dict[str, Summary] = {}

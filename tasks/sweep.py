@@ -32,6 +32,7 @@ from engine.outputs import claim, mark_kind
 from tasks.attempts import EventHook
 from tasks.memory_probe import resolve_auto
 from tasks.placement import Placement
+from tasks.preflight import preflight
 from tasks.results_table import write_results
 from tasks.scheduler import ListSource, TrialsInterrupted, Wrap, run_trials
 from tasks.sweep_spec import PlanError, SpecError, SweepSpec, trial_id
@@ -180,6 +181,7 @@ def _run_sweep(spec: SweepSpec, out: Path, placement: Placement, progress: Event
     import ray
 
     sweep = SweepRun(spec, Path(out), placement or Placement(), progress)
+    sweep.emit("preflight", {"nodes": preflight(sweep.placement)})
     slots = check_cluster(sweep.placement, ray.cluster_resources(), spec.max_concurrent,
                           spec.ranks_per_trial)
     concurrent = min(slots, spec.max_concurrent)

@@ -18,6 +18,8 @@ from typing import Any
 from engine.command_queue import QUEUE_MB
 from engine.config import TrainConfig
 from tasks.degenerate import degenerate_reason
+from tasks.node_files import Bundle, local_reader
+from tasks.trial_inputs import SendMetrics, localised, outputs_bundle, remove_scratch
 from tasks.trial_plan import TrialPlan
 
 Summary = dict[str, Any]
@@ -63,7 +65,8 @@ class GradNorms:
 
 
 def run_trial(trial_id: str, config: TrainConfig, study: Any = None,
-              number: int | None = None, metric: str = "val/loss") -> Summary:
+              number: int | None = None, metric: str = "val/loss",
+              extra: list[Any] | None = None) -> Summary:
     """Train one adapter (in the trial's process); return a small summary, never raise.
 
     A run that finishes but has collapsed (``degenerate_reason``) is ``degenerate``, with
@@ -74,7 +77,8 @@ def run_trial(trial_id: str, config: TrainConfig, study: Any = None,
     started = time.time()
     base = {"trial_id": trial_id, **where(), "started": started}
     norms = GradNorms()
-    callbacks = [norms, *([PruneCallback(study, number, metric)] if study is not None else [])]
+    callbacks = [norms, *([PruneCallback(study, number, metric)] if study is not None else []),
+                 *(extra or [])]
     try:
         result = train(config, callbacks)
     except TrialPruned as err:
@@ -113,13 +117,39 @@ def where() -> dict[str, Any]:
 
 
 class TrialActor:
-    """The process one trial runs in (made a Ray actor by tasks/attempts.py)."""
+    """The process one trial runs in (made a Ray actor by tasks/attempts.py): it fetches
+    the trial's inputs by content, trains in a scratch folder of its node, and serves its
+    outputs to the driver (tasks/trial_inputs.py)."""
 
-    def run(self, plan: dict[str, Any], study: Any = None, metric: str = "val/loss"
-            ) -> Summary:
-        """The trial ``TrialPlan.to_dict`` sent, rebuilt here once, trained."""
+    outputs: Bundle | None = None
+
+    def run(self, plan: dict[str, Any], study: Any = None, metric: str = "val/loss",
+            inputs: dict[str, Any] | None = None, box: Any = None) -> Summary:
+        """The trial ``TrialPlan.to_dict`` sent, rebuilt here once, trained on this node's
+        copies of ``inputs``; its outputs listed in ``outputs`` for the driver to pull."""
         trial = TrialPlan.from_dict(plan)
-        return run_trial(trial.id, trial.config, study, trial.number, metric)
+        started = time.time()
+        try:
+            config, back = localised(trial.config, inputs, trial.id)
+        except (OSError, RuntimeError) as err:  # an input this node cannot have: say which
+            return {"trial_id": trial.id, **where(), "started": started, "ended": time.time(),
+                    "status": "failed", "reason": f"inputs on {socket.gethostname()}: {err}"}
+        extra = [SendMetrics(box, trial.id)] if box is not None else []
+        summary = run_trial(trial.id, config, study, trial.number, metric, extra)
+        if not summary.get("adapter"):  # nothing to pull: the scratch folder goes now
+            remove_scratch(config.out)
+            return summary
+        self.outputs = outputs_bundle(config.out, back)
+        return {**summary, "outputs": self.outputs.to_dict()}
+
+    def read(self, rel: str, offset: int, length: int) -> bytes:
+        """A chunk of one of this attempt's output files (tasks/node_files.pull)."""
+        assert self.outputs is not None, "no outputs to read"
+        return local_reader(self.outputs)(rel, offset, length)
+
+    def cleanup(self) -> None:
+        if self.outputs is not None:
+            remove_scratch(self.outputs.path)
 
     def where(self) -> dict[str, Any]:
         return where()

@@ -1,0 +1,230 @@
+"""A lab of Ray nodes simulated on one Linux host (root): each node its own address and disk.
+
+Each node gets a network namespace with a veth link to a bridge in a namespace of its own
+(addresses of ``SUBNET`` that exist only there, no route out), and mount, UTS and PID
+namespaces: a private ``/tmp`` (tmpfs: its Ray session, ``HOME``, Pomona's cache and its
+lab folder ``/tmp/lab``), its own host name, and a PID namespace so that ending a node
+ends everything it started and nothing else (DESIGN.md, lab cluster facts). The code and
+its virtual environment are the host's, at the same path on every node, as a lab installs
+Pomona on each Mac; ``shadow`` gives one node an edited copy of a package (another
+version). ``run`` executes a command inside a node (``timeout`` inside ``nsenter``, or the
+process outlives it); ``put``/``get`` move files into and out of a node's private disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+SUBNET = "10.231.{}.{}"  # /24 per lab; only inside the lab's namespaces
+
+
+def namespaces_allowed() -> str | None:
+    """Why a lab cannot be simulated here (None: it can)."""
+    if sys.platform != "linux" or os.geteuid() != 0:
+        return "needs Linux and root (network, mount and PID namespaces)"
+    for tool in ("ip", "unshare", "nsenter", "timeout", "tar"):
+        if shutil.which(tool) is None:
+            return f"needs {tool}"
+    probe = f"pomona-probe-{secrets.token_hex(3)}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"ip netns add failed: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+@dataclass
+class Node:
+    name: str
+    ip: str
+    netns: str
+    ray_args: list[str]
+    shadow: dict[str, Path] = field(default_factory=dict)  # repo path -> its stand-in
+    proc: subprocess.Popen | None = None
+    init_pid: int = 0  # the node's PID 1, seen from the host
+
+
+class Lab:
+    """Nodes ``head`` (no GPU) and ``w1``, ``w2``, … (one ``mlx_gpu`` each), started with
+    ``start`` and ended with ``stop``."""
+
+    def __init__(self, root: Path, workers: int = 2, lab_id: int | None = None):
+        self.root = root
+        self.id = lab_id if lab_id is not None else os.getpid() % 200 + 20
+        self.tag = f"pl{self.id}"
+        self.token = secrets.token_hex(32)
+        self.nodes: dict[str, Node] = {}
+        names = ["head", *(f"w{i}" for i in range(1, workers + 1))]
+        for i, name in enumerate(names, start=1):
+            args = (["--head", "--port", "6379", "--num-gpus", "0", "--num-cpus", "1",
+                     "--include-dashboard", "false"] if name == "head" else
+                    ["--address", f"{SUBNET.format(self.id, 1)}:6379", "--num-cpus", "1",
+                     "--num-gpus", "1", "--resources", json.dumps({"mlx_gpu": 1})])
+            self.nodes[name] = Node(name, SUBNET.format(self.id, i), f"{self.tag}-{name}",
+                                    args)
+
+    @property
+    def address(self) -> str:
+        return f"{self.nodes['head'].ip}:6379"
+
+    def env(self) -> dict[str, str]:
+        """What every node's processes start with: no Ray of the host, the lab's token."""
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("RAY_", "PREFECT_", "PYTEST")) and k != "XDG_CACHE_HOME"}
+        env.update({"HOME": "/tmp/home", "RAY_AUTH_MODE": "token",
+                    "RAY_AUTH_TOKEN": self.token, "PATH": f"{BIN}:{env.get('PATH', '')}",
+                    "OPENBLAS_NUM_THREADS": "1",
+                    # A killed node is declared dead in seconds (Ray's default: ~30 s).
+                    "RAY_health_check_period_ms": "1000",
+                    "RAY_health_check_timeout_ms": "1000",
+                    "RAY_health_check_failure_threshold": "3"})
+        return env
+
+    def _ip(self, *args: str, ns: str | None = None) -> None:
+        cmd = ["ip", *(["netns", "exec", ns, "ip"] if ns else []), *args]
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+    def _network(self) -> None:
+        bridge = f"{self.tag}-br"
+        subprocess.run(["ip", "netns", "add", bridge], check=True)
+        self._ip("link", "add", "br0", "type", "bridge", ns=bridge)
+        self._ip("link", "set", "br0", "up", ns=bridge)
+        for i, node in enumerate(self.nodes.values(), start=1):
+            subprocess.run(["ip", "netns", "add", node.netns], check=True)
+            self._ip("link", "add", f"{self.tag}v{i}", "netns", node.netns, "type", "veth",
+                     "peer", "name", f"{self.tag}b{i}", "netns", bridge)
+            self._ip("link", "set", f"{self.tag}b{i}", "master", "br0", "up", ns=bridge)
+            self._ip("addr", "add", f"{node.ip}/24", "dev", f"{self.tag}v{i}", ns=node.netns)
+            self._ip("link", "set", f"{self.tag}v{i}", "up", ns=node.netns)
+            self._ip("link", "set", "lo", "up", ns=node.netns)
+
+    def shadow(self, node: str, package: str, edit: str) -> None:
+        """Give ``node`` a copy of ``package`` with ``edit`` appended to its __init__.py
+        (another Pomona version there), mounted over the real one at its start."""
+        copy = self.root / f"shadow-{node}-{package}"
+        shutil.copytree(REPO / package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+        with (copy / "__init__.py").open("a") as f:
+            f.write(f"\n{edit}\n")
+        self.nodes[node].shadow[str(REPO / package)] = copy
+
+    def start_node(self, name: str, limit_s: int = 1800) -> None:
+        node = self.nodes[name]
+        mounts = "".join(f"mount --bind {src} {dst} && " for dst, src in node.shadow.items())
+        # Shadows first: their copies lie under the host's /tmp, which the tmpfs hides.
+        script = (f"{mounts}mount -t tmpfs tmpfs /tmp && mkdir -p /tmp/home /tmp/lab && "
+                  f"hostname {name} && exec timeout {limit_s} {BIN}/ray start "
+                  f"--node-ip-address {node.ip} --disable-usage-stats --block "
+                  + " ".join(f"'{a}'" for a in node.ray_args))
+        log = (self.root / f"{name}.log").open("w")
+        node.proc = subprocess.Popen(
+            ["ip", "netns", "exec", node.netns, "unshare", "--mount", "--uts", "--pid",
+             "--fork", "--mount-proc", "bash", "-c", script],
+            stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True)
+        node.init_pid = self._init_pid(node)
+
+    def _init_pid(self, node: Node, wait_s: float = 10.0) -> int:
+        """The node's PID 1 (the child of its ``unshare``), as the host sees it."""
+        deadline = time.time() + wait_s
+        while time.time() < deadline:
+            kids = Path(f"/proc/{node.proc.pid}/task/{node.proc.pid}/children")
+            for _ in range(2):  # ip netns exec -> unshare -> the node's init
+                try:
+                    pids = kids.read_text().split()
+                except OSError:
+                    pids = []
+                if not pids:
+                    break
+                name = Path(f"/proc/{pids[0]}/comm").read_text().strip()
+                if name != "unshare":
+                    return int(pids[0])
+                kids = Path(f"/proc/{pids[0]}/task/{pids[0]}/children")
+            time.sleep(0.1)
+        raise RuntimeError(f"node {node.name} did not start (see {self.root}/{node.name}.log)")
+
+    def start(self, wait_s: float = 90.0) -> None:
+        self._network()
+        self.start_node("head")
+        self.wait_nodes(1, wait_s)
+        for name in self.nodes:
+            if name != "head":
+                self.start_node(name)
+        self.wait_nodes(len(self.nodes), wait_s)
+
+    def alive_nodes(self) -> int:
+        code = ("import ray; ray.init(address='auto', log_to_driver=False); "
+                "print(sum(n['Alive'] for n in ray.nodes()))")
+        proc = self.run("head", [f"{BIN}/python", "-c", code], timeout=60, check=False)
+        lines = proc.stdout.strip().splitlines()
+        return int(lines[-1]) if proc.returncode == 0 and lines else 0
+
+    def wait_nodes(self, count: int, wait_s: float) -> None:
+        deadline = time.time() + wait_s
+        while self.alive_nodes() != count:
+            if time.time() > deadline:
+                logs = {n: (self.root / f"{n}.log").read_text()[-1500:] for n in self.nodes}
+                raise RuntimeError(f"the lab did not reach {count} nodes: {logs}")
+            time.sleep(1.0)
+
+    def run(self, node: str, argv: list[str], timeout: int = 600, check: bool = True,
+            stdin: bytes | None = None, cwd: str = "/tmp/lab", env: dict | None = None
+            ) -> subprocess.CompletedProcess:
+        """``argv`` inside ``node`` (its network, disk, name and PIDs), ended after
+        ``timeout`` s by a ``timeout`` inside the node."""
+        n = self.nodes[node]
+        cmd = ["nsenter", "-t", str(n.init_pid), "-n", "-m", "-u", "-p", "timeout", "-s",
+               "KILL", str(timeout), "sh", "-c", 'cd "$0" && exec "$@"', cwd, *argv]
+        proc = subprocess.run(cmd, input=stdin, capture_output=True, env=env or self.env(),
+                              timeout=timeout + 30)
+        out = subprocess.CompletedProcess(proc.args, proc.returncode,
+                                          proc.stdout.decode(errors="replace"),
+                                          proc.stderr.decode(errors="replace"))
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{node}: {argv} -> {proc.returncode}\n{out.stdout[-3000:]}"
+                                 f"\n{out.stderr[-3000:]}")
+        return out
+
+    def put(self, node: str, src: Path, dest: str) -> None:
+        """Copy host file or folder ``src`` to ``dest`` on ``node``'s private disk."""
+        parent = str(Path(dest).parent)
+        data = subprocess.run(["tar", "-C", str(src.parent), "-cf", "-", src.name],
+                              check=True, capture_output=True).stdout
+        self.run(node, ["sh", "-c", f"mkdir -p {parent} && tar -C {parent} -xf - && "
+                        f"[ '{src.name}' = '{Path(dest).name}' ] || "
+                        f"mv {parent}/{src.name} {dest}"], stdin=data, cwd="/")
+
+    def get(self, node: str, src: str, dest: Path) -> Path:
+        """Copy ``src`` from ``node``'s private disk into host folder ``dest``."""
+        dest.mkdir(parents=True, exist_ok=True)
+        data = subprocess.run(["nsenter", "-t", str(self.nodes[node].init_pid), "-m",
+                               "tar", "-C", str(Path(src).parent), "-cf", "-", Path(src).name],
+                              check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-C", str(dest), "-xf", "-"], input=data, check=True)
+        return dest / Path(src).name
+
+    def kill(self, name: str) -> None:
+        """End node ``name`` at once: every process in its namespace (a machine lost)."""
+        pids = subprocess.run(["ip", "netns", "pids", self.nodes[name].netns],
+                              capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        if self.nodes[name].proc is not None:
+            self.nodes[name].proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        for name in self.nodes:
+            self.kill(name)
+        for name in [*(n.netns for n in self.nodes.values()), f"{self.tag}-br"]:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)

@@ -1,0 +1,157 @@
+"""A lab's cluster for real: three simulated nodes with private disks (tests/lab_nodes.py).
+
+The head has no GPU and holds the model and the data; two workers hold one ``mlx_gpu``
+each and nothing else. The pipeline must send its inputs by content, train on both
+workers, pull the results back and rank them as a one-node run does; a worker whose copy
+of the data is stale must never be trained on; a worker on another Pomona is refused in
+one line; an address nobody answers is a one-line error within seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.lab_nodes import BIN, Lab, namespaces_allowed
+
+pytestmark = [pytest.mark.slow, pytest.mark.long]
+
+SPEC = ("name: lab\nmodel: unused\ndata: unused\nmax_concurrent: 2\n"
+        "fixed: {steps: 6, batch_size: 4, lora_rank: 4, val_every: 3, val_batches: 2, "
+        "head_chunk: 16, segment_size: 2}\n"
+        "grid: {learning_rate: [1.0e-3, 3.0e-4]}\n")
+COMPARED = ("eval/valid/loss", "eval/valid/logps/accuracies", "eval/test/loss",
+            "eval/test/logps/margin")
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path):
+    why = namespaces_allowed()
+    if why:
+        pytest.skip(f"no simulated lab: {why}")
+    from tasks.synthetic import synth_rows, write_rows
+
+    root = tmp_path_factory.mktemp("lab")
+    raw = write_rows(list(synth_rows("sort", 120, seed=0)), root / "raw" / "sort.jsonl")
+    (root / "spec.yaml").write_text(SPEC)
+    lab = Lab(root)
+    try:
+        lab.start()
+        for src, dest in ((tiny_model, "/tmp/lab/model"), (raw, "/tmp/lab/sort.jsonl"),
+                          (root / "spec.yaml", "/tmp/lab/spec.yaml")):
+            lab.put("head", src, dest)
+        yield lab
+    finally:
+        lab.stop()
+
+
+def pomona(lab: Lab, node: str, *args: str, timeout: int = 400, check: bool = True):
+    return lab.run(node, [f"{BIN}/python", "-m", "flows.cli", *args], timeout=timeout,
+                   check=check)
+
+
+def board(path: Path) -> dict[str, dict]:
+    return {r["trial_id"]: r for r in pq.read_table(path).to_pylist()}
+
+
+def test_pipeline_on_private_disks_equals_one_node(lab: Lab, tiny_model: Path, tmp_path: Path,
+                                                   prefect_api) -> None:
+    """The pipeline on the lab (nothing shared but the code) completes with trials on both
+    workers, and its leaderboard equals a one-node run of the same spec within 1e-6."""
+    pomona(lab, "head", "pipeline", "/tmp/lab/sort.jsonl", "/tmp/lab/model",
+           "/tmp/lab/spec.yaml", "--out", "/tmp/lab/out", "--address", lab.address,
+           "--resource", "mlx_gpu", "--generations", "0")
+    out = lab.get("head", "/tmp/lab/out", tmp_path / "lab")
+    results = pq.read_table(out / "sweep" / "results.parquet").to_pylist()
+    assert {r["node"] for r in results} == {"w1", "w2"}, [r["node"] for r in results]
+    assert all((out / "sweep" / r["trial_id"] / "adapters.safetensors").exists()
+               for r in results)
+    assert (out / "best-adapter" / "adapters.safetensors").exists()
+    lines = (out / "sweep" / results[0]["trial_id"] / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(x)["step"] for x in lines if json.loads(x).get("split") == "train"]
+    assert steps == sorted(set(steps)), steps  # pulled back once, nothing duplicated
+
+    from flows.pipeline import pipeline
+
+    raw = tmp_path / "sort.jsonl"
+    lab.get("head", "/tmp/lab/sort.jsonl", tmp_path)
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(SPEC)
+    state = pipeline(str(raw), str(tiny_model), str(spec), str(tmp_path / "one"),
+                     generations=0, return_state=True)
+    assert state.is_completed(), state
+    here, there = board(tmp_path / "one" / "leaderboard.parquet"), board(
+        out / "leaderboard.parquet")
+    assert set(here) == set(there)
+    for tid, row in here.items():
+        for key in COMPARED:
+            assert there[tid][key] == pytest.approx(row[key], abs=1e-6), (tid, key)
+
+
+@pytest.fixture(scope="module")
+def lab_dataset(lab: Lab) -> str:
+    """A tokenized dataset on the head's disk only, and a sweep spec over it."""
+    pomona(lab, "head", "data", "tokenize", "--input", "/tmp/lab/sort.jsonl", "--model",
+           "/tmp/lab/model", "--out", "/tmp/lab/ds")
+    lab.run("head", ["sh", "-c", "sed -e 's#model: unused#model: /tmp/lab/model#' -e "
+                     "'s#data: unused#data: /tmp/lab/ds#' spec.yaml > ds.yaml"])
+    return "/tmp/lab/ds.yaml"
+
+
+def test_unreachable_address_is_one_line_within_15_s(lab: Lab, lab_dataset: str) -> None:
+    started = time.time()
+    proc = pomona(lab, "head", "sweep", lab_dataset, "--address",
+                  lab.address.replace(".1:", ".99:"), "--out", "/tmp/lab/none",
+                  timeout=60, check=False)
+    text = proc.stdout + proc.stderr
+    assert time.time() - started < 15, text
+    assert proc.returncode == 2 and "nothing answers" in text, text
+    assert "Traceback" not in text and len(text.strip().splitlines()) == 1, text
+
+
+def test_a_stale_dataset_on_a_worker_is_never_used(lab: Lab, lab_dataset: str,
+                                                   tmp_path: Path) -> None:
+    """w1 holds another dataset at the sweep's data path: its trials train on the head's
+    bytes, fetched into w1's cache by digest, and w1's own folder is left as it was."""
+    from tasks.synthetic import synth_rows, write_rows
+
+    other = write_rows(list(synth_rows("reverse", 80, seed=1)), tmp_path / "rev.jsonl")
+    lab.put("w1", other, "/tmp/lab/rev.jsonl")
+    lab.put("w1", Path(lab.get("head", "/tmp/lab/model", tmp_path / "m")), "/tmp/lab/model")
+    pomona(lab, "w1", "data", "tokenize", "--input", "/tmp/lab/rev.jsonl", "--model",
+           "/tmp/lab/model", "--out", "/tmp/lab/ds")
+    before = lab.run("w1", ["sh", "-c", "cd /tmp/lab/ds && sha256sum * | sort"]).stdout
+    pomona(lab, "head", "sweep", lab_dataset, "--address", lab.address, "--resource",
+           "mlx_gpu", "--out", "/tmp/lab/stale")
+    out = lab.get("head", "/tmp/lab/stale", tmp_path / "got")
+    rows = pq.read_table(out / "results.parquet").to_pylist()
+    assert [r["status"] for r in rows] == ["completed"] * 2, [r.get("reason") for r in rows]
+    assert "w1" in {r["node"] for r in rows}
+    cached = lab.run("w1", ["sh", "-c", "ls /tmp/home/.cache/pomona/inputs/*/"]).stdout
+    assert "ds" in cached.split(), cached  # the head's bytes, fetched by content
+    assert lab.run("w1", ["sh", "-c", "cd /tmp/lab/ds && sha256sum * | sort"]).stdout == before
+    accuracies = {r["node"]: r["best_val_accuracy"] for r in rows}
+    assert len(rows) == 2 and all(a is not None for a in accuracies.values())
+
+
+def test_a_worker_on_another_version_is_refused_in_one_line(lab: Lab,
+                                                            lab_dataset: str) -> None:
+    lab.kill("w2")
+    lab.wait_nodes(2, 90)  # the head has seen it go (health checks: seconds here)
+    lab.shadow("w2", "tasks", "# an edited checkout")
+    lab.start_node("w2")
+    lab.wait_nodes(3, 90)
+    proc = pomona(lab, "head", "sweep", lab_dataset, "--address", lab.address, "--resource",
+                  "mlx_gpu", "--out", "/tmp/lab/versions", check=False)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2, text
+    assert "w2" in text and "pomona" in text and "Traceback" not in text, text
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
