@@ -47,14 +47,27 @@ class StepGrads:
         return total, sums
 
 
+@dataclass(frozen=True)
+class Idle:
+    """A rank's stand-in when the global micro-batch left it no pair (its last one holds
+    fewer pairs than there are ranks): a real pair run through the same collectives at
+    weight zero, so the other ranks' sums are exact and nobody waits forever."""
+
+    batch: PairBatch | PrefixBatch
+    ids: tuple[str, ...] = ()  # it trains no pair
+
+
 def dispatch_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | PrefixBatch],
                    spec: LossSpec, cfg: TrainConfig, step: int, ranks: Ranks = SINGLE
                    ) -> StepGrads:
     """Loss, metrics and grads of one optimizer step's micro-batches (this rank's shards;
     with several ranks, normalised and summed over all of them), the last micro-batch's
     backward still running on return: nothing here waits for it."""
+    live = [not isinstance(b, Idle) for b in micro]
+    micro = [b.batch if isinstance(b, Idle) else b for b in micro]
     layouts = [pair_batch(b) for b in micro]
-    norms: Norms = ranks.sum_norms(batch_norms(layouts))
+    counted = [pb for pb, on in zip(layouts, live, strict=True) if on]
+    norms: Norms = ranks.sum_norms(batch_norms(counted) if counted else Norms(0.0, 0.0))
     losses, metric_list, grads = [], [], {}
     for i, (b, pb) in enumerate(zip(micro, layouts, strict=True)):
         if i:  # bound the accumulation: the earlier micro-batches finish first
@@ -65,12 +78,16 @@ def dispatch_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | P
             model, stack, b,
             lambda lp, r=resp, n=nll, f=ref: pair_loss(lp, r, n, spec, norms, f),
             cfg.segment_size, cfg.head_chunk, cfg.inflight)
+        if not live[i]:  # weight zero: the collectives see this rank, its sums add nothing
+            loss, g = loss * 0, {k: v * 0 for k, v in g.items()}
+            metrics = {k: v * 0 for k, v in metrics.items()}
         grads = g if not grads else {k: grads[k] + g[k] for k in grads}
         losses.append(loss)
         metric_list.append(metrics)
-    counts = {"micro_batches": len(micro),
-              "shared_batches": sum(isinstance(b, PrefixBatch) for b in micro),
-              "tokens": sum(pb.tokens for pb in layouts)}
+    counts = {"micro_batches": sum(live),
+              "shared_batches": sum(isinstance(b, PrefixBatch) and on
+                                    for b, on in zip(micro, live, strict=True)),
+              "tokens": sum(pb.tokens for pb in counted)}
     return StepGrads(losses, metric_list, ranks.sum_arrays(grads), counts, norms)
 
 

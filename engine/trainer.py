@@ -62,7 +62,7 @@ from engine.reference import (
 )
 from engine.report_window import Window
 from engine.scoring import evaluate
-from engine.step import dispatch_grads
+from engine.step import Idle, dispatch_grads
 from engine.update import make_optimizer, make_update
 
 log = logging.getLogger(__name__)
@@ -292,8 +292,12 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback], held: ExitStack) -> 
                                            load_check=load_check, verified=verified)
     total_tokens, total_seconds = 0, 0.0
     update = make_update(model, optimizer, cfg.grad_clip)
-    prefetch = Prefetch(lambda: [batch_of(ranks.shard(next(batches)))
-                                 for _ in range(cfg.grad_accum)], cfg.steps - start)
+    def shard_of(pairs: list) -> PairBatch | PrefixBatch | Idle:
+        mine = ranks.shard(pairs)  # none: the last micro-batch of an epoch, fewer than ranks
+        return batch_of(mine) if mine else Idle(batch_of(pairs[:1]))
+
+    prefetch = Prefetch(lambda: [shard_of(next(batches)) for _ in range(cfg.grad_accum)],
+                        cfg.steps - start)
     trained = 0  # this rank's pairs
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()

@@ -139,6 +139,38 @@ def test_a_stale_dataset_on_a_worker_is_never_used(lab: Lab, lab_dataset: str,
     assert len(rows) == 2 and all(a is not None for a in accuracies.values())
 
 
+def test_a_gang_across_two_nodes_equals_one_process(lab: Lab, lab_dataset: str,
+                                                    tmp_path: Path) -> None:
+    """One rank on each worker (ring over the lab's links), on a train split whose last
+    micro-batch holds one pair for two ranks (the idle rank joins at weight zero): the
+    adapter equals a one-process trial of the same spec within 1e-5."""
+    import mlx.core as mx
+    import numpy as np
+
+    manifest = json.loads(lab.run("head", ["cat", "/tmp/lab/ds/manifest.json"]).stdout)
+    batch = manifest["rows"]["train"] - 1  # an epoch: one batch of N-1 pairs, one of 1
+    for name, ranks in (("gang", 2), ("one", 1)):
+        lab.run("head", ["sh", "-c", f"sed -e 's#name: lab#name: {name}#' -e "
+                         f"'s#max_concurrent: 2#max_concurrent: 1\\nranks_per_trial: {ranks}#' "
+                         f"-e 's#batch_size: 4#batch_size: {batch}#' -e 's#steps: 6#steps: 2#' "
+                         f"-e "
+                         f"'s#learning_rate: \\[1.0e-3, 3.0e-4\\]#learning_rate: [1.0e-3]#' "
+                         f"ds.yaml > {name}.yaml"])
+        pomona(lab, "head", "sweep", f"/tmp/lab/{name}.yaml", "--address", lab.address,
+               "--resource", "mlx_gpu", "--out", f"/tmp/lab/{name}")
+    got = {name: lab.get("head", f"/tmp/lab/{name}", tmp_path) for name in ("gang", "one")}
+    rows = {n: pq.read_table(got[n] / "results.parquet").to_pylist()[0] for n in got}
+    assert rows["gang"]["world_size"] == 2 and len(rows["gang"]["hosts"]) == 2, rows["gang"]
+    assert {h.split()[0] for h in rows["gang"]["hosts"]} == {"w1", "w2"}
+    summary = json.loads((got["gang"] / rows["gang"]["trial_id"] / "summary.json").read_text())
+    assert sum(summary["rank_pairs"]) == batch + 1  # the epoch's one-pair batch was trained
+    a = mx.load(str(got["gang"] / rows["gang"]["trial_id"] / "adapters.safetensors"))
+    b = mx.load(str(got["one"] / rows["one"]["trial_id"] / "adapters.safetensors"))
+    for k in b:
+        err = np.linalg.norm(np.array(a[k]) - np.array(b[k])) / np.linalg.norm(np.array(b[k]))
+        assert err <= 1e-5, (k, err)
+
+
 def test_a_worker_on_another_version_is_refused_in_one_line(lab: Lab,
                                                             lab_dataset: str) -> None:
     lab.kill("w2")
