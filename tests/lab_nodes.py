@@ -223,6 +223,17 @@ class Lab:
         if self.nodes[name].proc is not None:
             self.nodes[name].proc.wait(timeout=30)
 
+    def _link(self, name: str, state: str) -> None:
+        i = list(self.nodes).index(name) + 1
+        self._ip("link", "set", f"{self.tag}b{i}", state, ns=f"{self.tag}-br")
+
+    def cut(self, name: str) -> None:
+        """Cut node ``name`` off the network; everything on it goes on running."""
+        self._link(name, "down")
+
+    def uncut(self, name: str) -> None:
+        self._link(name, "up")
+
     def stop(self) -> None:
         for name in self.nodes:
             self.kill(name)

@@ -171,6 +171,58 @@ def test_a_gang_across_two_nodes_equals_one_process(lab: Lab, lab_dataset: str,
         assert err <= 1e-5, (k, err)
 
 
+def _running_on(lab: Lab, out: str, wait_s: float = 120.0) -> str:
+    """The worker whose trial has sent the driver its first metric lines."""
+    deadline = time.time() + wait_s
+    while time.time() < deadline:
+        lines = lab.run("head", ["sh", "-c", f"cat {out}/*/metrics.jsonl 2>/dev/null | wc -l"])
+        if int(lines.stdout.strip() or 0) > 1:
+            for worker in ("w1", "w2"):
+                ls = lab.run(worker, ["sh", "-c", "ls /tmp/home/.cache/pomona/scratch "
+                                      "2>/dev/null || true"])
+                if ls.stdout.strip():
+                    return worker
+        time.sleep(0.5)
+    raise AssertionError("the trial never started")
+
+
+@pytest.mark.parametrize("fault", ["kill", "cut"])
+def test_a_worker_lost_mid_trial_loses_no_trial(lab: Lab, lab_dataset: str, tmp_path: Path,
+                                                fault: str) -> None:
+    """The node running the only trial is killed, or cut off the network (its process lives
+    on, orphaned): the trial is retried on the other worker and completes, its metrics
+    once each; the orphan can neither block the retry nor write the result."""
+    import threading
+
+    out = f"/tmp/lab/lost-{fault}"
+    lab.run("head", ["sh", "-c", f"sed -e 's#max_concurrent: 2#max_concurrent: 1#' -e "
+                     f"'s#steps: 6#steps: 40#' -e 's#learning_rate: \\[1.0e-3, 3.0e-4\\]#"
+                     f"learning_rate: [1.0e-3]#' ds.yaml > lost-{fault}.yaml"])
+    done: dict = {}
+    sweep = threading.Thread(target=lambda: done.update(proc=pomona(
+        lab, "head", "sweep", f"/tmp/lab/lost-{fault}.yaml", "--address", lab.address,
+        "--resource", "mlx_gpu", "--out", out, check=False)))
+    sweep.start()
+    victim = _running_on(lab, out)
+    lab.kill(victim) if fault == "kill" else lab.cut(victim)
+    sweep.join(timeout=400)
+    proc = done["proc"]
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = lab.get("head", out, tmp_path)
+    [row] = pq.read_table(got / "results.parquet").to_pylist()
+    assert row["status"] == "completed" and row["attempts"] == 2, row
+    assert row["node"] != victim
+    lines = [json.loads(x) for x in (got / row["trial_id"] / "metrics.jsonl").read_text()
+             .splitlines()]
+    steps = [r["step"] for r in lines if r.get("split") == "train"]
+    assert steps == sorted(set(steps)) and steps[-1] == 40, steps
+    lab.kill(victim)  # back as a new node, for the tests after this one
+    lab.uncut(victim)
+    lab.wait_nodes(2, 90)
+    lab.start_node(victim)
+    lab.wait_nodes(3, 90)
+
+
 def test_a_worker_on_another_version_is_refused_in_one_line(lab: Lab,
                                                             lab_dataset: str) -> None:
     lab.kill("w2")
