@@ -320,6 +320,9 @@ def leaderboard_cmd(
     metric: Annotated[str, typer.Option(help="Rank by this validation metric.")] = "val/loss",
     mode: Annotated[str, typer.Option(help="min or max.")] = "min",
     address: Annotated[str | None, typer.Option(help="Ray address (auto | HOST:PORT).")] = None,
+    gpus: Annotated[bool, typer.Option(help="Each evaluation on one GPU.")] = False,
+    resource: Annotated[str | None, typer.Option(help="Custom resource per evaluation.")]
+    = None,
     fuse: Annotated[bool, typer.Option(help="Also fuse the best adapter (mlx_lm fuse).")]
     = False,
 ) -> None:
@@ -333,7 +336,8 @@ def leaderboard_cmd(
         check_leaderboard_inputs(sweep_dir, model, str(data), metric, mode)
         with claim_sweep_dir(sweep_dir, model, str(data)):  # ours, and no sweep writing it
             summary = leaderboard_flow(str(sweep_dir), model, str(data), metric, mode,
-                                       address=address, fuse=fuse)
+                                       address=address, gpus=gpus, resource=resource,
+                                       fuse=fuse)
     except (RefusedOutput, ValueError, FileNotFoundError) as err:
         raise fail(str(err)) from None
     console.print(f"leaderboard: {summary['markdown']}; best adapter: "
@@ -351,6 +355,7 @@ def serve(
     out: Annotated[Path, typer.Option(help="Output directory.")] = Path("runs/scheduled"),
     address: Annotated[str | None, typer.Option(help="Ray address (auto | HOST:PORT).")] = None,
     gpus: Annotated[bool, typer.Option(help="One GPU per trial.")] = False,
+    resource: Annotated[str | None, typer.Option(help="Custom resource per trial.")] = None,
     name: Annotated[str, typer.Option(help="Deployment name.")] = "scheduled",
 ) -> None:
     """Serve the pipeline on a schedule until stopped (needs PREFECT_API_URL: `pomona ui`)."""
@@ -359,7 +364,8 @@ def serve(
     from flows.pipeline import pipeline_deployment
 
     params = {"raw": str(raw.resolve()), "model": model, "spec": str(spec.resolve()),
-              "out": str(out.resolve()), "address": address, "gpus": gpus}
+              "out": str(out.resolve()), "address": address, "gpus": gpus,
+              "resource": resource}
     console.print(f"serving pomona-pipeline/{name}: '{cron}' ({timezone}), one run at a time")
     prefect_serve(pipeline_deployment(name, cron, timezone, params))
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.states import Failed, State
 
 from engine.adapters import trained_loss
 from engine.losses import LossSpec
@@ -106,10 +107,20 @@ def _pipeline(raw: str, model: str, spec: str, out: str, address: str | None, gp
     placement = Placement(gpus=int(gpus), resource=resource)
     with ray_session(address):
         results = sweep_stage(sweep, out_dir / "sweep", address, gpus, resource)
+        if not any(r["status"] == "completed" for r in results):  # nothing to rank: stop here
+            return no_trial_completed(results)
         summary = rank_stage(results, model, data["path"], sweep.metric, sweep.mode,
                              sweep.name, out_dir, placement, generations, soup_k, fuse)
     return {**summary, "rows": data["rows"], "tokenize_cache_hit": data["cache_hit"],
             "trials": len(results)}
+
+
+def no_trial_completed(results: list[dict[str, Any]]) -> State:
+    """The flow's end when no trial completed: one line with the first reason."""
+    first = next((f"{r['trial_id']}: {r.get('reason')}" for r in results if r.get("reason")),
+                 "no trial ran")
+    return Failed(message=f"no trial completed ({len(results)} trials; {first}); nothing "
+                  "to evaluate or rank")
 
 
 def rank_stage(results: list[dict[str, Any]], model: str, data: str, metric: str, mode: str,

@@ -47,3 +47,28 @@ def test_pipeline_data_mistakes_exit_2(rows: str, says: str, prefect_api, tiny_m
     [tokenize] = [t for t in tasks if t.name.startswith("tokenize")]
     assert tokenize.state is not None and tokenize.state.is_failed(), tokenize.state
     assert says in (tokenize.state.message or "").lower(), tokenize.state.message
+
+
+def test_a_pipeline_whose_trials_all_fail_stops_in_one_line(prefect_api, tiny_model: Path,
+                                                            tmp_path: Path) -> None:
+    """Every trial diverges (learning rate 1e30): the flow stops after the sweep with one
+    line naming a trial's reason, before any evaluation (was: the base evaluated anyway,
+    then a 311-line traceback)."""
+    from prefect.settings import PREFECT_API_URL
+
+    from tasks.synthetic import synth_rows, write_rows
+
+    raw = write_rows(list(synth_rows("sort", 60, seed=0)), tmp_path / "raw.jsonl")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("name: fails\nmodel: unused\ndata: unused\nfixed: {steps: 2, batch_size: 4,"
+                    " lora_rank: 4, val_every: 0, learning_rate: 1.0e+30, grad_clip: 0.0}\n")
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "RAY_ADDRESS": ""}
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "pipeline", str(raw),
+                           str(tiny_model), str(spec), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert "Traceback" not in out, out
+    [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
+    assert "no trial completed" in line and "non_finite" in line, line
+    assert not (tmp_path / "out" / "base").exists()  # nothing evaluated
