@@ -15,6 +15,7 @@ import time
 import traceback
 from typing import Any
 
+from engine.blas import openblas_loaded
 from engine.command_queue import QUEUE_MB
 from engine.config import TrainConfig
 from tasks.degenerate import degenerate_reason
@@ -113,6 +114,7 @@ def where() -> dict[str, Any]:
         node_id = None
     return {"node": socket.gethostname(), "node_id": node_id, "pid": os.getpid(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "openblas": openblas_loaded(),
             "mlx_queue_mb": os.environ.get(QUEUE_MB)}
 
 

@@ -128,10 +128,12 @@ class Lab:
                   f"--node-ip-address {node.ip} --disable-usage-stats --block "
                   + " ".join(f"'{a}'" for a in node.ray_args))
         log = (self.root / f"{name}.log").open("w")
+        # A plain `ray start`: no OpenBLAS preload (the driver's reaches trials: placement.py)
+        env = {k: v for k, v in self.env().items() if k != "LD_PRELOAD"}
         node.proc = subprocess.Popen(
             ["ip", "netns", "exec", node.netns, "unshare", "--mount", "--uts", "--pid",
              "--fork", "--mount-proc", "bash", "-c", script],
-            stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True)
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         node.init_pid = self._init_pid(node)
 
     def _init_pid(self, node: Node, wait_s: float = 10.0) -> int:

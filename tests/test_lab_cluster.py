@@ -10,6 +10,7 @@ one line; an address nobody answers is a one-line error within seconds.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -69,6 +70,8 @@ def test_pipeline_on_private_disks_equals_one_node(lab: Lab, tiny_model: Path, t
     out = lab.get("head", "/tmp/lab/out", tmp_path / "lab")
     results = pq.read_table(out / "sweep" / "results.parquet").to_pylist()
     assert {r["node"] for r in results} == {"w1", "w2"}, [r["node"] for r in results]
+    if "libopenblas" in os.environ.get("LD_PRELOAD", ""):  # the driver's preload reached them
+        assert all(r["openblas"] for r in results), [r["openblas"] for r in results]
     assert all((out / "sweep" / r["trial_id"] / "adapters.safetensors").exists()
                for r in results)
     assert (out / "best-adapter" / "adapters.safetensors").exists()
