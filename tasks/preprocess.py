@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.data import split_counts, split_notes, stable_split
-from engine.outputs import check_apart
+from engine.outputs import check_apart, replacing
 from engine.splits import TEST_FRACTION, check_fractions
 from tasks.dataset_dir import check_replaceable, read_manifest, read_table, write_dataset
 
@@ -40,9 +40,16 @@ class PreprocessReport:
 def preprocess_dataset(path: str | Path, out: str | Path | None = None,
                        valid_fraction: float | None = None,
                        test_fraction: float | None = None) -> PreprocessReport:
-    """Preprocess the dataset at ``path`` into ``out`` (default: in place, atomically)."""
+    """Preprocess the dataset at ``path`` into ``out`` (default: in place, atomically);
+    refused while another process reads or writes ``out``."""
     path = Path(path)
     out = Path(out) if out else path
+    with replacing(out):
+        return _preprocess(path, out, valid_fraction, test_fraction)
+
+
+def _preprocess(path: Path, out: Path, valid_fraction: float | None,
+                test_fraction: float | None) -> PreprocessReport:
     manifest = read_manifest(path)
     if manifest is None:
         raise FileNotFoundError(f"{path}: not a complete Pomona dataset (no valid manifest)")
