@@ -21,6 +21,7 @@ import json
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from engine.batch import Pair
+from engine.outputs import reading
 from engine.splits import MAX_BAD_FRACTION, TEST_FRACTION, VALID_FRACTION, check_fractions
 from engine.token_ids import ID_COLUMNS, BadId, bad_id_rows, check_id_types, int_lists
 
@@ -152,7 +154,8 @@ def load_pairs(path: str | Path, valid_fraction: float = VALID_FRACTION,
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"data not found: {path}")
-    table = _read_table(path)
+    with reading(path) if path.is_dir() else nullcontext():  # no writer replaces it meanwhile
+        table = _read_table(path)
     missing = [c for c in COLUMNS if c not in table.column_names]
     if missing:
         raise ValueError(f"{path}: missing column(s) {', '.join(missing)}; "

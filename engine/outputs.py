@@ -14,7 +14,12 @@
 
 Datasets (tasks/dataset_dir.py) and models (tasks/model_factory.py) are replaced whole and
 atomically, and carry their own marks (``manifest.json``, ``pomona_model.json``); they use
-rule 1 and ``entries`` from here. Standard library only: every layer imports it.
+rule 1 and ``entries`` from here. A dataset's readers and its writer meet at a lock file
+beside it (``.<name>.pomona-lock``, never deleted: a lock file removed while held is no
+lock): a reader holds it shared (``reading``), a writer exclusively (``replacing``), so a
+dataset is never replaced under a run that reads it, nor by two writers at once. A file a
+writer swaps into place is first written under a unique hidden name (``temp_beside``), never
+over a user's file. Standard library only: every layer imports it.
 """
 
 from __future__ import annotations
@@ -107,9 +112,9 @@ def _check_ours(out: Path, kinds: tuple[str, ...], legacy: Callable[[Path], bool
                             f"choose another {flag}")
 
 
-def _holder(out: Path) -> str:
+def _holder(out: Path, mark_file: str = MARK) -> str:
     try:
-        mark = json.loads((out / MARK).read_text())
+        mark = json.loads((out / mark_file).read_text())
         pid, host = mark["pid"], mark.get("host")
     except (OSError, ValueError, KeyError, TypeError):
         return "pid unknown"
@@ -198,3 +203,115 @@ def check_file(out: str | Path, ours: Callable[[Path], bool], what: str, *,
         raise RefusedOutput(f"{flag} {out}: cannot write to {out.parent} "
                             f"({err.strerror or err}); choose a folder you can write to"
                             ) from None
+
+
+def temp_beside(path: str | Path) -> Path:
+    """A new empty file beside ``path`` under a unique hidden name (made with O_EXCL, so no
+    file already there is ever written over; mode per the umask, like any new file), to
+    write and then ``os.replace`` onto ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+
+
+LOCK_KIND = "dataset-lock"
+
+
+def lock_file(folder: str | Path) -> Path:
+    """The lock file of folder ``folder`` (a dataset), beside it: it outlives the folder's
+    replacement, which a lock inside the folder would not."""
+    folder = Path(folder).expanduser().resolve()
+    return folder.with_name(f".{folder.name}.pomona-lock")
+
+
+def _lock_is_ours(lock: Path) -> bool:
+    try:
+        text = lock.read_text()
+    except OSError:
+        return False
+    try:
+        return not text.strip() or json.loads(text).get("kind") == LOCK_KIND
+    except (ValueError, AttributeError):
+        return False
+
+
+@contextmanager
+def reading(folder: str | Path) -> Iterator[Path]:
+    """Hold folder ``folder`` (a dataset) shared while the block reads it: ``replacing`` it
+    is refused meanwhile, and RefusedOutput (one line) when a writer is replacing it now.
+    Where no lock file can be made (a read-only share) nothing can replace the folder
+    either, and the block runs unlocked."""
+    folder = Path(folder)
+    lock = lock_file(folder)
+    fd = _open_for_reading(lock)
+    if fd is None:
+        yield folder
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            raise RefusedOutput(f"{folder}: another Pomona process "
+                                f"({_holder(lock.parent, lock.name)}) is replacing this "
+                                "dataset now; wait for it to finish and run again") from None
+        yield folder
+    finally:
+        os.close(fd)
+
+
+def _open_for_reading(lock: Path) -> int | None:
+    for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):
+        try:
+            return os.open(lock, flags, 0o644)
+        except OSError:
+            continue
+    return None
+
+
+@contextmanager
+def replacing(folder: str | Path, flag: str = "--out") -> Iterator[Path]:
+    """Hold folder ``folder`` (a dataset) exclusively while the block writes or replaces it;
+    RefusedOutput (one line, naming the holder) while another process reads it (a training
+    run, a sweep: ``reading``) or writes it."""
+    folder = Path(folder)
+    lock = lock_file(folder)
+    if lock.is_symlink() or (lock.exists() and not _lock_is_ours(lock)):
+        raise RefusedOutput(f"{flag} {folder}: {lock} is not a lock file Pomona wrote; "
+                            "refusing to write over it. Move it away or choose another "
+                            f"{flag}")
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise RefusedOutput(f"{flag} {folder}: cannot write there ({err.strerror or err}); "
+                            "choose a folder you can write to") from None
+    try:
+        _lock_exclusive(fd, folder, lock, flag)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps({"kind": LOCK_KIND, "pid": os.getpid(), "host": HOST})
+                       + "\n").encode(), 0)
+        yield folder
+    finally:
+        os.close(fd)
+
+
+def _lock_exclusive(fd: int, folder: Path, lock: Path, flag: str) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    except OSError:
+        pass
+    try:  # a shared lock granted now: only readers hold it
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        who = "a training run or sweep is reading it"
+    except OSError:
+        who = f"another Pomona process ({_holder(lock.parent, lock.name)}) is writing it"
+    raise RefusedOutput(f"{flag} {folder}: {who}; wait for it to finish or choose another "
+                        f"{flag}")

@@ -265,15 +265,16 @@ def demo(
     from engine.outputs import RefusedOutput
     from flows.demo import DEMOS, run_demo
     from flows.pipeline import claim_pipeline
+    from flows.prefect_ui import ApiGone, prefect_api
 
     check_address(address)
     if model not in DEMOS:
         raise fail(f"--model {model}: the demos are {', '.join(DEMOS)}")
     out = out or Path("runs/demo" if model == "tiny" else f"runs/demo-{model}")
     try:
-        with claim_pipeline(out):
+        with claim_pipeline(out), prefect_api(out):
             run_demo(out, console, address, model)
-    except RefusedOutput as err:  # --out, or the model in it, is not Pomona's to replace
+    except (RefusedOutput, ApiGone) as err:  # --out not Pomona's to replace; a dead server
         raise fail(str(err)) from None
     except OSError as err:  # a real model's fetch from PyPI failed
         raise fail(str(err)) from None
@@ -302,10 +303,13 @@ def pipeline_cmd(
         raise fail(str(err)) from None
     from prefect.exceptions import FailedRun
 
+    from flows.prefect_ui import ApiGone, prefect_api
+
     try:
-        summary = pipeline(str(raw), model, str(spec), str(out), address, gpus, resource,
-                           generations)
-    except FailedRun as err:  # the data's mistake (tokenize_task): its one-line message
+        with prefect_api(out):
+            summary = pipeline(str(raw), model, str(spec), str(out), address, gpus, resource,
+                               generations)
+    except (FailedRun, ApiGone) as err:  # the data's mistake (tokenize_task), a dead server
         raise fail(str(err)) from None
     console.print(f"leaderboard: {summary['markdown']}; best adapter: "
                   f"{summary['best_adapter']}")
@@ -329,16 +333,17 @@ def leaderboard_cmd(
     """Evaluate and rank a finished sweep: leaderboard.md/.parquet and best-adapter/."""
     from engine.outputs import RefusedOutput
     from flows.pipeline import claim_sweep_dir, leaderboard_flow
+    from flows.prefect_ui import ApiGone, prefect_api
     from tasks.leaderboard import check_leaderboard_inputs
 
     check_address(address)
     try:
         check_leaderboard_inputs(sweep_dir, model, str(data), metric, mode)
-        with claim_sweep_dir(sweep_dir, model, str(data)):  # ours, and no sweep writing it
+        with claim_sweep_dir(sweep_dir, model, str(data)), prefect_api(sweep_dir):
             summary = leaderboard_flow(str(sweep_dir), model, str(data), metric, mode,
                                        address=address, gpus=gpus, resource=resource,
                                        fuse=fuse)
-    except (RefusedOutput, ValueError, FileNotFoundError) as err:
+    except (RefusedOutput, ValueError, FileNotFoundError, ApiGone) as err:
         raise fail(str(err)) from None
     console.print(f"leaderboard: {summary['markdown']}; best adapter: "
                   f"{summary['best_adapter']}")
@@ -362,7 +367,12 @@ def serve(
     from prefect import serve as prefect_serve
 
     from flows.pipeline import pipeline_deployment
+    from flows.prefect_ui import ApiGone, check_api
 
+    try:
+        check_api()
+    except ApiGone as err:
+        raise fail(str(err)) from None
     params = {"raw": str(raw.resolve()), "model": model, "spec": str(spec.resolve()),
               "out": str(out.resolve()), "address": address, "gpus": gpus,
               "resource": resource}

@@ -4,12 +4,20 @@ The server answers ``/ui-settings`` with an ``api_url`` the UI's JavaScript then
 derives it from ``PREFECT_API_URL`` or its own host/port settings, not from ``prefect server
 start --host/--port``: on any port but 4200 the UI called ``http://127.0.0.1:4200/api`` and
 showed nothing. ``pomona ui`` sets it from the address a browser can open.
+
+A flow entered from the CLI (``prefect_api``) first asks the server ``PREFECT_API_URL``
+names whether it is up, and a server that dies mid-run ends the command in one line naming
+that URL: Prefect's client otherwise retried each call for minutes (253 s, six tracebacks
+and no cause, once a hang).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from urllib.parse import urlsplit
 
 WILDCARDS = ("0.0.0.0", "::", "")
@@ -51,3 +59,81 @@ def point_ui_at(url: str) -> str:
     os.environ.pop("PREFECT_UI_API_URL", None)
     os.environ["PREFECT_SERVER_UI_API_URL"] = api
     return api
+
+
+# Seconds the health check waits, and the client's retries per call once a run is under
+# way (Prefect's default, 5 with backoff, took minutes to give up on a dead server).
+HEALTH_TIMEOUT_S = 5.0
+CLIENT_RETRIES = 1
+
+
+class ApiGone(RuntimeError):
+    """The Prefect API a flow reports to does not answer (one line naming its URL)."""
+
+
+def api_url() -> str | None:
+    """The Prefect API this process reports to: None when Prefect starts its own."""
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value() or None
+
+
+def check_api(url: str | None = None) -> None:
+    """Raise ApiGone unless the server at ``url`` (default: ``PREFECT_API_URL``) is up."""
+    import httpx
+
+    url = url or api_url()
+    if not url:
+        return
+    try:
+        httpx.get(f"{url.rstrip('/')}/health", timeout=HEALTH_TIMEOUT_S).raise_for_status()
+    except httpx.HTTPError as err:
+        raise ApiGone(f"PREFECT_API_URL {url}: no Prefect server answers there ({_why(err)});"
+                      " start it (`pomona ui`) or unset PREFECT_API_URL to let the run "
+                      "start its own") from None
+
+
+def _why(err: BaseException) -> str:
+    return " ".join(str(err).split())[:120] or type(err).__name__
+
+
+def lost_api(err: BaseException) -> BaseException | None:
+    """The connection error to the Prefect API inside ``err`` (its causes and contexts),
+    or None when ``err`` is something else."""
+    import httpx
+
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, (httpx.TransportError, httpx.HTTPStatusError)):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+@contextmanager
+def prefect_api(out: str | os.PathLike | None = None) -> Iterator[None]:
+    """Run a flow against a Prefect API known to be up; ApiGone (one line naming the URL
+    and where the finished stages' files are) when it goes away during the block."""
+    from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    url = api_url()
+    check_api(url)
+    retries = ({} if "PREFECT_CLIENT_MAX_RETRIES" in os.environ or not url
+               else {PREFECT_CLIENT_MAX_RETRIES: CLIENT_RETRIES})  # a user's own setting wins
+    try:
+        with temporary_settings(updates=retries):
+            yield
+    except Exception as err:
+        cause = lost_api(err) if url else None
+        if cause is None:
+            raise
+        # Prefect's services log their own failure at exit for each call left unsent:
+        # noise after the one line that says why
+        for name in ["prefect", *logging.root.manager.loggerDict]:
+            if name.startswith("prefect"):  # its internal loggers ignore levels
+                logging.getLogger(name).disabled = True
+        where = f"; what finished is in {out}" if out else ""
+        raise ApiGone(f"PREFECT_API_URL {url}: the Prefect server stopped answering during "
+                      f"the run ({_why(cause)}){where}. Restart it (`pomona ui`) and run "
+                      "again: finished stages are cached") from None

@@ -97,9 +97,11 @@ def run_sweep_cli(console: Console, spec_path: Path, out: Path | None, address: 
             console.print(memory_table(rows, out))
             return
         if use_prefect:
+            from flows.prefect_ui import prefect_api  # ApiGone: a RuntimeError, one line
             from flows.sweep_flow import sweep_flow
 
-            sweep_flow(str(spec_path), str(out), address, gpus, resource)
+            with prefect_api(out):
+                sweep_flow(str(spec_path), str(out), address, gpus, resource)
             rows = run_results(out)
         else:
             display = SweepProgress(console, spec)

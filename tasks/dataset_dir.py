@@ -95,7 +95,10 @@ def check_replaceable(out: Path) -> None:
     out = Path(out)
     if not out.exists() and not out.is_symlink():
         return
-    if not out.is_dir() or out.is_symlink():
+    if out.is_symlink():  # replacing it would replace the link, not the folder it names
+        raise RefusedOutput(f"--out {out}: is a symbolic link (to {os.readlink(out)}); "
+                            f"give the folder itself: --out {out.resolve()}")
+    if not out.is_dir():
         raise RefusedOutput(f"--out {out}: exists and is not a folder; refusing to replace "
                             "it. Choose another --out")
     names = set(entries(out))

@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import tempfile
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 from engine.adapters import atomic_write_text
 from engine.model_source import source_kind
-from engine.outputs import RefusedOutput
+from engine.outputs import RefusedOutput, temp_beside
 from tasks.degenerate import below_chance
 from tasks.results_table import write_results
 from tasks.sweep import metric_value
@@ -201,21 +201,33 @@ def write_leaderboard(rows: list[dict[str, Any]], out: Path, metric: str, title:
 
 
 def export_best(rows: list[dict[str, Any]], out: Path) -> Path | None:
-    """Copy the rank-1 adapter to ``out/best-adapter`` (mlx-lm's files), atomically."""
+    """Copy the rank-1 adapter to ``out/best-adapter`` (mlx-lm's files). Only the files the
+    export writes (SOURCE and ``ADAPTER_FILES``) are replaced, each atomically; anything
+    else a user put in the folder (a README, a tokenizer) stays as it was."""
     best = next((r for r in rows if r.get("rank") == 1 and r.get("adapter")), None)
     if best is None:
         return None
     target = out / "best-adapter"
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise RefusedOutput(f"{target}: not a folder; refusing to replace it with the best "
+                            "adapter. Move it out of the way")
     if target.exists() and not (target / "SOURCE").is_file():  # SOURCE: the export's mark
         raise RefusedOutput(f"{target}: not a best adapter Pomona exported (no SOURCE file); "
                             "refusing to replace it. Move it out of the way")
-    tmp = Path(tempfile.mkdtemp(prefix=".best-adapter.", dir=out))
+    target.mkdir(exist_ok=True)  # mode per the umask: readable like any folder
+    # SOURCE first: an export killed midway still leaves a folder marked as Pomona's
+    _replace_file(target / "SOURCE", lambda tmp: tmp.write_text(f"{best['trial_id']}\n"))
     for name in ADAPTER_FILES:
-        shutil.copy2(Path(best["adapter"]) / name, tmp / name)
-    (tmp / "SOURCE").write_text(f"{best['trial_id']}\n")
-    if target.exists():
-        old = target.with_name(f".best-adapter.old.{os.getpid()}")
-        target.rename(old)
-        shutil.rmtree(old)
-    tmp.rename(target)
+        _replace_file(target / name,
+                      lambda tmp, name=name: shutil.copyfile(Path(best["adapter"]) / name, tmp))
     return target
+
+
+def _replace_file(path: Path, write: Callable[[Path], Any]) -> None:
+    """``write`` a unique temporary beside ``path``, then rename it onto ``path``."""
+    tmp = temp_beside(path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

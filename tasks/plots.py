@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from engine.outputs import temp_beside
 from tasks.sweep import metric_value
 
 
@@ -30,10 +31,13 @@ def save_png(plt, fig, path: Path) -> Path:
     """Write ``fig`` to ``path`` atomically and close it."""
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, path)
+    tmp = temp_beside(path)  # a unique name: never a file of a user's
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return path
 
 

@@ -11,11 +11,12 @@ rows. ``out`` (default: in place) may only be a new or empty folder or another P
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.data import split_counts, split_notes, stable_split
-from engine.outputs import check_apart
+from engine.outputs import check_apart, reading, replacing
 from engine.splits import TEST_FRACTION, check_fractions
 from tasks.dataset_dir import check_replaceable, read_manifest, read_table, write_dataset
 
@@ -40,9 +41,17 @@ class PreprocessReport:
 def preprocess_dataset(path: str | Path, out: str | Path | None = None,
                        valid_fraction: float | None = None,
                        test_fraction: float | None = None) -> PreprocessReport:
-    """Preprocess the dataset at ``path`` into ``out`` (default: in place, atomically)."""
+    """Preprocess the dataset at ``path`` into ``out`` (default: in place, atomically);
+    refused while another process reads or writes ``out``, or writes ``path``."""
     path = Path(path)
     out = Path(out) if out else path
+    same = out.resolve() == path.resolve()
+    with replacing(out), nullcontext() if same else reading(path):  # no writer swaps its input
+        return _preprocess(path, out, valid_fraction, test_fraction)
+
+
+def _preprocess(path: Path, out: Path, valid_fraction: float | None,
+                test_fraction: float | None) -> PreprocessReport:
     manifest = read_manifest(path)
     if manifest is None:
         raise FileNotFoundError(f"{path}: not a complete Pomona dataset (no valid manifest)")

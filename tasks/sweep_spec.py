@@ -35,6 +35,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ from tasks.trial_plan import AUTO, TrialPlan, parse_auto
 
 KINDS = ("choice", "uniform", "loguniform", "int")
 SEARCHES = ("grid", "random", "optuna")
+HUGE_SWEEP = 1000  # trials: more is warned of at planning time
 TOP_KEYS = {"name", "model", "data", "fixed", "grid", "space", "search", "num_samples",
             "metric", "mode", "max_concurrent", "time_limit_s", "seed", "pruning",
             "memory_budget_gb", "retries", "retry_delay_s", "kind", "probe_batches",
@@ -122,6 +124,13 @@ class SweepSpec:
         space = sorted(self.space.items())
         return [{**self.fixed, **point, **{k: d.sample(rng) for k, d in space}}
                 for point in points for _ in range(draws)]
+
+    def size(self) -> int:
+        """How many trials the spec plans (optuna: its ``num_samples``), before listing any."""
+        if self.search == "optuna":
+            return self.num_samples
+        draws = self.num_samples if self.space and self.search == "random" else 1
+        return math.prod(len(v) for v in self.grid.values()) * draws
 
     def trials(self, out: Path | None = None) -> list[TrialPlan]:
         """Every listed trial (``points``) planned into ``out`` (default: runs/<name>)."""
@@ -252,7 +261,7 @@ def _parse(data: Any) -> SweepSpec:
     for key in ("name", "model", "data"):
         if not isinstance(data.get(key), str) or not data[key]:
             raise SpecError(f"{key}: required (a non-empty string)")
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", data["name"]):
+    if not re.fullmatch(r"\w[\w.-]*", data["name"]):  # \w: letters of any script too
         raise SpecError(f"name={data['name']!r}: letters, digits, '.', '_' and '-' only (it "
                         "names the run directory, which must stay inside runs/)")
     fixed, grid, space = data.get("fixed") or {}, data.get("grid") or {}, data.get("space") or {}
@@ -392,8 +401,33 @@ def load_spec(path: str | Path) -> SweepSpec:
 
     try:
         data = read_yaml(path, "sweep spec")
+        _refuse_duplicate_keys(Path(path))
     except FileNotFoundError:
         raise
     except ValueError as err:
         raise SpecError(str(err)) from None
-    return parse_spec(data, str(path))
+    spec = parse_spec(data, str(path))
+    if spec.size() > HUGE_SWEEP:  # a typo'd grid: hours of trials, and a slow interrupt
+        logging.getLogger("pomona.sweep").warning(
+            f"warning: {path}: {spec.size():,} trials planned (over {HUGE_SWEEP:,}); narrow "
+            "the grid, or use search: random or optuna with num_samples")
+    return spec
+
+
+def _refuse_duplicate_keys(path: Path) -> None:
+    """ValueError naming a key a mapping of the file gives twice (YAML keeps the last)."""
+    import yaml
+
+    nodes = [yaml.compose(path.read_text())]
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, yaml.MappingNode):
+            seen: set[str] = set()
+            for key, value in node.value:
+                if key.value in seen:
+                    raise ValueError(f"{path}: key {key.value!r} given twice (line "
+                                     f"{key.start_mark.line + 1}); keep one")
+                seen.add(key.value)
+                nodes.append(value)
+        elif isinstance(node, yaml.SequenceNode):
+            nodes.extend(node.value)

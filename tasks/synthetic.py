@@ -243,12 +243,23 @@ def is_synth_file(path: Path) -> bool:
 def write_rows(rows: list[dict], out: Path) -> Path:
     """Write rows as JSONL (``.jsonl``), a JSON array (``.json``) or Parquet (``.parquet``),
     replacing only an earlier synthetic file (``is_synth_file``)."""
-    from engine.outputs import check_file
+    from engine.outputs import check_file, temp_beside
 
     out = Path(out)
     check_file(out, is_synth_file, "a synthetic data file")
-    tmp = out.with_name(out.name + ".tmp")
     suffix = out.suffix.lower()
+    if suffix not in (".jsonl", ".json", ".parquet"):
+        raise ValueError(f"{out}: unsupported extension {suffix!r}; use .jsonl, .json or .parquet")
+    tmp = temp_beside(out)  # a unique name: never a user's file
+    try:
+        _write_as(rows, tmp, suffix)
+        tmp.replace(out)  # atomic: a crash never leaves a half file under the real name
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _write_as(rows: list[dict], tmp: Path, suffix: str) -> None:
     if suffix == ".jsonl":
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     elif suffix == ".json":
@@ -259,7 +270,3 @@ def write_rows(rows: list[dict], out: Path) -> Path:
 
         keys = list(dict.fromkeys(k for r in rows for k in r))  # optional fields too
         pq.write_table(pa.table({k: [r.get(k) for r in rows] for k in keys}), tmp)
-    else:
-        raise ValueError(f"{out}: unsupported extension {suffix!r}; use .jsonl, .json or .parquet")
-    tmp.replace(out)  # atomic: a crash never leaves a half file under the real name
-    return out

@@ -6,7 +6,9 @@ to the model's context length), and writes the dataset directory (tasks/dataset_
 keyed by a fingerprint of the input bytes, the tokenizer files, the options and the
 data-code version: an unchanged re-run is a cache hit. Bad rows go to
 ``<out>.rejects.jsonl`` beside it; the run fails only above ``max_bad_fraction`` (its
-rejects then go to ``<out>.failed.rejects.jsonl``, leaving the dataset's own untouched).
+rejects then go to ``<out>.failed.rejects.jsonl``, leaving the dataset's own untouched); a
+user's file under either name is refused, never replaced. One writer at a time, and none
+while a training run or sweep reads the dataset (engine/outputs.py: ``replacing``).
 Pairs far longer than the rest are reported as outliers: one can exhaust training memory.
 """
 
@@ -27,7 +29,7 @@ import numpy as np
 from engine.data import split_counts, split_notes, stable_split
 from engine.digests import file_digest, file_digests, tokenizer_hash
 from engine.model_source import model_dir, read_config
-from engine.outputs import RefusedOutput, check_apart
+from engine.outputs import RefusedOutput, check_apart, replacing, temp_beside
 from tasks.dataset_dir import check_replaceable, read_manifest, shards_problem, write_dataset
 from tasks.pair_encoder import PairEncoder
 from tasks.preference_rows import Conversation, Reject, list_files, read_conversations
@@ -213,13 +215,30 @@ def _outliers(got: _Collected) -> dict[str, Any]:
 
 
 def _write_rejects(path: Path, rejects: list[Reject]) -> None:
-    """Write atomically: a crash leaves the previous file, never half of one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    path.parent.mkdir(parents=True, exist_ok=True)  # a first run's --out parent may not exist
+    """Write atomically under a unique temporary: a crash leaves the previous file, never
+    half of one, and no file of a user's is written over."""
     text = "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in rejects)
-    # backslashreplace writes a lone surrogate back as the JSON escape it was read from
-    tmp.write_bytes(text.encode("utf-8", "backslashreplace"))
-    os.replace(tmp, path)
+    tmp = temp_beside(path)  # makes a first run's --out parent too
+    try:
+        # backslashreplace writes a lone surrogate back as the JSON escape it was read from
+        tmp.write_bytes(text.encode("utf-8", "backslashreplace"))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+REJECT_KEYS = Reject("", 0, "", None).to_json().keys()
+
+
+def is_rejects_file(path: Path) -> bool:
+    """Whether ``path`` holds rejects a tokenize run wrote (its mark: every line one JSON
+    object with exactly a reject's keys), the only file beside ``--out`` it replaces."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return all(isinstance(row := json.loads(line), dict) and row.keys() == REJECT_KEYS
+                       for line in f if line.strip())
+    except (OSError, ValueError):
+        return False
 
 
 def _fail_if_unusable(got: _Collected, inputs: Path, files: list[Path], limit: float,
@@ -245,12 +264,17 @@ def _fail_if_unusable(got: _Collected, inputs: Path, files: list[Path], limit: f
 
 
 def _check_apart(out: Path, inputs: Path, files: list[Path]) -> None:
-    """Refuse an --out (or its rejects file) that is, holds or lies among the inputs."""
+    """Refuse an --out (or its rejects file) that is, holds or lies among the inputs, and a
+    rejects file's name that holds a file of the user's."""
     check_apart(out, [inputs, *files])
     for path in rejects_paths(out):
         if any(path.resolve() == f.resolve() for f in files):
             raise RefusedOutput(f"--out {out}: its rejects file {path} is an input. Choose "
                                 "another --out")
+        if path.is_symlink() or (path.exists() and not is_rejects_file(path)):
+            raise RefusedOutput(f"--out {out}: {path} (where its rejects go) holds a file "
+                                "Pomona did not write; refusing to replace it. Move it or "
+                                "choose another --out")
 
 
 def _manifest(fp: str, folder: Path, options: TokenizeOptions, use_template: bool,
@@ -287,15 +311,33 @@ def tokenize_dataset(inputs: str | Path, model: str, out: str | Path,
     if options.max_length is None:  # the model's own limit: no pair longer than it can train
         options = replace(options, max_length=context_length(folder))
     fp = fingerprint(files, folder, options)
+    if (hit := _cache_hit(out, fp, options, started)) is not None:
+        return hit
+    with replacing(out):  # one writer, and none while a run reads the dataset
+        if (hit := _cache_hit(out, fp, options, started)) is not None:
+            return hit  # a writer that finished meanwhile wrote these very bytes
+        return _tokenize_into(out, inputs, files, folder, options, fp, progress, started)
+
+
+def _cache_hit(out: Path, fp: str, options: TokenizeOptions, started: float
+               ) -> TokenizeReport | None:
+    """The report of a dataset at ``out`` that already holds fingerprint ``fp``, whole."""
+    manifest = read_manifest(out)
+    if manifest is None or manifest.get("fingerprint") != fp or shards_problem(out, manifest):
+        return None
+    return TokenizeReport(str(out), fp, True, manifest["rows"]["total"], manifest["rejects"],
+                          manifest["truncation"], seconds=time.perf_counter() - started,
+                          outliers=manifest.get("outliers", {}),
+                          notes=split_notes(_split_rows(manifest), options.valid_fraction,
+                                            options.test_fraction))
+
+
+def _tokenize_into(out: Path, inputs: Path, files: list[Path], folder: Path,
+                   options: TokenizeOptions, fp: str, progress: Progress | None,
+                   started: float) -> TokenizeReport:
+    """Tokenize and write the dataset at ``out`` (its writer's lock held)."""
     manifest = read_manifest(out)
     broken = shards_problem(out, manifest) if manifest is not None else None
-    if manifest is not None and manifest.get("fingerprint") == fp and broken is None:
-        return TokenizeReport(str(out), fp, True, manifest["rows"]["total"],
-                              manifest["rejects"], manifest["truncation"],
-                              seconds=time.perf_counter() - started,
-                              outliers=manifest.get("outliers", {}),
-                              notes=split_notes(_split_rows(manifest), options.valid_fraction,
-                                                options.test_fraction))
     notes = [f"{out}: {broken}; tokenizing again"] if broken else []
     check_replaceable(out)  # before the work, not only when writing (write_dataset checks)
     hf_tok = _load_tokenizer(folder)
@@ -316,7 +358,8 @@ def tokenize_dataset(inputs: str | Path, model: str, out: str | Path,
     manifest = _manifest(fp, folder, options, use_template, files, got)
     write_dataset(out, got.rows, manifest)
     _write_rejects(kept_path, got.rejects)  # after the dataset: the two always match
-    failed_path.unlink(missing_ok=True)  # an earlier failure's report no longer applies
+    if failed_path.exists():  # an earlier failure's report no longer applies (checked ours)
+        failed_path.unlink()
     return TokenizeReport(str(out), fp, False, manifest["rows"]["total"], manifest["rejects"],
                           dict(got.trunc), manifest["tokens"], time.perf_counter() - started,
                           manifest["outliers"], notes)

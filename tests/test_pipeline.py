@@ -71,9 +71,17 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
     for name in ("curves.png", "params.png"):
         assert (out / "plots" / name).read_bytes()[:4] == b"\x89PNG"
 
+    # Issue 36 item 1: a user's files in what a re-run writes again survive byte for byte.
+    users = [out / "best-adapter" / "README.md", out / "best-adapter" / "tokenizer.json",
+             out / "soup" / "README.md", out / "plots" / "notes.txt",
+             out / "sweep" / trials[0]["trial_id"] / "README.md"]
+    for i, path in enumerate(users):
+        path.write_bytes(f"user file {i}\n".encode())
     again = pipeline(str(raw), str(tiny_model), str(spec), str(out), generations=2,
                      return_state=True)
     assert again.is_completed()
+    assert [p.read_bytes() for p in users] == [f"user file {i}\n".encode()
+                                               for i in range(len(users))]
     with get_client(sync_client=True) as client:
         runs = [t for t in client.read_task_runs()
                 if t.flow_run_id == again.state_details.flow_run_id]

@@ -144,3 +144,41 @@ def test_the_board_of_a_sweep_over_losses_ranks_on_a_shared_metric(tmp_path, tin
             check_leaderboard_inputs(tmp_path, str(tiny_model), str(tiny_data), metric, "max")
     check_leaderboard_inputs(tmp_path, str(tiny_model), str(tiny_data),
                              "val/logps/accuracies", "max")
+
+
+def test_duplicate_keys_are_refused_naming_the_key_and_line(tmp_path: Path) -> None:
+    """Issue 36, low: a key given twice was accepted and the last one won."""
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\nmodel: m\ndata: d\nfixed:\n  steps: 5\n  lora_rank: 4\n"
+                    "  steps: 50\n")
+    with pytest.raises(SpecError, match=r"s\.yaml: key 'steps' given twice \(line 7\)"):
+        load_spec(path)
+    path.write_text("name: s\nmodel: m\ndata: d\nname: t\n")
+    with pytest.raises(SpecError, match=r"key 'name' given twice \(line 4\)"):
+        load_spec(path)
+
+
+def test_a_unicode_name_is_accepted_and_a_path_is_not() -> None:
+    """Issue 36, low: a unicode ``name`` was refused, even with --out given."""
+    assert parse_spec({**BASE, "name": "тест-実験_1"}).name == "тест-実験_1"
+    for bad in ("../x", "a/b", ".hidden", "a b"):
+        with pytest.raises(SpecError, match="letters, digits"):
+            parse_spec({**BASE, "name": bad})
+
+
+def test_a_huge_grid_is_warned_of_with_its_count(tmp_path: Path, caplog) -> None:
+    """Issue 36, item 17 (its spec part): a 10,000-trial grid was accepted without a word."""
+    path = tmp_path / "s.yaml"
+    values = ", ".join(str(1e-5 * (i + 1)) for i in range(100))
+    path.write_text(f"name: s\nmodel: m\ndata: d\ngrid:\n  learning_rate: [{values}]\n"
+                    "  lora_rank: [" + ", ".join(str(i + 1) for i in range(100)) + "]\n")
+    with caplog.at_level("WARNING", logger="pomona.sweep"):
+        spec = load_spec(path)
+    assert spec.size() == 10_000 == len(spec.points())
+    [record] = [r for r in caplog.records if r.name == "pomona.sweep"]
+    assert "10,000 trials planned" in record.getMessage()
+    caplog.clear()
+    path.write_text("name: s\nmodel: m\ndata: d\ngrid:\n  lora_rank: [4, 8]\n")
+    with caplog.at_level("WARNING", logger="pomona.sweep"):
+        assert load_spec(path).size() == 2
+    assert not [r for r in caplog.records if r.name == "pomona.sweep"]
