@@ -18,7 +18,7 @@ import hashlib
 import json
 import threading
 import time
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from engine.content_key import adapter_fingerprint, model_fingerprint
 from engine.digests import file_digest
 from engine.model_source import source_kind
-from engine.outputs import claim, mark_kind
+from engine.outputs import claim, mark_kind, reading
 from tasks.attempts import EventHook
 from tasks.memory_probe import resolve_auto
 from tasks.placement import Placement
@@ -172,7 +172,9 @@ def run_sweep(spec: SweepSpec, out: Path, placement: Placement | None = None,
     Ctrl-C: results so far are written (running trials ``cancelled``) and
     KeyboardInterrupt propagates.
     """
-    with claim_sweep(spec, Path(out)):
+    data = Path(spec.data)
+    # The dataset held shared for the whole sweep: a writer is refused until it ends.
+    with claim_sweep(spec, Path(out)), reading(data) if data.is_dir() else nullcontext():
         return _run_sweep(spec, Path(out), placement or Placement(), progress, wrap)
 
 

@@ -1,0 +1,78 @@
+"""Files across nodes by content (tasks/node_files.py), without Ray: a node that holds the
+same bytes uses them in place; one that does not gets a checked copy in its cache once;
+bytes changed since planning are refused, naming the file; a pull keeps other files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tasks.node_files import Bundle, InputChanged, fetch, holds, local_reader, pull
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("POMONA_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _folder(root: Path) -> Path:
+    (root / "sub").mkdir(parents=True)
+    (root / "a.bin").write_bytes(b"a" * 1000)
+    (root / "sub" / "b.txt").write_text("bee")
+    (root / ".lock").write_text("not content")
+    return root
+
+
+def test_a_folder_is_used_in_place_where_its_bytes_are(tmp_path: Path, cache: Path) -> None:
+    bundle = Bundle.of(_folder(tmp_path / "model"))
+    assert [f[0] for f in bundle.files] == ["a.bin", "sub/b.txt"]  # dotfiles are no content
+    assert holds(bundle)
+    assert fetch(bundle, local_reader(bundle)) == bundle.path
+    assert not cache.exists()  # nothing copied
+
+
+def test_a_node_without_the_bytes_gets_a_checked_copy_once(tmp_path: Path,
+                                                           cache: Path) -> None:
+    source = Bundle.of(_folder(tmp_path / "driver" / "model"))
+    elsewhere = Bundle(str(tmp_path / "node" / "model"), source.files, source.digest, True)
+    calls: list[str] = []
+    reader = local_reader(source)
+
+    def counting(rel: str, offset: int, n: int) -> bytes:
+        calls.append(rel)
+        return reader(rel, offset, n)
+
+    got = Path(fetch(elsewhere, counting))
+    assert got.is_relative_to(cache / "inputs" / source.digest) and got.name == "model"
+    assert (got / "sub" / "b.txt").read_text() == "bee"
+    assert Bundle.of(got).digest == source.digest
+    before = len(calls)
+    assert Path(fetch(elsewhere, counting)) == got and len(calls) == before  # cached
+
+
+def test_bytes_changed_since_planning_are_refused_naming_the_file(tmp_path: Path,
+                                                                  cache: Path) -> None:
+    """The dataset replaced on the driver after the trial was planned: the node's copy
+    would be other rows; the fetch fails naming the file, and no copy is left cached."""
+    planned = Bundle.of(_folder(tmp_path / "data"))
+    (tmp_path / "data" / "a.bin").write_bytes(b"b" * 1000)  # replaced, same size
+    elsewhere = Bundle(str(tmp_path / "other" / "data"), planned.files, planned.digest, True)
+    assert not holds(planned)
+    with pytest.raises(InputChanged, match=r"a\.bin: not the bytes this run was planned"):
+        fetch(elsewhere, local_reader(planned))
+    assert not (cache / "inputs" / planned.digest).exists()
+
+
+def test_a_pull_replaces_its_files_and_keeps_the_users(tmp_path: Path) -> None:
+    outputs = Bundle.of(_folder(tmp_path / "scratch"))
+    dest = tmp_path / "sweep" / "t1"
+    dest.mkdir(parents=True)
+    (dest / "a.bin").write_bytes(b"old")
+    (dest / "NOTES.md").write_text("mine")
+    pull(outputs, local_reader(outputs), dest)
+    assert (dest / "a.bin").read_bytes() == b"a" * 1000
+    assert (dest / "sub" / "b.txt").read_text() == "bee"
+    assert (dest / "NOTES.md").read_text() == "mine"
+    assert sorted(p.name for p in dest.iterdir()) == ["NOTES.md", "a.bin", "sub"]
