@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from engine.digests import sha256_file
+from engine.gguf_check import check_tensors
 
 MARK = "pomona_model.json"  # what Pomona writes beside every model directory it makes
 IMPORTER_VERSION = 2  # part of the cache key: a fix here re-imports cached files
@@ -167,6 +168,17 @@ def hf_name(arch: Arch, name: str) -> str:
     raise ValueError(f"GGUF tensor {name!r} has no {arch.model_type} counterpart")
 
 
+def gguf_name(arch: Arch, hf: str) -> str:
+    """The GGUF tensor name of mlx-lm parameter ``hf``: ``hf_name``'s inverse."""
+    stem, _, kind = hf.rpartition(".")
+    parts = stem.split(".", 3)
+    block = {v: k for k, v in arch.names.items()}
+    if parts[:2] == ["model", "layers"] and len(parts) == 4 and parts[3] in block:
+        return f"blk.{parts[2]}.{block[parts[3]]}.{kind}"
+    top = {v: k for k, v in _TOP.items()}
+    return f"{top[stem]}.{kind}" if stem in top else hf
+
+
 def unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's ``permute`` of q/k rows, which took each head's rows from rope
     pairs [d/2, 2] to halves [2, d/2]: read them as [d/2, 2] and swap back."""
@@ -304,9 +316,12 @@ def read_gguf(path: Path) -> GGUFModel:
 
     try:
         reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as err:  # the reader's own errors say what is wrong
-        raise ValueError(f"{path}: not a readable GGUF file ({err})") from err
-    meta = read_metadata(reader)
+        meta = read_metadata(reader)
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read it ({err.strerror or err})") from err
+    except Exception as err:  # a file cut short fails as IndexError, struct or numpy errors
+        raise ValueError(f"{path}: not a readable GGUF file, or cut short "
+                         f"({type(err).__name__}: {err}); fetch or export it again") from err
     arch = _arch_of(meta, path)
     check_quant_types(list(reader.tensors), path)
     tensors = [t for t in reader.tensors if t.name != "rope_freqs.weight"]
@@ -317,6 +332,8 @@ def read_gguf(path: Path) -> GGUFModel:
         raise ValueError(f"{path}: GGUF metadata has no {err.args[0]}") from err
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from err
+    check_tensors(path, config, {names[t.name]: tuple(int(n) for n in reversed(t.shape))
+                                 for t in tensors}, lambda hf: gguf_name(arch, hf))
     try:
         tokenizer = build_tokenizer(meta)
     except Exception as err:  # transformers' builders fail in many ways: name the file

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.gguf_check import expected_shapes
 from engine.outputs import RefusedOutput, entries
 from tasks.model_families import BOS, FAMILIES, IM_END, PAD, SPECIAL_TOKENS, ModelSpec
 from tasks.synthetic import LAYOUTS, TASKS, synth_rows
@@ -104,18 +105,8 @@ def init_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     saturated softmax would otherwise amplify float32 rounding ~50× over 12 layers), scalar
     gains 1, biases 0.
     """
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes  # mlx-lm's own model_type mapping (mistral: llama)
-
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
-    shapes = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
-    del model
-    mx.clear_cache()
+    shapes = expected_shapes(config)
     text = config.get("text_config", config)  # a multimodal checkpoint's decoder sizes
-    if text.get("tie_word_embeddings"):
-        shapes.pop("lm_head.weight", None)  # gemma3_text ties when the head is absent
     rng = np.random.default_rng(seed)
     out_scale = 1.0 / np.sqrt(2.0 * text["num_hidden_layers"])
     family = FAMILIES[config["model_type"]]
