@@ -280,12 +280,18 @@ def _write_weights(stage: Path, arrays: Iterator[tuple[str, Any]]) -> None:
     (stage / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def check_new_folder(out: Path) -> None:
-    """FileExistsError unless ``out`` is absent or an empty folder: an import never
+def check_new_folder(out: Path) -> Path:
+    """The folder an import of ``out`` writes: ``out``, or the folder a symlink ``out``
+    points to. FileExistsError unless it is absent or an empty folder: an import never
     replaces files."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.is_symlink() and not out.is_dir():
+        raise FileExistsError(f"{out} is a symlink to {os.readlink(out)}, not to a folder: "
+                              "choose a new --out")
+    folder = out.resolve() if out.is_symlink() else out
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty folder: choose a new --out "
                               "(an import never replaces files)")
+    return folder
 
 
 @dataclass(frozen=True)
@@ -354,10 +360,10 @@ def import_gguf(path: str | Path, out: str | Path, dtype: str = "bfloat16",
 
     path, out = Path(path), Path(out)
     check_options(dtype, quantize)
-    check_new_folder(out)
+    folder = check_new_folder(out)  # a symlink's target: the link itself stays
     model = read_gguf(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{folder.name}.") as tmp:
         stage = Path(tmp) / "float"
         stage.mkdir()
         _write_weights(stage, _arrays(model, dtype, progress))
@@ -372,7 +378,7 @@ def import_gguf(path: str | Path, out: str | Path, dtype: str = "bfloat16",
             stage = _quantized(stage, Path(tmp) / "quantized", quantize)
         (stage / MARK).write_text(json.dumps(mark, indent=2) + "\n")
         try:
-            os.replace(stage, out)  # atomic; an empty folder is replaced, any other refused
+            os.replace(stage, folder)  # atomic; an empty folder is replaced, others refused
         except OSError as err:
             raise FileExistsError(f"{out} is not empty: choose a new --out") from err
     return out
