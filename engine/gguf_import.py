@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ import numpy as np
 
 from engine.digests import sha256_file
 from engine.gguf_check import check_tensors
+from engine.scratch import work_folder
 
 MARK = "pomona_model.json"  # what Pomona writes beside every model directory it makes
 IMPORTER_VERSION = 2  # part of the cache key: a fix here re-imports cached files
@@ -363,8 +363,9 @@ def import_gguf(path: str | Path, out: str | Path, dtype: str | None = None,
     """Write ``path`` (a .gguf) to the new directory ``out`` as an mlx-lm model; return it.
 
     ``dtype``: the weights' dtype (None: ``platform_dtype``); ``quantize`` 4 or 8: then quantized by
-    ``mlx_lm.convert`` (the path any other checkpoint takes). Written in a temporary
-    folder beside ``out`` and renamed, so ``out`` never holds half a model.
+    ``mlx_lm.convert`` (the path any other checkpoint takes). Written in a hidden work
+    folder beside ``out`` and renamed, so ``out`` never holds half a model; a killed
+    import's work folder is removed by the next import there (engine/scratch.py).
     """
     from mlx_lm.utils import save_config
 
@@ -373,8 +374,7 @@ def import_gguf(path: str | Path, out: str | Path, dtype: str | None = None,
     check_options(dtype, quantize)
     folder = check_new_folder(out)  # a symlink's target: the link itself stays
     model = read_gguf(path)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{folder.name}.") as tmp:
+    with work_folder(folder.parent, folder.name) as tmp:  # stale ones of killed imports go
         stage = Path(tmp) / "float"
         stage.mkdir()
         _write_weights(stage, _arrays(model, dtype, progress))

@@ -17,7 +17,6 @@ import io
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import numpy as np
 
 from engine.gguf_check import expected_shapes
 from engine.outputs import RefusedOutput, entries
+from engine.scratch import work_folder
 from tasks.model_families import BOS, FAMILIES, IM_END, PAD, SPECIAL_TOKENS, ModelSpec
 from tasks.synthetic import LAYOUTS, TASKS, synth_rows
 
@@ -189,7 +189,7 @@ def init_model(spec: ModelSpec, out: Path | str, overwrite: bool = False) -> Pat
                                   "); pass --overwrite to replace a model Pomona made there")
         check_replaceable(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{folder.name}.") as tmp:
+    with work_folder(folder.parent, folder.name) as tmp:  # a killed init's is removed
         stage = Path(tmp) / "model"
         if spec.quantize:
             from mlx_lm.convert import convert

@@ -216,3 +216,53 @@ def test_import_chooses_the_dtype_by_platform(device: str, dtype: str, tmp_path:
         mark = json.loads((out / "pomona_model.json").read_text())
         weights = mx.load(str(out / "model.safetensors"))
         assert mark["dtype"] == want and weights["model.norm.weight"].dtype == getattr(mx, want)
+
+
+KILLED_IMPORT = """
+import os, signal, sys
+from engine.gguf_import import import_gguf
+def kill(done, n):
+    os.kill(os.getpid(), signal.SIGKILL)  # killed mid-import, as by a user's kill -9
+import_gguf(sys.argv[1], sys.argv[2], dtype="float32", progress=kill)
+"""
+LIVE_WRITER = """
+import sys, time
+from pathlib import Path
+from engine.scratch import work_folder
+with work_folder(Path(sys.argv[1]), "b"):
+    Path(sys.argv[1], "b.ready").write_text("")
+    time.sleep(600)  # an import still writing
+"""
+
+
+def test_a_killed_imports_work_folder_is_removed_a_live_ones_kept(tmp_path: Path,
+                                                                  caplog) -> None:
+    """Item 11: a killed import left its hidden work folder beside --out for good (343 MB;
+    222 MB in the model cache). The next import there removes it, saying so; the folder of
+    an import still running is never touched."""
+    import subprocess
+    import sys
+    import time
+
+    gguf = llama_gguf(tmp_path / "m.gguf")
+    models, root = tmp_path / "models", Path(__file__).parent.parent
+    live = subprocess.Popen([sys.executable, "-c", LIVE_WRITER, str(models)], cwd=root)
+    try:
+        killed = subprocess.run([sys.executable, "-c", KILLED_IMPORT, str(gguf),
+                                 str(models / "a")], cwd=root)
+        assert killed.returncode == -9
+        for _ in range(300):
+            if (models / "b.ready").exists() or live.poll() is not None:
+                break
+            time.sleep(0.1)
+        hidden = sorted(p.name for p in models.iterdir() if p.name.startswith("."))
+        assert len(hidden) == 2 and hidden[0].startswith(".a."), hidden  # what the kill left
+        result = CliRunner().invoke(app, ["model", "import", str(gguf), "--out",
+                                          str(models / "c"), "--dtype", "float32"])
+        assert result.exit_code == 0, result.output
+        now = sorted(p.name for p in models.iterdir() if p.name.startswith("."))
+        assert now == hidden[1:], now  # the live writer's folder stays
+        assert f"removed {models / hidden[0]}" in caplog.text, caplog.text
+    finally:
+        live.kill()
+        live.wait()
