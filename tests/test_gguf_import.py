@@ -160,6 +160,7 @@ def test_a_gguf_cut_short_is_one_line_in_every_verb(tmp_path: Path, monkeypatch)
             result = CliRunner().invoke(app, args)
             errors = [x for x in result.output.splitlines() if x.startswith("error:")]
             assert result.exit_code == 2 and len(errors) == 1, (args, result.output)
+            assert "importing" not in result.output, result.output  # no work announced
             assert "Traceback" not in result.output and str(cut) in errors[0]
             assert "cut short" in errors[0], errors[0]
     assert not list((tmp_path / "cache").rglob("config.json"))
