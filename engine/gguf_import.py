@@ -27,6 +27,7 @@ import numpy as np
 
 from engine.digests import sha256_file
 from engine.gguf_check import check_tensors
+from engine.gguf_tokenizer import build_tokenizer, fix_tokenizer_class
 from engine.scratch import work_folder
 
 MARK = "pomona_model.json"  # what Pomona writes beside every model directory it makes
@@ -222,35 +223,6 @@ def check_quant_types(tensors: list, path: Path) -> None:
                              "type (Q8_0, Q4_K_M, F16, ...)") from err
 
 
-def build_tokenizer(meta: dict[str, Any]) -> Any:
-    """A transformers fast tokenizer from ``tokenizer.ggml.*`` (transformers' own builders,
-    which stay clear of torch), with the file's special tokens, BOS flag and chat template."""
-    from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf import gguf_tokenizer_mapping as gtm
-
-    fields = gtm.GGUF_TOKENIZER_MAPPING["tokenizer"]
-    td = {name: meta[f"tokenizer.{key}"] for key, name in fields.items()
-          if f"tokenizer.{key}" in meta}
-    built = gtm.select_tokenizer_builder(meta["general.architecture"], td.get("tokenizer_type"))
-    tok = gtm.set_split_regex(gtm.add_gguf_special_tokens(built(td), td), td)
-    tokens = td["tokens"]
-
-    def special(key: str) -> str | None:
-        index = meta.get(f"tokenizer.ggml.{key}")
-        return tokens[int(index)] if index is not None and int(index) < len(tokens) else None
-
-    # BOS as transformers' own GGUF loader decides it (tests/golden): the file's flag, on by
-    # default for a sentencepiece vocabulary, off for Gemma 4 (its template writes <bos>).
-    kind = td.get("tokenizer_type")
-    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama") and kind != "gemma4"
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok.backend_tokenizer, bos_token=special("bos_token_id"),
-        eos_token=special("eos_token_id"), unk_token=special("unknown_token_id"),
-        pad_token=special("padding_token_id"), chat_template=meta.get("tokenizer.chat_template"),
-        add_bos_token=bool(add_bos),
-        add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)))
-
-
 def _shards(items: Iterator[tuple[str, Any]], limit: int) -> Iterator[dict[str, Any]]:
     shard, size = {}, 0
     for name, array in items:
@@ -380,7 +352,7 @@ def import_gguf(path: str | Path, out: str | Path, dtype: str | None = None,
         _write_weights(stage, _arrays(model, dtype, progress))
         save_config(model.config, config_path=stage / "config.json")
         model.tokenizer.save_pretrained(str(stage))
-        _fix_tokenizer_class(stage)
+        fix_tokenizer_class(stage)
         mark = {"source": "gguf", "file": path.name, "sha256": sha256_file(path),
                 "architecture": model.meta["general.architecture"],
                 "name": model.meta.get("general.name"), "dtype": dtype, "quantize": quantize,
@@ -406,14 +378,6 @@ def _arrays(model: GGUFModel, dtype: str, progress: ProgressFn | None
         yield model.names[t.name], mx.array(values).astype(getattr(mx, dtype))
         if progress:
             progress(done, len(model.tensors))
-
-
-def _fix_tokenizer_class(stage: Path) -> None:
-    """Name the generic fast class (older transformers know no ``TokenizersBackend``)."""
-    config_path = stage / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _quantized(stage: Path, target: Path, bits: int) -> Path:
