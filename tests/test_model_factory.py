@@ -127,3 +127,44 @@ def test_bad_spec_names_the_field(change: dict, field: str) -> None:
 def test_refuses_to_overwrite(tiny_model: Path) -> None:
     with pytest.raises(FileExistsError, match="overwrite"):
         init_model(TINY, tiny_model)
+
+
+def test_init_writes_through_a_symlink_to_an_empty_folder(tmp_path: Path) -> None:
+    """Item 15: `model init --out LINK` (LINK -> an empty folder) was rmtree's OSError
+    traceback ("Cannot call rmtree on a symbolic link"); `model import` said the folder
+    "is not empty" (after the whole import). Now both write into the folder the link
+    points to, and the link, the folder and its parent stay."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from tests.test_gguf_import import llama_gguf
+
+    for verb in ("init", "import"):
+        target, link = tmp_path / f"{verb}-target", tmp_path / f"{verb}-link"
+        target.mkdir()
+        link.symlink_to(target)
+        args = (["model", "init", "--layers", "1", "--hidden", "64", "--heads", "4",
+                 "--kv-heads", "2", "--intermediate", "128", "--vocab", "512"]
+                if verb == "init" else
+                ["model", "import", str(llama_gguf(tmp_path / "m.gguf")), "--dtype", "float32"])
+        result = CliRunner().invoke(app, [*args, "--out", str(link)])
+        assert result.exit_code == 0, (verb, result.output)
+        assert link.is_symlink() and link.resolve() == target.resolve()
+        assert (target / "config.json").is_file() and (target / "pomona_model.json").is_file()
+
+
+def test_overwrite_keeps_a_users_readme(tmp_path: Path) -> None:
+    """Low item: `model init --overwrite` deleted a README.md the user wrote into a Pomona
+    model folder. Only Pomona's files are replaced; the README stays byte for byte."""
+    spec = replace(TINY, layers=1)
+    out = init_model(spec, tmp_path / "m")
+    (out / "README.md").write_text("my notes")
+    init_model(replace(spec, seed=1), out, overwrite=True)
+    assert (out / "README.md").read_text() == "my notes"
+    assert json_seed(out) == 1 and not list(tmp_path.glob(".m.*"))
+
+
+def json_seed(out: Path) -> int:
+    import json
+
+    return json.loads((out / "pomona_model.json").read_text())["seed"]
