@@ -120,8 +120,10 @@ def load_adapter_weights(model: nn.Module, adapter_dir: Path) -> None:
                  for k, v in weights.items() if k in ours and v.shape != ours[k].shape]
     problems += [f"{k}: missing from the adapter" for k in ours if k not in weights]
     if problems:
-        raise ValueError(f"{path} does not fit this model/LoRA config:\n  "
-                         + "\n  ".join(problems[:10]))
+        # one line: a LoRA rank change alone mismatches every factor of every layer
+        raise ValueError(f"{path} does not fit this model/LoRA config ({len(problems)} "
+                         f"tensors; first: {problems[0]}): give the LoRA settings it was "
+                         "trained with")
     model.update(tree_unflatten(list(weights.items())))
 
 

@@ -27,7 +27,6 @@ import mlx.core as mx
 
 from engine.adapters import (
     atomic_write_text,
-    latest_checkpoint,
     load_adapter_weights,
     load_checkpoint,
     prepare_out,
@@ -61,6 +60,7 @@ from engine.reference import (
     resolved_reference,
 )
 from engine.report_window import Window
+from engine.resume import check_resume, read_state, resume_checkpoint, run_settings
 from engine.scoring import evaluate
 from engine.step import dispatch_grads
 from engine.update import make_optimizer, make_update
@@ -257,10 +257,12 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback], held: ExitStack) -> 
     optimizer = make_optimizer(cfg)
 
     start = 0
-    ckpt = latest_checkpoint(out) if cfg.resume == "auto" else (
-        Path(cfg.resume) if cfg.resume else None)
-    if ckpt is not None:
+    ckpt = resume_checkpoint(cfg, out)
+    if ckpt is not None:  # refused before any weight is touched
+        check_resume(cfg, ckpt, read_state(ckpt))
         start = int(load_checkpoint(model, optimizer, ckpt)["step"])
+        log.info("resumed from %s (step %d)", ckpt, start)
+    settings = run_settings(cfg) if cfg.checkpoint_every else {}
     if ranks.main:
         prepare_out(out, start if ckpt is not None else None)
 
@@ -328,7 +330,8 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback], held: ExitStack) -> 
             if better(rec, result.best_val, cfg.best_metric, cfg.best_mode):
                 result.best_val = rec
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and ranks.main:
-            save_checkpoint(model, optimizer, out, step, {"seed": cfg.seed}, spec, num_layers)
+            save_checkpoint(model, optimizer, out, step,
+                            {"seed": cfg.seed, "settings": settings}, spec, num_layers)
             prune_checkpoints(out, cfg.keep_checkpoints)
 
     result.world_size, result.rank_pairs = ranks.size, ranks.gather_counts(trained)
