@@ -133,8 +133,21 @@ def _adapter_config(folder: Path) -> dict[str, Any]:
     return config
 
 
+def check_reference_base(folder: Path, config: dict[str, Any], base: str) -> None:
+    """Refuse a reference adapter whose config records another base's content key: one
+    trained on a base of the same shape (another seed) fits every tensor, so shapes alone
+    cannot tell. Configs other tools wrote carry no key and are checked by shape only."""
+    block = config.get("pomona")
+    recorded = block.get("model_key") if isinstance(block, dict) else None
+    if recorded and recorded != (found := model_fingerprint(base)):
+        raise ValueError(f"reference adapter {folder} does not fit model {base}: trained "
+                         f"on base {recorded}, this one is {found}; give the adapter "
+                         "trained on this base")
+
+
 def _attach_reference_adapter(model: Any, folder: Path, config: dict[str, Any],
                               base: str) -> None:
+    check_reference_base(folder, config, base)
     model.freeze()
     try:
         linear_to_lora_layers(model, int(config.get("num_layers", -1)),

@@ -37,6 +37,7 @@ from engine.adapters import (
 from engine.batch import PairBatch
 from engine.command_queue import queue_note
 from engine.config import TrainConfig
+from engine.content_key import adapter_fingerprint, model_fingerprint
 from engine.data import check_train_split, micro_batches, pair_length
 from engine.data_fit import load_pairs_for
 from engine.distributed import init_ranks
@@ -202,6 +203,15 @@ def loss_weights(cfg: TrainConfig) -> dict[str, Any]:
     return weights
 
 
+def content_keys(cfg: TrainConfig) -> dict[str, str]:
+    """The base's content key (a reference adapter is refused on another base) and, for
+    DPO with an adapter reference, that adapter's (retrained in place: said at score)."""
+    keys = {"model_key": model_fingerprint(cfg.model)}
+    if cfg.loss_spec().needs_reference and cfg.reference != "base":
+        keys["reference_key"] = adapter_fingerprint(cfg.reference)
+    return keys
+
+
 def claim_run(cfg: TrainConfig) -> AbstractContextManager[Path]:
     """``cfg.out`` held as this process's run (engine/outputs.py): refused when it holds
     files Pomona did not write, another process is writing it, or it overlaps an input."""
@@ -340,8 +350,8 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback], held: ExitStack) -> 
     if ranks.main:
         weights = loss_weights(cfg)
         extra = {"model": cfg.model, "pomona": {"steps": result.steps, "loss": cfg.loss,
-                                                **weights, "seed": cfg.seed,
-                                                "world_size": ranks.size}}
+                                                **weights, **content_keys(cfg),
+                                                "seed": cfg.seed, "world_size": ranks.size}}
         save_adapters(model, out, spec, num_layers, extra)
         atomic_write_text(out / "summary.json", json.dumps(result.__dict__, indent=2) + "\n")
     return result

@@ -376,3 +376,40 @@ def test_review_fixes_probe_keys_paths_and_identical_rows(tiny_model: Path, tiny
     with pytest.raises(SpecError, match="not comparable"):
         parse_spec({**spec, "metric": "val/loss"})
     parse_spec({**spec, "metric": "val/logps/accuracies", "mode": "max"})
+
+
+def test_an_adapter_for_another_base_of_the_same_shape_is_refused(
+        tiny_model: Path, tiny_data: Path, tmp_path: Path) -> None:
+    """Issue 36 item 7: a reference adapter trained on a base of the same shape (another
+    seed) fits every tensor; old code attached it. Its config's base content key refuses it."""
+    twin = init_model(replace(TINY, seed=1), tmp_path / "twin-model")
+    foreign = trained_adapter(twin, tiny_data, tmp_path / "twin-adapter", 1, 1e-3)
+    spec = ReferenceSpec(str(tiny_model), str(tiny_data), str(foreign))
+    with pytest.raises(ValueError) as err:
+        load_reference_model(spec)
+    message = str(err.value)
+    assert "\n" not in message and str(foreign) in message and "trained on base" in message, message
+    load_reference_model(ReferenceSpec(str(twin), str(tiny_data), str(foreign)))  # its own
+
+
+def test_a_reference_retrained_in_place_is_said_at_score(
+        tiny_model: Path, tiny_data: Path, tmp_path: Path, caplog) -> None:
+    """Issue 36 item 13: old code recomputed the reference from the retrained adapter and
+    scored against it in silence; now a warning names the changed reference_key."""
+    import logging
+
+    from engine.cli import run_score
+
+    sft = trained_adapter(tiny_model, tiny_data, tmp_path / "sft", 1, 1e-3)
+    out = tmp_path / "dpo"
+    train(cfg(tiny_model, tiny_data, out, loss="dpo", reference=str(sft)))
+    args = ["--model", str(tiny_model), "--adapter", str(out), "--data", str(tiny_data),
+            "--split", "valid", "--batch-size", "4", "--head-chunk", "16"]
+    with caplog.at_level(logging.WARNING):
+        assert run_score([*args, "--out", str(tmp_path / "a.jsonl")]) == 0
+    assert "reference_key" not in caplog.text  # unchanged: nothing to say
+    trained_adapter(tiny_model, tiny_data, sft, 2, 1e-2)  # retrained in place
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert run_score([*args, "--out", str(tmp_path / "b.jsonl")]) == 0
+    assert "reference_key" in caplog.text and str(sft) in caplog.text
