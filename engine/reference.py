@@ -251,13 +251,42 @@ def read_reference(path: str | Path, key: str) -> dict[str, tuple[float, float]]
     if not set(COLUMNS) <= set(table.column_names):
         raise ValueError(f"{path}: expected columns {COLUMNS}, found {table.column_names}")
     cols = table.to_pydict()
-    refs = {i: (c, r) for i, c, r in zip(cols["id"], cols["ref_chosen_logps"],
-                                         cols["ref_rejected_logps"], strict=True)}
+    check_columns(path, table, cols)
+    refs: dict[str, tuple[float, float]] = {}
+    for i, c, r in zip(cols["id"], cols["ref_chosen_logps"], cols["ref_rejected_logps"],
+                       strict=True):
+        if refs.setdefault(i, (c, r)) != (c, r):  # the last would win in silence
+            raise ValueError(f"{path}: pair id {i!r} appears twice with different values "
+                             f"({refs[i]} and {(c, r)}); keep one row per id")
     bad = next((i for i, v in refs.items() if not all(map(math.isfinite, v))), None)
     if bad is not None:
         raise ValueError(f"{path}: reference log-probs of pair {bad!r} are not finite "
                          f"({refs[bad]}); the reference model overflowed on it")
+    # a summed log-prob is at most 0: a positive one is a hand edit or a sign flip
+    bad = next((i for i, v in refs.items() if max(v) > 1e-3), None)  # float32 slack
+    if bad is not None:
+        raise ValueError(f"{path}: reference log-probs of pair {bad!r} are positive "
+                         f"({refs[bad]}); log-probs are <= 0: recompute the file")
     return refs
+
+
+def check_columns(path: Path, table: pa.Table, cols: dict[str, list]) -> None:
+    """One line naming the file, column and row when a column holds other than one string
+    id or one number a row (a hand edit: nulls, strings, lists)."""
+    for name in COLUMNS:
+        kind = table.schema.field(name).type
+        ok = pa.types.is_string(kind) or pa.types.is_large_string(kind) if name == "id" \
+            else pa.types.is_floating(kind) or pa.types.is_integer(kind)
+        if not ok:
+            raise ValueError(f"{path}: column {name} is {kind}, expected "
+                             f"{'strings' if name == 'id' else 'numbers'} (one per row); "
+                             "recompute the file, or fix that column")
+        row = next((n for n, v in enumerate(cols[name]) if v is None), None)
+        if row is not None:
+            pair = cols["id"][row] if name != "id" else None
+            raise ValueError(f"{path}: column {name} is empty (null) in row {row}"
+                             + (f" (pair id {pair!r})" if pair is not None else "")
+                             + "; recompute the file, or fill that value")
 
 
 @contextlib.contextmanager

@@ -413,3 +413,31 @@ def test_a_reference_retrained_in_place_is_said_at_score(
     with caplog.at_level(logging.WARNING):
         assert run_score([*args, "--out", str(tmp_path / "b.jsonl")]) == 0
     assert "reference_key" in caplog.text and str(sft) in caplog.text
+
+
+@pytest.mark.parametrize("chosen,needle", [
+    (None, "column ref_chosen_logps is empty (null) in row 1 (pair id 'b')"),
+    ("text", "column ref_chosen_logps is string"),
+    ("list", "column ref_chosen_logps is list"),
+    ("dup", "pair id 'a' appears twice with different values"),
+    ("positive", "pair 'b' are positive"),
+])
+def test_hand_edited_reference_files_are_one_line(tmp_path: Path, chosen, needle) -> None:
+    """Issue 36 item 8 and the reference-values low item: old code raised TypeError on a
+    null or string value and "unhashable type" on lists, and kept the last of two ids."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ids, values = ["a", "b"], {None: [-1.0, None], "text": ["-1", "-2"],
+                               "list": [[-1.0], [-2.0]], "dup": [-1.0, -2.0],
+                               "positive": [-1.0, 50.0]}[chosen]
+    if chosen == "dup":
+        ids = ["a", "a"]
+    table = pa.table({"id": ids, "ref_chosen_logps": values,
+                      "ref_rejected_logps": [-3.0, -4.0]})
+    path = tmp_path / "refs.parquet"
+    pq.write_table(table.replace_schema_metadata({reference_mod.KEY_FIELD: b"k"}), path)
+    with pytest.raises(ValueError) as err:
+        read_reference(path, "k")
+    message = str(err.value)
+    assert "\n" not in message and str(path) in message and needle in message, message
