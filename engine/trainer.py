@@ -203,6 +203,23 @@ def loss_weights(cfg: TrainConfig) -> dict[str, Any]:
     return weights
 
 
+def refuse_beyond_model(cfg: TrainConfig, model: Any) -> None:
+    """LoRA settings the model cannot take, refused in one line (mlx-lm would adapt every
+    block for a ``lora_layers`` past the count, and a rank above the width is no low-rank
+    update); a warmup past the steps is said (the peak rate is never reached)."""
+    layers = len(model.layers)
+    if cfg.lora_layers > layers:
+        raise ValueError(f"lora_layers={cfg.lora_layers}: {cfg.model} has {layers} blocks; "
+                         f"give at most {layers}, or -1 for all")
+    width = getattr(getattr(model, "args", None), "hidden_size", None)
+    if isinstance(width, int) and cfg.lora_rank > width:
+        raise ValueError(f"lora_rank={cfg.lora_rank}: above {cfg.model}'s hidden size "
+                         f"{width}; a LoRA rank is a small fraction of it (8-64)")
+    if cfg.warmup_steps > cfg.steps:
+        log.warning("warmup_steps=%d is longer than steps=%d: the learning rate never "
+                    "reaches its peak", cfg.warmup_steps, cfg.steps)
+
+
 def content_keys(cfg: TrainConfig) -> dict[str, str]:
     """The base's content key (a reference adapter is refused on another base) and, for
     DPO with an adapter reference, that adapter's (retrained in place: said at score)."""
@@ -244,6 +261,7 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback], held: ExitStack) -> 
                         cfg.warm_start)
         ensure_reference(*reference_of(cfg, ranks.size))
     model, tokenizer = load_model(cfg.model)
+    refuse_beyond_model(cfg, model)
     spec = resolve_lora_keys(model, lora_spec(cfg))  # the family's targets, saved explicitly
     trainable = attach_lora(model, spec, cfg.seed)
     stack, load_check = checked_stack(model)

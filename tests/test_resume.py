@@ -75,3 +75,40 @@ def test_cli_rank_change_on_resume_is_one_line(killed_run) -> None:
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
     assert len(errors) == 1 and "lora_rank" in errors[0] and "Traceback" not in proc.stderr
+
+
+def test_sigint_prints_the_step_to_resume_from(killed_run, monkeypatch, capsys) -> None:
+    """Old code: exit 130 with a traceback and no hint."""
+    import engine.trainer
+    from engine.cli import run_train
+
+    out, resume = killed_run
+
+    def interrupted(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine.trainer, "train", interrupted)
+    rc = run_train(["--model", resume.model, "--data", resume.data, "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 130 and "resume from step 2" in err[-1] and "--resume auto" in err[-1]
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"steps": 10**20}, "steps=100000000000000000000: too large"),
+    ({"loss": "dpo", "dpo_loss_type": "ipo", "dpo_label_smoothing": 0.1}, "IPO has no"),
+    ({"loss": "orpo", "reference_logps": "r.parquet"}, "only DPO reads"),
+    ({"loss": "sft", "reference_logps": "r.parquet"}, "only DPO reads"),
+])
+def test_silently_ignored_or_absurd_values_are_refused(kw, needle) -> None:
+    from engine.config import TrainConfig
+
+    with pytest.raises(ValueError, match=needle):
+        TrainConfig().replace(model="m", data="d", **kw).validate()
+
+
+@pytest.mark.parametrize("kw,needle", [({"lora_layers": 100}, "has 4 blocks"),
+                                       ({"lora_rank": 1000000}, "above .* hidden size 64")])
+def test_lora_settings_past_the_model_are_refused(tiny_model, tiny_data, tmp_path, kw,
+                                                  needle) -> None:
+    with pytest.raises(ValueError, match=needle):
+        train(cfg(tiny_model, tiny_data, tmp_path / "run", **kw))
