@@ -19,6 +19,7 @@ while others wait on its lock (ranks of one gang, trials of one sweep).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -230,8 +231,31 @@ def write_reference(path: Path, key: str, refs: dict[str, tuple[float, float]]) 
     try:
         pq.write_table(table, tmp)
         os.replace(tmp, path)
+    except (OSError, pa.ArrowException) as err:  # a full disk: name the file
+        raise OSError(getattr(err, "errno", None), f"cannot write {path}: {err}") from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def reserve(path: Path, size: int = 1 << 20) -> None:
+    """Claim ``size`` bytes beside ``path`` before the pass and give them back: a full disk
+    (or a read-only cache) is an OSError naming ``path`` now, not after every forward."""
+    probe = path.with_name(f".{path.name}.{os.getpid()}.reserve")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # no fallocate (macOS): the create alone is the check
+        with open(probe, "wb") as f, contextlib.suppress(AttributeError):
+            try:
+                os.posix_fallocate(f.fileno(), 0, size)
+            except OSError as err:
+                if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+    except OSError as err:
+        raise OSError(err.errno, f"cannot write {path}: {err.strerror or err} (the "
+                                 "reference cache; free space, or set XDG_CACHE_HOME)") from None
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
 
 
 def read_reference(path: str | Path, key: str) -> dict[str, tuple[float, float]]:
@@ -311,6 +335,10 @@ def ensure_reference(spec: ReferenceSpec, path: str | Path | None = None,
         read_reference(path, key)
         return Path(path), True
     target = cache_dir() / f"{key}.parquet"
+    with contextlib.suppress(FileNotFoundError, ValueError):  # no lock: a read-only cache
+        read_reference(target, key)
+        log.info("reference log-probs: cached (%s)", target)
+        return target, True
     with _locked(target):
         with contextlib.suppress(FileNotFoundError, ValueError):
             read_reference(target, key)
@@ -319,6 +347,7 @@ def ensure_reference(spec: ReferenceSpec, path: str | Path | None = None,
         log.info("reference log-probs: computing %s for %s on %s (one forward per pair)",
                  "the base model" if spec.reference == "base" else spec.reference,
                  spec.model, spec.data)
+        reserve(target)  # a full disk is said now, not after the whole pass
         write_reference(target, key, compute_reference(spec, **(options or {})))
     return target, False
 

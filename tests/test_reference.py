@@ -441,3 +441,29 @@ def test_hand_edited_reference_files_are_one_line(tmp_path: Path, chosen, needle
         read_reference(path, "k")
     message = str(err.value)
     assert "\n" not in message and str(path) in message and needle in message, message
+
+
+def test_a_cached_file_is_read_without_a_lock_and_a_full_disk_is_said_first(
+        tiny_model: Path, tiny_data: Path, monkeypatch) -> None:
+    """Issue 36 (reference cache, low): a cache holding the right file opened `.lock` for
+    writing (refused on a read-only cache), and a full disk was said only after the whole
+    pass, by an error naming no file."""
+    import errno
+
+    spec = ReferenceSpec(str(tiny_model), str(tiny_data))
+    target = cache_dir() / f"{spec.key()}.parquet"
+    computed = []
+    monkeypatch.setattr(reference_mod, "compute_reference",
+                        lambda *a, **k: computed.append(1) or {})
+
+    def full(*_a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(reference_mod.os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=re.escape(str(target))):
+        ensure_reference(spec, options=OPTIONS)
+    assert not computed, "the pass ran before the full disk was said"
+    write_reference_for(target, spec.key(), tiny_data)
+    (target.parent / f"{target.name}.lock").unlink()
+    assert ensure_reference(spec, options=OPTIONS) == (target, True)
+    assert not (target.parent / f"{target.name}.lock").exists()
