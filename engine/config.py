@@ -207,9 +207,6 @@ class TrainConfig:
         if self.loss == "dpo" and self.dpo_loss_type == "ipo" and self.dpo_label_smoothing:
             raise ValueError(f"dpo_label_smoothing={self.dpo_label_smoothing} with "
                              "dpo_loss_type ipo: IPO has no label smoothing; drop one of them")
-        if self.reference_logps and not self.loss_spec().needs_reference:
-            raise ValueError(f"reference_logps={self.reference_logps} with loss {self.loss}: "
-                             "only DPO reads reference log-probs; drop it or use --loss dpo")
         if self.min_lr_ratio > 1:
             raise ValueError(f"min_lr_ratio={self.min_lr_ratio}: must be in [0, 1] (the final "
                              "learning rate is this fraction of the peak)")

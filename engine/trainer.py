@@ -206,7 +206,8 @@ def loss_weights(cfg: TrainConfig) -> dict[str, Any]:
 def refuse_beyond_model(cfg: TrainConfig, model: Any) -> None:
     """LoRA settings the model cannot take, refused in one line (mlx-lm would adapt every
     block for a ``lora_layers`` past the count, and a rank above the width is no low-rank
-    update); a warmup past the steps is said (the peak rate is never reached)."""
+    update); a warmup past the steps, and a reference file a loss without a reference
+    would not read (a sweep's fixed file beside ORPO trials), are said."""
     layers = len(model.layers)
     if cfg.lora_layers > layers:
         raise ValueError(f"lora_layers={cfg.lora_layers}: {cfg.model} has {layers} blocks; "
@@ -215,6 +216,9 @@ def refuse_beyond_model(cfg: TrainConfig, model: Any) -> None:
     if isinstance(width, int) and cfg.lora_rank > width:
         raise ValueError(f"lora_rank={cfg.lora_rank}: above {cfg.model}'s hidden size "
                          f"{width}; a LoRA rank is a small fraction of it (8-64)")
+    if cfg.reference_logps and not cfg.loss_spec().needs_reference:  # a sweep's fixed
+        log.warning("reference_logps %s is not read: loss %s takes no reference (only "  # file
+                    "DPO does)", cfg.reference_logps, cfg.loss)
     if cfg.warmup_steps > cfg.steps:
         log.warning("warmup_steps=%d is longer than steps=%d: the learning rate never "
                     "reaches its peak", cfg.warmup_steps, cfg.steps)

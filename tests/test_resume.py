@@ -96,14 +96,24 @@ def test_sigint_prints_the_step_to_resume_from(killed_run, monkeypatch, capsys) 
 @pytest.mark.parametrize("kw,needle", [
     ({"steps": 10**20}, "steps=100000000000000000000: too large"),
     ({"loss": "dpo", "dpo_loss_type": "ipo", "dpo_label_smoothing": 0.1}, "IPO has no"),
-    ({"loss": "orpo", "reference_logps": "r.parquet"}, "only DPO reads"),
-    ({"loss": "sft", "reference_logps": "r.parquet"}, "only DPO reads"),
 ])
 def test_silently_ignored_or_absurd_values_are_refused(kw, needle) -> None:
     from engine.config import TrainConfig
 
     with pytest.raises(ValueError, match=needle):
         TrainConfig().replace(model="m", data="d", **kw).validate()
+
+
+def test_ignored_options_are_warned(tiny_model, tiny_data, tmp_path, caplog) -> None:
+    """A reference file with SFT and a warmup past the steps were ignored in silence."""
+    import logging
+
+    refs = tmp_path / "refs.parquet"
+    refs.write_bytes(b"")
+    with caplog.at_level(logging.WARNING):
+        train(cfg(tiny_model, tiny_data, tmp_path / "run", loss="sft", steps=1,
+                  warmup_steps=5, reference_logps=str(refs)))
+    assert "is not read: loss sft" in caplog.text and "warmup_steps=5" in caplog.text
 
 
 @pytest.mark.parametrize("kw,needle", [({"lora_layers": 100}, "has 4 blocks"),
