@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import errno
 import json
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -24,10 +25,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from engine.content_key import adapter_fingerprint
 from engine.losses import LossSpec
 from engine.model import LoraSpec
 
 ADAPTER_FILE, CONFIG_FILE = "adapters.safetensors", "adapter_config.json"
+log = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -99,12 +102,23 @@ def trained_loss(adapter_dir: str | Path | None) -> LossSpec | None:
 
 
 def trained_reference(adapter_dir: str | Path | None) -> str:
-    """The reference a DPO adapter trained against (its pomona block), else "base"."""
+    """The reference a DPO adapter trained against (its pomona block), else "base". A
+    reference adapter whose bytes changed since (retrained in place) is said by name: its
+    log-probs are recomputed from the new bytes, not the ones the adapter trained against."""
     path = Path(adapter_dir) / CONFIG_FILE if adapter_dir else None
     if path is None or not path.is_file():
         return "base"
     with contextlib.suppress(ValueError, AttributeError):
-        return str((json.loads(path.read_text()).get("pomona") or {}).get("reference", "base"))
+        block = json.loads(path.read_text()).get("pomona") or {}
+        reference = str(block.get("reference", "base"))
+        recorded = block.get("reference_key")
+        if reference != "base" and recorded and recorded != (
+                now := adapter_fingerprint(reference)):
+            log.warning("%s: its DPO reference %s changed since training (reference_key %s "
+                        "recorded, %s now): the reference log-probs are recomputed from the "
+                        "changed adapter, so the DPO loss is not the one it trained on",
+                        path, reference, recorded, now)
+        return reference
     return "base"
 
 
@@ -120,8 +134,10 @@ def load_adapter_weights(model: nn.Module, adapter_dir: Path) -> None:
                  for k, v in weights.items() if k in ours and v.shape != ours[k].shape]
     problems += [f"{k}: missing from the adapter" for k in ours if k not in weights]
     if problems:
-        raise ValueError(f"{path} does not fit this model/LoRA config:\n  "
-                         + "\n  ".join(problems[:10]))
+        # one line: a LoRA rank change alone mismatches every factor of every layer
+        raise ValueError(f"{path} does not fit this model/LoRA config ({len(problems)} "
+                         f"tensors; first: {problems[0]}): give the LoRA settings it was "
+                         "trained with")
     model.update(tree_unflatten(list(weights.items())))
 
 

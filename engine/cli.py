@@ -112,11 +112,15 @@ def run_train(argv: list[str]) -> int:
     from engine.trainer import NonFiniteLoss, train
 
     log_to_stderr()
+    cfg = None
     try:
         cfg = config_from_args(argv)
         if replayable(argv):  # a CLI under a limit: re-run with MLX's queue capped
             ensure_queue(cfg.memory_limit_gb, ["-m", "engine", "train", *argv])
         result = train(cfg, [PrintMetrics()])
+    except KeyboardInterrupt:  # Ctrl-C: how to go on, not a traceback
+        print(f"interrupted; {resume_hint(cfg)}", file=sys.stderr)
+        return 130
     except (ValueError, OSError) as err:  # a file where --out should be a folder, too
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -129,6 +133,17 @@ def run_train(argv: list[str]) -> int:
         return 2
     print(json.dumps(result.__dict__, indent=2))
     return 0
+
+
+def resume_hint(cfg: Any) -> str:
+    """How to continue an interrupted run: the step of its newest checkpoint, if any."""
+    from engine.adapters import latest_checkpoint
+
+    ckpt = latest_checkpoint(Path(cfg.out)) if cfg is not None else None
+    if ckpt is None:
+        return "no checkpoint to resume from (--checkpoint-every N writes them)"
+    step = int(ckpt.name.removeprefix("step_"))
+    return f"resume from step {step} ({ckpt}) with the same options and --resume auto"
 
 
 LOSS_WEIGHTS = ("orpo_lambda", "simpo_beta", "simpo_gamma", "simpo_nll_weight", "dpo_beta",

@@ -200,6 +200,13 @@ class TrainConfig:
         if not 0 <= self.dpo_label_smoothing < 0.5:
             raise ValueError(f"dpo_label_smoothing={self.dpo_label_smoothing}: must be in "
                              "[0, 0.5) (0.5 makes both labels equally likely: no signal)")
+        for f in dataclasses.fields(self):  # MLX and the loop count in int32
+            value = getattr(self, f.name)
+            if _kind(f.name) == "int" and abs(value) > 2**31 - 1:
+                raise ValueError(f"{f.name}={value}: too large (at most {2**31 - 1})")
+        if self.loss == "dpo" and self.dpo_loss_type == "ipo" and self.dpo_label_smoothing:
+            raise ValueError(f"dpo_label_smoothing={self.dpo_label_smoothing} with "
+                             "dpo_loss_type ipo: IPO has no label smoothing; drop one of them")
         if self.min_lr_ratio > 1:
             raise ValueError(f"min_lr_ratio={self.min_lr_ratio}: must be in [0, 1] (the final "
                              "learning rate is this fraction of the peak)")

@@ -16,6 +16,7 @@ library only.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -128,10 +129,11 @@ def _read_cache() -> dict[str, dict[str, Any]]:
 def _write_cache(entries: dict[str, dict[str, Any]]) -> None:
     """Best effort: a read-only home only costs hashing again next time."""
     path = hash_cache_path()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(entries))
         os.replace(tmp, path)
     except OSError:
-        pass
+        with contextlib.suppress(OSError):  # a full disk: no temporary left behind
+            tmp.unlink(missing_ok=True)

@@ -19,6 +19,7 @@ while others wait on its lock (ranks of one gang, trials of one sweep).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -133,8 +134,21 @@ def _adapter_config(folder: Path) -> dict[str, Any]:
     return config
 
 
+def check_reference_base(folder: Path, config: dict[str, Any], base: str) -> None:
+    """Refuse a reference adapter whose config records another base's content key: one
+    trained on a base of the same shape (another seed) fits every tensor, so shapes alone
+    cannot tell. Configs other tools wrote carry no key and are checked by shape only."""
+    block = config.get("pomona")
+    recorded = block.get("model_key") if isinstance(block, dict) else None
+    if recorded and recorded != (found := model_fingerprint(base)):
+        raise ValueError(f"reference adapter {folder} does not fit model {base}: trained "
+                         f"on base {recorded}, this one is {found}; give the adapter "
+                         "trained on this base")
+
+
 def _attach_reference_adapter(model: Any, folder: Path, config: dict[str, Any],
                               base: str) -> None:
+    check_reference_base(folder, config, base)
     model.freeze()
     try:
         linear_to_lora_layers(model, int(config.get("num_layers", -1)),
@@ -217,8 +231,31 @@ def write_reference(path: Path, key: str, refs: dict[str, tuple[float, float]]) 
     try:
         pq.write_table(table, tmp)
         os.replace(tmp, path)
+    except (OSError, pa.ArrowException) as err:  # a full disk: name the file
+        raise OSError(getattr(err, "errno", None), f"cannot write {path}: {err}") from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def reserve(path: Path, size: int = 1 << 20) -> None:
+    """Claim ``size`` bytes beside ``path`` before the pass and give them back: a full disk
+    (or a read-only cache) is an OSError naming ``path`` now, not after every forward."""
+    probe = path.with_name(f".{path.name}.{os.getpid()}.reserve")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # no fallocate (macOS): the create alone is the check
+        with open(probe, "wb") as f, contextlib.suppress(AttributeError):
+            try:
+                os.posix_fallocate(f.fileno(), 0, size)
+            except OSError as err:
+                if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+    except OSError as err:
+        raise OSError(err.errno, f"cannot write {path}: {err.strerror or err} (the "
+                                 "reference cache; free space, or set XDG_CACHE_HOME)") from None
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
 
 
 def read_reference(path: str | Path, key: str) -> dict[str, tuple[float, float]]:
@@ -238,13 +275,42 @@ def read_reference(path: str | Path, key: str) -> dict[str, tuple[float, float]]
     if not set(COLUMNS) <= set(table.column_names):
         raise ValueError(f"{path}: expected columns {COLUMNS}, found {table.column_names}")
     cols = table.to_pydict()
-    refs = {i: (c, r) for i, c, r in zip(cols["id"], cols["ref_chosen_logps"],
-                                         cols["ref_rejected_logps"], strict=True)}
+    check_columns(path, table, cols)
+    refs: dict[str, tuple[float, float]] = {}
+    for i, c, r in zip(cols["id"], cols["ref_chosen_logps"], cols["ref_rejected_logps"],
+                       strict=True):
+        if refs.setdefault(i, (c, r)) != (c, r):  # the last would win in silence
+            raise ValueError(f"{path}: pair id {i!r} appears twice with different values "
+                             f"({refs[i]} and {(c, r)}); keep one row per id")
     bad = next((i for i, v in refs.items() if not all(map(math.isfinite, v))), None)
     if bad is not None:
         raise ValueError(f"{path}: reference log-probs of pair {bad!r} are not finite "
                          f"({refs[bad]}); the reference model overflowed on it")
+    # a summed log-prob is at most 0: a positive one is a hand edit or a sign flip
+    bad = next((i for i, v in refs.items() if max(v) > 1e-3), None)  # float32 slack
+    if bad is not None:
+        raise ValueError(f"{path}: reference log-probs of pair {bad!r} are positive "
+                         f"({refs[bad]}); log-probs are <= 0: recompute the file")
     return refs
+
+
+def check_columns(path: Path, table: pa.Table, cols: dict[str, list]) -> None:
+    """One line naming the file, column and row when a column holds other than one string
+    id or one number a row (a hand edit: nulls, strings, lists)."""
+    for name in COLUMNS:
+        kind = table.schema.field(name).type
+        ok = pa.types.is_string(kind) or pa.types.is_large_string(kind) if name == "id" \
+            else pa.types.is_floating(kind) or pa.types.is_integer(kind)
+        if not ok:
+            raise ValueError(f"{path}: column {name} is {kind}, expected "
+                             f"{'strings' if name == 'id' else 'numbers'} (one per row); "
+                             "recompute the file, or fix that column")
+        row = next((n for n, v in enumerate(cols[name]) if v is None), None)
+        if row is not None:
+            pair = cols["id"][row] if name != "id" else None
+            raise ValueError(f"{path}: column {name} is empty (null) in row {row}"
+                             + (f" (pair id {pair!r})" if pair is not None else "")
+                             + "; recompute the file, or fill that value")
 
 
 @contextlib.contextmanager
@@ -269,6 +335,10 @@ def ensure_reference(spec: ReferenceSpec, path: str | Path | None = None,
         read_reference(path, key)
         return Path(path), True
     target = cache_dir() / f"{key}.parquet"
+    with contextlib.suppress(FileNotFoundError, ValueError):  # no lock: a read-only cache
+        read_reference(target, key)
+        log.info("reference log-probs: cached (%s)", target)
+        return target, True
     with _locked(target):
         with contextlib.suppress(FileNotFoundError, ValueError):
             read_reference(target, key)
@@ -277,6 +347,7 @@ def ensure_reference(spec: ReferenceSpec, path: str | Path | None = None,
         log.info("reference log-probs: computing %s for %s on %s (one forward per pair)",
                  "the base model" if spec.reference == "base" else spec.reference,
                  spec.model, spec.data)
+        reserve(target)  # a full disk is said now, not after the whole pass
         write_reference(target, key, compute_reference(spec, **(options or {})))
     return target, False
 

@@ -27,7 +27,6 @@ import mlx.core as mx
 
 from engine.adapters import (
     atomic_write_text,
-    latest_checkpoint,
     load_adapter_weights,
     load_checkpoint,
     prepare_out,
@@ -38,6 +37,7 @@ from engine.adapters import (
 from engine.batch import PairBatch
 from engine.command_queue import queue_note
 from engine.config import TrainConfig
+from engine.content_key import adapter_fingerprint, model_fingerprint
 from engine.data import check_train_split, micro_batches, pair_length
 from engine.data_fit import load_pairs_for
 from engine.distributed import init_ranks
@@ -61,6 +61,7 @@ from engine.reference import (
     resolved_reference,
 )
 from engine.report_window import Window
+from engine.resume import check_resume, read_state, resume_checkpoint, run_settings
 from engine.scoring import evaluate
 from engine.step import Idle, dispatch_grads
 from engine.update import make_optimizer, make_update
@@ -202,6 +203,36 @@ def loss_weights(cfg: TrainConfig) -> dict[str, Any]:
     return weights
 
 
+def refuse_beyond_model(cfg: TrainConfig, model: Any) -> None:
+    """LoRA settings the model cannot take, refused in one line (mlx-lm would adapt every
+    block for a ``lora_layers`` past the count, and a rank above the width is no low-rank
+    update); a warmup past the steps, and a reference file a loss without a reference
+    would not read (a sweep's fixed file beside ORPO trials), are said."""
+    layers = len(model.layers)
+    if cfg.lora_layers > layers:
+        raise ValueError(f"lora_layers={cfg.lora_layers}: {cfg.model} has {layers} blocks; "
+                         f"give at most {layers}, or -1 for all")
+    width = getattr(getattr(model, "args", None), "hidden_size", None)
+    if isinstance(width, int) and cfg.lora_rank > width:
+        raise ValueError(f"lora_rank={cfg.lora_rank}: above {cfg.model}'s hidden size "
+                         f"{width}; a LoRA rank is a small fraction of it (8-64)")
+    if cfg.reference_logps and not cfg.loss_spec().needs_reference:  # a sweep's fixed
+        log.warning("reference_logps %s is not read: loss %s takes no reference (only "  # file
+                    "DPO does)", cfg.reference_logps, cfg.loss)
+    if cfg.warmup_steps > cfg.steps:
+        log.warning("warmup_steps=%d is longer than steps=%d: the learning rate never "
+                    "reaches its peak", cfg.warmup_steps, cfg.steps)
+
+
+def content_keys(cfg: TrainConfig) -> dict[str, str]:
+    """The base's content key (a reference adapter is refused on another base) and, for
+    DPO with an adapter reference, that adapter's (retrained in place: said at score)."""
+    keys = {"model_key": model_fingerprint(cfg.model)}
+    if cfg.loss_spec().needs_reference and cfg.reference != "base":
+        keys["reference_key"] = adapter_fingerprint(cfg.reference)
+    return keys
+
+
 def claim_run(cfg: TrainConfig) -> AbstractContextManager[Path]:
     """``cfg.out`` held as this process's run (engine/outputs.py): refused when it holds
     files Pomona did not write, another process is writing it, or it overlaps an input."""
@@ -234,6 +265,7 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback], held: ExitStack) -> 
                         cfg.warm_start)
         ensure_reference(*reference_of(cfg, ranks.size))
     model, tokenizer = load_model(cfg.model)
+    refuse_beyond_model(cfg, model)
     spec = resolve_lora_keys(model, lora_spec(cfg))  # the family's targets, saved explicitly
     trainable = attach_lora(model, spec, cfg.seed)
     stack, load_check = checked_stack(model)
@@ -257,10 +289,12 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback], held: ExitStack) -> 
     optimizer = make_optimizer(cfg)
 
     start = 0
-    ckpt = latest_checkpoint(out) if cfg.resume == "auto" else (
-        Path(cfg.resume) if cfg.resume else None)
-    if ckpt is not None:
+    ckpt = resume_checkpoint(cfg, out)
+    if ckpt is not None:  # refused before any weight is touched
+        check_resume(cfg, ckpt, read_state(ckpt))
         start = int(load_checkpoint(model, optimizer, ckpt)["step"])
+        log.info("resumed from %s (step %d)", ckpt, start)
+    settings = run_settings(cfg) if cfg.checkpoint_every else {}
     if ranks.main:
         prepare_out(out, start if ckpt is not None else None)
 
@@ -332,7 +366,8 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback], held: ExitStack) -> 
             if better(rec, result.best_val, cfg.best_metric, cfg.best_mode):
                 result.best_val = rec
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and ranks.main:
-            save_checkpoint(model, optimizer, out, step, {"seed": cfg.seed}, spec, num_layers)
+            save_checkpoint(model, optimizer, out, step,
+                            {"seed": cfg.seed, "settings": settings}, spec, num_layers)
             prune_checkpoints(out, cfg.keep_checkpoints)
 
     result.world_size, result.rank_pairs = ranks.size, ranks.gather_counts(trained)
@@ -341,8 +376,8 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback], held: ExitStack) -> 
     if ranks.main:
         weights = loss_weights(cfg)
         extra = {"model": cfg.model, "pomona": {"steps": result.steps, "loss": cfg.loss,
-                                                **weights, "seed": cfg.seed,
-                                                "world_size": ranks.size}}
+                                                **weights, **content_keys(cfg),
+                                                "seed": cfg.seed, "world_size": ranks.size}}
         save_adapters(model, out, spec, num_layers, extra)
         atomic_write_text(out / "summary.json", json.dumps(result.__dict__, indent=2) + "\n")
     return result

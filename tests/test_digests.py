@@ -34,3 +34,14 @@ def test_a_batch_of_new_files_writes_the_hash_cache_once(tmp_path: Path, monkeyp
     (tmp_path / "one.txt").write_text("x")
     digests.file_digest(tmp_path / "one.txt")  # alone: written at once
     assert writes == [5, 6]
+
+
+def test_a_failed_cache_write_leaves_no_temporary(tmp_path: Path, monkeypatch) -> None:
+    """Issue 36 (reference cache, low): a write that failed (a full disk; here the cache
+    path is a folder, so the rename fails) left `.file-hashes.json.*.tmp` behind."""
+    import engine.digests as digests
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    digests.hash_cache_path().mkdir(parents=True)  # os.replace onto a folder fails
+    digests._write_cache({"x": {"sha256": "0"}})
+    assert not list(digests.hash_cache_path().parent.glob(".file-hashes.json.*.tmp"))

@@ -376,3 +376,94 @@ def test_review_fixes_probe_keys_paths_and_identical_rows(tiny_model: Path, tiny
     with pytest.raises(SpecError, match="not comparable"):
         parse_spec({**spec, "metric": "val/loss"})
     parse_spec({**spec, "metric": "val/logps/accuracies", "mode": "max"})
+
+
+def test_an_adapter_for_another_base_of_the_same_shape_is_refused(
+        tiny_model: Path, tiny_data: Path, tmp_path: Path) -> None:
+    """Issue 36 item 7: a reference adapter trained on a base of the same shape (another
+    seed) fits every tensor; old code attached it. Its config's base content key refuses it."""
+    twin = init_model(replace(TINY, seed=1), tmp_path / "twin-model")
+    foreign = trained_adapter(twin, tiny_data, tmp_path / "twin-adapter", 1, 1e-3)
+    spec = ReferenceSpec(str(tiny_model), str(tiny_data), str(foreign))
+    with pytest.raises(ValueError) as err:
+        load_reference_model(spec)
+    message = str(err.value)
+    assert "\n" not in message and str(foreign) in message and "trained on base" in message, message
+    load_reference_model(ReferenceSpec(str(twin), str(tiny_data), str(foreign)))  # its own
+
+
+def test_a_reference_retrained_in_place_is_said_at_score(
+        tiny_model: Path, tiny_data: Path, tmp_path: Path, caplog) -> None:
+    """Issue 36 item 13: old code recomputed the reference from the retrained adapter and
+    scored against it in silence; now a warning names the changed reference_key."""
+    import logging
+
+    from engine.cli import run_score
+
+    sft = trained_adapter(tiny_model, tiny_data, tmp_path / "sft", 1, 1e-3)
+    out = tmp_path / "dpo"
+    train(cfg(tiny_model, tiny_data, out, loss="dpo", reference=str(sft)))
+    args = ["--model", str(tiny_model), "--adapter", str(out), "--data", str(tiny_data),
+            "--split", "valid", "--batch-size", "4", "--head-chunk", "16"]
+    with caplog.at_level(logging.WARNING):
+        assert run_score([*args, "--out", str(tmp_path / "a.jsonl")]) == 0
+    assert "reference_key" not in caplog.text  # unchanged: nothing to say
+    trained_adapter(tiny_model, tiny_data, sft, 2, 1e-2)  # retrained in place
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert run_score([*args, "--out", str(tmp_path / "b.jsonl")]) == 0
+    assert "reference_key" in caplog.text and str(sft) in caplog.text
+
+
+@pytest.mark.parametrize("chosen,needle", [
+    (None, "column ref_chosen_logps is empty (null) in row 1 (pair id 'b')"),
+    ("text", "column ref_chosen_logps is string"),
+    ("list", "column ref_chosen_logps is list"),
+    ("dup", "pair id 'a' appears twice with different values"),
+    ("positive", "pair 'b' are positive"),
+])
+def test_hand_edited_reference_files_are_one_line(tmp_path: Path, chosen, needle) -> None:
+    """Issue 36 item 8 and the reference-values low item: old code raised TypeError on a
+    null or string value and "unhashable type" on lists, and kept the last of two ids."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ids, values = ["a", "b"], {None: [-1.0, None], "text": ["-1", "-2"],
+                               "list": [[-1.0], [-2.0]], "dup": [-1.0, -2.0],
+                               "positive": [-1.0, 50.0]}[chosen]
+    if chosen == "dup":
+        ids = ["a", "a"]
+    table = pa.table({"id": ids, "ref_chosen_logps": values,
+                      "ref_rejected_logps": [-3.0, -4.0]})
+    path = tmp_path / "refs.parquet"
+    pq.write_table(table.replace_schema_metadata({reference_mod.KEY_FIELD: b"k"}), path)
+    with pytest.raises(ValueError) as err:
+        read_reference(path, "k")
+    message = str(err.value)
+    assert "\n" not in message and str(path) in message and needle in message, message
+
+
+def test_a_cached_file_is_read_without_a_lock_and_a_full_disk_is_said_first(
+        tiny_model: Path, tiny_data: Path, monkeypatch) -> None:
+    """Issue 36 (reference cache, low): a cache holding the right file opened `.lock` for
+    writing (refused on a read-only cache), and a full disk was said only after the whole
+    pass, by an error naming no file."""
+    import errno
+
+    spec = ReferenceSpec(str(tiny_model), str(tiny_data))
+    target = cache_dir() / f"{spec.key()}.parquet"
+    computed = []
+    monkeypatch.setattr(reference_mod, "compute_reference",
+                        lambda *a, **k: computed.append(1) or {})
+
+    def full(*_a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(reference_mod.os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=re.escape(str(target))):
+        ensure_reference(spec, options=OPTIONS)
+    assert not computed, "the pass ran before the full disk was said"
+    write_reference_for(target, spec.key(), tiny_data)
+    (target.parent / f"{target.name}.lock").unlink()
+    assert ensure_reference(spec, options=OPTIONS) == (target, True)
+    assert not (target.parent / f"{target.name}.lock").exists()
