@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -189,40 +190,72 @@ def _running_on(lab: Lab, out: str, wait_s: float = 120.0) -> str:
     raise AssertionError("the trial never started")
 
 
-@pytest.mark.parametrize("fault", ["kill", "cut"])
-def test_a_worker_lost_mid_trial_loses_no_trial(lab: Lab, lab_dataset: str, tmp_path: Path,
-                                                fault: str) -> None:
-    """The node running the only trial is killed, or cut off the network (its process lives
-    on, orphaned): the trial is retried on the other worker and completes, its metrics
-    once each; the orphan can neither block the retry nor write the result."""
+def _sweep_started(lab: Lab, spec: str, out: str) -> tuple[Any, dict]:
+    """``pomona sweep`` on the head in a thread, with its process once it ends."""
     import threading
 
-    out = f"/tmp/lab/lost-{fault}"
-    lab.run("head", ["sh", "-c", f"sed -e 's#max_concurrent: 2#max_concurrent: 1#' -e "
-                     f"'s#steps: 6#steps: 40#' -e 's#learning_rate: \\[1.0e-3, 3.0e-4\\]#"
-                     f"learning_rate: [1.0e-3]#' ds.yaml > lost-{fault}.yaml"])
     done: dict = {}
     sweep = threading.Thread(target=lambda: done.update(proc=pomona(
-        lab, "head", "sweep", f"/tmp/lab/lost-{fault}.yaml", "--address", lab.address,
-        "--resource", "mlx_gpu", "--out", out, check=False)))
+        lab, "head", "sweep", spec, "--address", lab.address, "--resource", "mlx_gpu",
+        "--out", out, check=False)))
     sweep.start()
-    victim = _running_on(lab, out)
-    lab.kill(victim) if fault == "kill" else lab.cut(victim)
+    return sweep, done
+
+
+def _retried_once(lab: Lab, sweep: Any, done: dict, out: str, tmp_path: Path,
+                  steps: int) -> dict:
+    """The sweep's one trial: completed on its second attempt, every step's metrics once."""
     sweep.join(timeout=400)
     proc = done["proc"]
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = lab.get("head", out, tmp_path)
     [row] = pq.read_table(got / "results.parquet").to_pylist()
     assert row["status"] == "completed" and row["attempts"] == 2, row
-    assert row["node"] != victim
     lines = [json.loads(x) for x in (got / row["trial_id"] / "metrics.jsonl").read_text()
              .splitlines()]
-    steps = [r["step"] for r in lines if r.get("split") == "train"]
-    assert steps == sorted(set(steps)) and steps[-1] == 40, steps
+    seen = [r["step"] for r in lines if r.get("split") == "train"]
+    assert seen == sorted(set(seen)) and seen[-1] == steps, seen
+    return row
+
+
+@pytest.mark.parametrize("fault", ["kill", "cut"])
+def test_a_worker_lost_mid_trial_loses_no_trial(lab: Lab, lab_dataset: str, tmp_path: Path,
+                                                fault: str) -> None:
+    """The node running the only trial is killed, or cut off the network (its process lives
+    on, orphaned): the trial is retried on the other worker and completes, its metrics
+    once each; the orphan can neither block the retry nor write the result."""
+    out = f"/tmp/lab/lost-{fault}"
+    lab.run("head", ["sh", "-c", f"sed -e 's#max_concurrent: 2#max_concurrent: 1#' -e "
+                     f"'s#steps: 6#steps: 40#' -e 's#learning_rate: \\[1.0e-3, 3.0e-4\\]#"
+                     f"learning_rate: [1.0e-3]#' ds.yaml > lost-{fault}.yaml"])
+    sweep, done = _sweep_started(lab, f"/tmp/lab/lost-{fault}.yaml", out)
+    victim = _running_on(lab, out)
+    lab.kill(victim) if fault == "kill" else lab.cut(victim)
+    row = _retried_once(lab, sweep, done, out, tmp_path, 40)
+    assert row["node"] != victim
     lab.kill(victim)  # back as a new node, for the tests after this one
     lab.uncut(victim)
     lab.wait_nodes(2, 90)
     lab.start_node(victim)
+    lab.wait_nodes(3, 90)
+
+
+def test_killing_a_gang_node_retries_the_gang(lab: Lab, lab_dataset: str,
+                                             tmp_path: Path) -> None:
+    """A gang with one rank on each worker; w2 is killed mid-trial: rank 0's ring error is a
+    lost peer, so the whole gang retries (on w1 and the w2 that comes back) and completes,
+    its metrics once each."""
+    out = "/tmp/lab/gang-lost"
+    lab.run("head", ["sh", "-c", "sed -e 's#max_concurrent: 2#max_concurrent: 1\\n"
+                     "ranks_per_trial: 2#' -e 's#steps: 6#steps: 40#' -e "
+                     "'s#learning_rate: \\[1.0e-3, 3.0e-4\\]#learning_rate: [1.0e-3]#' "
+                     "ds.yaml > gang-lost.yaml"])
+    sweep, done = _sweep_started(lab, "/tmp/lab/gang-lost.yaml", out)
+    _running_on(lab, out)
+    lab.kill("w2")
+    lab.wait_nodes(2, 90)
+    lab.start_node("w2")  # the retry's placement group waits for it
+    assert _retried_once(lab, sweep, done, out, tmp_path, 40)["world_size"] == 2
     lab.wait_nodes(3, 90)
 
 

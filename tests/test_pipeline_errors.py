@@ -17,6 +17,19 @@ ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "flows" / "configs" / "tiny.yaml"
 
 
+def _pipeline_error(raw: Path, model: Path, spec: Path, out: Path, api: str) -> str:
+    """``pomona pipeline``'s one error line: exit 2 and no traceback asserted."""
+    env = {**os.environ, "PREFECT_API_URL": api, "RAY_ADDRESS": ""}
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "pipeline", str(raw), str(model),
+                           str(spec), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2, text
+    assert "Traceback" not in text, text
+    [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
+    return line
+
+
 @pytest.mark.parametrize(("rows", "says"), [
     ("", "no rows"), ('{"prompt": "p", "chosen": "", "rejected": ""}\n', "are bad")])
 def test_pipeline_data_mistakes_exit_2(rows: str, says: str, prefect_api, tiny_model: Path,
@@ -27,14 +40,7 @@ def test_pipeline_data_mistakes_exit_2(rows: str, says: str, prefect_api, tiny_m
 
     raw = tmp_path / "raw.jsonl"
     raw.write_text(rows)
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "RAY_ADDRESS": ""}
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "pipeline", str(raw),
-                           str(tiny_model), str(SPEC), "--out", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out
-    assert "Traceback" not in out, out
-    [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
+    line = _pipeline_error(raw, tiny_model, SPEC, tmp_path / "out", PREFECT_API_URL.value())
     assert says in line.lower() and "raw.jsonl" in line, line
     # The run as Prefect recorded it (what the UI shows): Failed, and the failed tokenize task
     # run in it carries the same message.
@@ -62,13 +68,6 @@ def test_a_pipeline_whose_trials_all_fail_stops_in_one_line(prefect_api, tiny_mo
     spec = tmp_path / "spec.yaml"
     spec.write_text("name: fails\nmodel: unused\ndata: unused\nfixed: {steps: 2, batch_size: 4,"
                     " lora_rank: 4, val_every: 0, learning_rate: 1.0e+30, grad_clip: 0.0}\n")
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "RAY_ADDRESS": ""}
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "pipeline", str(raw),
-                           str(tiny_model), str(spec), "--out", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out
-    assert "Traceback" not in out, out
-    [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
+    line = _pipeline_error(raw, tiny_model, spec, tmp_path / "out", PREFECT_API_URL.value())
     assert "no trial completed" in line and "non_finite" in line, line
     assert not (tmp_path / "out" / "base").exists()  # nothing evaluated
