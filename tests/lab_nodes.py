@@ -241,3 +241,38 @@ class Lab:
             self.kill(name)
         for name in [*(n.netns for n in self.nodes.values()), f"{self.tag}-br"]:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+SPEC = ("name: lab\nmodel: unused\ndata: unused\nmax_concurrent: 2\n"
+        "fixed: {steps: 6, batch_size: 4, lora_rank: 4, val_every: 3, val_batches: 2, "
+        "head_chunk: 16, segment_size: 2}\n"
+        "grid: {learning_rate: [1.0e-3, 3.0e-4]}\n")
+
+
+def stocked_lab(root: Path, model: Path):
+    """A started Lab whose head holds ``model``, 120 sort pairs and ``SPEC`` under
+    /tmp/lab (generator: stopped after); pytest.skip where namespaces are not allowed."""
+    import pytest
+
+    from tasks.synthetic import synth_rows, write_rows
+
+    why = namespaces_allowed()
+    if why:
+        pytest.skip(f"no simulated lab: {why}")
+    raw = write_rows(list(synth_rows("sort", 120, seed=0)), root / "raw" / "sort.jsonl")
+    (root / "spec.yaml").write_text(SPEC)
+    lab = Lab(root)
+    try:
+        lab.start()
+        for src, dest in ((model, "/tmp/lab/model"), (raw, "/tmp/lab/sort.jsonl"),
+                          (root / "spec.yaml", "/tmp/lab/spec.yaml")):
+            lab.put("head", src, dest)
+        yield lab
+    finally:
+        lab.stop()
+
+
+def pomona(lab: Lab, node: str, *args: str, timeout: int = 400, check: bool = True):
+    """The ``pomona`` CLI inside ``node``."""
+    return lab.run(node, [f"{BIN}/python", "-m", "flows.cli", *args], timeout=timeout,
+                   check=check)

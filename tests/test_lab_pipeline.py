@@ -11,42 +11,17 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.lab_nodes import BIN, Lab, namespaces_allowed
+from tests.lab_nodes import SPEC, Lab, pomona, stocked_lab
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
-SPEC = ("name: lab\nmodel: unused\ndata: unused\nmax_concurrent: 2\n"
-        "fixed: {steps: 6, batch_size: 4, lora_rank: 4, val_every: 3, val_batches: 2, "
-        "head_chunk: 16, segment_size: 2}\n"
-        "grid: {learning_rate: [1.0e-3, 3.0e-4]}\n")
 COMPARED = ("eval/valid/loss", "eval/valid/logps/accuracies", "eval/test/loss",
             "eval/test/logps/margin")
 
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path):
-    why = namespaces_allowed()
-    if why:
-        pytest.skip(f"no simulated lab: {why}")
-    from tasks.synthetic import synth_rows, write_rows
-
-    root = tmp_path_factory.mktemp("lab")
-    raw = write_rows(list(synth_rows("sort", 120, seed=0)), root / "raw" / "sort.jsonl")
-    (root / "spec.yaml").write_text(SPEC)
-    lab = Lab(root)
-    try:
-        lab.start()
-        for src, dest in ((tiny_model, "/tmp/lab/model"), (raw, "/tmp/lab/sort.jsonl"),
-                          (root / "spec.yaml", "/tmp/lab/spec.yaml")):
-            lab.put("head", src, dest)
-        yield lab
-    finally:
-        lab.stop()
-
-
-def pomona(lab: Lab, node: str, *args: str, timeout: int = 400, check: bool = True):
-    return lab.run(node, [f"{BIN}/python", "-m", "flows.cli", *args], timeout=timeout,
-                   check=check)
+    yield from stocked_lab(tmp_path_factory.mktemp("lab"), tiny_model)
 
 
 def board(path: Path) -> dict[str, dict]:
