@@ -31,10 +31,6 @@ def lab(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path):
     yield from stocked_lab(tmp_path_factory.mktemp("lab"), tiny_model)
 
 
-def board(path: Path) -> dict[str, dict]:
-    return {r["trial_id"]: r for r in pq.read_table(path).to_pylist()}
-
-
 @pytest.fixture(scope="module")
 def lab_dataset(lab: Lab) -> str:
     """A tokenized dataset on the head's disk only, and a sweep spec over it."""
