@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from engine.command_queue import queue_env
 from tasks.node_files import Bundle, pull
 from tasks.placement import Placement
-from tasks.trial import Summary, TrialActor, outcome
+from tasks.trial import Summary, TrialActor, checked, outcome
 from tasks.trial_inputs import SweepFiles
 from tasks.trial_plan import TrialPlan
 
@@ -161,7 +161,8 @@ class OneActor:
             if not wait_relaying(shared, trial, ref):
                 return outcome(trial, "failed", f"time_limit: over {shared.time_limit_s:g} s",
                                first, attempt + 1)
-            return collect(trial, actor, ray.get(ref))
+            summary = checked(trial, ray.get(ref), first, attempt + 1)
+            return collect(trial, actor, summary)
         except OSError as err:  # an input the driver cannot list, or a result it cannot write
             return outcome(trial, "failed", f"{type(err).__name__}: {err}"[:500], first,
                            attempt + 1)

@@ -31,7 +31,7 @@ from typing import Any
 from engine.command_queue import queue_env
 from tasks.attempts import Attempts, collect, relay
 from tasks.placement import Placement
-from tasks.trial import Summary, TrialActor, outcome, where
+from tasks.trial import Summary, TrialActor, checked, outcome, where
 from tasks.trial_plan import TrialPlan
 
 
@@ -211,7 +211,7 @@ class Gang:
                 return outcome(trial, "failed", f"time_limit: over {limit:g} s (every rank "
                                "killed)", first, attempt + 1)
             try:
-                summary = ray.get(done[0])
+                summary = checked(trial, ray.get(done[0]), first, attempt + 1)
             except ray.exceptions.RayActorError as err:
                 return self.shared.live.lost(trial, attempt, first,
                                              "a rank died: " + str(err).splitlines()[0])

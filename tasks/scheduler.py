@@ -15,6 +15,7 @@ budget must outlast that. Ctrl-C kills the running actors and marks their trials
 from __future__ import annotations
 
 import contextvars
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +31,8 @@ from tasks.results_table import write_results
 from tasks.trial import Summary, outcome
 from tasks.trial_inputs import metrics_box
 from tasks.trial_plan import TrialPlan
+
+log = logging.getLogger(__name__)
 
 # Runs one trial's work (the callable) as the caller likes, e.g. as a Prefect task run.
 Wrap = Callable[[TrialPlan, Callable[[], Summary]], Summary]
@@ -99,6 +102,18 @@ class Retrying:
                        "(node gone or killed)", first, self.retries + 1)
 
 
+def contained(trial: TrialPlan, run: Callable[[], Summary]) -> Summary:
+    """``run()``, or a failed row naming the error it raised on the driver (logged whole):
+    one trial's surprise costs that trial, never the others nor results.parquet."""
+    started = time.time()
+    try:
+        return run()
+    except Exception as err:  # reported as the trial's reason
+        log.exception("trial %s: unexpected error on the driver", trial.id)
+        return outcome(trial, "failed", f"driver_error: {type(err).__name__}: {err}"[:500],
+                       started, 1)
+
+
 def run_trials(source: TrialSource | list[TrialPlan] | list[tuple[str, dict[str, Any]]],
                placement: Placement, max_concurrent: int, results: Path | None = None,
                time_limit_s: float = 0.0, retries: int = 2, retry_delay_s: float = 5.0,
@@ -134,7 +149,8 @@ def run_trials(source: TrialSource | list[TrialPlan] | list[tuple[str, dict[str,
                 return
             with order_lock:
                 order.append(trial.id)
-            summary = wrap(trial, lambda t=trial: runner.run(t)) if wrap else runner.run(trial)
+            summary = contained(trial, lambda t=trial: (
+                wrap(t, lambda: runner.run(t)) if wrap else runner.run(t)))
             summary["duration_s"] = summary["ended"] - summary["started"]
             summaries[trial.id] = summary
             source.tell(trial, summary)

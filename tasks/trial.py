@@ -34,6 +34,30 @@ def outcome(trial: TrialPlan, status: str, reason: str, started: float,
             "ended": time.time(), "attempts": attempts}
 
 
+STATUSES = ("completed", "degenerate", "failed", "pruned", "cancelled")
+
+
+def checked(trial: TrialPlan, raw: Any, started: float, attempts: int) -> Summary:
+    """``raw``, a summary a trial's process answered, if it is one this driver can rank;
+    else a failed row saying what was wrong (a node on an older Pomona, say), so that one
+    bad answer costs its trial and never the sweep's results.parquet."""
+    node = raw.get("node") if isinstance(raw, dict) else None
+    why = None
+    if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
+        why = f"not a mapping of names ({type(raw).__name__})"
+    elif raw.get("trial_id") != trial.id:
+        why = f"trial_id {str(raw.get('trial_id'))[:80]!r}, not {trial.id!r}"
+    elif raw.get("status") not in STATUSES:
+        why = f"status {str(raw.get('status'))[:80]!r}, not one of {', '.join(STATUSES)}"
+    elif not isinstance(raw.get("outputs", {}), dict):
+        why = "outputs not a mapping"
+    if why is None:
+        return raw
+    where = f" from {node}" if isinstance(node, str) else ""
+    return outcome(trial, "failed", f"malformed_summary{where}: {why} (is every node on "
+                   "this Pomona?)", started, attempts)
+
+
 class TrialPruned(Exception):
     """Raised inside a trial when the study says its validation metric is not promising."""
 
