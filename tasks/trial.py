@@ -20,7 +20,13 @@ from engine.command_queue import QUEUE_MB
 from engine.config import TrainConfig
 from tasks.degenerate import degenerate_reason
 from tasks.node_files import Bundle, local_reader
-from tasks.trial_inputs import SendMetrics, localised, outputs_bundle, remove_scratch
+from tasks.trial_inputs import (
+    SendMetrics,
+    localised,
+    outputs_bundle,
+    remove_scratch,
+    remove_stale_scratch,
+)
 from tasks.trial_plan import TrialPlan
 
 Summary = dict[str, Any]
@@ -155,6 +161,7 @@ class TrialActor:
         copies of ``inputs``; its outputs listed in ``outputs`` for the driver to pull."""
         trial = TrialPlan.from_dict(plan)
         started = time.time()
+        remove_stale_scratch()  # what attempts lost with their process left on this node
         try:
             config, back = localised(trial.config, inputs, trial.id)
         except (OSError, RuntimeError) as err:  # an input this node cannot have: say which

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import shutil
+import socket
 import uuid
 from pathlib import Path
 from typing import Any
@@ -79,8 +80,34 @@ def fetched(inputs: dict[str, Any] | None) -> dict[str, str]:
 
 
 def scratch_dir(trial_id: str) -> Path:
-    """A new folder for one attempt of a trial on this node (never shared by two)."""
-    return cache_root() / "scratch" / f"{trial_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    """A new folder for one attempt of a trial on this node (never shared by two): under
+    the host's name, so that nodes sharing a home folder never judge each other's pids."""
+    return (cache_root() / "scratch" / socket.gethostname()
+            / f"{trial_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def remove_stale_scratch() -> list[Path]:
+    """This host's scratch folders whose attempt's process is gone (its node was cut off
+    or killed mid-trial, or the driver was lost before it pulled them): removed, as
+    Pomona's own; the folders removed."""
+    mine, gone = cache_root() / "scratch" / socket.gethostname(), []
+    for folder in sorted(mine.iterdir()) if mine.is_dir() else []:
+        pid = folder.name.rsplit("-", 2)[-2] if folder.name.count("-") >= 2 else ""
+        if pid.isdigit() and not alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            gone.append(folder)
+    return gone
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (one we may not signal does)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def outputs_bundle(out: str, back: dict[str, str]) -> Bundle:

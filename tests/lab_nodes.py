@@ -34,6 +34,9 @@ def namespaces_allowed() -> str | None:
     """Why a lab cannot be simulated here (None: it can)."""
     if sys.platform != "linux" or os.geteuid() != 0:
         return "needs Linux and root (network, mount and PID namespaces)"
+    for path in (REPO, BIN):  # every node mounts a private /tmp over the host's
+        if path.is_relative_to("/tmp"):
+            return f"the checkout and its .venv must lie outside /tmp ({path} is under it)"
     for tool in ("ip", "unshare", "nsenter", "timeout", "tar"):
         if shutil.which(tool) is None:
             return f"needs {tool}"

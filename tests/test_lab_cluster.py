@@ -116,7 +116,7 @@ def _running_on(lab: Lab, out: str, wait_s: float = 120.0) -> str:
         lines = lab.run("head", ["sh", "-c", f"cat {out}/*/metrics.jsonl 2>/dev/null | wc -l"])
         if int(lines.stdout.strip() or 0) > 1:
             for worker in ("w1", "w2"):
-                ls = lab.run(worker, ["sh", "-c", "ls /tmp/home/.cache/pomona/scratch "
+                ls = lab.run(worker, ["sh", "-c", "ls /tmp/home/.cache/pomona/scratch/*/ "
                                       "2>/dev/null || true"])
                 if ls.stdout.strip():
                     return worker
@@ -171,6 +171,26 @@ def test_a_worker_lost_mid_trial_loses_no_trial(lab: Lab, lab_dataset: str, tmp_
     lab.uncut(victim)
     lab.wait_nodes(2, 90)
     lab.start_node(victim)
+    lab.wait_nodes(3, 90)
+
+
+def test_a_gang_whose_node_is_killed_is_retried_whole(lab: Lab, lab_dataset: str,
+                                                     tmp_path: Path) -> None:
+    """One rank on each worker; w2 is killed mid-trial and comes back as a new node: the
+    survivor's ring error counts as a lost node, so the whole gang is retried once (on w1
+    and the new w2) and completes, with every step's metrics once."""
+    out = "/tmp/lab/gang-lost"
+    lab.run("head", ["sh", "-c", "sed -e 's#max_concurrent: 2#max_concurrent: 1\\n"
+                     "ranks_per_trial: 2#' -e 's#steps: 6#steps: 40#' -e "
+                     "'s#learning_rate: \\[1.0e-3, 3.0e-4\\]#learning_rate: [1.0e-3]#' "
+                     "ds.yaml > gang-lost.yaml"])
+    sweep, done = _sweep_started(lab, "/tmp/lab/gang-lost.yaml", out)
+    _running_on(lab, out)
+    lab.kill("w2")
+    lab.wait_nodes(2, 90)
+    lab.start_node("w2")  # the retry's placement group waits for two workers again
+    row = _retried_once(lab, sweep, done, out, tmp_path, 40)
+    assert row["world_size"] == 2 and {h.split()[0] for h in row["hosts"]} == {"w1", "w2"}
     lab.wait_nodes(3, 90)
 
 

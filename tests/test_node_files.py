@@ -76,3 +76,27 @@ def test_a_pull_replaces_its_files_and_keeps_the_users(tmp_path: Path) -> None:
     assert (dest / "sub" / "b.txt").read_text() == "bee"
     assert (dest / "NOTES.md").read_text() == "mine"
     assert sorted(p.name for p in dest.iterdir()) == ["NOTES.md", "a.bin", "sub"]
+
+
+def test_scratch_of_attempts_whose_process_is_gone_is_removed(cache: Path) -> None:
+    """An attempt lost with its process (its node cut off, the driver gone before it
+    pulled) leaves a scratch folder: the next trial on that host removes it, and keeps a
+    live process's folder and another host's (a home folder shared by two Macs)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from tasks.trial_inputs import remove_stale_scratch, scratch_dir
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    live = scratch_dir("t-1")
+    assert live.parent.name == socket.gethostname() and f"-{os.getpid()}-" in live.name
+    dead = live.parent / f"t-1-{gone.pid}-0123abcd"
+    other = cache / "scratch" / "another-mac" / f"t-1-{gone.pid}-0123abcd"
+    for folder in (live, dead, other):
+        (folder / "adapters.safetensors").parent.mkdir(parents=True)
+        (folder / "adapters.safetensors").write_bytes(b"x")
+    assert remove_stale_scratch() == [dead]
+    assert live.is_dir() and other.is_dir() and not dead.exists()
