@@ -408,8 +408,10 @@ def main() -> None:
     """Console-script entry point (on a Linux CPU, first OpenBLAS: engine/blas.py)."""
     from engine.blas import ensure_fast_blas
     from engine.command_queue import entry_point
+    from flows.stop_signals import hear_stop_signals
 
     ensure_fast_blas()
+    hear_stop_signals()  # SIGINT even when a script's `&` left it ignored; SIGTERM too
     entry_point()  # `pomona train` under a memory limit may re-run with MLX's queue capped
     app()
 

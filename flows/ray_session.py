@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
+from flows.stop_signals import hear_stop_signals
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -54,6 +56,7 @@ def ray_session(address: str | None) -> Iterator[None]:
         _connect(ray, address)
     else:
         _init_loopback(ray)
+    hear_stop_signals()  # ray.init made SIGTERM a sys.exit the scheduler cannot act on
     try:
         yield
     finally:

@@ -165,7 +165,7 @@ def run_trials(source: TrialSource | list[TrialPlan] | list[tuple[str, dict[str,
             time.sleep(0.2)  # the main thread stays free to take Ctrl-C
         for f in futures:
             f.result()  # a bug in the scheduler itself surfaces here
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C; SIGTERM as Ray's driver handler has it
         interrupted = True
         while not all(f.done() for f in futures):  # kills what started meanwhile, too
             live.cancel_all()

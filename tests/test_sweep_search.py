@@ -81,10 +81,16 @@ def test_segment_size_auto_fits_the_budget(ray_cluster, tiny_model, tiny_data, t
 
 
 def test_ctrl_c_cancels_running_trials_and_keeps_results(ray_cluster, tiny_model, tiny_data,
-                                                         tmp_path) -> None:
+                                                         tmp_path, request) -> None:
     """KeyboardInterrupt arriving once the first trial is running (as Ctrl-C would)."""
     import _thread
+    import signal
     import threading
+
+    # interrupt_main does nothing where SIGINT is ignored (a worker started by a shell's
+    # `&`): the sweep then ran its 100,000-step trials to the end.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
 
     raw = _spec(tiny_model, tiny_data, fixed={"steps": 100000, "val_every": 0},
                 grid={"seed": [0, 1, 2]}, max_concurrent=2)
