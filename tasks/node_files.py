@@ -18,6 +18,7 @@ where an actor is made.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -25,7 +26,6 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,7 +135,7 @@ def server_reader(server: Any, digest: str) -> Reader:
     return lambda rel, offset, length: ray.get(server.read.remote(digest, rel, offset, length))
 
 
-@contextmanager
+@contextlib.contextmanager
 def _locked(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
@@ -148,21 +148,26 @@ def fetch(bundle: Bundle, read: Reader) -> str:
     there, else this node's cached copy, downloaded once through ``read``."""
     if holds(bundle):
         return bundle.path
+    # One folder per digest, a copy per name in it: the same bytes under two names (a
+    # dataset tokenized again elsewhere) are two copies, and neither removes the other.
     root = cache_root() / "inputs" / bundle.digest
     target = root / Path(bundle.path).name
     with _locked(root.with_name(f".{bundle.digest}.lock")):
-        if root.is_dir() and Bundle.of(target).digest == bundle.digest:
+        if target.exists() and Bundle.of(str(target)).digest == bundle.digest:
             return str(target)
-        if root.exists():  # a copy that no longer checks out: Pomona's own, made again
-            shutil.rmtree(root)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{bundle.digest}.", dir=root.parent))
+        if target.exists():  # a copy that no longer checks out: Pomona's own, made again
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
         try:
             for rel, size, sha in bundle.files:
                 dest = tmp / target.name / rel if bundle.folder else tmp / target.name
                 copy_checked(read, rel, size, sha, dest, bundle.file(rel))
-            tmp.rename(root)
+            (tmp / target.name).rename(target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                root.rmdir()  # only when empty: a fetch that failed leaves nothing
     return str(target)
 
 

@@ -68,6 +68,7 @@ class Lab:
         self.id = lab_id if lab_id is not None else os.getpid() % 200 + 20
         self.tag = f"pl{self.id}"
         self.token = secrets.token_hex(32)
+        self.kernels = root / "kernels"  # TMPDIR of ``warm_kernels``: its mlx/ seeds nodes
         self.nodes: dict[str, Node] = {}
         names = ["head", *(f"w{i}" for i in range(1, workers + 1))]
         for i, name in enumerate(names, start=1):
@@ -126,8 +127,11 @@ class Lab:
         node = self.nodes[name]
         mounts = "".join(f"mount --bind {src} {dst} && " for dst, src in node.shadow.items())
         # Shadows first: their copies lie under the host's /tmp, which the tmpfs hides.
+        # MLX's CPU kernels, compiled once on the host (``warm_kernels``), come in on
+        # stdin: a fresh node compiles ~15 CPU-s of them again, at every restart.
         script = (f"{mounts}mount -t tmpfs tmpfs /tmp && mkdir -p /tmp/home /tmp/lab && "
-                  f"hostname {name} && exec timeout {limit_s} {BIN}/ray start "
+                  f"tar -C /tmp -xf - && hostname {name} && exec timeout {limit_s} "
+                  f"{BIN}/ray start "
                   f"--node-ip-address {node.ip} --disable-usage-stats --block "
                   + " ".join(f"'{a}'" for a in node.ray_args))
         log = (self.root / f"{name}.log").open("w")
@@ -136,8 +140,26 @@ class Lab:
         node.proc = subprocess.Popen(
             ["ip", "netns", "exec", node.netns, "unshare", "--mount", "--uts", "--pid",
              "--fork", "--mount-proc", "bash", "-c", script],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True)
+        seed = ["-C", str(self.kernels), "mlx"] if (self.kernels / "mlx").is_dir() else [
+            "-T", "/dev/null"]
+        node.proc.stdin.write(subprocess.run(["tar", "-cf", "-", *seed], check=True,
+                                             capture_output=True).stdout)
+        node.proc.stdin.close()
         node.init_pid = self._init_pid(node)
+
+    def warm_kernels(self, model: Path, data: Path) -> None:
+        """Compile MLX's CPU kernels for the lab's trials once, on the host, into the
+        folder every node start copies into its private ``/tmp`` (tar: no file that a
+        compile is still writing, as a shared folder could hand out)."""
+        self.kernels.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "engine", "train", "--model", str(model),
+                        "--data", str(data), "--out", str(self.root / "warm"), "--steps", "2",
+                        "--batch-size", "4", "--lora-rank", "4", "--val-every", "1",
+                        "--val-batches", "1", "--segment-size", "2", "--head-chunk", "16"],
+                       check=True, capture_output=True, timeout=300,
+                       env={**os.environ, "TMPDIR": str(self.kernels)})
 
     def _init_pid(self, node: Node, wait_s: float = 10.0) -> int:
         """The node's PID 1 (the child of its ``unshare``), as the host sees it."""
@@ -252,9 +274,10 @@ SPEC = ("name: lab\nmodel: unused\ndata: unused\nmax_concurrent: 2\n"
         "grid: {learning_rate: [1.0e-3, 3.0e-4]}\n")
 
 
-def stocked_lab(root: Path, model: Path):
+def stocked_lab(root: Path, model: Path, data: Path):
     """A started Lab whose head holds ``model``, 120 sort pairs and ``SPEC`` under
-    /tmp/lab (generator: stopped after); pytest.skip where namespaces are not allowed."""
+    /tmp/lab, its nodes' kernels compiled on ``data`` (tokenized pairs for ``model``)
+    (generator: stopped after); pytest.skip where namespaces are not allowed."""
     import pytest
 
     from tasks.synthetic import synth_rows, write_rows
@@ -265,6 +288,7 @@ def stocked_lab(root: Path, model: Path):
     raw = write_rows(list(synth_rows("sort", 120, seed=0)), root / "raw" / "sort.jsonl")
     (root / "spec.yaml").write_text(SPEC)
     lab = Lab(root)
+    lab.warm_kernels(model, data)
     try:
         lab.start()
         for src, dest in ((model, "/tmp/lab/model"), (raw, "/tmp/lab/sort.jsonl"),

@@ -10,6 +10,7 @@ one line; an address nobody answers is a one-line error within seconds.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from tests.lab_nodes import Lab, pomona, stocked_lab
+from tests.lab_nodes import SPEC, Lab, pomona, stocked_lab
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -27,8 +28,8 @@ COMPARED = ("eval/valid/loss", "eval/valid/logps/accuracies", "eval/test/loss",
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path):
-    yield from stocked_lab(tmp_path_factory.mktemp("lab"), tiny_model)
+def lab(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, tiny_data: Path):
+    yield from stocked_lab(tmp_path_factory.mktemp("lab"), tiny_model, tiny_data)
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +108,10 @@ def test_a_gang_across_two_nodes_equals_one_process(lab: Lab, lab_dataset: str,
     for k in b:
         err = np.linalg.norm(np.array(a[k]) - np.array(b[k])) / np.linalg.norm(np.array(b[k]))
         assert err <= 1e-5, (k, err)
+
+
+def board(path: Path) -> dict[str, dict]:
+    return {r["trial_id"]: r for r in pq.read_table(path).to_pylist()}
 
 
 def _running_on(lab: Lab, out: str, wait_s: float = 120.0) -> str:
@@ -192,6 +197,42 @@ def test_a_gang_whose_node_is_killed_is_retried_whole(lab: Lab, lab_dataset: str
     row = _retried_once(lab, sweep, done, out, tmp_path, 40)
     assert row["world_size"] == 2 and {h.split()[0] for h in row["hosts"]} == {"w1", "w2"}
     lab.wait_nodes(3, 90)
+
+
+def test_pipeline_on_private_disks_equals_one_node(lab: Lab, tiny_model: Path, tmp_path: Path,
+                                                   prefect_api) -> None:
+    """The pipeline on the lab (nothing shared but the code) completes with trials on both
+    workers, and its leaderboard equals a one-node run of the same spec within 1e-6."""
+    pomona(lab, "head", "pipeline", "/tmp/lab/sort.jsonl", "/tmp/lab/model",
+           "/tmp/lab/spec.yaml", "--out", "/tmp/lab/out", "--address", lab.address,
+           "--resource", "mlx_gpu", "--generations", "0")
+    out = lab.get("head", "/tmp/lab/out", tmp_path / "lab")
+    results = pq.read_table(out / "sweep" / "results.parquet").to_pylist()
+    assert {r["node"] for r in results} == {"w1", "w2"}, [r["node"] for r in results]
+    if "libopenblas" in os.environ.get("LD_PRELOAD", ""):  # the driver's preload reached them
+        assert all(r["openblas"] for r in results), [r["openblas"] for r in results]
+    assert all((out / "sweep" / r["trial_id"] / "adapters.safetensors").exists()
+               for r in results)
+    assert (out / "best-adapter" / "adapters.safetensors").exists()
+    lines = (out / "sweep" / results[0]["trial_id"] / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(x)["step"] for x in lines if json.loads(x).get("split") == "train"]
+    assert steps == sorted(set(steps)), steps  # pulled back once, nothing duplicated
+
+    from flows.pipeline import pipeline
+
+    raw = tmp_path / "sort.jsonl"
+    lab.get("head", "/tmp/lab/sort.jsonl", tmp_path)
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(SPEC)
+    state = pipeline(str(raw), str(tiny_model), str(spec), str(tmp_path / "one"),
+                     generations=0, return_state=True)
+    assert state.is_completed(), state
+    here, there = board(tmp_path / "one" / "leaderboard.parquet"), board(
+        out / "leaderboard.parquet")
+    assert set(here) == set(there)
+    for tid, row in here.items():
+        for key in COMPARED:
+            assert there[tid][key] == pytest.approx(row[key], abs=1e-6), (tid, key)
 
 
 def test_a_worker_on_another_version_is_refused_in_one_line(lab: Lab,

@@ -100,3 +100,18 @@ def test_scratch_of_attempts_whose_process_is_gone_is_removed(cache: Path) -> No
         (folder / "adapters.safetensors").write_bytes(b"x")
     assert remove_stale_scratch() == [dead]
     assert live.is_dir() and other.is_dir() and not dead.exists()
+
+
+def test_the_same_bytes_under_two_names_are_two_copies(tmp_path: Path, cache: Path) -> None:
+    """A dataset tokenized again under another name has the same digest: each name gets
+    its copy, and the second fetch neither fails on the first's folder (it did: `…/data:
+    not found`) nor removes it under a trial still reading it."""
+    first = Bundle.of(_folder(tmp_path / "driver" / "ds"))
+    again = Bundle.of(_folder(tmp_path / "driver" / "data"))
+    assert first.digest == again.digest
+    here = [Bundle(str(tmp_path / "node" / Path(b.path).name), b.files, b.digest, True)
+            for b in (first, again)]
+    a = Path(fetch(here[0], local_reader(first)))
+    b = Path(fetch(here[1], local_reader(again)))
+    assert (a.name, b.name) == ("ds", "data") and a.parent == b.parent
+    assert Bundle.of(a).digest == Bundle.of(b).digest == first.digest
