@@ -18,7 +18,8 @@ FIXED = {"steps": 2, "batch_size": 2, "lora_rank": 4, "val_every": 0}
 def test_a_finished_trial_survives_a_later_error(ray_cluster, tiny_model, tiny_data,
                                                  tmp_path) -> None:
     """results.parquet was written once, after the last trial: any later error (there, a
-    column Arrow refused) lost every trial. Would catch: results held back until the end."""
+    column Arrow refused) lost every trial. Would catch: results held back until the end,
+    or one trial's error on the driver ending the sweep (it now costs that trial only)."""
     from tasks.sweep import run_sweep
     from tasks.sweep_spec import parse_spec
 
@@ -31,11 +32,11 @@ def test_a_finished_trial_survives_a_later_error(ray_cluster, tiny_model, tiny_d
             raise RuntimeError("the sweep broke after its first trial")
         return run()
 
-    with pytest.raises(RuntimeError, match="broke after its first trial"):
-        run_sweep(spec, tmp_path, wrap=wrap)
+    run_sweep(spec, tmp_path, wrap=wrap)
     rows = pq.read_table(tmp_path / "results.parquet").to_pylist()
     assert [(r["trial_id"], r["status"], r["param/seed"]) for r in rows] == \
-        [(first, "completed", 0)]
+        [(first, "completed", 0), (spec.trials()[1].id, "failed", 1)]
+    assert rows[1]["reason"] == "driver_error: RuntimeError: the sweep broke after its first trial"
 
 
 def test_a_model_remade_in_place_reruns_its_trials(ray_cluster, tiny_data, tmp_path,

@@ -137,6 +137,7 @@ RENDERED = """(() => {
   const table = document.querySelector('table');
   if (!table && !oops) return null;
   if (!table) return JSON.stringify({oops});
+  if (document.fonts && document.fonts.status !== 'loaded') return null;  // widths change
   const th = [...table.querySelectorAll('th')];
   let clip = document.documentElement.clientWidth;
   for (let e = table.parentElement; e; e = e.parentElement)
@@ -180,17 +181,20 @@ class Browser:
         return reply.get("result", {})
 
     def rendered(self, page: str, timeout: float = 120) -> dict:
-        """RENDERED on ``page`` once it has a table or failed."""
+        """RENDERED on ``page`` once it has a table (laid out: the same twice in a row,
+        0.5 s apart; under CI's load a first reading came before the layout settled) or
+        failed."""
         from websockets.sync.client import connect
 
         with connect(self.ws, max_size=None) as conn:
             self.call(conn, "Page.navigate", url=page)
-            deadline = time.monotonic() + timeout
+            deadline, last = time.monotonic() + timeout, None
             while time.monotonic() < deadline:
                 got = self.call(conn, "Runtime.evaluate", expression=RENDERED,
                                 returnByValue=True)["result"].get("value")
-                if got:
+                if got and (got == last or json.loads(got).get("oops")):
                     return json.loads(got)
+                last = got
                 time.sleep(0.5)
         raise AssertionError(f"{page}: no table after {timeout:.0f} s")
 
