@@ -55,6 +55,18 @@ def remove_stale(parent: Path) -> list[Path]:
     return removed
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (another user's, that we may not
+    signal, does): for temporaries named by host and pid, where no lock was kept."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @contextmanager
 def work_folder(parent: Path, name: str) -> Iterator[Path]:
     """A new hidden folder in ``parent`` for building ``name``, locked as this process's

@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 
 from engine.digests import sha256_file
 from engine.outputs import RefusedOutput, entries
+from engine.scratch import process_alive
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -156,19 +157,9 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
-
-
 def _is_stale(path: Path, host: str | None, pid: str | None) -> bool:
     if host == HOST and pid is not None:
-        return int(pid) != os.getpid() and not _pid_alive(int(pid))
+        return int(pid) != os.getpid() and not process_alive(int(pid))
     try:
         return time.time() - path.stat().st_mtime > STALE_AFTER_S
     except OSError:

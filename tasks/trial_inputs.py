@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import TrainConfig
+from engine.scratch import process_alive
 from tasks.node_files import Bundle, cache_root, fetch, file_server, server_reader
 
 FIELDS = ("model", "data", "warm_start", "reference", "reference_logps")  # paths a trial reads
@@ -93,21 +94,10 @@ def remove_stale_scratch() -> list[Path]:
     mine, gone = cache_root() / "scratch" / socket.gethostname(), []
     for folder in sorted(mine.iterdir()) if mine.is_dir() else []:
         pid = folder.name.rsplit("-", 2)[-2] if folder.name.count("-") >= 2 else ""
-        if pid.isdigit() and not alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
             gone.append(folder)
     return gone
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host (one we may not signal does)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def outputs_bundle(out: str, back: dict[str, str]) -> Bundle:
