@@ -82,10 +82,14 @@ def length_groups(pairs: Sequence[Pair], size: int) -> list[list[int]]:
 
 def evaluate(model: nn.Module, stack: Stack, pairs: Sequence[Pair], spec: LossSpec,
              batch_size: int, pad_multiple: int = 0, head_chunk: int = 0,
-             max_batches: int = 0, layout: Layout | None = None) -> dict[str, float]:
+             max_batches: int = 0, layout: Layout | None = None,
+             per_pair: dict[str, float] | None = None) -> dict[str, float]:
     """Loss and TRL-named metrics over ``pairs`` (means over the pairs/tokens used).
 
     ``max_batches`` > 0 keeps the first ``max_batches × batch_size`` pairs (then sorts).
+    ``per_pair``, when given, is filled with each pair's id → 1.0 where its chosen mean
+    log-prob beats the rejected one, else 0.0 (``logps/accuracies`` is their mean): what
+    a paired test against another model reads.
     """
     if max_batches > 0:
         pairs = pairs[: max_batches * batch_size]
@@ -106,6 +110,8 @@ def evaluate(model: nn.Module, stack: Stack, pairs: Sequence[Pair], spec: LossSp
             loss, metrics = pair_loss(lp, mx.array(two.resp_mask), mx.array(two.nll_mask),
                                       spec, norms, two.ref_array())
             mx.eval(loss, metrics)
+            if per_pair is not None:
+                _record_wins(per_pair, g, lp, mx.array(two.resp_mask))
             total_loss += float(loss)
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
@@ -115,6 +121,15 @@ def evaluate(model: nn.Module, stack: Stack, pairs: Sequence[Pair], spec: LossSp
     out.update({k: v / norms.pairs for k, v in sums.items()})
     out["rows"] = int(norms.pairs)
     return out
+
+
+def _record_wins(per_pair: dict[str, float], group: list[Pair], lp: mx.array,
+                 resp: mx.array) -> None:
+    """Each pair of ``group``: 1.0 where ℓw > ℓr (mean response log-probs), as
+    ``logps/accuracies`` counts it (engine/losses.py)."""
+    k = len(group)
+    won = np.asarray(mean_logps(lp[:k], resp[:k]) > mean_logps(lp[k:], resp[k:]))
+    per_pair.update({p.id: float(w) for p, w in zip(group, won, strict=True)})
 
 
 def score_pairs(model: nn.Module, stack: Stack, pairs: Sequence[Pair], spec: LossSpec,

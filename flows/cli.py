@@ -290,8 +290,9 @@ def pipeline_cmd(
     address: Annotated[str | None, typer.Option(help="Ray address (auto | HOST:PORT).")] = None,
     gpus: Annotated[bool, typer.Option(help="One GPU per trial.")] = False,
     resource: Annotated[str | None, typer.Option(help="Custom resource per trial.")] = None,
-    generations: Annotated[int, typer.Option(help="Held-out prompts to generate for, "
-                                                  "per adapter.")] = 4,
+    generations: Annotated[int | None, typer.Option(
+        help="Held-out prompts a split each evaluation completes and scores (0: none); "
+             "default: the spec's evaluation.prompts (64).")] = None,
 ) -> None:
     """The Prefect pipeline: tokenize → preprocess → sweep → evaluate → leaderboard."""
     from flows.pipeline import check_pipeline_inputs, pipeline
@@ -304,12 +305,13 @@ def pipeline_cmd(
     from prefect.exceptions import FailedRun
 
     from flows.prefect_ui import ApiGone, prefect_api
+    from tasks.scorers import ScorerError
 
     try:
         with prefect_api(out):
             summary = pipeline(str(raw), model, str(spec), str(out), address, gpus, resource,
                                generations)
-    except (FailedRun, ApiGone) as err:  # the data's mistake (tokenize_task), a dead server
+    except (FailedRun, ApiGone, ScorerError) as err:  # the data's or a scorer's mistake
         raise fail(str(err)) from None
     console.print(f"leaderboard: {summary['markdown']}; best adapter: "
                   f"{summary['best_adapter']}")
@@ -321,8 +323,15 @@ def leaderboard_cmd(
                                                     "(results.parquet).")],
     model: Annotated[str, typer.Option(help="The sweep's base model.")],
     data: Annotated[Path, typer.Option(help="The sweep's tokenized dataset.")],
-    metric: Annotated[str, typer.Option(help="Rank by this validation metric.")] = "val/loss",
+    metric: Annotated[str, typer.Option(help="Rank by this validation metric, or by a "
+                                             "generation score gen/valid/LABEL (higher "
+                                             "better).")] = "val/loss",
     mode: Annotated[str, typer.Option(help="min or max.")] = "min",
+    scorer: Annotated[list[str] | None, typer.Option(
+        help="How generations are scored (repeatable): exact, contains, regex:PATTERN, "
+             "task, task:NAME, python:package.module:function.")] = None,
+    generations: Annotated[int, typer.Option(help="Held-out prompts a split to complete "
+                                                  "and score (0: none).")] = 64,
     address: Annotated[str | None, typer.Option(help="Ray address (auto | HOST:PORT).")] = None,
     gpus: Annotated[bool, typer.Option(help="Each evaluation on one GPU.")] = False,
     resource: Annotated[str | None, typer.Option(help="Custom resource per evaluation.")]
@@ -334,15 +343,20 @@ def leaderboard_cmd(
     from engine.outputs import RefusedOutput
     from flows.pipeline import claim_sweep_dir, leaderboard_flow
     from flows.prefect_ui import ApiGone, prefect_api
+    from tasks.generation_eval import GenerationSettings, check_rank_by
     from tasks.leaderboard import check_leaderboard_inputs
 
     check_address(address)
     try:
+        settings = GenerationSettings(**({"scorers": tuple(scorer)} if scorer else {})
+                                      ).with_prompts(generations)
+        if metric.startswith("gen/"):
+            check_rank_by(metric, settings)
         check_leaderboard_inputs(sweep_dir, model, str(data), metric, mode)
         with claim_sweep_dir(sweep_dir, model, str(data)), prefect_api(sweep_dir):
             summary = leaderboard_flow(str(sweep_dir), model, str(data), metric, mode,
                                        address=address, gpus=gpus, resource=resource,
-                                       fuse=fuse)
+                                       generations=settings, fuse=fuse)
     except (RefusedOutput, ValueError, FileNotFoundError, ApiGone) as err:
         raise fail(str(err)) from None
     console.print(f"leaderboard: {summary['markdown']}; best adapter: "

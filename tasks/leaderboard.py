@@ -9,7 +9,10 @@ reason under the table, so nothing is silently dropped. Validation and test accu
 separate columns: ranking chose on validation, so test (rows no choice ever read) is the
 number to report; a dataset without valid or test rows shows "-" there and says why
 under the table. The ``base`` row is the untrained model
-under the same evaluation, the number every adapter is read against. Written as
+under the same evaluation, the number every adapter is read against: each other row
+carries its paired test against it on the same rows (tasks/paired.py), and every
+small-sample share its n and 95 % interval. A sweep may rank on a generation score
+(``rank_by: gen/valid/<label>``, higher better) instead of a training metric. Written as
 ``leaderboard.parquet`` (all columns) and ``leaderboard.md`` (the readable few).
 """
 
@@ -29,6 +32,7 @@ from engine.adapters import atomic_write_text
 from engine.model_source import source_kind
 from engine.outputs import RefusedOutput, temp_beside
 from tasks.degenerate import below_chance
+from tasks.paired import against_base, board_row
 from tasks.results_table import write_results
 from tasks.sweep import metric_value
 from tasks.sweep_spec import ACROSS_LOSSES, ACROSS_NON_REFERENCE_LOSSES
@@ -61,8 +65,9 @@ def rank_trials(results: list[dict[str, Any]], evals: dict[str, dict[str, Any]],
                 for r in done if not math.isfinite(score(r))]
     rest = unranked + [{**r, "rank": None} for r in rows if r["status"] != "completed"]
     tail = [{"trial_id": "soup", "status": "soup", "rank": None, **soup}] if soup else []
-    tail += [{"trial_id": "base", "status": "baseline", "rank": None, **base}] if base else []
-    return ranked + rest + tail
+    compared = [{**board_row(r), **against_base(r, base)} for r in ranked + rest + tail]
+    return compared + ([{"trial_id": "base", "status": "baseline", "rank": None,
+                         **board_row(base)}] if base else [])
 
 
 def _held_out_check(row: dict[str, Any]) -> dict[str, Any]:
@@ -85,15 +90,16 @@ def check_leaderboard_inputs(sweep_dir: Path, model: str, data: str, metric: str
     if not (Path(sweep_dir) / "results.parquet").is_file():
         raise FileNotFoundError(f"{sweep_dir}: no results.parquet; give the folder a "
                                 "finished `pomona sweep` wrote (its --out)")
-    if not metric.startswith("val/"):
+    if not metric.startswith(("val/", "gen/valid/")):
         raise ValueError(f"--metric {metric!r}: expected a validation metric such as "
-                         "val/loss or val/rewards/accuracies")
+                         "val/loss or val/rewards/accuracies, or a generation score "
+                         "gen/valid/<scorer label>")
     if mode not in ("min", "max"):
         raise ValueError(f"--mode {mode!r}: expected min or max")
     losses = {r for r in pq.read_table(Path(sweep_dir) / "results.parquet").to_pydict()
               .get("param/loss", []) if r}
     shared = ACROSS_LOSSES if "dpo" in losses else ACROSS_NON_REFERENCE_LOSSES
-    if len(losses) > 1 and metric not in shared:  # each loss's val/loss has its own scale
+    if len(losses) > 1 and metric.startswith("val/") and metric not in shared:  # own scales
         raise ValueError(f"--metric {metric}: not comparable across the sweep's losses "
                          f"{sorted(losses)}; rank on one of {', '.join(shared)}")
     source_kind(model)  # a local path that is not there; a repo id is mlx-lm's
@@ -129,10 +135,18 @@ def swept_params(rows: list[dict[str, Any]]) -> list[str]:
 def markdown(rows: list[dict[str, Any]], metric: str, title: str) -> str:
     """Every column: leaderboard.md, and the UI's full-table artifact."""
     params = swept_params([r for r in rows if r.get("status") not in ("baseline", "soup")])
-    cols = ["rank", "trial", "status", metric, *EVAL_COLUMNS, "peak GB", "tokens/s", "s",
-            *(p.removeprefix("param/") for p in params)]
+    labels = gen_labels(rows)
+    gens = [f"gen/{s}/{x}" for x in labels for s in ("valid", "test")]
+    cols = ["rank", "trial", "status", metric, *EVAL_COLUMNS, "test acc [95% CI]",
+            "test acc vs base p", *(f"{g} [95% CI]" for g in gens),
+            *(f"gen/test/{x} vs base p" for x in labels), "peak GB",
+            "tokens/s", "s", *(p.removeprefix("param/") for p in params)]
     body = [[str(r.get("rank") or ""), r["trial_id"], r["status"],
              _num(metric_value(r, metric)), *(_num(r.get(c)) for c in EVAL_COLUMNS),
+             with_interval(r, "eval/test/logps/accuracies", 3),
+             _num(r.get("vs_base/test/logps/accuracies/p"), 3),
+             *(with_interval(r, g, 3) for g in gens),
+             *(_num(r.get(f"vs_base/test/gen/{x}/p"), 3) for x in labels),
              _num(r.get("peak_memory_gb"), 2), _num(r.get("tokens_per_sec"), 0),
              _num(r.get("duration_s"), 0), *(str(r.get(p, "")) for p in params)]
             for r in rows]
@@ -141,22 +155,67 @@ def markdown(rows: list[dict[str, Any]], metric: str, title: str) -> str:
     return _page(title, intro, cols, body, rows)
 
 
-COMPACT = ("val acc", "test acc", "test margin", "tok/s")  # after rank, trial, searched params
+def gen_labels(rows: list[dict[str, Any]]) -> list[str]:
+    """The scorer labels the rows carry generation scores of (``gen/test/<label>``)."""
+    parts = (k.split("/") for r in rows for k in r if k.startswith("gen/test/"))
+    names = dict.fromkeys(p[2] for p in parts
+                          if len(p) == 3 and p[2] not in ("tokens", "tokens_per_sec"))
+    return list(names)
+
+
+def with_interval(row: dict[str, Any], name: str, digits: int = 2) -> str:
+    """``0.64 [0.52, 0.75]``: a share with its 95 % interval (``name/low``, ``name/high``)."""
+    value, low, high = row.get(name), row.get(f"{name}/low"), row.get(f"{name}/high")
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    if low is None or high is None:
+        return f"{value:.{digits}f}"
+    return f"{value:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
+
+
+def _n(rows: list[dict[str, Any]], name: str) -> str:
+    """`` n=220`` when the rows were scored on one number of rows, else ``""``."""
+    counts = {r.get(name) for r in rows if r.get(name)}
+    return f", n={counts.pop()}" if len(counts) == 1 else ""
 
 
 def compact_markdown(rows: list[dict[str, Any]], metric: str, title: str) -> str:
-    """The few columns the CLI prints (rank, trial, the searched parameters, COMPACT): the
-    UI's leading artifact, narrow enough for a 1400 px browser; ``markdown`` has all."""
+    """The few columns the CLI prints (rank, trial, the searched parameters, validation and
+    test preference accuracy and each generation score on test with 95 % intervals, tok/s):
+    the UI's leading artifact, narrow enough for a 1400 px browser; ``markdown`` has all."""
     params = swept_params([r for r in rows if r.get("status") not in ("baseline", "soup")])
-    cols = ["#", "trial", *(p.removeprefix("param/") for p in params), *COMPACT]
+    labels = gen_labels(rows)
+    cols = ["#", "trial", *(p.removeprefix("param/") for p in params), "val acc",
+            f"test acc{_n(rows, 'eval/test/rows')} [95% CI]",
+            *(f"test {x}{_n(rows, f'gen/test/{x}/n')} [95% CI]" for x in labels), "tok/s"]
     body = [[_place(r), r["trial_id"], *(_param(r.get(p)) for p in params),
              _num(r.get("eval/valid/logps/accuracies"), 3),
-             _num(r.get("eval/test/logps/accuracies"), 3),
-             _signed(r.get("eval/test/logps/margin")), _num(r.get("tokens_per_sec"), 0)]
+             with_interval(r, "eval/test/logps/accuracies"),
+             *(with_interval(r, f"gen/test/{x}") for x in labels),
+             _num(r.get("tokens_per_sec"), 0)]
             for r in rows]
-    intro = (f"Ranked on validation ({metric}); test accuracy and margin are the test split, "
-             "which no choice read: the numbers to report. Every column: leaderboard.md.")
-    return _page(title, intro, cols, body, rows)
+    intro = (f"Ranked on validation ({metric}); test accuracy (preference: chosen beats "
+             "rejected) and generation scores are the test split, which no choice read: the "
+             "numbers to report, with 95 % intervals. Every column: leaderboard.md.")
+    return _page(title, intro, cols, body, rows) + versus_base(rows)
+
+
+def versus_base(rows: list[dict[str, Any]]) -> str:
+    """One line for the best adapter against the base on the test split: each figure's
+    paired test, and whether the difference is significant."""
+    from tasks.paired import read_paired
+
+    best = next((r for r in rows if r.get("rank") == 1), None)
+    if best is None:
+        return ""
+    lines = []
+    for metric in ("logps/accuracies", *(f"gen/{x}" for x in gen_labels(rows))):
+        result = read_paired(best, "test", metric)
+        if result is not None:
+            what = "preference accuracy" if metric == "logps/accuracies" else metric
+            lines.append(f"- best ({best['trial_id']}) against base, test {what}: "
+                         f"{result.text()}")
+    return "\n" + "\n".join(lines) + "\n" if lines else ""
 
 
 def _page(title: str, intro: str, cols: list[str], body: list[list[str]],
@@ -231,3 +290,28 @@ def _replace_file(path: Path, write: Callable[[Path], Any]) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def answer_samples(rows: list[dict[str, Any]], count: int = 8) -> list[dict[str, Any]]:
+    """The first ``count`` held-out test prompts (valid without a test split): the chosen
+    response, the base model's and the best adapter's answers and their scores (the
+    first scorer's), from their generations.jsonl; [] without both."""
+    import json
+
+    def read(row: dict[str, Any] | None) -> list[dict[str, Any]]:
+        path = Path(row["generations"]) if row and row.get("generations") else None
+        if path is None or not path.is_file():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+    base = read(next((r for r in rows if r["trial_id"] == "base"), None))
+    best = {g["id"]: g for g in read(next((r for r in rows if r.get("rank") == 1), None))}
+    split = "test" if any(g["split"] == "test" for g in base) else "valid"
+    out = []
+    for g in [g for g in base if g["split"] == split and g["id"] in best][:count]:
+        label = next(iter(g["scores"]), None)
+        out.append({"prompt": g["prompt"][-120:], "chosen": g["chosen"],
+                    "base answer": g["generated"], f"base {label}": g["scores"].get(label),
+                    "best answer": best[g["id"]]["generated"],
+                    f"best {label}": best[g["id"]]["scores"].get(label)})
+    return out

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed, State
 
@@ -22,8 +22,10 @@ from engine.adapters import ADAPTER_FILE, CONFIG_FILE, atomic_write_text, traine
 from engine.content_key import adapter_fingerprint, model_fingerprint
 from engine.digests import file_digest
 from engine.losses import LossSpec
-from tasks.evaluate import evaluate_on_node
+from tasks.evaluate import as_settings, evaluate_on_node
+from tasks.generation_eval import GenerationSettings
 from tasks.leaderboard import (
+    answer_samples,
     compact_markdown,
     export_best,
     markdown,
@@ -37,6 +39,7 @@ from tasks.preprocess import preprocess_dataset
 from tasks.soup import make_soup
 from tasks.sweep import CODE_VERSION, data_fingerprint
 from tasks.tokenize import tokenize_dataset
+from tasks.tokenize_options import TokenizeOptions
 from tasks.trial_inputs import SweepFiles
 
 
@@ -46,13 +49,15 @@ def artifact_key(*parts: str) -> str:
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
-def tokenize_task(raw: str, model: str, out: str) -> dict[str, Any] | State:
-    """Raw preference files → an Arrow dataset directory (cached on its fingerprint).
+def tokenize_task(raw: str, model: str, out: str, options: TokenizeOptions | None = None
+                  ) -> dict[str, Any] | State:
+    """Raw preference files → an Arrow dataset directory (cached on its fingerprint), with
+    ``options`` (None: the defaults; the demo holds out more rows for test).
 
     A data mistake (no rows, too many bad ones, an unreadable file, a refused --out) ends
     the run Failed with its one-line message: the user's error, not a traceback."""
     try:
-        report = tokenize_dataset(raw, model, out)
+        report = tokenize_dataset(raw, model, out, options)
     except (ValueError, OSError) as err:
         return Failed(message=str(err))
     get_run_logger().info("tokenized %s rows (%s tokens)%s; rejects: %s", report.rows,
@@ -98,6 +103,11 @@ def eval_settings(rows: list[dict[str, Any]]) -> EvalSettings:
                                                      for r in rows))
 
 
+def _settings(generations: GenerationSettings | int | None) -> Any:
+    """The generation budget as the cache key reads it."""
+    return dataclasses.asdict(as_settings(generations))
+
+
 def evaluation_key(context: Any, inputs: dict[str, Any]) -> str:
     """An evaluation depends on the model's and the adapter's bytes, the data's
     fingerprint, the code and its settings, never on paths alone (Prefect's INPUTS policy
@@ -111,17 +121,19 @@ def evaluation_key(context: Any, inputs: dict[str, Any]) -> str:
     body = json.dumps([model_fingerprint(inputs["model"]), weights, trained, reference,
                        data_fingerprint(inputs["data"]),
                        dataclasses.asdict(loss) if loss else None,
-                       inputs["generations"], inputs["out"], CODE_VERSION])
+                       _settings(inputs["generations"]), inputs["out"], CODE_VERSION])
     return "evaluate-" + hashlib.sha256(body.encode()).hexdigest()[:24]
 
 
 @task(cache_key_fn=evaluation_key, persist_result=True, result_serializer="json", retries=2,
       retry_delay_seconds=5, task_run_name="evaluate-{name}")
 def evaluate_task(name: str, model: str, adapter: str | None, data: str,
-                  loss: LossSpec | None, generations: int, out: str, placement: Placement,
+                  loss: LossSpec | None, generations: GenerationSettings | int | None,
+                  out: str, placement: Placement,
                   settings: EvalSettings | None = None) -> dict[str, Any]:
     """Valid and test metrics of one adapter (or the base), in a Ray task on a GPU/slot,
-    under ``loss`` (None: the adapter's own)."""
+    under ``loss`` (None: the adapter's own), with scored generations as ``generations``
+    says (an int: that many prompts a split)."""
     import ray
 
     settings = settings or EvalSettings()
@@ -143,7 +155,8 @@ def evaluate_task(name: str, model: str, adapter: str | None, data: str,
         metrics["generations"] = str(path)
     logger = get_run_logger()
     logger.info("%s: %s", name, {k: round(v, 4) if isinstance(v, float) else v
-                                 for k, v in metrics.items() if not k.endswith("/missing")})
+                                 for k, v in metrics.items()
+                                 if not k.endswith("/missing") and not k.startswith("paired/")})
     for split in ("valid", "test"):
         if metrics.get(f"eval/{split}/missing"):
             logger.warning("%s: %s", name, metrics[f"eval/{split}/missing"])
@@ -172,11 +185,14 @@ def board_artifacts(rows: list[dict[str, Any]], metric: str, title: str, figures
 
 @task(cache_policy=NO_CACHE, persist_result=False)
 def aggregate_task(results: list[dict[str, Any]], evals: dict[str, dict[str, Any]],
-                   base: dict[str, Any], metric: str, mode: str, out: str, title: str,
-                   soup: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Rank, write leaderboard.parquet/.md, export the best adapter, publish the board (its
-    compact columns and plots, then every column in a second artifact)."""
-    rows = rank_trials(results, evals, metric, mode, base, soup)
+                   base: dict[str, Any], ranking: tuple[str, str], metric: str, out: str,
+                   title: str, soup: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Rank by ``ranking`` (rank_by, mode), write leaderboard.parquet/.md, export the best
+    adapter, publish the board (its compact columns and plots, then every column in a
+    second artifact) and a table of held-out answers, base beside best; the plots show
+    the training ``metric``."""
+    rank_by, mode = ranking
+    rows = rank_trials(results, evals, rank_by, mode, base, soup)
     parquet, md = write_leaderboard(rows, Path(out), metric, title)
     best = export_best(rows, Path(out))
     plots = Path(out) / "plots"
@@ -187,9 +203,13 @@ def aggregate_task(results: list[dict[str, Any]], evals: dict[str, dict[str, Any
     figures = (inline_png(curves, "training and validation curves")
                + inline_png(by_param, f"{metric} against each swept parameter")
                + inline_png(memory if memory.exists() else None, "memory: peak vs throughput"))
-    for art in board_artifacts(rows, metric, title, figures, f"{md}; best adapter: {best}"):
+    for art in board_artifacts(rows, rank_by, title, figures, f"{md}; best adapter: {best}"):
         create_markdown_artifact(art["markdown"], key=art["key"],
                                  description=art["description"])
+    if samples := answer_samples(rows):
+        create_table_artifact(samples, key=artifact_key(title, "answers"),
+                              description="held-out prompts: the chosen response, the base "
+                              "model's and the best adapter's greedy answers, their scores")
     return {"leaderboard": str(parquet), "markdown": str(md),
             "best_adapter": str(best) if best else None,
             "best_trial": next((r["trial_id"] for r in rows if r.get("rank") == 1), None)}

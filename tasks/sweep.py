@@ -158,8 +158,9 @@ def previous_results(out: Path) -> dict[str, dict[str, Any]]:
 
 
 def metric_value(summary: Summary, metric: str) -> float | None:
-    """The trial's best value of the spec's validation ``metric``."""
-    value = summary.get(f"best/{metric}")
+    """The trial's best value of the spec's validation ``metric`` (``val/…``: its best in
+    training), or an evaluation's column as it is (``gen/valid/exact``, ``eval/…``)."""
+    value = summary.get(metric if metric.startswith(("gen/", "eval/")) else f"best/{metric}")
     return None if value is None else float(value)
 
 

@@ -20,6 +20,8 @@
     memory_budget_gb: 0     # per trial: MLX's memory limit, and what segment_size: auto fits
     ranks_per_trial: 1      # > 1: each trial data parallel over that many GPUs (Macs)
     seed: 0
+    evaluation: {scorers: [exact], prompts: 64, max_tokens: 32}   # tasks/generation_eval.py
+    rank_by: gen/valid/exact    # what the leaderboard ranks on (default: metric)
 
 Every error names the key and file that is wrong. Parameter names are TrainConfig fields
 (``loss`` too: a search over it ranks on a metric every loss shares, ACROSS_LOSSES);
@@ -46,6 +48,7 @@ import numpy as np
 
 from engine.config import TrainConfig
 from engine.losses import LOSSES, LossSpec, validation_metrics
+from tasks.generation_eval import GenerationSettings, check_rank_by, parse_generation
 from tasks.trial_plan import AUTO, TrialPlan, parse_auto
 
 KINDS = ("choice", "uniform", "loguniform", "int")
@@ -54,7 +57,7 @@ HUGE_SWEEP = 1000  # trials: more is warned of at planning time
 TOP_KEYS = {"name", "model", "data", "fixed", "grid", "space", "search", "num_samples",
             "metric", "mode", "max_concurrent", "time_limit_s", "seed", "pruning",
             "memory_budget_gb", "retries", "retry_delay_s", "kind", "probe_batches",
-            "ranks_per_trial"}
+            "ranks_per_trial", "evaluation", "rank_by"}
 PRUNING_DEFAULTS = {"startup_trials": 2, "warmup_steps": 0}
 CONFIG_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 FIELD_TYPES = get_type_hints(TrainConfig)
@@ -112,6 +115,15 @@ class SweepSpec:
     kind: str = "train"  # train | memory
     probe_batches: int = 8
     ranks_per_trial: int = 1  # > 1: a trial is a gang of ranks (tasks/gang.py)
+    evaluation: GenerationSettings = field(default_factory=GenerationSettings)
+    rank_by: str = ""  # the leaderboard's metric ("": metric)
+
+    @property
+    def ranking(self) -> tuple[str, str]:
+        """What the leaderboard ranks on, and which way: a generation score is better
+        higher; a validation metric goes the spec's ``mode``."""
+        rank_by = self.rank_by or self.metric
+        return rank_by, "max" if rank_by.startswith("gen/") else self.mode
 
     def points(self) -> list[dict[str, Any]]:
         """Grid points × ``num_samples`` draws from ``space`` (random search), in order: each
@@ -303,6 +315,13 @@ def _parse(data: Any) -> SweepSpec:
         raise SpecError(f"metric={metric!r}: expected a validation metric such as val/loss "
                         "or val/rewards/accuracies")
     _check_metric_of_losses(metric, fixed, grid, space)
+    try:
+        evaluation = parse_generation(data.get("evaluation"))
+        rank_by = check_rank_by(data.get("rank_by", ""), evaluation)
+    except ValueError as err:
+        raise SpecError(str(err)) from None
+    if rank_by.startswith("val/") and rank_by != metric:
+        _check_metric_of_losses(rank_by, fixed, grid, space)
     pruning = _pruning(data.get("pruning", False), search)
     budget = seconds["memory_budget_gb"]
     autos = [f"{w}.{k}" for w, sec in (("fixed", fixed), ("grid", grid))
@@ -321,7 +340,8 @@ def _parse(data: Any) -> SweepSpec:
     return SweepSpec(
         name=data["name"], model=data["model"], data=data["data"], fixed=fixed, grid=grid,
         space={k: _dist(k, v) for k, v in space.items()}, search=search, metric=metric,
-        mode=mode, pruning=pruning, kind=kind, **counts, **seconds)
+        mode=mode, pruning=pruning, kind=kind, evaluation=evaluation, rank_by=rank_by,
+        **counts, **seconds)
 
 
 def _check_ranks(ranks: int, kind: str, fixed: dict, grid: dict, space: dict) -> None:

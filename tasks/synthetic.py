@@ -16,13 +16,14 @@ where prefix sharing pays).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-TASKS = ("sort", "reverse", "add", "mixed")
+TASKS = ("sort", "reverse", "add", "add-small", "mixed")
 LAYOUTS = ("explicit", "conversational", "implicit")
 NEAR_MISSES = ("substitute", "drop", "duplicate", "transpose")
 
@@ -35,6 +36,8 @@ _INSTRUCTIONS = {
     "sort": ("Sort these numbers in ascending order:", "Put the numbers in increasing order:"),
     "reverse": ("Reverse the letters of this word:", "Write this word backwards:"),
     "add": ("Add the two numbers:", "What is the sum?"),
+    "add-small": ("Add the two numbers. Reply with the sum only:",
+                  "What is the sum? Give just the number:"),
 }
 
 
@@ -81,12 +84,19 @@ def _add_example(rng: np.random.Generator) -> Example:
     return Example(f"{a} + {b}", list(total), [d for d in "0123456789"])
 
 
+def _add_small_example(rng: np.random.Generator) -> Example:
+    a, b = (int(v) for v in rng.integers(0, SMALL + 1, size=2))
+    return Example(f"{a} + {b}", list(str(a + b)), [d for d in "0123456789"])
+
+
+SMALL = 40  # add-small: operands 0..40, sums SmolLM2-135M gets right about half the time
 _MAKERS: dict[str, Callable[[np.random.Generator], Example]] = {
     "sort": _sort_example,
     "reverse": _reverse_example,
     "add": _add_example,
+    "add-small": _add_small_example,
 }
-_JOINERS = {"sort": " ", "reverse": "", "add": ""}
+_JOINERS = {"sort": " ", "reverse": "", "add": "", "add-small": ""}
 
 
 def near_miss(answer: list[str], pool: list[str], kind: str, rng: np.random.Generator) -> list[str]:
@@ -190,10 +200,13 @@ def synth_rows(
     max_shots: int = 8,
     system_fraction: float = 0.25,
     ids: bool = True,
+    distinct: bool = False,
 ) -> Iterator[dict]:
     """Yield ``n`` preference rows of ``task`` in ``layout``; same arguments, same rows.
 
-    ``ids=False`` leaves the optional ``id`` out, as in most public preference sets.
+    ``ids=False`` leaves the optional ``id`` out, as in most public preference sets;
+    ``distinct`` draws again where a query repeats an earlier one (held-out rows then ask
+    what no training row asked).
     """
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
@@ -202,15 +215,24 @@ def synth_rows(
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")
     rng = np.random.default_rng(seed)
+    seen: set[tuple[str, str]] = set()
     for i in range(n):
         row = make_row(task, i, seed, rng, max_shots)
+        for _ in range(1000 if distinct else 0):
+            if (row.task, row.query.query) not in seen:
+                break
+            row = make_row(task, i, seed, rng, max_shots)
+        else:
+            if distinct:
+                raise ValueError(f"{task}: fewer than {n} distinct queries; ask for fewer rows")
+        seen.add((row.task, row.query.query))
         out = layout_row(row, layout, with_system=bool(rng.random() < system_fraction))
         if not ids:
             del out["id"]
         yield out
 
 
-ROW_FIELDS = frozenset({"id", "prompt", "chosen", "rejected", "system"})  # every layout's
+ROW_FIELDS = frozenset({"id", "prompt", "chosen", "rejected", "system", "split"})  # any layout's
 
 
 def _read_rows(path: Path) -> list:
@@ -270,3 +292,31 @@ def _write_as(rows: list[dict], tmp: Path, suffix: str) -> None:
 
         keys = list(dict.fromkeys(k for r in rows for k in r))  # optional fields too
         pq.write_table(pa.table({k: [r.get(k) for r in rows] for k in keys}), tmp)
+
+
+def verify(task: str, completion: str, chosen: str) -> float:
+    """1.0 when ``completion`` is a right answer to a ``task`` row whose right answer is
+    ``chosen``, in any of the ways it may rightly be written, and nothing else: a number
+    with or without digit-group commas or a closing period (add); the sorted numbers
+    separated by spaces or commas, bracketed or not (sort); the reversed letters in any
+    case, spaced or quoted (reverse). An answer wrapped in other words scores 0: the
+    prompt asks for the result only."""
+    if task not in _MAKERS:
+        raise ValueError(f"task {task!r} has no verifier; expected one of {', '.join(_MAKERS)}")
+    text = completion.strip().rstrip(".").strip()
+    if task in ("add", "add-small"):
+        digits = re.sub(r"(?<=\d),(?=\d{3}\b)", "", text)
+        return float(bool(re.fullmatch(r"-?\d+", digits)) and int(digits) == int(chosen))
+    if task == "sort":
+        inner = text[1:-1] if text[:1] + text[-1:] in ("[]", "()") else text
+        parts = [p for p in re.split(r"[\s,]+", inner) if p]
+        return float(all(re.fullmatch(r"-?\d+", p) for p in parts) and
+                     [int(p) for p in parts] == [int(v) for v in chosen.split()])
+    letters = re.sub(r"[\s'\"`-]", "", text).casefold()
+    return float(letters == chosen.strip().casefold())
+
+
+def row_task(row_id: str) -> str | None:
+    """The task of a row this module made, read from its id (``synth-<task>-s…``)."""
+    match = re.fullmatch(r"synth-(.+)-s\d+-\d+", row_id or "")
+    return match.group(1) if match and match.group(1) in _MAKERS else None

@@ -21,13 +21,14 @@ def test_the_real_demo_shows_the_question_and_both_answers(tmp_path: Path) -> No
 
     prompt = ("<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\nReverse the "
               "letters of this word: cbrio\nAnswer:<|im_end|>\n<|im_start|>assistant\n")
-    for name, said in (("base", "Cabrio\nmore text"), ("best", "oirbc")):
+    for name, said, right in (("base", "Cabrio\nmore text", 0.0), ("best", "oirbc", 1.0)):
         (tmp_path / name).mkdir()
         row = {"id": "r1", "prompt": prompt, "chosen": " oirbc<|im_end|>\n",
-               "rejected": " oirbm<|im_end|>\n", "generated": said}
+               "rejected": " oirbm<|im_end|>\n", "generated": said,
+               "scores": {"reverse": right}}
         (tmp_path / name / "generations.jsonl").write_text(json.dumps(row) + "\n")
     console = Console(width=200, record=True)
     console.print(generations_table(tmp_path / "base", tmp_path / "best"))
     row = next(x for x in console.export_text().splitlines() if "cbrio" in x)
     cells = [c.strip() for c in row.split("│")[1:-1]]
-    assert cells == ["Reverse the letters of this word: cbrio", "oirbc", "Cabrio", "oirbc"]
+    assert cells == ["Reverse the letters of this word: cbrio", "oirbc", "✗ Cabrio", "✓ oirbc"]

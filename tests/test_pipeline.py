@@ -24,7 +24,8 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
     spec.write_text("name: pipe\nmodel: unused\ndata: unused\nmax_concurrent: 2\n"
                     "fixed: {steps: 16, batch_size: 4, lora_rank: 4, val_every: 8, "
                     "val_batches: 2, learning_rate: 1.0e-3, head_chunk: 16}\n"
-                    "grid: {orpo_lambda: [0.1, 1.0]}\n")
+                    "grid: {orpo_lambda: [0.1, 1.0]}\n"
+                    "evaluation: {scorers: [task:sort, exact]}\nrank_by: gen/valid/sort\n")
     out = tmp_path / "out"
     state = pipeline(str(raw), str(tiny_model), str(spec), str(out), generations=2, fuse=True,
                      return_state=True)
@@ -57,16 +58,37 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
     want = tuned(tokens)
     effect = float(mx.abs(want - base_model(tokens)).max())  # what the adapter changes
     assert float(mx.abs(fused(tokens) - want).max()) < 0.1 * effect, effect
-    samples = (out / "base" / "generations.jsonl").read_text().splitlines()
-    assert len(samples) == 2 and all(json.loads(x)["split"] == "test" for x in samples)
+    samples = [json.loads(x) for x in (out / "base" / "generations.jsonl").read_text()
+               .splitlines()]
+    assert [x["split"] for x in samples] == ["valid", "valid", "test", "test"]
+    assert all(set(x["scores"]) == {"sort", "exact"} for x in samples)
+    # Ranked on the answers' score (rank_by: gen/valid/sort), each figure with its n and
+    # interval, and each adapter's paired test against the base on the same prompts.
+    assert [r["gen/valid/sort"] for r in trials] == sorted(
+        (r["gen/valid/sort"] for r in trials), reverse=True)
+    for r in board:
+        assert r["gen/test/sort/n"] == 2 and r["gen/test/sort/low"] <= r["gen/test/sort"]
+        assert r["eval/test/logps/accuracies/low"] <= r["eval/test/logps/accuracies"]
+        assert not any(k.startswith("paired/") for k in r)
+    for r in trials:
+        assert r["vs_base/test/gen/sort/wins"] + r["vs_base/test/gen/sort/ties"] + \
+            r["vs_base/test/gen/sort/losses"] == 2
+        assert r["vs_base/test/logps/accuracies/ties"] + r["vs_base/test/logps/accuracies/wins"] \
+            + r["vs_base/test/logps/accuracies/losses"] == rows["test"]
     assert "| 1 | " in (out / "leaderboard.md").read_text()
     with get_client(sync_client=True) as client:
         keys = ArtifactFilter(key=ArtifactFilterKey(any_=["pipe-leaderboard"]))
         [art] = client.read_artifacts(artifact_filter=keys, limit=1)
         keys = ArtifactFilter(key=ArtifactFilterKey(any_=["pipe-leaderboard-full"]))
         [full] = client.read_artifacts(artifact_filter=keys, limit=1)
+        keys = ArtifactFilter(key=ArtifactFilterKey(any_=["pipe-answers"]))
+        [answers] = client.read_artifacts(artifact_filter=keys, limit=1)
     assert trials[0]["trial_id"] in art.data
     assert "eval/test/nll_loss" not in art.data and "eval/test/nll_loss" in full.data
+    assert "test sort, n=2 [95% CI]" in art.data and "against base, test" in art.data
+    table = json.loads(answers.data) if isinstance(answers.data, str) else answers.data
+    assert [r["chosen"] for r in table] == [x["chosen"] for x in samples[2:]]
+    assert {"base answer", "best answer", "base sort", "best sort"} <= set(table[0])
     assert art.data.count("data:image/png;base64,") == 2  # curves + metric vs parameter
     for name in ("curves.png", "params.png"):
         assert (out / "plots" / name).read_bytes()[:4] == b"\x89PNG"

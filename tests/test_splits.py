@@ -207,8 +207,11 @@ def test_valid_and_test_metrics_come_from_disjoint_rows(tiny_model, mirrored, tm
     or both splits' rows for each, gives equal numbers and fails."""
     from tasks.evaluate import evaluate_adapter
 
-    m = evaluate_adapter(str(tiny_model), None, str(mirrored), generations=2,
-                         out=str(tmp_path), max_tokens=2)
+    from tasks.generation_eval import GenerationSettings
+
+    m = evaluate_adapter(str(tiny_model), None, str(mirrored), out=str(tmp_path),
+                         generation=GenerationSettings(valid_prompts=0, test_prompts=2,
+                                                       max_tokens=2))
     assert m["eval/valid/rows"] == m["eval/test/rows"] == 15
     assert abs(m["eval/valid/logps/margin"]) > 1e-4
     assert m["eval/test/logps/margin"] == pytest.approx(-m["eval/valid/logps/margin"], abs=1e-4)

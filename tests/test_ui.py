@@ -74,14 +74,26 @@ BOARD = [{"rank": i + 1, "trial_id": t, "status": "completed", "best/val/loss": 
           "eval/valid/logps/accuracies": 0.7312, "eval/test/logps/accuracies": 0.6875,
           "eval/test/logps/margin": 0.1234, "eval/test/loss": 4.5678,
           "eval/test/nll_loss": 4.4321, "peak_memory_gb": 1.23, "tokens_per_sec": 12345.6,
-          "duration_s": 321.0}
+          "duration_s": 321.0, "eval/test/rows": 220, "eval/test/logps/accuracies/low": 0.6232,
+          "eval/test/logps/accuracies/high": 0.7459, "gen/test/add-small": 0.42,
+          "gen/test/add-small/n": 250, "gen/test/add-small/low": 0.3597,
+          "gen/test/add-small/high": 0.4827, "vs_base/test/gen/add-small/wins": 105,
+          "vs_base/test/gen/add-small/ties": 145, "vs_base/test/gen/add-small/losses": 0,
+          "vs_base/test/gen/add-small/p": 4.9e-32}
          for i, (t, loss, lr, rank, lam) in enumerate([("t-40bd8a3a61", 4.6894, 1e-3, 16, 0.1),
                                                        ("t-5c29816416", 5.8219, 3e-4, 8, 1.0),
                                                        ("t-77aa01c3e2", 5.9, 1e-4, 32, 0.5)])]
-BOARD += [{"trial_id": "base", "status": "baseline", "rank": None,
-           "eval/valid/logps/accuracies": 0.5, "eval/test/logps/accuracies": 0.51}]
+BOARD += [{"trial_id": "base", "status": "baseline", "rank": None, "eval/test/rows": 220,
+           "eval/valid/logps/accuracies": 0.5, "eval/test/logps/accuracies": 0.51,
+           "gen/test/add-small": 0.0, "gen/test/add-small/n": 250,
+           "gen/test/add-small/low": 0.0, "gen/test/add-small/high": 0.0152}]
 COMPACT_HEAD = ["#", "trial", "learning_rate", "lora_rank", "orpo_lambda", "val acc",
-                "test acc", "test margin", "tok/s"]
+                "test acc, n=220 [95% CI]", "test add-small, n=250 [95% CI]", "tok/s"]
+# The answers table artifact (tasks/leaderboard.py: answer_samples), as the pipeline posts it.
+ANSWERS = [{"prompt": f"What is the sum? {a} + {b}", "chosen": str(a + b),
+            "base answer": f"The answer is {a + b}.", "base add-small": 0.0,
+            "best answer": str(a + b), "best add-small": 1.0}
+           for a, b in ((26, 12), (37, 39), (4, 31))]
 
 
 def board_artifacts(tmp: Path) -> list[dict[str, str]]:
@@ -109,7 +121,10 @@ def test_the_board_artifact_leads_with_the_clis_few_columns(tmp_path) -> None:
     assert (lead["key"], full["key"]) == ("ui-check-leaderboard", "ui-check-leaderboard-full")
     assert table_head(lead["markdown"]) == COMPACT_HEAD
     rows = [x for x in lead["markdown"].splitlines() if x.startswith("| 1 |")]
-    assert rows == ["| 1 | t-40bd8a3a61 | 0.001 | 16 | 0.1 | 0.731 | 0.688 | +0.123 | 12,346 |"]
+    assert rows == ["| 1 | t-40bd8a3a61 | 0.001 | 16 | 0.1 | 0.731 | 0.69 [0.62, 0.75] | "
+                    "0.42 [0.36, 0.48] | 12,346 |"]
+    assert ("best (t-40bd8a3a61) against base, test gen/add-small: 105 better, 145 same, 0 "
+            "worse of 250; sign test p=4.9e-32 (significant at 0.05)") in lead["markdown"]
     assert "data:image/png;base64," in lead["markdown"]
     assert "eval/test/nll_loss" in table_head(full["markdown"])
 
@@ -234,9 +249,17 @@ def test_artifact_page_shows_the_leaderboard_on_a_non_default_port(tmp_path) -> 
                     "description": art["description"]})
                 posted.raise_for_status()
                 seen.append(browser.rendered(f"{base}/artifacts/artifact/{posted.json()['id']}"))
+            posted = httpx.post(f"{base}/api/artifacts/", json={
+                "key": "ui-check-answers", "type": "table", "data": json.dumps(ANSWERS),
+                "description": "held-out answers"})
+            posted.raise_for_status()
+            answers = browser.rendered(f"{base}/artifacts/artifact/{posted.json()['id']}")
         finally:
             browser.close()
         lead, full = seen
+        # The answers table: its columns and a row of it on the page.
+        assert not answers["oops"] and set(ANSWERS[0]) <= set(answers["headers"]), answers
+        assert "The answer is 38." in answers["text"]
         assert not lead["oops"], f"the UI could not reach its API: {lead}"
         assert all(t in lead["text"] for t in ("t-40bd8a3a61", "t-5c29816416"))
         assert lead["img"]  # the inline plot
@@ -244,6 +267,7 @@ def test_artifact_page_shows_the_leaderboard_on_a_non_default_port(tmp_path) -> 
         assert lead["headers"] == COMPACT_HEAD, lead["headers"]
         assert lead["right"] <= lead["clip"], (lead["right"], lead["clip"])
         assert "eval/test/nll_loss" in full["headers"]  # the full table, one click away
+        assert "gen/test/add-small [95% CI]" in full["headers"]
         assert httpx.get(f"{base}/ui-settings").json()["api_url"] == f"{base}/api"
     finally:
         os.killpg(server.pid, signal.SIGTERM)
