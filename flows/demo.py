@@ -203,7 +203,7 @@ def leaderboard_table(board: list[dict[str, Any]]) -> Table:
     n = next((r.get("eval/test/rows") for r in board if r.get("eval/test/rows")), None)
     table = Table(title="pomona demo: leaderboard (ranked on validation; test reported, "
                         "95 % intervals)")
-    for col in ("#", "trial", "lr", "val acc", f"test acc (n={n})",
+    for col in ("#", "trial", "lr", "val acc", f"test acc n={n}",
                 *(f"test {x}" for x in labels), "tok/s"):
         table.add_column(col, no_wrap=True)
     for r in board:

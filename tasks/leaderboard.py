@@ -164,13 +164,19 @@ def gen_labels(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def with_interval(row: dict[str, Any], name: str, digits: int = 2) -> str:
-    """``0.64 [0.52, 0.75]``: a share with its 95 % interval (``name/low``, ``name/high``)."""
+    """``0.64 [.52–.75]``: a share with its 95 % interval (``name/low``, ``name/high``),
+    the bounds without their leading zero (a board column stays narrow)."""
     value, low, high = row.get(name), row.get(f"{name}/low"), row.get(f"{name}/high")
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
     if low is None or high is None:
         return f"{value:.{digits}f}"
-    return f"{value:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
+
+    def bound(x: float) -> str:
+        text = f"{x:.{digits}f}"
+        return text[1:] if text.startswith("0.") else text
+
+    return f"{value:.{digits}f} [{bound(low)}–{bound(high)}]"
 
 
 def _n(rows: list[dict[str, Any]], name: str) -> str:
@@ -181,22 +187,24 @@ def _n(rows: list[dict[str, Any]], name: str) -> str:
 
 def compact_markdown(rows: list[dict[str, Any]], metric: str, title: str) -> str:
     """The few columns the CLI prints (rank, trial, the searched parameters, validation and
-    test preference accuracy and each generation score on test with 95 % intervals, tok/s):
-    the UI's leading artifact, narrow enough for a 1400 px browser; ``markdown`` has all."""
+    test preference accuracy and each generation score on test with 95 % intervals): the
+    UI's leading artifact, narrow enough for a 1400 px browser; ``markdown`` has all (and
+    tokens/s)."""
     params = swept_params([r for r in rows if r.get("status") not in ("baseline", "soup")])
     labels = gen_labels(rows)
     cols = ["#", "trial", *(p.removeprefix("param/") for p in params), "val acc",
-            f"test acc{_n(rows, 'eval/test/rows')} [95% CI]",
-            *(f"test {x}{_n(rows, f'gen/test/{x}/n')} [95% CI]" for x in labels), "tok/s"]
+            "test acc", *(f"test {x}" for x in labels)]
     body = [[_place(r), r["trial_id"], *(_param(r.get(p)) for p in params),
              _num(r.get("eval/valid/logps/accuracies"), 3),
              with_interval(r, "eval/test/logps/accuracies"),
-             *(with_interval(r, f"gen/test/{x}") for x in labels),
-             _num(r.get("tokens_per_sec"), 0)]
+             *(with_interval(r, f"gen/test/{x}") for x in labels)]
             for r in rows]
-    intro = (f"Ranked on validation ({metric}); test accuracy (preference: chosen beats "
-             "rejected) and generation scores are the test split, which no choice read: the "
-             "numbers to report, with 95 % intervals. Every column: leaderboard.md.")
+    counts = "; ".join(f"{what}{n}" for what, n in (
+        ("test acc: preference (chosen beats rejected)", _n(rows, "eval/test/rows")),
+        *((f"test {x}: answers scored by {x}", _n(rows, f"gen/test/{x}/n")) for x in labels)))
+    intro = (f"Ranked on validation ({metric}); the test split, which no choice read, gives "
+             f"the numbers to report, each a mean [95 % interval] ({counts}). Every "
+             "column: leaderboard.md.")
     return _page(title, intro, cols, body, rows) + versus_base(rows)
 
 

@@ -43,6 +43,10 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     acc = "eval/test/logps/accuracies"
     assert best[acc] >= base[acc] + 0.1, board  # it really trains
     assert best["eval/test/rows"] > 100 and best["eval/valid/rows"] > 100  # ~10% of 2200 each
+    # The answers are scored and the score printed with its interval, never samples alone.
+    assert "test answers scored by sort: base model" in proc.stdout, proc.stdout
+    assert best["gen/test/sort/n"] == base["gen/test/sort/n"] == 64
+    assert best["gen/test/sort/low"] <= best["gen/test/sort"] <= best["gen/test/sort/high"]
     adapter = tmp_path / "demo" / "best-adapter"  # mlx-lm's format: it loads and it differs
     import mlx.core as mx
 

@@ -120,3 +120,29 @@ def test_spec_checks_ranking_and_budget() -> None:
                       ({"evaluation": {"speed": 1}}, "unknown key")):
         with pytest.raises(SpecError, match=said):
             parse_spec({**base, **bad})
+
+
+def test_a_broken_scorer_is_named_with_its_row_before_any_trial(tiny_model, tiny_data):
+    """The pipeline's pre-flight (tasks/generation_eval.py: check_scorers_on_data) tries
+    each scorer on the held-out rows, the chosen response as the answer."""
+    import math
+    import sys
+    import types
+
+    from tasks.generation_eval import GenerationSettings, check_scorers_on_data
+    from tasks.scorers import ScorerError
+
+    module = types.ModuleType("lab_scorers_preflight")
+    module.nan = lambda prompt, completion, row: math.nan
+    module.fine = lambda prompt, completion, row: 1.0
+    sys.modules[module.__name__] = module
+    first = load_pairs(tiny_data).valid[0].id
+    with pytest.raises(ScorerError, match=f"^scorer python:lab_scorers_preflight:nan: row "
+                                          f"{first}: returned nan"):
+        check_scorers_on_data(GenerationSettings(scorers=("exact", f"python:{module.__name__}"
+                                                          ":nan")), str(tiny_model),
+                              str(tiny_data))
+    check_scorers_on_data(GenerationSettings(scorers=(f"python:{module.__name__}:fine",)),
+                          str(tiny_model), str(tiny_data))
+    check_scorers_on_data(GenerationSettings(max_tokens=0, scorers=(
+        f"python:{module.__name__}:nan",)), str(tiny_model), str(tiny_data))  # off: not run

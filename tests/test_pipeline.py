@@ -85,7 +85,8 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
         [answers] = client.read_artifacts(artifact_filter=keys, limit=1)
     assert trials[0]["trial_id"] in art.data
     assert "eval/test/nll_loss" not in art.data and "eval/test/nll_loss" in full.data
-    assert "test sort, n=2 [95% CI]" in art.data and "against base, test" in art.data
+    assert "test sort: answers scored by sort, n=2" in art.data
+    assert "against base, test" in art.data
     table = json.loads(answers.data) if isinstance(answers.data, str) else answers.data
     assert [r["chosen"] for r in table] == [x["chosen"] for x in samples[2:]]
     assert {"base answer", "best answer", "base sort", "best sort"} <= set(table[0])

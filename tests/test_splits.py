@@ -206,7 +206,6 @@ def test_valid_and_test_metrics_come_from_disjoint_rows(tiny_model, mirrored, tm
     and, on 15 pairs (no tie at 0.5), its accuracy 1 − valid's. Scoring one split for both,
     or both splits' rows for each, gives equal numbers and fails."""
     from tasks.evaluate import evaluate_adapter
-
     from tasks.generation_eval import GenerationSettings
 
     m = evaluate_adapter(str(tiny_model), None, str(mirrored), out=str(tmp_path),
