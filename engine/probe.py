@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import mlx.core as mx
@@ -55,12 +56,21 @@ def probe_steps(cfg: TrainConfig, variants: list[dict[str, Any]],
 
 def _measure(model, stack, chosen: list, c: TrainConfig, pad_id: int,
              repeats: int) -> dict[str, Any]:
-    """Peak and speed of ``repeats`` passes over ``chosen`` micro-batches under ``c``."""
+    """Peak and speed of ``repeats`` passes over ``chosen`` micro-batches under ``c``, its
+    MLPs chunked at ``c.mlp_chunk`` as training's are (engine/trainer.py)."""
+    from engine.recompute import mlp_chunks
+
+    c.validate()
+    with mlp_chunks(stack.layers, c.mlp_chunk) if c.mlp_chunk else nullcontext():  # as trained
+        return _measured(model, stack, chosen, c, pad_id, repeats)
+
+
+def _measured(model, stack, chosen: list, c: TrainConfig, pad_id: int,
+              repeats: int) -> dict[str, Any]:
     from engine.layout_policy import choose_layout, resolve_pad_multiple
     from engine.prefix import PrefixBatch, pair_batch
     from engine.step import step_grads
 
-    c.validate()
     pad = resolve_pad_multiple(c.pad_multiple)
     layouts = [choose_layout(pairs, c, pad, pad_id) for pairs in chosen]
     loss_spec = c.loss_spec()

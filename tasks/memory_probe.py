@@ -29,7 +29,7 @@ AUTO_HEADROOM = 1.10
 # TrainConfig fields that change what one step holds in memory.
 MEMORY_FIELDS = ("batch_size", "lora_rank", "lora_keys", "lora_layers", "lora_dropout",
                  "head_chunk", "prefix_share", "prefix_attention", "inflight", "pad_multiple",
-                 "nll_span", "loss", "seed")
+                 "nll_span", "loss", "seed", "mlp_chunk")
 
 
 def candidate_sizes(model: str) -> list[int]:
