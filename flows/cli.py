@@ -299,7 +299,7 @@ def pipeline_cmd(
 
     check_address(address)
     try:
-        check_pipeline_inputs(str(raw), model, str(spec), str(out))
+        check_pipeline_inputs(str(raw), model, str(spec), str(out), generations)
     except (ValueError, FileNotFoundError) as err:  # SpecError is a ValueError
         raise fail(str(err)) from None
     from prefect.exceptions import FailedRun

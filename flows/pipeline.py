@@ -28,7 +28,7 @@ from engine.model_source import source_kind
 from engine.outputs import claim
 from flows.ray_session import ray_session
 from flows.sweep_flow import sweep_stage
-from tasks.generation_eval import GenerationSettings, check_scorers_on_data
+from tasks.generation_eval import GenerationSettings, as_settings, check_scorers_on_data
 from tasks.leaderboard import rank_trials
 from tasks.pipeline_tasks import (
     aggregate_task,
@@ -71,10 +71,14 @@ def claim_sweep_dir(sweep_dir: str | Path, *inputs: str) -> AbstractContextManag
                  flag="SWEEP_DIR")
 
 
-def check_pipeline_inputs(raw: str, model: str, spec: str, out: str | None = None) -> None:
+def check_pipeline_inputs(raw: str, model: str, spec: str, out: str | None = None,
+                          generations: int | None = None) -> None:
     """Every input of ``pipeline`` (and its ``out``) checked before the flow starts, so a
     user's mistake is one line naming the file or key (SpecError, FileNotFoundError,
-    RefusedOutput), not a failed flow run."""
+    RefusedOutput, ValueError for ``generations`` below 0), not a failed flow run."""
+    if generations is not None and generations < 0:
+        raise ValueError(f"--generations {generations}: expected 0 (no generation) or more "
+                         "held-out prompts a split")
     load_spec(spec)
     if not Path(raw).exists():
         raise FileNotFoundError(f"raw preference data not found: {raw}")
@@ -181,8 +185,6 @@ def leaderboard_flow(sweep_dir: str, model: str, data: str, metric: str = "val/l
     higher is better, whatever ``mode``); ``generations``: the generation settings, or
     that many prompts a split under the default scorer (None: the defaults)."""
     import pyarrow.parquet as pq
-
-    from tasks.evaluate import as_settings
 
     results = pq.read_table(Path(sweep_dir) / "results.parquet").to_pylist()
     out_dir = Path(out) if out else Path(sweep_dir)

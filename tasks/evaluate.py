@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.losses import LossSpec
-from tasks.generation_eval import GenerationSettings, generation_metrics
+from tasks.generation_eval import GenerationSettings, as_settings, generation_metrics
 from tasks.intervals import estimate
 from tasks.trial_inputs import fetched, remove_scratch, scratch_dir
 
@@ -105,13 +105,6 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec 
             atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
             metrics["generations"] = str(path)
     return metrics
-
-
-def as_settings(generation: GenerationSettings | int | None) -> GenerationSettings:
-    """A generation budget as settings: an int is that many prompts a split."""
-    if isinstance(generation, GenerationSettings):
-        return generation
-    return GenerationSettings().with_prompts(int(generation or 0))
 
 
 def evaluate_on_node(inputs: dict[str, Any], model: str, adapter: str | None, data: str,

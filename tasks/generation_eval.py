@@ -67,6 +67,14 @@ class GenerationSettings:
                                                     test_prompts=prompts)
 
 
+def as_settings(generation: GenerationSettings | int | None) -> GenerationSettings:
+    """A generation budget as settings: an int is that many prompts a split under the
+    default scorer (None: none)."""
+    if isinstance(generation, GenerationSettings):
+        return generation
+    return GenerationSettings().with_prompts(int(generation or 0))
+
+
 def parse_generation(raw: Any) -> GenerationSettings:
     """A spec's ``evaluation:`` mapping (``prompts`` sets both splits' budgets)."""
     if raw is None:

@@ -18,6 +18,7 @@ small-sample share its n and 95 % interval. A sweep may rank on a generation sco
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -304,8 +305,6 @@ def answer_samples(rows: list[dict[str, Any]], count: int = 8) -> list[dict[str,
     """The first ``count`` held-out test prompts (valid without a test split): the chosen
     response, the base model's and the best adapter's answers and their scores (the
     first scorer's), from their generations.jsonl; [] without both."""
-    import json
-
     def read(row: dict[str, Any] | None) -> list[dict[str, Any]]:
         path = Path(row["generations"]) if row and row.get("generations") else None
         if path is None or not path.is_file():

@@ -22,8 +22,8 @@ from engine.adapters import ADAPTER_FILE, CONFIG_FILE, atomic_write_text, traine
 from engine.content_key import adapter_fingerprint, model_fingerprint
 from engine.digests import file_digest
 from engine.losses import LossSpec
-from tasks.evaluate import as_settings, evaluate_on_node
-from tasks.generation_eval import GenerationSettings
+from tasks.evaluate import evaluate_on_node
+from tasks.generation_eval import GenerationSettings, as_settings
 from tasks.leaderboard import (
     answer_samples,
     compact_markdown,

@@ -24,7 +24,7 @@ from tests.lab_nodes import SPEC, Lab, pomona, stocked_lab
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 COMPARED = ("eval/valid/loss", "eval/valid/logps/accuracies", "eval/test/loss",
-            "eval/test/logps/margin")
+            "eval/test/logps/margin", "gen/valid/exact", "gen/test/exact")
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +205,7 @@ def test_pipeline_on_private_disks_equals_one_node(lab: Lab, tiny_model: Path, t
     workers, and its leaderboard equals a one-node run of the same spec within 1e-6."""
     pomona(lab, "head", "pipeline", "/tmp/lab/sort.jsonl", "/tmp/lab/model",
            "/tmp/lab/spec.yaml", "--out", "/tmp/lab/out", "--address", lab.address,
-           "--resource", "mlx_gpu", "--generations", "0")
+           "--resource", "mlx_gpu", "--generations", "2")
     out = lab.get("head", "/tmp/lab/out", tmp_path / "lab")
     results = pq.read_table(out / "sweep" / "results.parquet").to_pylist()
     assert {r["node"] for r in results} == {"w1", "w2"}, [r["node"] for r in results]
@@ -217,6 +217,9 @@ def test_pipeline_on_private_disks_equals_one_node(lab: Lab, tiny_model: Path, t
     lines = (out / "sweep" / results[0]["trial_id"] / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(x)["step"] for x in lines if json.loads(x).get("split") == "train"]
     assert steps == sorted(set(steps)), steps  # pulled back once, nothing duplicated
+    # Answers generated on the workers come back to the head's folders, two a split.
+    answers = (out / "base" / "generations.jsonl").read_text().splitlines()
+    assert [json.loads(x)["split"] for x in answers] == ["valid", "valid", "test", "test"]
 
     from flows.pipeline import pipeline
 
@@ -225,7 +228,7 @@ def test_pipeline_on_private_disks_equals_one_node(lab: Lab, tiny_model: Path, t
     spec = tmp_path / "spec.yaml"
     spec.write_text(SPEC)
     state = pipeline(str(raw), str(tiny_model), str(spec), str(tmp_path / "one"),
-                     generations=0, return_state=True)
+                     generations=2, return_state=True)
     assert state.is_completed(), state
     here, there = board(tmp_path / "one" / "leaderboard.parquet"), board(
         out / "leaderboard.parquet")

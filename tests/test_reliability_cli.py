@@ -104,6 +104,11 @@ def test_pipeline_input_mistakes_are_one_line(tmp_path: Path) -> None:
     assert "none.jsonl" in line, line
     line = one_error("pipeline", str(raw), str(tmp_path / "no-model"), str(spec))
     assert "no-model" in line, line
+    line = one_error("pipeline", str(raw), str(model), str(spec), "--generations", "-1")
+    assert line.startswith("error: --generations -1: expected 0"), line
+    spec.write_text("name: p\nmodel: m\ndata: d\nevaluation: {scorers: [python:no_mod:f]}\n")
+    line = one_error("pipeline", str(raw), str(model), str(spec))
+    assert "scorer python:no_mod:f: cannot import it" in line, line
 
 
 # Issue 28 --------------------------------------------------------------------------------
