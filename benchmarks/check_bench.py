@@ -34,13 +34,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_check(model: Any, mutation: str | None) -> dict[str, Any]:
-    """The check's figures, or (with a mutation) whether it refused the broken stack."""
+def run_check(model: Any, mutation: str) -> dict[str, Any]:
+    """Whether the load check refused the stack broken by ``mutation``."""
     from engine.arch import make_stack
     from engine.load_check import checked_stack
 
-    if mutation is None:
-        return checked_stack(model)[1]
     cls = type(make_stack(model))
     name, broken = MUTATIONS[mutation]
     saved = cls.__dict__.get(name)
@@ -64,17 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
 
     from engine.config import TrainConfig
-    from engine.model import attach_lora, load_model
-    from engine.trainer import lora_spec
+    from engine.prepared import prepare_training
 
     a = parser().parse_args(argv)
     started = time.perf_counter()
-    model, _ = load_model(a.model)
-    cfg = TrainConfig(model=a.model)
-    attach_lora(model, lora_spec(cfg), cfg.seed)
-    loaded = time.perf_counter() - started
-    rows = [{"check": run_check(model, None)}]
-    rows += [{"check": run_check(model, m)} for m in a.mutate]
+    prepared = prepare_training(TrainConfig(model=a.model))  # the check runs once in it
+    loaded = time.perf_counter() - started - prepared.check["seconds"]
+    rows = [{"check": prepared.check}]
+    rows += [{"check": run_check(prepared.model, m)} for m in a.mutate]
     result = {"model": a.model, "device": str(mx.default_device()), "load_s": loaded,
               "rows": rows}
     if a.json:

@@ -107,21 +107,15 @@ def engine_step_of(cfg: Any) -> EngineStep:
     from engine.batch import batch_norms
     from engine.data import load_pairs
     from engine.layout_policy import choose_layout, resolve_pad_multiple
-    from engine.load_check import checked_stack
     from engine.losses import pair_loss
-    from engine.model import attach_lora, load_model, resolve_lora_keys
     from engine.prefix import pair_batch
-    from engine.recompute import chunk_mlps
+    from engine.prepared import prepare_training
     from engine.segmented import value_and_grad
-    from engine.trainer import lora_spec
 
-    model, tokenizer = load_model(cfg.model)
-    attach_lora(model, resolve_lora_keys(model, lora_spec(cfg)), cfg.seed)
-    stack, _ = checked_stack(model)
-    if cfg.mlp_chunk:
-        chunk_mlps(stack.layers, cfg.mlp_chunk)
+    prepared = prepare_training(cfg)  # as the trainer sets it up
+    model, stack = prepared.model, prepared.stack
     batch = choose_layout(load_pairs(cfg.data).train[: cfg.batch_size], cfg,
-                          resolve_pad_multiple(cfg.pad_multiple), tokenizer.pad_token_id or 0)
+                          resolve_pad_multiple(cfg.pad_multiple), prepared.pad_id)
     pb = pair_batch(batch)
     norms, spec = batch_norms([pb]), cfg.loss_spec()
     resp, nll = mx.array(pb.resp_mask), mx.array(pb.nll_mask)

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import json
 import logging
 import os
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from engine.atomic import written
 from engine.content_key import adapter_fingerprint
 from engine.losses import LossSpec
 from engine.model import LoraSpec
@@ -33,34 +31,17 @@ ADAPTER_FILE, CONFIG_FILE = "adapters.safetensors", "adapter_config.json"
 log = logging.getLogger(__name__)
 
 
-@contextmanager
-def _temporary(path: Path, tmp: Path) -> Iterator[Path]:
-    """``tmp`` to write, renamed to ``path`` after; on any failure (a full disk, a kill) it
-    is removed and the error names ``path``. MLX reports a failed write as a RuntimeError
-    ("[write] Unable to write 8 bytes"): it becomes the OSError every caller handles."""
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException as err:
-        tmp.unlink(missing_ok=True)
-        if isinstance(err, OSError):
-            raise OSError(err.errno, f"cannot write {path}: {err.strerror or err}") from None
-        if isinstance(err, RuntimeError):
-            free = shutil.disk_usage(path.parent).free / 2**20
-            raise OSError(errno.EIO, f"cannot write {path}: {err} ({free:.0f} MiB free "
-                                     "on its disk)") from None
-        raise
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    with _temporary(path, path.with_name(f".{path.name}.tmp")) as tmp:
+def run_write_text(path: Path, text: str) -> None:
+    """``text`` to ``path`` inside a folder this process holds (a run, a sweep's soup):
+    its one writer may use a fixed temporary name (engine/atomic.py)."""
+    with written(path, tmp=path.with_name(f".{path.name}.tmp")) as tmp:
         tmp.write_text(text)
 
 
-def atomic_save_arrays(path: Path, arrays: dict[str, mx.array],
-                       metadata: dict[str, str] | None = None) -> None:
+def run_save_arrays(path: Path, arrays: dict[str, mx.array],
+                    metadata: dict[str, str] | None = None) -> None:
     # mlx appends the suffix to a name without it
-    with _temporary(path, path.with_name(f".{path.name}.tmp.safetensors")) as tmp:
+    with written(path, tmp=path.with_name(f".{path.name}.tmp.safetensors")) as tmp:
         mx.save_safetensors(str(tmp), arrays, metadata=metadata or {})
 
 
@@ -78,9 +59,9 @@ def save_adapters(model: nn.Module, out: Path, spec: LoraSpec, num_layers: int,
     """Write the model's LoRA weights and config to ``out``; return ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(model.trainable_parameters()))
-    atomic_save_arrays(out / ADAPTER_FILE, weights)
+    run_save_arrays(out / ADAPTER_FILE, weights)
     config = adapter_config(spec, num_layers, extra or {})
-    atomic_write_text(out / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
+    run_write_text(out / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
     return out
 
 
@@ -149,8 +130,8 @@ def save_checkpoint(model: nn.Module, optimizer: Any, out: Path, step: int,
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         save_adapters(model, tmp, spec, num_layers)
-        atomic_save_arrays(tmp / "optimizer.safetensors", dict(tree_flatten(optimizer.state)))
-        atomic_write_text(tmp / "state.json", json.dumps({"step": step, **state}, indent=2)
+        run_save_arrays(tmp / "optimizer.safetensors", dict(tree_flatten(optimizer.state)))
+        run_write_text(tmp / "state.json", json.dumps({"step": step, **state}, indent=2)
                           + "\n")
     except BaseException:  # a full disk: no half checkpoint left behind
         shutil.rmtree(tmp, ignore_errors=True)
@@ -202,4 +183,4 @@ def prepare_out(out: Path, resume_step: int | None) -> None:
             except (ValueError, KeyError, TypeError):
                 return False  # a line cut short by the kill
         lines = log.read_text().splitlines(keepends=True)
-        atomic_write_text(log, "".join(line for line in lines if kept(line)))
+        run_write_text(log, "".join(line for line in lines if kept(line)))

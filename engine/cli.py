@@ -211,12 +211,12 @@ def score_loss(a: argparse.Namespace, own: LossSpec) -> LossSpec:
 
 
 def run_score(argv: list[str]) -> int:
-    from engine.adapters import atomic_write_text, trained_loss, trained_reference
+    from engine.adapters import trained_loss, trained_reference
+    from engine.atomic import atomic_write_text
     from engine.data_fit import load_pairs_for
     from engine.layout_policy import scoring_layout
-    from engine.load_check import checked_stack
-    from engine.model import load_model
     from engine.outputs import check_file
+    from engine.prepared import prepare_scoring
     from engine.reference import ReferenceSpec, attach_reference, ensure_reference
     from engine.scoring import is_score_file, preference_accuracy, score_pairs
 
@@ -231,8 +231,8 @@ def run_score(argv: list[str]) -> int:
                    "allow_tokenizer_mismatch": a.allow_tokenizer_mismatch}
         if spec.needs_reference:  # made (or read) before the scored model loads
             ensure_reference(reference, None, options)
-        model, tokenizer = load_model(a.model, a.adapter)
-        stack, _ = checked_stack(model)
+        prepared = prepare_scoring(a.model, a.adapter)
+        model, stack = prepared.model, prepared.stack
         data = load_pairs_for(a.data, a.model, stack, a.allow_tokenizer_mismatch)
         if spec.needs_reference:
             attach_reference(data, reference, None, options)
@@ -244,7 +244,7 @@ def run_score(argv: list[str]) -> int:
         print(f"error: {a.data}: no {a.split} pairs to score", file=sys.stderr)
         return 2
     rows = score_pairs(model, stack, pairs, spec, a.batch_size,
-                       a.head_chunk, scoring_layout(a.prefix_share, tokenizer.pad_token_id or 0))
+                       a.head_chunk, scoring_layout(a.prefix_share, prepared.pad_id))
     out = Path(a.out)
     try:
         atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in rows))

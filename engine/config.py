@@ -26,6 +26,7 @@ from engine.losses import (
     SIMPO_NLL_WEIGHT,
     LossSpec,
 )
+from engine.ranking import MODES
 
 
 def _f(default: Any, help: str) -> Any:
@@ -34,7 +35,7 @@ def _f(default: Any, help: str) -> Any:
 
 CHOICES = {"loss": LOSSES, "nll_span": ("full", "response"), "dpo_loss_type": DPO_LOSS_TYPES,
            "lr_schedule": ("cosine", "constant"), "prefix_share": ("auto", "on", "off"),
-           "prefix_attention": ("auto", "mask", "split"), "best_mode": ("min", "max")}
+           "prefix_attention": ("auto", "mask", "split"), "best_mode": MODES}
 
 
 def check_choice(name: str, value: str) -> None:

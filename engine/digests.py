@@ -24,6 +24,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from engine.atomic import atomic_write_text
+
 # What decides how text becomes ids: the tokenizer itself and the settings of its config
 # that change an encoding. A copy written by another tool (mlx_lm.convert re-saves the
 # tokenizer with its own class name and load flags) is the same tokenizer.
@@ -128,12 +130,5 @@ def _read_cache() -> dict[str, dict[str, Any]]:
 
 def _write_cache(entries: dict[str, dict[str, Any]]) -> None:
     """Best effort: a read-only home only costs hashing again next time."""
-    path = hash_cache_path()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(entries))
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):  # a full disk: no temporary left behind
-            tmp.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # a full disk: no temporary left behind
+        atomic_write_text(hash_cache_path(), json.dumps(entries))

@@ -18,7 +18,7 @@ rule 1 and ``entries`` from here. A dataset's readers and its writer meet at a l
 beside it (``.<name>.pomona-lock``, never deleted: a lock file removed while held is no
 lock): a reader holds it shared (``reading``), a writer exclusively (``replacing``), so a
 dataset is never replaced under a run that reads it, nor by two writers at once. A file a
-writer swaps into place is first written under a unique hidden name (``temp_beside``), never
+writer swaps into place is first written under a unique hidden name (engine/atomic.py), never
 over a user's file. Standard library only: every layer imports it.
 """
 
@@ -203,21 +203,6 @@ def check_file(out: str | Path, ours: Callable[[Path], bool], what: str, *,
         raise RefusedOutput(f"{flag} {out}: cannot write to {out.parent} "
                             f"({err.strerror or err}); choose a folder you can write to"
                             ) from None
-
-
-def temp_beside(path: str | Path) -> Path:
-    """A new empty file beside ``path`` under a unique hidden name (made with O_EXCL, so no
-    file already there is ever written over; mode per the umask, like any new file), to
-    write and then ``os.replace`` onto ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
-        try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-            return tmp
-        except FileExistsError:
-            continue
 
 
 LOCK_KIND = "dataset-lock"

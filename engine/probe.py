@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from contextlib import nullcontext
 from typing import Any
 
 import mlx.core as mx
@@ -27,15 +26,11 @@ def probe_steps(cfg: TrainConfig, variants: list[dict[str, Any]],
                 batches: str | int = "worst", repeats: int = 1) -> list[dict[str, Any]]:
     """One row per variant (TrainConfig overrides): peak_gb, step_s, tokens, tokens_per_sec,
     shared_rate; or ``error`` when that setting failed (out of memory, invalid)."""
-    from engine.load_check import checked_stack
-    from engine.model import attach_lora, load_model
-    from engine.trainer import lora_spec
+    from engine.prepared import prepare_training
 
     cfg.validate()
-    model, tokenizer = load_model(cfg.model)
-    attach_lora(model, lora_spec(cfg), cfg.seed)
-    stack, _ = checked_stack(model)
-    data = load_pairs_for(cfg.data, cfg.model, stack, cfg.allow_tokenizer_mismatch)
+    prepared = prepare_training(cfg)  # as the trainer sets it up: one function for both
+    data = load_pairs_for(cfg.data, cfg.model, prepared.stack, cfg.allow_tokenizer_mismatch)
     if cfg.loss_spec().needs_reference:  # a step's memory and time never read the values:
         data.train = [dataclasses.replace(p, ref=(0.0, 0.0)) for p in data.train]  # no pass
     if batches == "worst":
@@ -43,26 +38,22 @@ def probe_steps(cfg: TrainConfig, variants: list[dict[str, Any]],
     else:
         stream = micro_batches(data.train, cfg.batch_size, cfg.seed)
         chosen = [next(stream) for _ in range(int(batches))]
-    pad_id = tokenizer.pad_token_id or 0
     rows = []
     for variant in variants:
         try:
-            rows.append({**variant, **_measure(model, stack, chosen, cfg.replace(**variant),
-                                               pad_id, repeats)})
+            rows.append({**variant, **_measure(prepared, chosen, cfg.replace(**variant),
+                                               repeats)})
         except Exception as err:  # one setting failing (e.g. out of memory) is its row
             rows.append({**variant, "error": f"{type(err).__name__}: {err}"[:300]})
     return rows
 
 
-def _measure(model, stack, chosen: list, c: TrainConfig, pad_id: int,
-             repeats: int) -> dict[str, Any]:
+def _measure(prepared: Any, chosen: list, c: TrainConfig, repeats: int) -> dict[str, Any]:
     """Peak and speed of ``repeats`` passes over ``chosen`` micro-batches under ``c``, its
-    MLPs chunked at ``c.mlp_chunk`` as training's are (engine/trainer.py)."""
-    from engine.recompute import mlp_chunks
-
+    levers set as training sets them (engine/prepared.py)."""
     c.validate()
-    with mlp_chunks(stack.layers, c.mlp_chunk) if c.mlp_chunk else nullcontext():  # as trained
-        return _measured(model, stack, chosen, c, pad_id, repeats)
+    with prepared.as_config(c):
+        return _measured(prepared.model, prepared.stack, chosen, c, prepared.pad_id, repeats)
 
 
 def _measured(model, stack, chosen: list, c: TrainConfig, pad_id: int,

@@ -38,15 +38,15 @@ import pyarrow.parquet as pq
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from engine.adapters import load_adapter_weights
+from engine.atomic import write_atomic
 from engine.batch import Pair
 from engine.content_key import adapter_fingerprint, model_fingerprint
 from engine.data_fit import load_pairs_for
 from engine.digests import file_digest
 from engine.layout_policy import scoring_layout
-from engine.load_check import checked_stack
-from engine.model import load_model, use_input_dtype_lora
-from engine.prefix import pair_batch
-from engine.scoring import forward_logps, length_groups, read_positions
+from engine.model import use_input_dtype_lora
+from engine.prepared import Prepared, prepare_scoring
+from engine.scoring import forward_groups
 
 REFERENCE_VERSION = "1"  # bump when the forward's semantics change: old files are not read
 KEY_FIELD = b"pomona_reference_key"
@@ -104,17 +104,17 @@ def data_digest(data: str | Path) -> str:
     return file_digest(path)
 
 
-def load_reference_model(spec: ReferenceSpec) -> tuple[Any, Any]:
-    """The reference model and tokenizer: the base, or the base with ``spec.reference``'s
-    LoRA attached as its config says. An adapter that does not fit the base (another
-    model, size or family) is refused here, before any forward, in one line."""
+def prepare_reference(spec: ReferenceSpec) -> Prepared:
+    """The reference model, set up for scoring: the base, or the base with
+    ``spec.reference``'s LoRA attached as its config says. An adapter that does not fit
+    the base (another model, size or family) is refused here, before any forward, in one
+    line."""
     if spec.reference == "base":
-        return load_model(spec.model)
+        return prepare_scoring(spec.model)
     folder = Path(spec.reference).expanduser()
     config = _adapter_config(folder)
-    model, tokenizer = load_model(spec.model)
-    _attach_reference_adapter(model, folder, config, spec.model)
-    return model, tokenizer
+    return prepare_scoring(spec.model, attach=lambda model: _attach_reference_adapter(
+        model, folder, config, spec.model))
 
 
 def _adapter_config(folder: Path) -> dict[str, Any]:
@@ -168,8 +168,8 @@ def compute_reference(spec: ReferenceSpec, batch_size: int = 8, head_chunk: int 
     """Summed response log-probs of the reference for every pair of ``spec.data``: one
     forward-only pass (no gradient, the bounded head, the scoring layout), by length."""
     started = time.perf_counter()
-    model, tokenizer = load_reference_model(spec)
-    stack, _ = checked_stack(model)
+    prepared = prepare_reference(spec)
+    model, stack = prepared.model, prepared.stack
     data = load_pairs_for(spec.data, spec.model, stack, allow_tokenizer_mismatch)
     pairs = [*data.train, *data.valid, *data.test]
     seen: dict[str, Pair] = {}
@@ -178,14 +178,14 @@ def compute_reference(spec: ReferenceSpec, batch_size: int = 8, head_chunk: int 
         if (first.prompt, first.chosen, first.rejected) != (p.prompt, p.chosen, p.rejected):
             raise ValueError(f"{spec.data}: pair id {p.id!r} names two different pairs; "
                              "DPO's reference log-probs are kept by id: give each its own")
-    layout = scoring_layout(prefix_share, tokenizer.pad_token_id or 0, "full")
+    layout = scoring_layout(prefix_share, prepared.pad_id, "full")
     loaded = time.perf_counter()
     refs = reference_logps(model, stack, pairs, layout, batch_size,
                            head_chunk or REFERENCE_HEAD_CHUNK, progress)
     seconds = time.perf_counter() - loaded
     log.info("reference log-probs: %d pairs in %.1f s (%.3f s a pair; load and check %.1f s)",
              len(pairs), seconds, seconds / max(len(pairs), 1), loaded - started)
-    del model, stack
+    del model, stack, prepared
     mx.clear_cache()  # the trainer loads its own copy next
     return refs
 
@@ -196,15 +196,11 @@ def reference_logps(model: Any, stack: Any, pairs: Sequence[Pair],
     """Per pair id, (chosen, rejected) summed response log-probs in float32 under
     ``model`` as it stands (engine/scoring.py's forward)."""
     out: dict[str, tuple[float, float]] = {}
-    model.eval()
     done, last = 0, time.monotonic()
-    for idx in length_groups(pairs, batch_size):
+    for idx, two, lp in forward_groups(model, stack, pairs, batch_size, layout, head_chunk,
+                                       nll=False):
         group = [pairs[i] for i in idx]
-        batch = layout(group)
-        two = pair_batch(batch)
-        lp = forward_logps(model, stack, batch, head_chunk,
-                           read_positions(two.resp_mask)).astype(mx.float32)
-        sums = (lp * mx.array(two.resp_mask)).sum(axis=-1)
+        sums = (lp.astype(mx.float32) * mx.array(two.resp_mask)).sum(axis=-1)
         mx.eval(sums)
         k = len(group)
         values = sums.tolist()
@@ -226,15 +222,7 @@ def write_reference(path: Path, key: str, refs: dict[str, tuple[float, float]]) 
                       "ref_chosen_logps": pa.array([refs[i][0] for i in ids], pa.float32()),
                       "ref_rejected_logps": pa.array([refs[i][1] for i in ids], pa.float32())})
     table = table.replace_schema_metadata({KEY_FIELD: key.encode()})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    except (OSError, pa.ArrowException) as err:  # a full disk: name the file
-        raise OSError(getattr(err, "errno", None), f"cannot write {path}: {err}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_atomic(path, lambda tmp: pq.write_table(table, tmp))
 
 
 def reserve(path: Path, size: int = 1 << 20) -> None:

@@ -15,7 +15,7 @@ replaces: engine/outputs.py).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import mlx.core as mx
@@ -80,6 +80,25 @@ def length_groups(pairs: Sequence[Pair], size: int) -> list[list[int]]:
     return [order[i : i + size] for i in range(0, len(order), size)]
 
 
+def forward_groups(model: nn.Module, stack: Stack, pairs: Sequence[Pair], batch_size: int,
+                   layout: Layout, head_chunk: int = 0, nll: bool = True
+                   ) -> Iterator[tuple[list[int], PairBatch, mx.array]]:
+    """The one forward-only loop (evaluation, ``score``, DPO's reference): ``pairs`` in
+    length groups of ``batch_size``, each laid out by ``layout``; per group its indices,
+    its two-forward batch and the log-probs at the positions its response (and, with
+    ``nll``, its NLL) mask reads. The model runs in eval mode; its mode is put back after."""
+    was_training = model.training
+    model.eval()
+    try:
+        for idx in length_groups(pairs, batch_size):
+            b = layout([pairs[i] for i in idx])
+            two = pair_batch(b)
+            masks = (two.resp_mask, two.nll_mask) if nll else (two.resp_mask,)
+            yield idx, two, forward_logps(model, stack, b, head_chunk, read_positions(*masks))
+    finally:
+        model.train(was_training)
+
+
 def evaluate(model: nn.Module, stack: Stack, pairs: Sequence[Pair], spec: LossSpec,
              batch_size: int, pad_multiple: int = 0, head_chunk: int = 0,
              max_batches: int = 0, layout: Layout | None = None,
@@ -96,27 +115,18 @@ def evaluate(model: nn.Module, stack: Stack, pairs: Sequence[Pair], spec: LossSp
     if not pairs:
         return {"rows": 0}
     layout = layout or (lambda g: make_batch(g, spec.nll_span, pad_multiple))
-    groups = [[pairs[i] for i in g] for g in length_groups(pairs, batch_size)]
-    norms = batch_norms([make_batch(g, spec.nll_span) for g in groups])
+    norms = batch_norms([make_batch([pairs[i] for i in g], spec.nll_span)
+                         for g in length_groups(pairs, batch_size)])
     total_loss, sums = 0.0, {}
-    was_training = model.training
-    model.eval()
-    try:
-        for g in groups:
-            b = layout(g)
-            two = pair_batch(b)
-            lp = forward_logps(model, stack, b, head_chunk,
-                               read_positions(two.resp_mask, two.nll_mask))
-            loss, metrics = pair_loss(lp, mx.array(two.resp_mask), mx.array(two.nll_mask),
-                                      spec, norms, two.ref_array())
-            mx.eval(loss, metrics)
-            if per_pair is not None:
-                _record_wins(per_pair, g, lp, mx.array(two.resp_mask))
-            total_loss += float(loss)
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-    finally:
-        model.train(was_training)
+    for idx, two, lp in forward_groups(model, stack, pairs, batch_size, layout, head_chunk):
+        loss, metrics = pair_loss(lp, mx.array(two.resp_mask), mx.array(two.nll_mask),
+                                  spec, norms, two.ref_array())
+        mx.eval(loss, metrics)
+        if per_pair is not None:
+            _record_wins(per_pair, [pairs[i] for i in idx], lp, mx.array(two.resp_mask))
+        total_loss += float(loss)
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
     out = {"loss": total_loss, "nll_loss": sums.pop("nll_sum") / norms.nll_tokens}
     out.update({k: v / norms.pairs for k, v in sums.items()})
     out["rows"] = int(norms.pairs)
@@ -141,12 +151,7 @@ def score_pairs(model: nn.Module, stack: Stack, pairs: Sequence[Pair], spec: Los
     ``nll_span`` full."""
     layout = layout or (lambda g: make_batch(g, "full"))
     rows: list[dict] = [{} for _ in pairs]
-    model.eval()
-    for idx in length_groups(pairs, batch_size):
-        b = layout([pairs[i] for i in idx])
-        two = pair_batch(b)
-        lp = forward_logps(model, stack, b, head_chunk,
-                           read_positions(two.resp_mask, two.nll_mask))
+    for idx, two, lp in forward_groups(model, stack, pairs, batch_size, layout, head_chunk):
         resp, nll_mask = mx.array(two.resp_mask), mx.array(two.nll_mask)
         logps = pair_logps(lp, resp, two.ref_array())
         k = len(idx)

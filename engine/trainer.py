@@ -2,8 +2,9 @@
 
     python -m engine train --model DIR --data DIR --out DIR [--loss orpo|simpo|sft|dpo]
 
-``train(cfg)`` reads top to bottom: claim the output folder, DPO's reference, load the
-model and attach LoRA, the load check (engine/load_check.py), the data and its refusals,
+``train(cfg)`` reads top to bottom: claim the output folder, DPO's reference, the model
+set up as every path sets it up (engine/prepared.py: LoRA, load check, levers), the data
+and its refusals,
 then per step: the prefetched micro-batches (engine/prefetch.py), their gradients
 (engine/step.py), the compiled update (engine/update.py), the metrics window
 (engine/report_window.py), validation and checkpoints; the adapter and summary last.
@@ -26,11 +27,11 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from engine.adapters import (
-    atomic_write_text,
     load_adapter_weights,
     load_checkpoint,
     prepare_out,
     prune_checkpoints,
+    run_write_text,
     save_adapters,
     save_checkpoint,
 )
@@ -42,18 +43,13 @@ from engine.data import check_train_split, micro_batches, pair_length
 from engine.data_fit import load_pairs_for
 from engine.distributed import init_ranks
 from engine.layout_policy import choose_layout, resolve_pad_multiple, resolve_prefix_attention
-from engine.load_check import checked_stack, verify_paths
+from engine.load_check import verify_paths
 from engine.losses import validation_metrics
-from engine.model import (
-    LoraSpec,
-    attach_lora,
-    load_model,
-    resolve_lora_keys,
-)
 from engine.outputs import claim
 from engine.prefetch import Prefetch
 from engine.prefix import PrefixBatch
-from engine.recompute import chunk_mlps
+from engine.prepared import prepare_training
+from engine.ranking import beats
 from engine.reference import (
     ReferenceSpec,
     attach_reference,
@@ -98,11 +94,6 @@ class TrainResult:
     verified: dict[str, Any] = field(default_factory=dict)  # --verify's figures (verify_paths)
 
 
-def lora_spec(cfg: TrainConfig) -> LoraSpec:
-    return LoraSpec(cfg.lora_rank, cfg.lora_scale, cfg.lora_dropout, cfg.lora_keys,
-                    cfg.lora_layers)
-
-
 def _emit(record: dict[str, Any], out: Path, callbacks: Sequence[Callback]) -> None:
     log = out / "metrics.jsonl"
     try:
@@ -121,14 +112,7 @@ def better(rec: dict[str, Any], best: dict[str, Any], metric: str, mode: str) ->
         have = sorted(k for k in rec if k.startswith("val/"))
         raise ValueError(f"best_metric={metric!r}: not among this run's validation metrics "
                          f"{have}")
-    value = rec[metric]
-    if not best:
-        return True
-    if not math.isfinite(value):
-        return False
-    if not math.isfinite(best[metric]):
-        return True
-    return value < best[metric] if mode == "min" else value > best[metric]
+    return not best or beats(rec[metric], best[metric], mode)
 
 
 def refuse_beyond_context(pairs: Sequence, context: int | None) -> None:
@@ -203,21 +187,11 @@ def loss_weights(cfg: TrainConfig) -> dict[str, Any]:
     return weights
 
 
-def refuse_beyond_model(cfg: TrainConfig, model: Any) -> None:
-    """LoRA settings the model cannot take, refused in one line (mlx-lm would adapt every
-    block for a ``lora_layers`` past the count, and a rank above the width is no low-rank
-    update); a warmup past the steps, and a reference file a loss without a reference
-    would not read (a sweep's fixed file beside ORPO trials), are said."""
-    layers = len(model.layers)
-    if cfg.lora_layers > layers:
-        raise ValueError(f"lora_layers={cfg.lora_layers}: {cfg.model} has {layers} blocks; "
-                         f"give at most {layers}, or -1 for all")
-    width = getattr(getattr(model, "args", None), "hidden_size", None)
-    if isinstance(width, int) and cfg.lora_rank > width:
-        raise ValueError(f"lora_rank={cfg.lora_rank}: above {cfg.model}'s hidden size "
-                         f"{width}; a LoRA rank is a small fraction of it (8-64)")
-    if cfg.reference_logps and not cfg.loss_spec().needs_reference:  # a sweep's fixed
-        log.warning("reference_logps %s is not read: loss %s takes no reference (only "  # file
+def say_unread_settings(cfg: TrainConfig) -> None:
+    """Settings this run will not use, said: a reference file a loss without a reference
+    would not read (a sweep's fixed file beside ORPO trials), a warmup past the steps."""
+    if cfg.reference_logps and not cfg.loss_spec().needs_reference:
+        log.warning("reference_logps %s is not read: loss %s takes no reference (only "
                     "DPO does)", cfg.reference_logps, cfg.loss)
     if cfg.warmup_steps > cfg.steps:
         log.warning("warmup_steps=%d is longer than steps=%d: the learning rate never "
@@ -264,13 +238,9 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback], held: ExitStack) -> 
                         "reference (SFT, then DPO: give --reference %s)", cfg.warm_start,
                         cfg.warm_start)
         ensure_reference(*reference_of(cfg, ranks.size))
-    model, tokenizer = load_model(cfg.model)
-    refuse_beyond_model(cfg, model)
-    spec = resolve_lora_keys(model, lora_spec(cfg))  # the family's targets, saved explicitly
-    trainable = attach_lora(model, spec, cfg.seed)
-    stack, load_check = checked_stack(model)
-    if cfg.mlp_chunk:
-        chunk_mlps(stack.layers, cfg.mlp_chunk)
+    prepared = prepare_training(cfg)
+    say_unread_settings(cfg)
+    model, stack, spec = prepared.model, prepared.stack, prepared.lora
     num_layers = len(stack.layers) if cfg.lora_layers < 0 else cfg.lora_layers
     if cfg.warm_start:
         load_adapter_weights(model, Path(cfg.warm_start))
@@ -285,7 +255,7 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback], held: ExitStack) -> 
                          f"{validation_metrics(loss_spec)}")
     pad_multiple = resolve_pad_multiple(cfg.pad_multiple)
     resolve_prefix_attention(cfg.prefix_attention, pad_multiple)  # refuse unsafe, before work
-    pad_id = tokenizer.pad_token_id or 0
+    pad_id = prepared.pad_id
     optimizer = make_optimizer(cfg)
 
     start = 0
@@ -321,9 +291,10 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback], held: ExitStack) -> 
                     "evaluation to rank this run by", cfg.data)
     elif cfg.val_every and start == 0:
         validate(0)  # the "before" numbers every later evaluation is read against
-    window, result = Window(), TrainResult(out=str(out), steps=start, trainable_params=trainable,
-                                           rejected_rows=dict(data.rejected),
-                                           load_check=load_check, verified=verified)
+    window = Window()
+    result = TrainResult(out=str(out), steps=start, trainable_params=prepared.trainable,
+                         rejected_rows=dict(data.rejected), load_check=prepared.check,
+                         verified=verified)
     total_tokens, total_seconds = 0, 0.0
     update = make_update(model, optimizer, cfg.grad_clip)
     def shard_of(pairs: list) -> PairBatch | PrefixBatch | Idle:
@@ -379,5 +350,5 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback], held: ExitStack) -> 
                                                 **weights, **content_keys(cfg),
                                                 "seed": cfg.seed, "world_size": ranks.size}}
         save_adapters(model, out, spec, num_layers, extra)
-        atomic_write_text(out / "summary.json", json.dumps(result.__dict__, indent=2) + "\n")
+        run_write_text(out / "summary.json", json.dumps(result.__dict__, indent=2) + "\n")
     return result

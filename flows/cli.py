@@ -34,13 +34,18 @@ data_app = typer.Typer(help="Make and prepare preference data.", no_args_is_help
 app.add_typer(model_app, name="model")
 app.add_typer(data_app, name="data")
 console = Console(soft_wrap=True)  # long paths in messages stay whole, copyable
-# A lab network has no route out, and the temporary server's telemetry writer raced the
-# flow for its SQLite database ("database is locked" tracebacks in the demo): off unless
-# the user turns it on.
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-# On a fresh PREFECT_HOME the temporary server migrates its database before it answers;
-# on a busy 2-core CI box that outran Prefect's 20 s wait (the demo failed to start).
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+
+
+@app.callback()
+def prefect_defaults() -> None:
+    """Before any verb (never at import: a program that imports the CLI keeps its
+    environment), Prefect's defaults for a lab: what the user set wins."""
+    # A lab network has no route out, and the temporary server's telemetry writer raced
+    # the flow for its SQLite database ("database is locked" tracebacks in the demo).
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # On a fresh PREFECT_HOME the temporary server migrates its database before it
+    # answers; on a busy 2-core CI box that outran Prefect's 20 s wait.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
 def fail(message: str) -> typer.Exit:

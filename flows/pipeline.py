@@ -40,6 +40,7 @@ from tasks.pipeline_tasks import (
     tokenize_task,
 )
 from tasks.placement import Placement
+from tasks.ranked_metric import rank_mode
 from tasks.sweep import is_sweep_dir
 from tasks.sweep_spec import load_spec
 from tasks.tokenize_options import TokenizeOptions
@@ -190,7 +191,7 @@ def leaderboard_flow(sweep_dir: str, model: str, data: str, metric: str = "val/l
     out_dir = Path(out) if out else Path(sweep_dir)
     settings = GenerationSettings() if generations is None else as_settings(generations)
     check_scorers_on_data(settings, model, data)
-    ranking = (metric, "max" if metric.startswith("gen/") else mode)
+    ranking = (metric, rank_mode(metric, mode))
     plotted = metric if metric.startswith("val/") else "val/loss"
     with ray_session(address):
         return rank_stage(results, model, data, ranking, plotted, Path(sweep_dir).name,

@@ -13,12 +13,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from engine.outputs import RefusedOutput
+from engine.ranking import beats
 from flows.ray_session import RayAddressError, ray_session
 from tasks.leaderboard import why_unranked
 from tasks.memory_sweep import run_memory_sweep
 from tasks.placement import Placement
+from tasks.ranked_metric import metric_value
 from tasks.scheduler import TrialsInterrupted
-from tasks.sweep import check_inputs, check_sweep_out, metric_value, run_sweep
+from tasks.sweep import check_inputs, check_sweep_out, run_sweep
 from tasks.sweep_spec import SpecError, SweepSpec, load_spec
 
 
@@ -64,10 +66,9 @@ class SweepProgress:
         self.counts[status if status in self.counts else "failed"] += 1
         self.progress.advance(self.task)
         value = metric_value(summary, self.spec.metric)
-        if status == "completed" and value is not None:
-            better = self.best is None or (value < self.best if self.spec.mode == "min"
-                                           else value > self.best)
-            self.best = value if better else self.best
+        if status == "completed" and (self.best is None or beats(value, self.best,
+                                                                 self.spec.mode)):
+            self.best = value
         note = f" {summary.get('reason')}" if summary.get("reason") else ""
         self.console.print(f"{summary['trial_id']}: {status}{note}")
 

@@ -26,8 +26,9 @@ from prefect.artifacts import (
 from flows.ray_session import ray_session
 from tasks.pipeline_tasks import artifact_key
 from tasks.placement import Placement
+from tasks.ranked_metric import metric_value
 from tasks.reference_task import reference_needs, run_reference_task
-from tasks.sweep import metric_value, run_sweep
+from tasks.sweep import run_sweep
 from tasks.sweep_spec import SweepSpec, load_spec
 from tasks.trial import Summary
 from tasks.trial_plan import TrialPlan

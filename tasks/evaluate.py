@@ -54,11 +54,11 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec 
     ``generation``: the generation budget and scorers (an int: that many prompts a split
     under the default scorers; None or 0: no generation); the completions are written to
     ``out/generations.jsonl`` when ``out`` is given."""
-    from engine.adapters import atomic_write_text, trained_loss, trained_reference
+    from engine.adapters import trained_loss, trained_reference
+    from engine.atomic import atomic_write_text
     from engine.data_fit import load_pairs_for
     from engine.layout_policy import scoring_layout
-    from engine.load_check import checked_stack
-    from engine.model import load_model
+    from engine.prepared import prepare_scoring
     from engine.reference import ReferenceSpec, attach_reference, ensure_reference
     from engine.scoring import evaluate
 
@@ -69,14 +69,14 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec 
                "allow_tokenizer_mismatch": allow_tokenizer_mismatch}
     if spec.needs_reference:  # made (or read) before the adapter's model loads: one at a time
         ensure_reference(reference, None, options)
-    loaded, tokenizer = load_model(model, adapter)
-    stack, _ = checked_stack(loaded)
+    prepared = prepare_scoring(model, adapter)
+    loaded, tokenizer, stack = prepared.model, prepared.tokenizer, prepared.stack
     pairs = load_pairs_for(data, model, stack, allow_tokenizer_mismatch)  # ids fit its vocab
     if spec.needs_reference:  # DPO's figures read the reference it trained against
         attach_reference(pairs, reference, None, options)
     if not pairs.valid and not pairs.test:
         raise ValueError(f"{data}: no validation or test split to evaluate on")
-    layout = scoring_layout(prefix_share, tokenizer.pad_token_id or 0, spec.nll_span)
+    layout = scoring_layout(prefix_share, prepared.pad_id, spec.nll_span)
     metrics: dict[str, Any] = {}
     for split in EVAL_SPLITS:
         held_out, wins = pairs.split(split), {}

@@ -20,22 +20,21 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 
-from engine.adapters import atomic_write_text
+from engine.atomic import atomic_write_text, write_atomic
 from engine.model_source import source_kind
-from engine.outputs import RefusedOutput, temp_beside
+from engine.outputs import RefusedOutput
+from engine.ranking import MODES, rank_key
 from tasks.degenerate import below_chance
 from tasks.paired import against_base, board_row
+from tasks.ranked_metric import metric_value
 from tasks.results_table import write_results
-from tasks.sweep import metric_value
 from tasks.sweep_spec import ACROSS_LOSSES, ACROSS_NON_REFERENCE_LOSSES
 
 ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
@@ -51,10 +50,7 @@ def rank_trials(results: list[dict[str, Any]], evals: dict[str, dict[str, Any]],
     rows = [_held_out_check({**r, **evals.get(r["trial_id"], {})}) for r in results]
 
     def score(r: dict[str, Any]) -> float:
-        value = metric_value(r, metric)
-        if value is None or not math.isfinite(value):
-            return math.inf
-        return value if mode == "min" else -value
+        return rank_key(metric_value(r, metric), mode)
 
     done = [r for r in rows if r["status"] == "completed"]
     ranked = sorted((r for r in done if math.isfinite(score(r))), key=score)
@@ -95,7 +91,7 @@ def check_leaderboard_inputs(sweep_dir: Path, model: str, data: str, metric: str
         raise ValueError(f"--metric {metric!r}: expected a validation metric such as "
                          "val/loss or val/rewards/accuracies, or a generation score "
                          "gen/valid/<scorer label>")
-    if mode not in ("min", "max"):
+    if mode not in MODES:
         raise ValueError(f"--mode {mode!r}: expected min or max")
     losses = {r for r in pq.read_table(Path(sweep_dir) / "results.parquet").to_pydict()
               .get("param/loss", []) if r}
@@ -284,21 +280,11 @@ def export_best(rows: list[dict[str, Any]], out: Path) -> Path | None:
                             "refusing to replace it. Move it out of the way")
     target.mkdir(exist_ok=True)  # mode per the umask: readable like any folder
     # SOURCE first: an export killed midway still leaves a folder marked as Pomona's
-    _replace_file(target / "SOURCE", lambda tmp: tmp.write_text(f"{best['trial_id']}\n"))
+    atomic_write_text(target / "SOURCE", f"{best['trial_id']}\n")
     for name in ADAPTER_FILES:
-        _replace_file(target / name,
-                      lambda tmp, name=name: shutil.copyfile(Path(best["adapter"]) / name, tmp))
+        write_atomic(target / name,
+                     lambda tmp, name=name: shutil.copyfile(Path(best["adapter"]) / name, tmp))
     return target
-
-
-def _replace_file(path: Path, write: Callable[[Path], Any]) -> None:
-    """``write`` a unique temporary beside ``path``, then rename it onto ``path``."""
-    tmp = temp_beside(path)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def answer_samples(rows: list[dict[str, Any]], count: int = 8) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engine.adapters import atomic_write_text
+from engine.atomic import atomic_write_text
 from engine.command_queue import QUEUE_MB, queue_env
 from engine.model_source import layer_count
 from engine.probe import largest_fitting, probe_steps

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine.adapters import atomic_write_text
+from engine.atomic import atomic_write_text
 from tasks.placement import Placement
 from tasks.plots import figure, save_png
 from tasks.results_table import write_results

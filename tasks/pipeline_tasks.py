@@ -18,7 +18,8 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed, State
 
-from engine.adapters import ADAPTER_FILE, CONFIG_FILE, atomic_write_text, trained_reference
+from engine.adapters import ADAPTER_FILE, CONFIG_FILE, trained_reference
+from engine.atomic import atomic_write_text
 from engine.content_key import adapter_fingerprint, model_fingerprint
 from engine.digests import file_digest
 from engine.losses import LossSpec

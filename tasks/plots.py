@@ -8,12 +8,11 @@ from __future__ import annotations
 import base64
 import itertools
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-from engine.outputs import temp_beside
-from tasks.sweep import metric_value
+from engine.atomic import written
+from tasks.ranked_metric import metric_value
 
 
 def figure(ncols: int, size: tuple[float, float] = (5, 3.6)):
@@ -31,13 +30,11 @@ def save_png(plt, fig, path: Path) -> Path:
     """Write ``fig`` to ``path`` atomically and close it."""
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_beside(path)  # a unique name: never a file of a user's
     try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
+        with written(path) as tmp:  # a unique name: never a file of a user's
+            fig.savefig(tmp, format="png")
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
     return path
 
 

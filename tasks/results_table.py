@@ -4,13 +4,13 @@ values a user's swept parameters put in one column."""
 from __future__ import annotations
 
 import json
-import os
-import threading
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from engine.atomic import write_atomic
 
 
 def write_results(rows: list[dict[str, Any]], path: Path) -> Path:
@@ -18,10 +18,8 @@ def write_results(rows: list[dict[str, Any]], path: Path) -> Path:
     (``column``), so no parameter a user swept can cost the table."""
     path.parent.mkdir(parents=True, exist_ok=True)
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    pq.write_table(pa.table({k: column([r.get(k) for r in rows]) for k in keys}), tmp)
-    os.replace(tmp, path)
-    return path
+    table = pa.table({k: column([r.get(k) for r in rows]) for k in keys})
+    return write_atomic(path, lambda tmp: pq.write_table(table, tmp))
 
 
 def column(values: list[Any]) -> pa.Array:

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 from safetensors.numpy import load_file
 
-from engine.adapters import ADAPTER_FILE, CONFIG_FILE, atomic_save_arrays, atomic_write_text
+from engine.adapters import ADAPTER_FILE, CONFIG_FILE, run_save_arrays, run_write_text
 from engine.outputs import RefusedOutput, entries
 
 
@@ -65,7 +65,7 @@ def make_soup(adapters: list[Path], out: Path) -> Path:
         raise RefusedOutput(f"{out}: holds files that are not a soup Pomona made; refusing to "
                             "replace them. Move them out of the way")
     out.mkdir(parents=True, exist_ok=True)
-    atomic_save_arrays(out / ADAPTER_FILE, {k: mx.array(v) for k, v in weights.items()})
+    run_save_arrays(out / ADAPTER_FILE, {k: mx.array(v) for k, v in weights.items()})
     config["pomona"] = {**config.get("pomona", {}), "soup_of": [str(a) for a in adapters]}
-    atomic_write_text(out / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
+    run_write_text(out / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
     return out

@@ -33,6 +33,7 @@ from tasks.attempts import EventHook
 from tasks.memory_probe import resolve_auto
 from tasks.placement import Placement
 from tasks.preflight import preflight
+from tasks.ranked_metric import metric_value
 from tasks.results_table import write_results
 from tasks.scheduler import ListSource, TrialsInterrupted, Wrap, run_trials
 from tasks.sweep_spec import PlanError, SpecError, SweepSpec, trial_id
@@ -155,13 +156,6 @@ def previous_results(out: Path) -> dict[str, dict[str, Any]]:
     if not path.exists():
         return {}
     return {r["trial_id"]: r for r in pq.read_table(path).to_pylist()}
-
-
-def metric_value(summary: Summary, metric: str) -> float | None:
-    """The trial's best value of the spec's validation ``metric`` (``val/…``: its best in
-    training), or an evaluation's column as it is (``gen/valid/exact``, ``eval/…``)."""
-    value = summary.get(metric if metric.startswith(("gen/", "eval/")) else f"best/{metric}")
-    return None if value is None else float(value)
 
 
 def run_sweep(spec: SweepSpec, out: Path, placement: Placement | None = None,

@@ -48,7 +48,9 @@ import numpy as np
 
 from engine.config import TrainConfig
 from engine.losses import LOSSES, LossSpec, validation_metrics
+from engine.ranking import MODES
 from tasks.generation_eval import GenerationSettings, check_rank_by, parse_generation
+from tasks.ranked_metric import rank_mode
 from tasks.trial_plan import AUTO, TrialPlan, parse_auto
 
 KINDS = ("choice", "uniform", "loguniform", "int")
@@ -123,7 +125,7 @@ class SweepSpec:
         """What the leaderboard ranks on, and which way: a generation score is better
         higher; a validation metric goes the spec's ``mode``."""
         rank_by = self.rank_by or self.metric
-        return rank_by, "max" if rank_by.startswith("gen/") else self.mode
+        return rank_by, rank_mode(rank_by, self.mode)
 
     def points(self) -> list[dict[str, Any]]:
         """Grid points × ``num_samples`` draws from ``space`` (random search), in order: each
@@ -298,7 +300,7 @@ def _parse(data: Any) -> SweepSpec:
     if search == "grid" and space:
         raise SpecError("space: a grid search has no space; use search: random or optuna")
     mode = data.get("mode", "min")
-    if mode not in ("min", "max"):
+    if mode not in MODES:
         raise SpecError(f"mode={mode!r}: expected min or max")
     counts = {key: _setting(data, key, default, integer=True, minimum=minimum)
               for key, default, minimum in (("num_samples", 1, 1), ("max_concurrent", 1, 1),

@@ -265,20 +265,15 @@ def is_synth_file(path: Path) -> bool:
 def write_rows(rows: list[dict], out: Path) -> Path:
     """Write rows as JSONL (``.jsonl``), a JSON array (``.json``) or Parquet (``.parquet``),
     replacing only an earlier synthetic file (``is_synth_file``)."""
-    from engine.outputs import check_file, temp_beside
+    from engine.atomic import write_atomic
+    from engine.outputs import check_file
 
     out = Path(out)
     check_file(out, is_synth_file, "a synthetic data file")
     suffix = out.suffix.lower()
     if suffix not in (".jsonl", ".json", ".parquet"):
         raise ValueError(f"{out}: unsupported extension {suffix!r}; use .jsonl, .json or .parquet")
-    tmp = temp_beside(out)  # a unique name: never a user's file
-    try:
-        _write_as(rows, tmp, suffix)
-        tmp.replace(out)  # atomic: a crash never leaves a half file under the real name
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out
+    return write_atomic(out, lambda tmp: _write_as(rows, tmp, suffix))
 
 
 def _write_as(rows: list[dict], tmp: Path, suffix: str) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -26,10 +25,11 @@ from typing import Any
 
 import numpy as np
 
+from engine.atomic import atomic_write_bytes
 from engine.data import split_counts, split_notes, stable_split
 from engine.digests import file_digest, file_digests, tokenizer_hash
 from engine.model_source import model_dir, read_config
-from engine.outputs import RefusedOutput, check_apart, replacing, temp_beside
+from engine.outputs import RefusedOutput, check_apart, replacing
 from tasks.dataset_dir import check_replaceable, read_manifest, shards_problem, write_dataset
 from tasks.pair_encoder import PairEncoder
 from tasks.preference_rows import Conversation, Reject, list_files, read_conversations
@@ -218,13 +218,8 @@ def _write_rejects(path: Path, rejects: list[Reject]) -> None:
     """Write atomically under a unique temporary: a crash leaves the previous file, never
     half of one, and no file of a user's is written over."""
     text = "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in rejects)
-    tmp = temp_beside(path)  # makes a first run's --out parent too
-    try:
-        # backslashreplace writes a lone surrogate back as the JSON escape it was read from
-        tmp.write_bytes(text.encode("utf-8", "backslashreplace"))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    # backslashreplace writes a lone surrogate back as the JSON escape it was read from
+    atomic_write_bytes(path, text.encode("utf-8", "backslashreplace"))
 
 
 REJECT_KEYS = Reject("", 0, "", None).to_json().keys()

@@ -191,10 +191,12 @@ class Lab:
 
     def alive_nodes(self) -> int:
         code = ("import ray; ray.init(address='auto', log_to_driver=False); "
-                "print(sum(n['Alive'] for n in ray.nodes()))")
+                "print('alive:', sum(n['Alive'] for n in ray.nodes()))")
         proc = self.run("head", [f"{BIN}/python", "-c", code], timeout=60, check=False)
-        lines = proc.stdout.strip().splitlines()
-        return int(lines[-1]) if proc.returncode == 0 and lines else 0
+        # Ray prints its own notes to stdout too ("raylet has lagging heartbeats"): read ours
+        counts = [line.split()[-1] for line in proc.stdout.splitlines()
+                  if line.startswith("alive: ")]
+        return int(counts[-1]) if proc.returncode == 0 and counts else 0
 
     def wait_nodes(self, count: int, wait_s: float) -> None:
         deadline = time.time() + wait_s

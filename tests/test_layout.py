@@ -194,3 +194,51 @@ def test_one_model_resolver(package: str) -> None:
              if p != RESOLVER for leak in resolver_leaks(p.read_text())]
     assert not found, "use engine/model_source.py (source_kind, model_dir, read_config):\n" \
         + "\n".join(found)
+
+
+SETUP = ROOT / "engine" / "prepared.py"
+SETUP_CALLS = {"load_model", "checked_stack", "attach_lora", "chunk_mlps", "mlp_chunks",
+               "load_reference_model"}
+# Calls of a set-up step outside engine/prepared.py that set up no config's model, each
+# with why: the float32 copy of a model already set up, the check's own internals, the
+# benchmarks of random-init shapes (no checkpoint, no TrainConfig).
+SETUP_ELSEWHERE = {
+    "engine/recompute.py": {"chunk_mlps"},  # mlp_chunks is chunk_mlps undone after
+    "engine/load_check.py": {"chunk_mlps", "mlp_chunks"},  # --verify's copy and plain path
+    "engine/check_copy.py": {"attach_lora"},  # the copy's LoRA, from the model's own
+    "benchmarks/check_bench.py": {"checked_stack"},  # the check of a mutated stack
+    "benchmarks/bench_model.py": {"attach_lora"},  # random-init shapes
+    "benchmarks/row_runner.py": {"chunk_mlps"},
+    "benchmarks/layer_memory.py": {"chunk_mlps"},
+}
+
+
+def setup_calls(source: str) -> list[tuple[int, str]]:
+    """(line, name) of each call of a set-up step (``f(...)`` or ``mod.f(...)``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            if name in SETUP_CALLS:
+                found.append((node.lineno, name))
+    return found
+
+
+def test_setup_call_detector() -> None:
+    assert setup_calls("m, t = load_model(p)\ns, _ = load_check.checked_stack(m)\n"
+                       "def load_model(x): pass\n") == [(1, "load_model"), (2, "checked_stack")]
+
+
+@pytest.mark.parametrize("package", ["engine", "tasks", "flows", "benchmarks"])
+def test_one_model_setup(package: str) -> None:
+    """Loading, LoRA, the load check and the levers are engine/prepared.py's alone: five
+    copies had drifted apart, and the probe measured a path training did not take (its
+    MLPs unchunked: issue 38)."""
+    found = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if path == SETUP:
+            continue
+        found += [f"{rel} line {line}: {name}" for line, name in setup_calls(path.read_text())
+                  if name not in SETUP_ELSEWHERE.get(rel, set())]
+    assert not found, "set the model up through engine/prepared.py:\n" + "\n".join(found)

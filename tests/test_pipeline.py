@@ -42,8 +42,18 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
     assert rows["valid"] > 0 and rows["test"] > 0
     for r in board:
         assert (r["eval/valid/rows"], r["eval/test/rows"]) == (rows["valid"], rows["test"])
+    # The board's accuracies are what `pomona score` reads off the same pairs.
+    from engine.cli import run_score
+    from engine.scoring import preference_accuracy
+
+    for r in (board[-1], trials[0]):
         for split in ("valid", "test"):
-            assert 0.0 <= r[f"eval/{split}/logps/accuracies"] <= 1.0
+            scored = tmp_path / f"{r['trial_id']}-{split}.jsonl"
+            adapter = [] if r["trial_id"] == "base" else ["--adapter", r["adapter"]]
+            assert run_score(["--model", str(tiny_model), "--data", str(out / "data"),
+                              "--split", split, "--out", str(scored), *adapter]) == 0
+            acc = preference_accuracy([json.loads(x) for x in scored.read_text().splitlines()])
+            assert r[f"eval/{split}/logps/accuracies"] == pytest.approx(acc, abs=1e-9), split
     assert "eval/test/logps/accuracies" in (out / "leaderboard.md").read_text()
     assert summary["best_trial"] == trials[0]["trial_id"]
     best = out / "best-adapter"

@@ -31,7 +31,7 @@ from engine.reference import (
     cache_dir,
     compute_reference,
     ensure_reference,
-    load_reference_model,
+    prepare_reference,
     read_reference,
     write_reference,
 )
@@ -180,11 +180,13 @@ def test_an_adapter_for_another_base_is_refused_before_any_forward(
                        tmp_path / "small-model")
     foreign = trained_adapter(small, tiny_data, tmp_path / "foreign", 1, 1e-3)
     forwards = []
-    real = reference_mod.forward_logps
-    monkeypatch.setattr(reference_mod, "forward_logps",
+    import engine.scoring as scoring_mod  # the one forward-only loop's forward
+
+    real = scoring_mod.forward_logps
+    monkeypatch.setattr(scoring_mod, "forward_logps",
                         lambda *a, **k: forwards.append(1) or real(*a, **k))
     spec = ReferenceSpec(str(tiny_model), str(tiny_data), str(foreign))
-    for call in (lambda: load_reference_model(spec),
+    for call in (lambda: prepare_reference(spec),
                  lambda: compute_reference(spec, **OPTIONS),
                  lambda: ensure_reference(spec, options=OPTIONS)):
         with pytest.raises(ValueError) as err:
@@ -201,7 +203,7 @@ def test_an_adapter_for_another_base_is_refused_before_any_forward(
     empty = tmp_path / "not-an-adapter"
     empty.mkdir()
     with pytest.raises(FileNotFoundError) as err:
-        load_reference_model(replace(spec, reference=str(empty)))
+        prepare_reference(replace(spec, reference=str(empty)))
     assert "\n" not in str(err.value) and str(empty) in str(err.value)
     assert "adapter_config.json" in str(err.value)
 
@@ -386,10 +388,10 @@ def test_an_adapter_for_another_base_of_the_same_shape_is_refused(
     foreign = trained_adapter(twin, tiny_data, tmp_path / "twin-adapter", 1, 1e-3)
     spec = ReferenceSpec(str(tiny_model), str(tiny_data), str(foreign))
     with pytest.raises(ValueError) as err:
-        load_reference_model(spec)
+        prepare_reference(spec)
     message = str(err.value)
     assert "\n" not in message and str(foreign) in message and "trained on base" in message, message
-    load_reference_model(ReferenceSpec(str(twin), str(tiny_data), str(foreign)))  # its own
+    prepare_reference(ReferenceSpec(str(twin), str(tiny_data), str(foreign)))  # its own
 
 
 def test_a_reference_retrained_in_place_is_said_at_score(

@@ -33,8 +33,12 @@ def test_sweep_flow_runs_each_trial_as_a_task_run(prefect_api, ray_cluster, tiny
     results = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()
     assert sorted(r["param/loss"] for r in results) == ["dpo", "orpo", "simpo"]
     assert all(r["best/val/nll_loss"] > 0 for r in results)  # ranked on a metric all share
+    trained = {p: p.stat().st_mtime_ns for p in (tmp_path / "out").rglob("adapters.safetensors")}
+    assert len(trained) == 3, trained
     again = sweep_flow(str(spec), str(tmp_path / "out"), return_state=True)  # trials cached
     assert again.is_completed(), again
+    assert [r["trial_id"] for r in again.result()] == [r["trial_id"] for r in rows]
+    assert {p: p.stat().st_mtime_ns for p in trained} == trained  # none trained again
     with get_client(sync_client=True) as client:
         flow_run = client.read_flow_run(state.state_details.flow_run_id)
         task_runs = client.read_task_runs()
@@ -46,7 +50,9 @@ def test_sweep_flow_runs_each_trial_as_a_task_run(prefect_api, ray_cluster, tiny
                      and t.name.startswith("reference-"))
         assert first.state.name == "Completed" and len(second) == 1, (first.state, second)
         assert second[0].state.name == "Cached", second[0].state
-        assert all(t.state.is_completed() for t in task_runs if t.flow_run_id == flow_run.id)
+        again_runs = [t.name for t in task_runs if t.flow_run_id == again.state_details.flow_run_id]
+        assert again_runs == [second[0].name], again_runs  # no trial ran a second time
+        assert all(t.state.name == "Completed" for t in task_runs if t.flow_run_id == flow_run.id)
         from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
 
         trial_run = next(t for t in task_runs if t.name == rows[0]["trial_id"])

@@ -108,7 +108,16 @@ def test_adapter_loads_in_mlx_lm_with_matching_logits(tiny_model, tiny_data, tmp
     assert float(mx.abs(a - b).max()) <= 1e-5
     base, _ = mlx_lm.load(str(tiny_model))
     assert float(mx.abs(base(tokens) - a).max()) > 1e-4  # the adapter changed something
-    assert mlx_lm.generate(theirs, tokenizer, prompt="Sort: 3 1 2", max_tokens=4)
+    # mlx-lm's own generation with the adapter: the greedy tokens our model picks.
+    prompt = tokenizer.encode("Sort: 3 1 2")
+    got = [r.token for r in mlx_lm.stream_generate(theirs, tokenizer, prompt, max_tokens=4)]
+    seq = list(prompt)
+    for _ in range(4):
+        nxt = int(mx.argmax(ours(mx.array([seq]))[0, -1]))
+        if nxt in tokenizer.eos_token_ids:
+            break
+        seq.append(nxt)
+    assert got == seq[len(prompt):], (got, seq[len(prompt):])
     fused = tmp_path / "fused"
     proc = subprocess.run([sys.executable, "-m", "mlx_lm", "fuse", "--model", str(tiny_model),
                            "--adapter-path", str(out), "--save-path", str(fused)],
@@ -141,10 +150,27 @@ def test_segment_memory_log(tiny_model, tiny_data, tmp_path) -> None:
                       "[seg-mem] head", "[seg-mem] backward 2-4", "[seg-mem] backward 0-2"]
 
 
-def test_verify_passes_for_segmented_path(tiny_model, tiny_data, tmp_path) -> None:
-    result = train(cfg(tiny_model, tiny_data, tmp_path / "v", steps=1, verify=True,
-                       segment_size=3, head_chunk=8))
-    assert result.steps == 1
+def test_verify_passes_for_segmented_path(tiny_model, tiny_data, tmp_path,
+                                          monkeypatch) -> None:
+    """``--verify`` compares the configured path with the plain one, and stops a run whose
+    segmented gradients are off (here: doubled by a broken backward)."""
+    import engine.load_check as load_check
+    from engine.load_check import VerifyFailed
+
+    run = cfg(tiny_model, tiny_data, tmp_path / "v", steps=1, verify=True, segment_size=3,
+              head_chunk=8)
+    figures = train(run).verified
+    assert figures["arrays"] > 0 and figures["pairs"] > 0
+    assert figures["grad_rel_err"] <= figures["tolerance"] and figures["loss_rel_err"] <= 1e-5
+    right = load_check.value_and_grad
+
+    def doubled(model, stack, batch, fn, *levers):  # the configured path only
+        loss, sums, grads = right(model, stack, batch, fn, *levers)
+        return loss, sums, grads if not levers else {k: 2 * g for k, g in grads.items()}
+
+    monkeypatch.setattr(load_check, "value_and_grad", doubled)
+    with pytest.raises(VerifyFailed, match="grad rel err"):
+        train(run.replace(out=str(tmp_path / "broken")))
 
 
 def test_empty_responses_are_counted_not_trained(tiny_model, tmp_path) -> None:
