@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -68,6 +69,7 @@ class Lab:
         self.id = lab_id if lab_id is not None else os.getpid() % 200 + 20
         self.tag = f"pl{self.id}"
         self.token = secrets.token_hex(32)
+        self._poller: subprocess.Popen | None = None
         self.kernels = root / "kernels"  # TMPDIR of ``warm_kernels``: its mlx/ seeds nodes
         self.nodes: dict[str, Node] = {}
         names = ["head", *(f"w{i}" for i in range(1, workers + 1))]
@@ -189,14 +191,46 @@ class Lab:
                 self.start_node(name)
         self.wait_nodes(len(self.nodes), wait_s)
 
+    # One driver on the head answers every count: a new process a poll (import Ray, join
+    # the cluster) cost ~2 CPU-s each, tens of times a module on a 2-core box.
+    POLLER = ("import sys, ray\nray.init(address='auto', log_to_driver=False)\n"
+              "for _ in sys.stdin:\n"
+              "    print('alive:', sum(n['Alive'] for n in ray.nodes()), flush=True)\n")
+
     def alive_nodes(self) -> int:
-        code = ("import ray; ray.init(address='auto', log_to_driver=False); "
-                "print('alive:', sum(n['Alive'] for n in ray.nodes()))")
-        proc = self.run("head", [f"{BIN}/python", "-c", code], timeout=60, check=False)
-        # Ray prints its own notes to stdout too ("raylet has lagging heartbeats"): read ours
-        counts = [line.split()[-1] for line in proc.stdout.splitlines()
-                  if line.startswith("alive: ")]
-        return int(counts[-1]) if proc.returncode == 0 and counts else 0
+        """Nodes the head sees alive (0 while it cannot say: starting, or it was lost)."""
+        poller = self._poller
+        if poller is None or poller.poll() is not None:
+            n = self.nodes["head"]
+            poller = self._poller = subprocess.Popen(
+                ["nsenter", "-t", str(n.init_pid), "-n", "-m", "-u", "-p", "sh", "-c",
+                 'cd /tmp/lab && exec "$@"', "poller", f"{BIN}/python", "-u", "-c",
+                 self.POLLER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, env=self.env())
+        try:
+            poller.stdin.write(b"\n")
+            poller.stdin.flush()
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                ready, _, _ = select.select([poller.stdout], [], [], 1.0)
+                if not ready:
+                    continue
+                line = poller.stdout.readline().decode(errors="replace")
+                if not line:
+                    break  # it exited: the head was down, or not up yet
+                if line.startswith("alive: "):  # Ray writes notes to stdout too
+                    return int(line.split()[-1])
+        except (BrokenPipeError, OSError):
+            pass
+        self._end_poller()
+        return 0
+
+    def _end_poller(self) -> None:
+        if self._poller is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self._poller.kill()
+            self._poller.wait(timeout=30)
+            self._poller = None
 
     def wait_nodes(self, count: int, wait_s: float) -> None:
         deadline = time.time() + wait_s
@@ -264,6 +298,7 @@ class Lab:
         self._link(name, "up")
 
     def stop(self) -> None:
+        self._end_poller()
         for name in self.nodes:
             self.kill(name)
         for name in [*(n.netns for n in self.nodes.values()), f"{self.tag}-br"]:
