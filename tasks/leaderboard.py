@@ -35,7 +35,7 @@ from tasks.degenerate import below_chance
 from tasks.paired import against_base, board_row
 from tasks.ranked_metric import metric_value
 from tasks.results_table import write_results
-from tasks.sweep_spec import ACROSS_LOSSES, ACROSS_NON_REFERENCE_LOSSES
+from tasks.spec_rules import ACROSS_LOSSES, ACROSS_NON_REFERENCE_LOSSES
 
 ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
 EVAL_COLUMNS = ("eval/valid/logps/accuracies", "eval/test/logps/accuracies",

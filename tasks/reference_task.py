@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,24 +97,42 @@ def run_reference_task(spec: ReferenceSpec, options: dict[str, Any], placement: 
 def reference_task(spec: ReferenceSpec, options: dict[str, Any], placement: Placement,
                    label: str) -> dict[str, Any]:
     """DPO's reference log-probs for ``spec``, made once in a Ray task on ``placement``."""
-    import ray
-
     logger = get_run_logger()
-    box = ray.remote(num_cpus=0)(ProgressBox).remote()
     progress = create_progress_artifact(0.0, key=artifact_key(label, "reference"),
                                         description=f"reference log-probs: {spec.reference} "
                                                     f"on {spec.data}")
+    made = reference_on_ray(spec, options, placement,
+                            lambda pct: update_progress_artifact(progress, pct))
+    logger.info("reference log-probs (%s) %s in %.1f s: %s", spec.reference,
+                "were cached" if made["cached"] else "computed", made["seconds"], made["path"])
+    return made
+
+
+def reference_on_ray(spec: ReferenceSpec, options: dict[str, Any], placement: Placement,
+                     progress: Callable[[float], Any] | None = None) -> dict[str, Any]:
+    """DPO's reference log-probs for ``spec``, made in a Ray task on ``placement`` before
+    any trial starts (the Prefect flow and ``pomona sweep`` alike): ``progress`` hears the
+    percent done. Returns the file, whether it was cached, the seconds and the key."""
+    import ray
+
+    box = ray.remote(num_cpus=0)(ProgressBox).remote()
     paths = {"model": spec.model, "data": spec.data, "reference": spec.reference}
     inputs = SweepFiles().for_paths({k: v for k, v in paths.items()
                                      if v != "base" and Path(v).exists()})
     ref = placement.fresh_task(make_reference).remote(spec, options, box, inputs)
     while not ray.wait([ref], timeout=2.0)[0]:
         done, total = ray.get(box.get.remote())
-        if total:
-            update_progress_artifact(progress, 100.0 * done / total)
+        if total and progress is not None:
+            progress(100.0 * done / total)
     path, cached, seconds = ray.get(ref)
-    update_progress_artifact(progress, 100.0)
+    if progress is not None:
+        progress(100.0)
     ray.kill(box)
-    logger.info("reference log-probs (%s) %s in %.1f s: %s", spec.reference,
-                "were cached" if cached else "computed", seconds, path)
     return {"path": path, "cached": cached, "seconds": seconds, "key": spec.key()}
+
+
+def make_references(spec: SweepSpec, placement: Placement) -> list[dict[str, Any]]:
+    """Every reference ``spec``'s DPO trials train against, made before the trials (the
+    CLI's route; the flow runs each as a task run, ``run_reference_task``)."""
+    return [reference_on_ray(reference, options, placement)
+            for reference, options in reference_needs(spec)]

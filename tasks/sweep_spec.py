@@ -47,10 +47,15 @@ from typing import Any, get_type_hints
 import numpy as np
 
 from engine.config import TrainConfig
-from engine.losses import LOSSES, LossSpec, validation_metrics
 from engine.ranking import MODES
 from tasks.generation_eval import GenerationSettings, check_rank_by, parse_generation
 from tasks.ranked_metric import rank_mode
+from tasks.spec_rules import (
+    SpecError,
+    check_metric_of_losses,
+    check_ranks,
+    pruning_of,
+)
 from tasks.trial_plan import AUTO, TrialPlan, parse_auto
 
 KINDS = ("choice", "uniform", "loguniform", "int")
@@ -60,15 +65,10 @@ TOP_KEYS = {"name", "model", "data", "fixed", "grid", "space", "search", "num_sa
             "metric", "mode", "max_concurrent", "time_limit_s", "seed", "pruning",
             "memory_budget_gb", "retries", "retry_delay_s", "kind", "probe_batches",
             "ranks_per_trial", "evaluation", "rank_by"}
-PRUNING_DEFAULTS = {"startup_trials": 2, "warmup_steps": 0}
 CONFIG_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 FIELD_TYPES = get_type_hints(TrainConfig)
 NOT_SWEPT = {"model", "data", "out", "resume",  # set by the sweep itself:
              "best_metric", "best_mode"}  # a trial's best is what the sweep ranks on
-
-
-class SpecError(ValueError):
-    """A sweep spec problem, naming the key."""
 
 
 class PlanError(SpecError):
@@ -316,15 +316,15 @@ def _parse(data: Any) -> SweepSpec:
     if not isinstance(metric, str) or not metric.startswith("val/"):
         raise SpecError(f"metric={metric!r}: expected a validation metric such as val/loss "
                         "or val/rewards/accuracies")
-    _check_metric_of_losses(metric, fixed, grid, space)
+    check_metric_of_losses(metric, fixed, grid, space)
     try:
         evaluation = parse_generation(data.get("evaluation"))
         rank_by = check_rank_by(data.get("rank_by", ""), evaluation)
     except ValueError as err:
         raise SpecError(str(err)) from None
     if rank_by.startswith("val/") and rank_by != metric:
-        _check_metric_of_losses(rank_by, fixed, grid, space)
-    pruning = _pruning(data.get("pruning", False), search)
+        check_metric_of_losses(rank_by, fixed, grid, space)
+    pruning = pruning_of(data.get("pruning", False), search)
     budget = seconds["memory_budget_gb"]
     autos = [f"{w}.{k}" for w, sec in (("fixed", fixed), ("grid", grid))
              for k, v in sec.items() if AUTO in (v if isinstance(v, list) else [v])]
@@ -338,83 +338,12 @@ def _parse(data: Any) -> SweepSpec:
         raise SpecError("kind: memory measures grid points (search: grid, explicit segment "
                         "sizes)")
     if counts["ranks_per_trial"] > 1:
-        _check_ranks(counts["ranks_per_trial"], kind, fixed, grid, space)
+        check_ranks(counts["ranks_per_trial"], kind, fixed, grid, space)
     return SweepSpec(
         name=data["name"], model=data["model"], data=data["data"], fixed=fixed, grid=grid,
         space={k: _dist(k, v) for k, v in space.items()}, search=search, metric=metric,
         mode=mode, pruning=pruning, kind=kind, evaluation=evaluation, rank_by=rank_by,
         **counts, **seconds)
-
-
-def _check_ranks(ranks: int, kind: str, fixed: dict, grid: dict, space: dict) -> None:
-    """Every batch size a trial may get splits over ``ranks`` (each rank takes its share of
-    every global batch), known before any rank starts."""
-    if kind == "memory":
-        raise SpecError("ranks_per_trial: a memory sweep measures one process per point")
-    if "batch_size" in space:
-        raw = space["batch_size"]
-        values = raw.get("choice") if isinstance(raw, dict) else None
-        if not isinstance(values, list):
-            raise SpecError(f"space.batch_size: with ranks_per_trial {ranks} give a choice of "
-                            "multiples of it (a range would draw sizes the ranks cannot split)")
-        sources = [("space.batch_size", values)]
-    elif "batch_size" in grid:
-        sources = [("grid.batch_size", grid["batch_size"])]
-    else:
-        sources = [("fixed.batch_size" if "batch_size" in fixed else "batch_size (default)",
-                    [fixed.get("batch_size", TrainConfig().batch_size)])]
-    for where, values in sources:
-        bad = [v for v in values if not isinstance(v, int) or v % ranks]
-        if bad:
-            raise SpecError(f"{where}={bad[0]!r}: must be a multiple of ranks_per_trial={ranks} "
-                            "(each rank trains its share of every batch)")
-
-
-# Validation metrics every loss reports on one scale: what trials of different losses are
-# ranked on (val/loss and the reward values are each loss's own: λ·ℓ for ORPO, β·ℓ for
-# SimPO, ℓ for SFT). Without DPO, which response wins, rewards/accuracies, is the same for
-# all, and logps/* are mean log-probs; DPO's rewards are relative to its reference and its
-# logps summed (TRL's), so a search with DPO ranks on logps/accuracies, logps/margin or
-# nll_loss.
-ACROSS_LOSSES = ("val/logps/accuracies", "val/logps/margin", "val/nll_loss")
-ACROSS_NON_REFERENCE_LOSSES = (*ACROSS_LOSSES, "val/rewards/accuracies",
-                               "val/logps/chosen", "val/logps/rejected")
-
-
-def _check_metric_of_losses(metric: str, fixed: dict, grid: dict, space: dict) -> None:
-    """A search over ``loss`` must rank trials on a metric every loss shares; one loss,
-    on a metric it reports (else every trial would train and then go unranked)."""
-    dist = space.get("loss")
-    losses = set(grid.get("loss", [])) | set(dist.get("choice", []) if isinstance(dist, dict)
-                                             else [])
-    shared = ACROSS_LOSSES if "dpo" in losses else ACROSS_NON_REFERENCE_LOSSES
-    types = set(grid.get("dpo_loss_type", []))
-    kind = space.get("dpo_loss_type")
-    types |= set(kind.get("choice", []) if isinstance(kind, dict) else [])
-    if len(types) > 1:  # sigmoid and IPO: two losses on two scales (IPO starts at 1/(4β²))
-        losses, shared = losses | {f"dpo-{t}" for t in types}, ACROSS_LOSSES
-    if len(losses) > 1 and metric not in shared:
-        raise SpecError(f"metric={metric}: not comparable across losses {sorted(losses)}; "
-                        f"rank a search over loss on one of {', '.join(shared)}")
-    for loss in sorted(losses or {fixed.get("loss", "orpo")}):
-        if loss in LOSSES and metric not in (names := validation_metrics(LossSpec(loss))):
-            raise SpecError(f"metric={metric}: loss {loss} does not report it; it reports "
-                            f"{', '.join(names)}")
-
-
-def _pruning(raw: Any, search: str) -> dict[str, int]:
-    if raw is False or raw is None:
-        return {}
-    if search != "optuna":
-        raise SpecError("pruning: needs search: optuna (the pruner is Optuna's)")
-    if raw is True:
-        return dict(PRUNING_DEFAULTS)
-    if not isinstance(raw, dict) or set(raw) - set(PRUNING_DEFAULTS):
-        raise SpecError(f"pruning: expected true or a mapping with keys "
-                        f"{sorted(PRUNING_DEFAULTS)}, got {raw!r}")
-    if not all(isinstance(v, int) and v >= 0 for v in raw.values()):
-        raise SpecError(f"pruning: values must be integers >= 0, got {raw!r}")
-    return {**PRUNING_DEFAULTS, **raw}
 
 
 def load_spec(path: str | Path) -> SweepSpec:

