@@ -23,3 +23,13 @@ def tokenized_pairs(model_dir: Path, n: int, seed: int = 0, task: str = "mixed",
             rejected=tok.encode(row["rejected"], add_special_tokens=False) + [eos],
         ))
     return pairs
+
+
+def uncached_copy(data: Path, out: Path) -> Path:
+    """``data`` plus one pair under a fresh id: content no earlier run (of this session or
+    another: the reference cache outlives them) has made DPO's reference for."""
+    import uuid
+
+    first = data.read_text().splitlines()[0].replace('"id": "', f'"id": "{uuid.uuid4().hex}-', 1)
+    out.write_text(data.read_text() + first + "\n")
+    return out

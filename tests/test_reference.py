@@ -476,15 +476,12 @@ def test_pomona_sweep_makes_the_reference_before_its_trials(
     """Issue 38: `pomona sweep` left DPO's reference to its first trial, the others waiting
     on its lock, where the Prefect flow made it first; both now make it before any trial,
     through one function (tasks/reference_task.py: reference_on_ray)."""
-    import uuid
-
     from typer.testing import CliRunner
 
     from flows.cli import app
+    from tests.pairs import uncached_copy
 
-    data = tmp_path / "pairs.jsonl"  # content of its own: a reference no run has cached
-    data.write_text(tiny_data.read_text() + tiny_data.read_text().splitlines()[0].replace(
-        '"id": "', f'"id": "{uuid.uuid4().hex}-', 1) + "\n")
+    data = uncached_copy(tiny_data, tmp_path / "pairs.jsonl")
     spec = tmp_path / "dpo.yaml"
     spec.write_text(f"name: dpo_cli\nmodel: {tiny_model}\ndata: {data}\nmax_concurrent: 2\n"
                     "fixed: {loss: dpo, steps: 1, batch_size: 2, lora_rank: 4, "

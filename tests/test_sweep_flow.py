@@ -15,10 +15,9 @@ def test_sweep_flow_runs_each_trial_as_a_task_run(prefect_api, ray_cluster, tiny
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     from flows.sweep_flow import sweep_flow
+    from tests.pairs import uncached_copy
 
-    data = tmp_path / "pairs.jsonl"  # content of its own: a reference no run has cached
-    data.write_text(tiny_data.read_text() + tiny_data.read_text().splitlines()[0].replace(
-        '"id": "', f'"id": "{tmp_path.name}-', 1) + "\n")
+    data = uncached_copy(tiny_data, tmp_path / "pairs.jsonl")
     spec = tmp_path / "flow.yaml"
     spec.write_text(f"name: Flow_Test\nmodel: {tiny_model}\ndata: {data}\n"
                     "max_concurrent: 2\nfixed: {steps: 2, batch_size: 2, lora_rank: 4, "
