@@ -51,14 +51,14 @@ class SweepFiles:
 
     def for_paths(self, paths: dict[str, str]) -> dict[str, Any]:
         """What a process on another node needs to fetch ``paths`` (by name)."""
-        listed = {}
+        listed, new = {}, []
         for field, path in paths.items():
             if path not in self.bundles:
                 self.bundles[path] = Bundle.of(path)
-                self.server = None  # a new bundle: a server that serves it too
+                new.append(self.bundles[path])
             listed[field] = self.bundles[path].to_dict()
-        if listed and self.server is None:
-            self.server = file_server(list(self.bundles.values()))
+        if new:  # the driver's one server, told of these too
+            self.server = file_server(new)
         return {"bundles": listed, "server": self.server}
 
 
