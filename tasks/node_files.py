@@ -2,7 +2,7 @@
 pulled back to the driver (DESIGN.md: a lab usually has no shared disk; never assume one).
 
     bundle = Bundle.of("/lab/model")          # the driver: each file's SHA-256, one digest
-    server = file_server([bundle, ...])       # the driver's node's one server, serving them too
+    server = file_server([bundle, ...])       # a Ray actor on the driver's node serving them
     local = fetch(bundle, server)             # a node: the path itself, or its cached copy
     pull(outputs, trial_actor.read, out_dir)  # the driver: a trial's files, checked, in place
 
@@ -110,11 +110,8 @@ def holds(bundle: Bundle) -> bool:
 class FileServer:
     """A Ray actor on the driver's node: chunks of the bundles it was given."""
 
-    def __init__(self) -> None:
-        self.bundles: dict[str, Bundle] = {}
-
-    def add(self, bundles: list[dict[str, Any]]) -> None:
-        self.bundles.update((b["digest"], Bundle.from_dict(b)) for b in bundles)
+    def __init__(self, bundles: list[dict[str, Any]]):
+        self.bundles = {b["digest"]: Bundle.from_dict(b) for b in bundles}
 
     def read(self, digest: str, rel: str, offset: int, length: int) -> bytes:
         with self.bundles[digest].file(rel).open("rb") as f:
@@ -122,29 +119,14 @@ class FileServer:
             return f.read(min(length, CHUNK))
 
 
-_SERVERS: dict[tuple[str, str], Any] = {}  # (Ray job, driver node) -> its FileServer
-
-
 def file_server(bundles: list[Bundle]) -> Any:
-    """The driver's ``FileServer``, pinned to its node, now serving ``bundles`` too: one
-    actor per driver and Ray session (each is a worker process: ~1.3 CPU-s to start),
-    however many sweeps, evaluations and references it serves. The bundles are added
-    before this returns, so no reader asks for one the server does not know yet."""
+    """A ``FileServer`` actor pinned to this (the driver's) node, serving ``bundles``."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    context = ray.get_runtime_context()
-    key = (context.get_job_id(), context.get_node_id())
-    listed = [b.to_dict() for b in bundles]
-    with contextlib.suppress(ray.exceptions.RayActorError):  # a lost one: start another
-        if key in _SERVERS:
-            ray.get(_SERVERS[key].add.remote(listed))
-            return _SERVERS[key]
-    here = NodeAffinitySchedulingStrategy(key[1], soft=False)
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     cls = ray.remote(num_cpus=0, max_concurrency=8)(FileServer)
-    server = _SERVERS[key] = cls.options(scheduling_strategy=here).remote()
-    ray.get(server.add.remote(listed))
-    return server
+    return cls.options(scheduling_strategy=here).remote([b.to_dict() for b in bundles])
 
 
 def server_reader(server: Any, digest: str) -> Reader:

@@ -51,14 +51,14 @@ class SweepFiles:
 
     def for_paths(self, paths: dict[str, str]) -> dict[str, Any]:
         """What a process on another node needs to fetch ``paths`` (by name)."""
-        listed, new = {}, []
+        listed = {}
         for field, path in paths.items():
             if path not in self.bundles:
                 self.bundles[path] = Bundle.of(path)
-                new.append(self.bundles[path])
+                self.server = None  # a new bundle: a server that serves it too
             listed[field] = self.bundles[path].to_dict()
-        if new:  # the driver's one server, told of these too
-            self.server = file_server(new)
+        if listed and self.server is None:
+            self.server = file_server(list(self.bundles.values()))
         return {"bundles": listed, "server": self.server}
 
 
