@@ -54,8 +54,8 @@ class Demo:
 
 
 DEMOS = {
-    # No worked examples: up to 8 made each pair ~2x longer and the demo 113 s against 79 s,
-    # for a smaller lift (0.51 -> 0.65 against 0.48 -> 0.68 on the test pairs; README).
+    # No worked examples: up to 8 made each pair ~2x longer, the demo 113 s against 79 s,
+    # for no larger lift on the test pairs (README).
     "tiny": Demo(CONFIGS / "demo.yaml", "sort", 2200, 0,
                  "random-init llama + byte-level BPE tokenizer"),
     "smollm2": Demo(CONFIGS / "demo-real.yaml", "add-small", 1000, 0,
