@@ -10,7 +10,6 @@ a write that fails (a full disk) removes its temporary and raises an OSError nam
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -24,7 +23,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from engine.atomic import written
 from engine.content_key import adapter_fingerprint
-from engine.losses import LossSpec
+from engine.losses import LOSSES, LossSpec, spec_of
 from engine.model import LoraSpec
 
 ADAPTER_FILE, CONFIG_FILE = "adapters.safetensors", "adapter_config.json"
@@ -75,8 +74,10 @@ def trained_loss(adapter_dir: str | Path | None) -> LossSpec | None:
         block = json.loads(path.read_text()).get("pomona") or {}
         if "loss" not in block:
             return None
-        fields = {f.name for f in dataclasses.fields(LossSpec)} - {"kind"}
-        return LossSpec(block["loss"], **{k: v for k, v in block.items() if k in fields})
+        kind = block["loss"]
+        own = LOSSES[kind].names() if kind in LOSSES else ()
+        return spec_of(kind, block.get("nll_span", "full"),
+                       **{k: v for k, v in block.items() if k in own})
     except (ValueError, AttributeError, TypeError) as err:  # not JSON, not a mapping, a bad value
         raise ValueError(f"{path}: its pomona block does not name a loss Pomona knows "
                          f"({err})") from None

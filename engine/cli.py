@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from engine.config import CHOICES, TrainConfig
-from engine.losses import LossSpec
+from engine.losses import LOSSES, OWNERS, LossSpec
 from engine.parsers import OneLineParser, command_parser
 
 
@@ -34,15 +34,32 @@ def _arg_type(hint: Any) -> tuple[Any, dict[str, Any]]:
 
 def train_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m engine train",
-                      description="Train one LoRA adapter (ORPO, SimPO, DPO or SFT).")
+                      description="Train one LoRA adapter with a preference loss (--loss: "
+                                  + ", ".join(LOSSES) + ").")
     p.add_argument("--config", help="YAML file of TrainConfig fields (CLI flags override).")
     hints = get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
+        if f.name == "loss":
+            p.add_argument("--loss", choices=tuple(LOSSES), default=None,
+                           help=f"{f.metadata['help']} (default: {f.default.kind})")
+            continue
         _, kwargs = _arg_type(hints[f.name])
         p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None,
                        help=f"{f.metadata['help']} (default: {f.default})".replace("%", "%%"),
                        **kwargs)  # argparse %-formats help: "25%" crashed --help
+    add_loss_options(p, lambda f: f"(default: {f.default}; loss {OWNERS[f.name].kind} only)")
     return p
+
+
+def add_loss_options(p: argparse.ArgumentParser, tail: Callable[[Any], str]) -> None:
+    """One option per loss setting (engine/losses/), its help from the loss's field."""
+    for name, owner in OWNERS.items():
+        f = owner.field(name)
+        hint = get_type_hints(owner)[name]
+        kwargs = ({"choices": f.metadata["choices"]} if "choices" in f.metadata else
+                  {"type": hint})
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None,
+                       help=f"{f.metadata['help']} {tail(f)}".replace("%", "%%"), **kwargs)
 
 
 def config_from_args(argv: list[str]) -> TrainConfig:
@@ -146,10 +163,6 @@ def resume_hint(cfg: Any) -> str:
     return f"resume from step {step} ({ckpt}) with the same options and --resume auto"
 
 
-LOSS_WEIGHTS = ("orpo_lambda", "simpo_beta", "simpo_gamma", "simpo_nll_weight", "dpo_beta",
-                "dpo_label_smoothing", "rpo_alpha")
-
-
 def score_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m engine score",
                       description="Score preference pairs under a model (+ adapter).")
@@ -157,14 +170,9 @@ def score_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", help="Adapter directory (mlx-lm format).")
     p.add_argument("--data", required=True, help="Tokenized pairs (dataset dir/.parquet/.jsonl).")
     p.add_argument("--out", required=True, help="Output JSONL, one object per pair.")
-    p.add_argument("--loss", choices=CHOICES["loss"],
+    p.add_argument("--loss", choices=tuple(LOSSES),
                    help="The loss column's loss (default: the adapter's own, else orpo).")
-    for name in LOSS_WEIGHTS:
-        p.add_argument(f"--{name.replace('_', '-')}", type=float,
-                       help=f"{_field_help(name)} Default: the adapter's, else "
-                            f"{_default(name)}.".replace("%", "%%"))
-    p.add_argument("--dpo-loss-type", choices=CHOICES["dpo_loss_type"],
-                   help="DPO: sigmoid or ipo. Default: the adapter's, else sigmoid.")
+    add_loss_options(p, lambda f: f"Default: the adapter's, else {f.default}.")
     p.add_argument("--reference", help="DPO's reference: base or an adapter directory. "
                                        "Default: the one the adapter trained against.")
     p.add_argument("--split", default="all", choices=["all", "train", "valid", "test"],
@@ -196,17 +204,13 @@ def _field_help(name: str) -> str:
     return next(f.metadata["help"] for f in dataclasses.fields(TrainConfig) if f.name == name)
 
 
-def _default(name: str) -> Any:
-    return getattr(TrainConfig(), name)
-
-
 def score_loss(a: argparse.Namespace, own: LossSpec) -> LossSpec:
     """The score's loss: the adapter's own (``own``), each flag given replacing its value,
-    checked as TrainConfig checks a run's (a negative β or a NaN is refused by name)."""
-    cfg = TrainConfig().replace(loss=a.loss or own.kind, nll_span=own.nll_span, **{
-        k: getattr(own, k) if getattr(a, k) is None else getattr(a, k)
-        for k in (*LOSS_WEIGHTS, "dpo_loss_type")})
-    cfg.check_values()
+    checked as a run's is (a negative β, a NaN or another loss's setting refused by name)."""
+    kind = a.loss or own.kind
+    given = {k: getattr(a, k) for k in OWNERS if getattr(a, k) is not None}
+    kept = own.loss.fields() if kind == own.kind else {}
+    cfg = TrainConfig().replace(loss=kind, nll_span=own.nll_span, **{**kept, **given})
     return cfg.loss_spec()
 
 

@@ -2,7 +2,8 @@
 
 Names follow mlx-lm where it has one (``lora_scale`` = α/r as in its adapter_config) and
 TRL otherwise; λ is ``orpo_lambda`` (TRL's ``beta``, the paper's λ, the official code's
-``alpha``). Loss defaults live once, in engine/losses.py.
+``alpha``). A run's loss is one field holding that loss's settings (engine/losses/, one
+file a loss); its options keep their flat names (``orpo_lambda``) in YAML and on the CLI.
 """
 
 from __future__ import annotations
@@ -15,16 +16,14 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from engine.losses import (
-    DPO_BETA,
-    DPO_LABEL_SMOOTHING,
-    DPO_LOSS_TYPES,
     LOSSES,
-    ORPO_LAMBDA,
-    RPO_ALPHA,
-    SIMPO_BETA,
-    SIMPO_GAMMA,
-    SIMPO_NLL_WEIGHT,
+    NLL_SPANS,
+    OWNERS,
+    LossSettings,
     LossSpec,
+    Orpo,
+    foreign_message,
+    loss_named,
 )
 from engine.ranking import MODES
 
@@ -33,8 +32,8 @@ def _f(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
-CHOICES = {"loss": LOSSES, "nll_span": ("full", "response"), "dpo_loss_type": DPO_LOSS_TYPES,
-           "lr_schedule": ("cosine", "constant"), "prefix_share": ("auto", "on", "off"),
+CHOICES = {"nll_span": NLL_SPANS, "lr_schedule": ("cosine", "constant"),
+           "prefix_share": ("auto", "on", "off"),
            "prefix_attention": ("auto", "mask", "split"), "best_mode": MODES}
 
 
@@ -42,6 +41,12 @@ def check_choice(name: str, value: str) -> None:
     """Raise ValueError unless ``value`` is one of field ``name``'s CHOICES."""
     if value not in CHOICES[name]:
         raise ValueError(f"{name}={value!r}: expected one of {CHOICES[name]}")
+
+
+DEFAULT_LOSS = Orpo()
+LOSS_HELP = ("The loss and its settings: " + "; ".join(cls.summary for cls in LOSSES.values())
+             + " (engine/losses/). On the command line and in YAML: --loss NAME and that "
+             "loss's own options (--orpo-lambda, ...).")
 
 
 @dataclass(frozen=True)
@@ -52,24 +57,7 @@ class TrainConfig:
     data: str = _f("", "Tokenized pairs: a dataset directory, .parquet or .jsonl with "
                        "prompt_ids/chosen_ids/rejected_ids (and optional id, split).")
     out: str = _f("runs/train", "Output directory: adapters, metrics.jsonl, checkpoints.")
-    loss: str = _f("orpo", "orpo, simpo (reference-free, length-normalised margin), dpo "
-                           "(against reference log-probs computed once and cached: "
-                           "engine/reference.py), or sft (NLL on the chosen sequence only): "
-                           "engine/losses.py.")
-    orpo_lambda: float = _f(ORPO_LAMBDA, "ORPO: λ weighting the odds-ratio term (TRL's beta).")
-    simpo_beta: float = _f(SIMPO_BETA, "SimPO: β scaling the mean log-probs (TRL CPO's beta).")
-    simpo_gamma: float = _f(SIMPO_GAMMA, "SimPO: target margin γ (TRL's simpo_gamma).")
-    simpo_nll_weight: float = _f(SIMPO_NLL_WEIGHT, "SimPO: weight of the chosen NLL term "
-                                                   "(0 = pure SimPO; TRL's cpo_alpha).")
-    dpo_beta: float = _f(DPO_BETA, "DPO: β, the strength of the pull to the reference "
-                                   "(TRL's beta).")
-    dpo_label_smoothing: float = _f(DPO_LABEL_SMOOTHING, "DPO sigmoid: the share of labels "
-                                                         "assumed flipped (cDPO; TRL's "
-                                                         "label_smoothing), in [0, 0.5).")
-    dpo_loss_type: str = _f("sigmoid", "DPO: sigmoid (Rafailov et al., summed log-probs) or "
-                                       "ipo (Azar et al., length-averaged), TRL's loss_type.")
-    rpo_alpha: float = _f(RPO_ALPHA, "DPO: weight of the chosen NLL term (TRL's rpo_alpha; "
-                                     "0 = off; TRL's span is nll_span response).")
+    loss: LossSettings = _f(DEFAULT_LOSS, LOSS_HELP)  # noqa: RUF009 (frozen: immutable)
     reference: str = _f("base", "DPO's reference model: base (the base model, no LoRA) or "
                                 "an adapter directory for it (SFT, then DPO).")
     reference_logps: str | None = _f(None, "DPO: a reference log-prob file to read "
@@ -170,8 +158,7 @@ class TrainConfig:
             raise ValueError("mlp_chunk with lora_dropout > 0: masks would differ from the "
                              "unchunked path; set one of them to 0")
         for name in ("learning_rate", "grad_clip", "weight_decay", "min_lr_ratio",
-                     "orpo_lambda", "simpo_beta", "simpo_nll_weight", "memory_limit_gb",
-                     "rpo_alpha"):
+                     "memory_limit_gb"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         self._check_trains_something()
@@ -189,7 +176,7 @@ class TrainConfig:
         learning rate, SimPO's β or LoRA scale: every update or gradient is 0) or not what
         was asked (``lora_layers`` 0 adapts every block in mlx-lm; a final rate above the
         peak climbs instead of decaying)."""
-        for name in ("learning_rate", "simpo_beta", "lora_scale", "dpo_beta"):
+        for name in ("learning_rate", "lora_scale"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0 (0 trains "
                                  "nothing: every update is zero)")
@@ -198,34 +185,29 @@ class TrainConfig:
                              "or -1 for all of them")
         if self.pad_multiple < -1:
             raise ValueError(f"pad_multiple={self.pad_multiple}: must be -1 (auto) or >= 0")
-        if not 0 <= self.dpo_label_smoothing < 0.5:
-            raise ValueError(f"dpo_label_smoothing={self.dpo_label_smoothing}: must be in "
-                             "[0, 0.5) (0.5 makes both labels equally likely: no signal)")
         for f in dataclasses.fields(self):  # MLX and the loop count in int32
             value = getattr(self, f.name)
             if _kind(f.name) == "int" and abs(value) > 2**31 - 1:
                 raise ValueError(f"{f.name}={value}: too large (at most {2**31 - 1})")
-        if self.loss == "dpo" and self.dpo_loss_type == "ipo" and self.dpo_label_smoothing:
-            raise ValueError(f"dpo_label_smoothing={self.dpo_label_smoothing} with "
-                             "dpo_loss_type ipo: IPO has no label smoothing; drop one of them")
         if self.min_lr_ratio > 1:
             raise ValueError(f"min_lr_ratio={self.min_lr_ratio}: must be in [0, 1] (the final "
                              "learning rate is this fraction of the peak)")
 
+    def __post_init__(self) -> None:
+        if isinstance(self.loss, str):  # TrainConfig(loss="dpo"): that loss's defaults
+            object.__setattr__(self, "loss", loss_named(self.loss))
+
     def loss_spec(self) -> LossSpec:
         """The loss this run trains, validates and scores with."""
-        return LossSpec(self.loss, self.orpo_lambda, self.nll_span, self.simpo_beta,
-                        self.simpo_gamma, self.simpo_nll_weight, self.dpo_beta,
-                        self.dpo_label_smoothing, self.dpo_loss_type, self.rpo_alpha)
+        return LossSpec(self.loss, self.nll_span)
 
     def replace(self, **changes: Any) -> TrainConfig:
-        """A copy with ``changes``, each coerced to its field's type (``coerce``); unknown
-        names and values of the wrong type raise, naming the field."""
-        names = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(str(k) for k in set(changes) - names)
-        if unknown:
-            raise ValueError(f"unknown config field(s): {', '.join(unknown)}")
-        return dataclasses.replace(self, **{k: coerce(k, v) for k, v in changes.items()})
+        """A copy with ``changes``, each coerced to its field's type (``coerce``): a loss by
+        name (its defaults, unless it is this run's loss already) and that loss's own
+        settings by their flat names. Unknown names, values of the wrong type and another
+        loss's settings raise, naming the field."""
+        loss, rest = _routed(changes, self.loss)
+        return dataclasses.replace(self, loss=loss, **rest)
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> TrainConfig:
@@ -235,15 +217,41 @@ class TrainConfig:
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of config fields, got "
                              f"{type(data).__name__}")
+        data = {str(k): v for k, v in data.items()}
         try:
-            config = cls().replace(**{str(k): v for k, v in data.items()})
-            config.check_values()
+            cls().replace(**data).check_values()
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
-        return config.replace(**overrides)
+        return cls().replace(**{**data, **overrides})  # one replace: the loss, then its own
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain values, the loss flat (its name and its own settings): ``from_dict``
+        rebuilds the config."""
+        plain = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**plain, "loss": self.loss.kind, **self.loss.fields()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        """The config ``to_dict`` gave (or any flat mapping of fields): built once."""
+        loss, rest = _routed(data, DEFAULT_LOSS)
+        return cls(loss=loss, **rest)
+
+
+def _routed(changes: dict[str, Any], loss: LossSettings) -> tuple[LossSettings, dict[str, Any]]:
+    """``changes`` coerced and split into the run's loss (``loss`` changed by them) and the
+    other fields; unknown names and another loss's settings raise, naming the field."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(str(k) for k in set(changes) - names - set(OWNERS))
+    if unknown:
+        raise ValueError(f"unknown config field(s): {', '.join(unknown)}")
+    if "loss" in changes and not (changes["loss"] == loss.kind or changes["loss"] is loss):
+        loss = coerce("loss", changes["loss"])
+    own = {k: coerce(k, v) for k, v in changes.items() if k in OWNERS}
+    foreign = sorted(k for k in own if k not in loss.names())
+    if foreign:
+        raise ValueError(foreign_message(foreign[0], loss.kind))
+    loss = dataclasses.replace(loss, **own) if own else loss
+    return loss, {k: coerce(k, v) for k, v in changes.items() if k in names and k != "loss"}
 
 
 def read_yaml(path: str | Path, what: str) -> Any:
@@ -265,20 +273,30 @@ def read_yaml(path: str | Path, what: str) -> Any:
         raise ValueError(f"{path}: not valid YAML{line}: {problem}") from None
 
 
-_KINDS = {"bool": "true or false", "int": "an integer", "float": "a number",
+_KINDS = {"loss": f"one of {tuple(LOSSES)}", "bool": "true or false", "int": "an integer",
+          "float": "a number",
           "str": "a string", "str?": "a string or null",
           "keys?": "a list of module paths or null"}
 
 
+def field_type(name: str) -> Any:
+    """The type of config field ``name``, a loss's own settings included."""
+    owner = OWNERS.get(name)
+    return get_type_hints(owner or TrainConfig)[name]
+
+
 @cache
 def _kind(name: str) -> str:
-    hint = str(get_type_hints(TrainConfig)[name])
+    hint = str(field_type(name))
     return {"<class 'bool'>": "bool", "<class 'int'>": "int", "<class 'float'>": "float",
             "<class 'str'>": "str", "str | None": "str?",
-            "tuple[str, ...] | None": "keys?"}[hint]
+            "tuple[str, ...] | None": "keys?",
+            "<class 'engine.losses.base.LossSettings'>": "loss"}[hint]
 
 
 def _is_kind(value: Any, kind: str) -> bool:
+    if kind == "loss":
+        return isinstance(value, LossSettings)
     if kind == "bool":
         return isinstance(value, bool)
     if kind in ("int", "float"):
@@ -298,6 +316,12 @@ def coerce(name: str, value: Any) -> Any:
     """
     kind = _kind(name)
     number = _number(value)
+    if kind == "loss":
+        if isinstance(value, LossSettings):
+            return value
+        if isinstance(value, str) and value in LOSSES:
+            return loss_named(value)
+        raise ValueError(f"loss={value!r}: expected one of {tuple(LOSSES)}")
     if kind == "bool" and isinstance(value, bool):
         return value
     if kind == "int" and number is not None and math.isfinite(number) and number.is_integer():

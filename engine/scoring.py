@@ -136,7 +136,7 @@ def evaluate(model: nn.Module, stack: Stack, pairs: Sequence[Pair], spec: LossSp
 def _record_wins(per_pair: dict[str, float], group: list[Pair], lp: mx.array,
                  resp: mx.array) -> None:
     """Each pair of ``group``: 1.0 where ℓw > ℓr (mean response log-probs), as
-    ``logps/accuracies`` counts it (engine/losses.py)."""
+    ``logps/accuracies`` counts it (engine/losses/spec.py)."""
     k = len(group)
     won = np.asarray(mean_logps(lp[:k], resp[:k]) > mean_logps(lp[k:], resp[k:]))
     per_pair.update({p.id: float(w) for p, w in zip(group, won, strict=True)})

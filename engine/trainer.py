@@ -20,7 +20,7 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -180,10 +180,9 @@ def reference_of(cfg: TrainConfig, ranks: int = 1
 def loss_weights(cfg: TrainConfig) -> dict[str, Any]:
     """The loss's own settings, for the adapter's pomona block (adapters.trained_loss;
     DPO's reference too, which evaluation re-reads)."""
-    weights = {k: v for k, v in asdict(cfg.loss_spec()).items()
-               if k.startswith(f"{cfg.loss}_") or k == "nll_span"}
-    if cfg.loss_spec().needs_reference:  # absolute: score and evaluation run from anywhere
-        weights.update(rpo_alpha=cfg.rpo_alpha, reference=resolved_reference(cfg.reference))
+    weights = {**cfg.loss.fields(), "nll_span": cfg.nll_span}
+    if cfg.loss.needs_reference:  # absolute: score and evaluation run from anywhere
+        weights["reference"] = resolved_reference(cfg.reference)
     return weights
 
 
@@ -192,7 +191,7 @@ def say_unread_settings(cfg: TrainConfig) -> None:
     would not read (a sweep's fixed file beside ORPO trials), a warmup past the steps."""
     if cfg.reference_logps and not cfg.loss_spec().needs_reference:
         log.warning("reference_logps %s is not read: loss %s takes no reference (only "
-                    "DPO does)", cfg.reference_logps, cfg.loss)
+                    "DPO does)", cfg.reference_logps, cfg.loss.kind)
     if cfg.warmup_steps > cfg.steps:
         log.warning("warmup_steps=%d is longer than steps=%d: the learning rate never "
                     "reaches its peak", cfg.warmup_steps, cfg.steps)
@@ -251,7 +250,7 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback], held: ExitStack) -> 
     refuse_beyond_context([*data.train, *data.valid, *data.test], stack.context)
     loss_spec = cfg.loss_spec()
     if cfg.best_metric not in validation_metrics(loss_spec):  # refused before any step
-        raise ValueError(f"best_metric={cfg.best_metric!r}: loss {cfg.loss} reports "
+        raise ValueError(f"best_metric={cfg.best_metric!r}: loss {cfg.loss.kind} reports "
                          f"{validation_metrics(loss_spec)}")
     pad_multiple = resolve_pad_multiple(cfg.pad_multiple)
     resolve_prefix_attention(cfg.prefix_attention, pad_multiple)  # refuse unsafe, before work
@@ -346,7 +345,7 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback], held: ExitStack) -> 
     result.seconds = time.perf_counter() - started
     if ranks.main:
         weights = loss_weights(cfg)
-        extra = {"model": cfg.model, "pomona": {"steps": result.steps, "loss": cfg.loss,
+        extra = {"model": cfg.model, "pomona": {"steps": result.steps, "loss": cfg.loss.kind,
                                                 **weights, **content_keys(cfg),
                                                 "seed": cfg.seed, "world_size": ranks.size}}
         save_adapters(model, out, spec, num_layers, extra)

@@ -2,7 +2,7 @@
 
 Metrics, each under ``eval/<split>/`` for split valid and test: what validation reports
 during training, with TRL's names (``engine.scoring.evaluate`` under the adapter's own
-loss, engine/losses.py) — ``loss``, ``nll_loss``, ``rewards/accuracies`` and
+loss, engine/losses/) — ``loss``, ``nll_loss``, ``rewards/accuracies`` and
 ``rewards/margins`` (the loss's own rewards: DPO's relative to its reference),
 ``logps/chosen``, ``logps/rejected`` (DPO: summed), the loss's extras (ORPO:
 ``log_odds_ratio``, ``log_odds_chosen``), ``rows`` — and, on mean response log-probs

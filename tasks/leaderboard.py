@@ -35,7 +35,7 @@ from tasks.degenerate import below_chance
 from tasks.paired import against_base, board_row
 from tasks.ranked_metric import metric_value
 from tasks.results_table import write_results
-from tasks.spec_rules import ACROSS_LOSSES, ACROSS_NON_REFERENCE_LOSSES
+from tasks.spec_rules import shared_metrics
 
 ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
 EVAL_COLUMNS = ("eval/valid/logps/accuracies", "eval/test/logps/accuracies",
@@ -95,7 +95,7 @@ def check_leaderboard_inputs(sweep_dir: Path, model: str, data: str, metric: str
         raise ValueError(f"--mode {mode!r}: expected min or max")
     losses = {r for r in pq.read_table(Path(sweep_dir) / "results.parquet").to_pydict()
               .get("param/loss", []) if r}
-    shared = ACROSS_LOSSES if "dpo" in losses else ACROSS_NON_REFERENCE_LOSSES
+    shared = shared_metrics(losses)
     if len(losses) > 1 and metric.startswith("val/") and metric not in shared:  # own scales
         raise ValueError(f"--metric {metric}: not comparable across the sweep's losses "
                          f"{sorted(losses)}; rank on one of {', '.join(shared)}")

@@ -57,7 +57,7 @@ def _run_probe(config: dict[str, Any], sizes: list[int], inputs: dict[str, Any] 
     from engine.config import TrainConfig
 
     config = {**config, **fetched(inputs)}
-    rows = probe_steps(TrainConfig(**config), [{"segment_size": k} for k in sizes])
+    rows = probe_steps(TrainConfig.from_dict(config), [{"segment_size": k} for k in sizes])
     # A size that failed (out of memory under the limit) fits no budget.
     return {int(r["segment_size"]): float(r.get("peak_gb", float("inf"))) for r in rows}
 

@@ -121,7 +121,7 @@ def evaluation_key(context: Any, inputs: dict[str, Any]) -> str:
         reference = adapter_fingerprint(reference)
     body = json.dumps([model_fingerprint(inputs["model"]), weights, trained, reference,
                        data_fingerprint(inputs["data"]),
-                       dataclasses.asdict(loss) if loss else None,
+                       loss.to_dict() if loss else None,
                        _settings(inputs["generations"]), inputs["out"], CODE_VERSION])
     return "evaluate-" + hashlib.sha256(body.encode()).hexdigest()[:24]
 

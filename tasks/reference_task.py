@@ -23,6 +23,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from engine.config import TrainConfig
+from engine.losses import LOSSES
 from engine.reference import ReferenceSpec, cache_dir, ensure_reference, resolved_reference
 from tasks.pipeline_tasks import artifact_key
 from tasks.placement import Placement
@@ -39,7 +40,8 @@ def reference_needs(spec: SweepSpec) -> list[tuple[ReferenceSpec, dict[str, Any]
     dist = spec.space.get("loss")
     if dist is not None and dist.kind == "choice":
         losses |= set(dist.args)
-    if "dpo" not in losses or spec.fixed.get("reference_logps") or spec.grid.get(
+    if not any(LOSSES[k].needs_reference for k in losses if k in LOSSES) \
+            or spec.fixed.get("reference_logps") or spec.grid.get(
             "reference_logps"):  # the spec names its own files
         return []
     references = spec.grid.get("reference") or [spec.fixed.get("reference", "base")]

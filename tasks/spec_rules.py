@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.config import TrainConfig
-from engine.losses import LOSSES, LossSpec, validation_metrics
+from engine.config import DEFAULT_LOSS, TrainConfig
+from engine.losses import LOSSES, OWNERS, validation_metrics
 
 PRUNING_DEFAULTS = {"startup_trials": 2, "warmup_steps": 0}
 
@@ -51,23 +51,52 @@ ACROSS_NON_REFERENCE_LOSSES = (*ACROSS_LOSSES, "val/rewards/accuracies",
                                "val/logps/chosen", "val/logps/rejected")
 
 
+def searched(name: str, grid: dict, space: dict) -> set:
+    """The values a search gives field ``name`` (its grid list or its space's choice)."""
+    dist = space.get(name)
+    return set(grid.get(name, [])) | set(dist.get("choice", []) if isinstance(dist, dict)
+                                         else [])
+
+
+def spec_losses(fixed: dict, grid: dict, space: dict) -> set[str]:
+    """The losses a spec's trials train with."""
+    return searched("loss", grid, space) or {fixed.get("loss", DEFAULT_LOSS.kind)}
+
+
+def check_loss_settings(fixed: dict, grid: dict, space: dict) -> None:
+    """A loss's own setting (``orpo_lambda``) is given only where a trial trains with that
+    loss: each trial takes its own loss's settings (tasks/trial_plan.own_loss_fields)."""
+    losses = spec_losses(fixed, grid, space)
+    for where, section in (("fixed", fixed), ("grid", grid), ("space", space)):
+        for name in section:
+            owner = OWNERS.get(name)
+            if owner is not None and owner.kind not in losses:
+                raise SpecError(f"{where}.{name}: a setting of loss {owner.kind}, which no "
+                                f"trial of this sweep trains with (its losses: "
+                                f"{', '.join(sorted(losses))})")
+
+
+def shared_metrics(losses: set[str]) -> tuple[str, ...]:
+    """The validation metrics trials of ``losses`` are ranked on together."""
+    same = all(LOSSES[k].mean_rewards for k in losses if k in LOSSES)
+    return ACROSS_NON_REFERENCE_LOSSES if same else ACROSS_LOSSES
+
+
 def check_metric_of_losses(metric: str, fixed: dict, grid: dict, space: dict) -> None:
     """A search over ``loss`` must rank trials on a metric every loss shares; one loss,
     on a metric it reports (else every trial would train and then go unranked)."""
-    dist = space.get("loss")
-    losses = set(grid.get("loss", [])) | set(dist.get("choice", []) if isinstance(dist, dict)
-                                             else [])
-    shared = ACROSS_LOSSES if "dpo" in losses else ACROSS_NON_REFERENCE_LOSSES
-    types = set(grid.get("dpo_loss_type", []))
-    kind = space.get("dpo_loss_type")
-    types |= set(kind.get("choice", []) if isinstance(kind, dict) else [])
-    if len(types) > 1:  # sigmoid and IPO: two losses on two scales (IPO starts at 1/(4β²))
-        losses, shared = losses | {f"dpo-{t}" for t in types}, ACROSS_LOSSES
+    losses = searched("loss", grid, space)
+    shared = shared_metrics(losses)
+    for name, owner in OWNERS.items():  # a loss's variants (its loss_type: choices)
+        types = searched(name, grid, space)
+        if len(types) > 1 and "choices" in owner.field(name).metadata:
+            loss = owner.kind  # e.g. sigmoid and IPO: two scales (IPO starts at 1/(4β²))
+            losses, shared = losses | {f"{loss}-{t}" for t in types}, ACROSS_LOSSES
     if len(losses) > 1 and metric not in shared:
         raise SpecError(f"metric={metric}: not comparable across losses {sorted(losses)}; "
                         f"rank a search over loss on one of {', '.join(shared)}")
-    for loss in sorted(losses or {fixed.get("loss", "orpo")}):
-        if loss in LOSSES and metric not in (names := validation_metrics(LossSpec(loss))):
+    for loss in sorted(losses or {fixed.get("loss", DEFAULT_LOSS.kind)}):
+        if loss in LOSSES and metric not in (names := validation_metrics(LOSSES[loss]())):
             raise SpecError(f"metric={metric}: loss {loss} does not report it; it reports "
                             f"{', '.join(names)}")
 

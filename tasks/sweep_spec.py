@@ -42,16 +42,18 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any
 
 import numpy as np
 
-from engine.config import TrainConfig
+from engine.config import TrainConfig, field_type
+from engine.losses import OWNERS
 from engine.ranking import MODES
 from tasks.generation_eval import GenerationSettings, check_rank_by, parse_generation
 from tasks.ranked_metric import rank_mode
 from tasks.spec_rules import (
     SpecError,
+    check_loss_settings,
     check_metric_of_losses,
     check_ranks,
     pruning_of,
@@ -65,8 +67,9 @@ TOP_KEYS = {"name", "model", "data", "fixed", "grid", "space", "search", "num_sa
             "metric", "mode", "max_concurrent", "time_limit_s", "seed", "pruning",
             "memory_budget_gb", "retries", "retry_delay_s", "kind", "probe_batches",
             "ranks_per_trial", "evaluation", "rank_by"}
-CONFIG_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
-FIELD_TYPES = get_type_hints(TrainConfig)
+# TrainConfig's fields and each loss's own settings (engine/losses/), by their flat names.
+CONFIG_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} | set(OWNERS)
+FIELD_TYPES = {name: field_type(name) for name in CONFIG_FIELDS}
 NOT_SWEPT = {"model", "data", "out", "resume",  # set by the sweep itself:
              "best_metric", "best_mode"}  # a trial's best is what the sweep ranks on
 
@@ -188,13 +191,15 @@ def _check_value(name: str, value: Any, where: str) -> Any:
     if (auto := parse_auto(name, value)) is AUTO:
         return auto
     try:
-        config = TrainConfig(model="m", data="d").replace(**{name: value})
+        owner = OWNERS.get(name)  # a loss's own setting: checked on its loss
+        config = TrainConfig(model="m", data="d", loss=owner.kind if owner else "orpo"
+                             ).replace(**{name: value})
         config.validate()
     except (ValueError, TypeError) as err:
         message = str(err)
         raise SpecError(f"{where}.{message}" if message.startswith(f"{name}=") else
                         f"{where}.{name}={value!r}: {message}") from None
-    checked = getattr(config, name)
+    checked = config.to_dict()[name]
     return value if not isinstance(value, str) and checked == value else checked
 
 
@@ -316,6 +321,7 @@ def _parse(data: Any) -> SweepSpec:
     if not isinstance(metric, str) or not metric.startswith("val/"):
         raise SpecError(f"metric={metric!r}: expected a validation metric such as val/loss "
                         "or val/rewards/accuracies")
+    check_loss_settings(fixed, grid, space)
     check_metric_of_losses(metric, fixed, grid, space)
     try:
         evaluation = parse_generation(data.get("evaluation"))

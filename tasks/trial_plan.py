@@ -15,7 +15,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import TrainConfig, coerce
+from engine.config import DEFAULT_LOSS, TrainConfig, coerce
+from engine.losses import OWNERS
 
 AUTO_KEYS = ("segment_size",)  # TrainConfig fields a spec may leave to the memory probe
 
@@ -69,7 +70,8 @@ class TrialPlan:
         """The plan of ``fields`` (TrainConfig field names; ``AUTO`` where the probe picks);
         ValueError naming the first bad field, cross-field rules included."""
         auto = frozenset(k for k, v in fields.items() if v is AUTO)
-        config = TrainConfig(**{k: coerce(k, v) for k, v in fields.items() if k not in auto})
+        config = TrainConfig.from_dict(
+            {k: v for k, v in own_loss_fields(fields).items() if k not in auto})
         config.validate()
         return cls(trial_id, dict(fields), config, auto, number)
 
@@ -94,9 +96,17 @@ class TrialPlan:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrialPlan:
         """The plan ``to_dict`` sent, in the trial's process: its one TrainConfig there."""
-        config = TrainConfig(**data["config"])
+        config = TrainConfig.from_dict(data["config"])
         config.validate()
         return cls(data["id"], dict(data["fields"]), config, frozenset(), data["number"])
+
+
+def own_loss_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` less the settings of losses other than the trial's own: a spec over
+    several losses gives each trial its own loss's (tasks/spec_rules.py refuses a setting
+    that no loss of the spec owns)."""
+    kind = fields.get("loss", DEFAULT_LOSS.kind)
+    return {k: v for k, v in fields.items() if k not in OWNERS or OWNERS[k].kind == kind}
 
 
 def param_columns(params: dict[str, Any]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from engine.arch import make_stack
 from engine.arch.stack import Stack
 from engine.batch import batch_norms, make_batch
 from engine.load_check import check_length, check_stack, checked_stack
-from engine.losses import LossSpec, pair_loss
+from engine.losses import LossSpec, pair_loss, spec_of
 from engine.model import lora_modules
 from engine.prefix import split_prefix_batch
 from engine.segmented import plain_value_and_grad, value_and_grad
@@ -113,7 +113,7 @@ def test_every_lever_equals_autograd_over_the_model(arch: str, family_dir) -> No
     model, stack = lora_family(family_dir(arch))
     assert stack.model_type == SPECS[arch].arch
     assert check_length(stack) > max(stack.windows, default=0)
-    runs = check_family(model, stack, LossSpec("orpo", 0.5, "full"))
+    runs = check_family(model, stack, spec_of("orpo", "full", orpo_lambda=0.5))
     assert runs >= 3 * (2 * 4 - 1)
 
 
@@ -125,13 +125,13 @@ def test_moe_and_multimodal_checkpoints_train_exactly(arch: str, family_dir) -> 
     names = [n for n, _ in lora_modules(model)]
     assert names and not any("switch" in n or "router" in n or n.endswith("mlp.gate")
                              for n in names)
-    check_family(model, stack, LossSpec("orpo", 0.5, "response"), INNER)
+    check_family(model, stack, spec_of("orpo", "response", orpo_lambda=0.5), INNER)
     if arch == "qwen3_moe":  # experts adapted on request: LoRASwitchLinear, still exact
         keys = ("self_attn.q_proj", "mlp.switch_mlp.up_proj", "mlp.switch_mlp.down_proj")
         model, stack = lora_family(family_dir(arch), keys)
         assert any("switch_mlp" in n for n, _ in lora_modules(model))
         pairs = family_pairs(2, 3)
-        spec = LossSpec("orpo", 0.5, "full")
+        spec = spec_of("orpo", "full", orpo_lambda=0.5)
         ref = reference(model, stack, pairs, spec)
         batch = make_batch(pairs, "full")
         for k in (1, 2):
@@ -140,7 +140,7 @@ def test_moe_and_multimodal_checkpoints_train_exactly(arch: str, family_dir) -> 
 
 def _parity_fails(model, stack) -> bool:
     try:
-        check_family(model, stack, LossSpec("orpo", 0.5, "full"))
+        check_family(model, stack, spec_of("orpo", "full", orpo_lambda=0.5))
     except AssertionError:
         return True
     return False
@@ -249,7 +249,7 @@ def test_blocked_full_layers_stay_exact(family_dir, monkeypatch) -> None:
     monkeypatch.setattr(attention, "WHOLE_SCORES_BYTES", 0)  # the tiny scores fit
     monkeypatch.setattr(attention, "full_block", lambda q: 16 if q.shape[2] > 16 else 0)
     model, stack = lora_family(family_dir("gemma4_text"))
-    assert check_family(model, stack, LossSpec("orpo", 0.5, "full"), INNER) > 0
+    assert check_family(model, stack, spec_of("orpo", "full", orpo_lambda=0.5), INNER) > 0
 
 
 @pytest.mark.parametrize("arch", ["gemma4_text", "llama", "qwen3_moe", "phi3"])
@@ -264,7 +264,7 @@ def test_chunked_recomputed_mlps_stay_exact(arch: str, family_dir) -> None:
     model, stack = lora_family(family_dir(arch), keys)
     assert any(".mlp." in n for n, _ in lora_modules(model))
     chunk_mlps(stack.layers, 16)
-    assert check_family(model, stack, LossSpec("orpo", 0.5, "full"), INNER) > 0
+    assert check_family(model, stack, spec_of("orpo", "full", orpo_lambda=0.5), INNER) > 0
 
 
 def _olmo3(window: int = WINDOW):
@@ -287,7 +287,7 @@ def test_an_unlisted_windowed_family_is_exact_through_the_generic_stack() -> Non
     model = _olmo3()
     stack, _ = checked_stack(model)
     assert not stack.listed and stack.windows == [WINDOW]
-    assert check_family(model, stack, LossSpec("orpo", 0.5, "full")) > 0
+    assert check_family(model, stack, spec_of("orpo", "full", orpo_lambda=0.5)) > 0
 
 
 def test_an_unlisted_window_the_stack_misses_is_refused(monkeypatch) -> None:

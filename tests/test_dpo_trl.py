@@ -40,7 +40,7 @@ import pytest
 from engine.batch import Pair, batch_norms, make_batch
 from engine.layout_policy import scoring_layout
 from engine.load_check import checked_stack
-from engine.losses import LossSpec, pair_loss
+from engine.losses import LossSpec, pair_loss, spec_of
 from engine.model import load_model
 from engine.reference import reference_logps
 from engine.scoring import forward_logps
@@ -62,7 +62,7 @@ def pomona_spec(trl_args: dict) -> LossSpec:
     """TRL's DPOConfig arguments as Pomona's LossSpec (the mapping under test)."""
     kinds, weights = trl_args["loss_type"], trl_args.get("loss_weights") or [1.0]
     assert kinds in (["sigmoid"], ["ipo"], ["sigmoid", "sft"]) and weights[0] == 1.0, trl_args
-    return LossSpec("dpo", nll_span="response", dpo_beta=trl_args["beta"],
+    return spec_of("dpo", nll_span="response", dpo_beta=trl_args["beta"],
                     dpo_label_smoothing=trl_args["label_smoothing"], dpo_loss_type=kinds[0],
                     rpo_alpha=weights[1] if kinds[1:] == ["sft"] else 0.0)
 

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from engine.losses import (
-    LossSpec,
     Norms,
     log1mexp,
     orpo_pair_terms,
     pair_logps,
     pair_loss,
     per_pair_losses,
+    spec_of,
 )
 
 pytestmark = pytest.mark.unit
@@ -59,7 +59,7 @@ def test_simpo_matches_float64_reference(span: str, nll_weight: float) -> None:
     """Loss within 1e-6 of float64; rewards β·ℓ and accuracies as TRL's CPOTrainer."""
     rng = np.random.default_rng(4)
     lp, resp, nll = _batch(rng, b=5, span=span)
-    spec = LossSpec("simpo", nll_span=span, simpo_beta=2.5, simpo_gamma=1.4,
+    spec = spec_of("simpo", nll_span=span, simpo_beta=2.5, simpo_gamma=1.4,
                     simpo_nll_weight=nll_weight)
     loss, metrics = pair_loss(mx.array(lp), mx.array(resp), mx.array(nll), spec,
                               Norms(float(nll.sum()), 5.0))
@@ -75,9 +75,9 @@ def test_per_pair_losses_are_the_batch_loss_one_pair_at_a_time() -> None:
     rng = np.random.default_rng(6)
     lp, resp, nll = _batch(rng, b=4)
     ref = (lp * resp).sum(1) + rng.normal(0, 1, 8).astype(np.float32)
-    for spec in (LossSpec("orpo", 0.3), LossSpec("simpo", simpo_nll_weight=0.5),
-                 LossSpec("sft"), LossSpec("dpo", rpo_alpha=0.5),
-                 LossSpec("dpo", dpo_loss_type="ipo")):
+    for spec in (spec_of("orpo", orpo_lambda=0.3), spec_of("simpo", simpo_nll_weight=0.5),
+                 spec_of("sft"), spec_of("dpo", rpo_alpha=0.5),
+                 spec_of("dpo", dpo_loss_type="ipo")):
         nll_means = -(lp * nll).sum(1)[:4] / nll.sum(1)[:4]
         got, _ = per_pair_losses(pair_logps(mx.array(lp), mx.array(resp), mx.array(ref)),
                                  mx.array(nll_means), spec)
@@ -120,7 +120,7 @@ def _batch(rng, b=3, t=9, span="full"):
 def test_pair_loss_matches_reference(span: str, kind: str) -> None:
     rng = np.random.default_rng(0)
     lp, resp, nll = _batch(rng, span=span)
-    spec = LossSpec(kind, 0.25, span)
+    spec = spec_of(kind, span, **({"orpo_lambda": 0.25} if kind == "orpo" else {}))
     norms = Norms(float(nll.sum()), 3.0)
     loss, metrics = pair_loss(mx.array(lp), mx.array(resp), mx.array(nll), spec, norms)
     want, lw, lr = np_reference(lp, resp, nll, 0.25, kind)
@@ -152,7 +152,7 @@ def test_gradient_matches_finite_differences_in_float64() -> None:
     """dL/dℓ through the mx graph vs central differences of the float64 reference."""
     rng = np.random.default_rng(1)
     lp, resp, nll = _batch(rng, b=2, t=6)
-    spec, norms = LossSpec("orpo", 0.5, "full"), Norms(float(nll.sum()), 2.0)
+    spec, norms = spec_of("orpo", "full", orpo_lambda=0.5), Norms(float(nll.sum()), 2.0)
     grad = mx.grad(lambda x: pair_loss(x, mx.array(resp), mx.array(nll), spec, norms)[0])(
         mx.array(lp))
     eps = 1e-6
@@ -167,9 +167,9 @@ def test_gradient_matches_finite_differences_in_float64() -> None:
 
 def test_bad_spec_is_refused() -> None:
     with pytest.raises(ValueError, match="nll_span"):
-        LossSpec("orpo", 0.1, "prompt")
-    with pytest.raises(ValueError, match="kind"):
-        LossSpec("kto")
+        spec_of("orpo", "prompt", orpo_lambda=0.1)
+    with pytest.raises(ValueError, match="loss='nonesuch'"):
+        spec_of("nonesuch")
 
 
 def np_dpo(lp, resp, nll_mask, ref, beta, smoothing=0.0, kind="sigmoid", rpo_alpha=0.0):
@@ -201,7 +201,7 @@ def test_dpo_matches_float64_reference(kind: str, smoothing: float, rpo: float) 
     rng = np.random.default_rng(8)
     lp, resp, nll = _batch(rng, b=5, span="response")
     ref = (lp * resp).sum(1) + rng.normal(0, 2, 10).astype(np.float32)
-    spec = LossSpec("dpo", nll_span="response", dpo_beta=0.3, dpo_label_smoothing=smoothing,
+    spec = spec_of("dpo", nll_span="response", dpo_beta=0.3, dpo_label_smoothing=smoothing,
                     dpo_loss_type=kind, rpo_alpha=rpo)
     loss, metrics = pair_loss(mx.array(lp), mx.array(resp), mx.array(nll), spec,
                               Norms(float(nll.sum()), 5.0), mx.array(ref))
@@ -225,7 +225,7 @@ def test_dpo_gradient_matches_finite_differences_in_float64() -> None:
     rng = np.random.default_rng(9)
     lp, resp, nll = _batch(rng, b=2, t=6)
     ref = (lp * resp).sum(1) + rng.normal(0, 1, 4).astype(np.float32)
-    spec, norms = LossSpec("dpo", dpo_beta=0.5, rpo_alpha=0.3), Norms(float(nll.sum()), 2.0)
+    spec, norms = spec_of("dpo", dpo_beta=0.5, rpo_alpha=0.3), Norms(float(nll.sum()), 2.0)
     grad = mx.grad(lambda x: pair_loss(x, mx.array(resp), mx.array(nll), spec, norms,
                                        mx.array(ref))[0])(mx.array(lp))
     eps = 1e-6
@@ -241,9 +241,9 @@ def test_dpo_gradient_matches_finite_differences_in_float64() -> None:
 def test_dpo_without_a_reference_and_bad_settings_are_refused() -> None:
     lp, resp, nll = _batch(np.random.default_rng(0), b=1)
     with pytest.raises(ValueError, match="reference log-probs"):
-        pair_loss(mx.array(lp), mx.array(resp), mx.array(nll), LossSpec("dpo"),
+        pair_loss(mx.array(lp), mx.array(resp), mx.array(nll), spec_of("dpo"),
                   Norms(1.0, 1.0))
     for bad in ({"dpo_beta": 0.0}, {"dpo_beta": -1.0}, {"dpo_beta": float("nan")},
                 {"dpo_label_smoothing": 0.5}, {"dpo_loss_type": "hinge"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
-            LossSpec("dpo", **bad)
+            spec_of("dpo", **bad)

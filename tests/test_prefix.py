@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engine.batch import Pair, batch_norms, make_batch
-from engine.losses import LossSpec, pair_loss
+from engine.losses import LOSSES, LossSpec, pair_loss, spec_of
 from engine.prefix import PrefixBatch, split_prefix_batch
 from engine.segmented import value_and_grad
 from tests.pairs import tokenized_pairs
@@ -40,7 +40,7 @@ def test_shared_equals_two_forwards(fixture: str, n: int, span: str, request) ->
     two = make_batch(pairs, span)
     shared = split_prefix_batch(pairs, span, attention="mask")
     assert shared is not None and shared.fed < two.tokens
-    spec = LossSpec("orpo", 0.3, span)
+    spec = spec_of("orpo", span, orpo_lambda=0.3)
     ref = run(model, stack, two, two, spec)
     for k, chunk in ((0, 0), (0, 16), (1, 0), (1, 16), (2, 0), (2, 16)):
         assert_same(run(model, stack, shared, shared.pairs, spec, k, chunk), ref)
@@ -234,19 +234,19 @@ def test_scoring_shares_the_prefix_and_keeps_row_order(tiny_model: Path, head_ch
 
     model, stack = lora_model(tiny_model)
     pairs = tokenized_pairs(tiny_model, 7, seed=21)
-    ref = score_pairs(model, stack, pairs, LossSpec("orpo", 0.3), 3, head_chunk)  # two
+    ref = score_pairs(model, stack, pairs, spec_of("orpo", orpo_lambda=0.3), 3, head_chunk)  # two
     assert [r["id"] for r in ref] == [p.id for p in pairs]
     layouts = {"mask": lambda g: split_prefix_batch(g, "full", attention="mask"),
                "split": lambda g: split_prefix_batch(g, "full", pad_multiple=8,
                                                      attention="split")}
     for name, layout in layouts.items():
-        got = score_pairs(model, stack, pairs, LossSpec("orpo", 0.3), 3, head_chunk,
+        got = score_pairs(model, stack, pairs, spec_of("orpo", orpo_lambda=0.3), 3, head_chunk,
                           layout)
         assert [r["id"] for r in got] == [p.id for p in pairs]
         for a, b in zip(got, ref, strict=True):
             for key in ("chosen_logp_mean", "rejected_logp_mean", "nll", "loss"):
                 assert a[key] == pytest.approx(b[key], abs=1e-5), (name, key, a["id"])
-    spec = LossSpec("orpo", 0.3, "response")
+    spec = spec_of("orpo", "response", orpo_lambda=0.3)
     plain = evaluate(model, stack, pairs, spec, 3, head_chunk=head_chunk)
     shared = evaluate(model, stack, pairs, spec, 3, head_chunk=head_chunk,
                       layout=lambda g: split_prefix_batch(g, "response", attention="mask"))
@@ -257,17 +257,21 @@ def test_scoring_shares_the_prefix_and_keeps_row_order(tiny_model: Path, head_ch
         scoring_layout("maybe", 0)
 
 
-@pytest.mark.parametrize("spec", [
-    LossSpec("simpo", simpo_nll_weight=0.5), LossSpec("simpo", nll_span="response"),
-    LossSpec("dpo", nll_span="response", dpo_beta=0.5, dpo_label_smoothing=0.1,
-             rpo_alpha=0.3),
-    LossSpec("dpo", dpo_beta=0.5, dpo_loss_type="ipo")], ids=lambda s: s.kind)
-def test_simpo_and_dpo_run_every_lever_unchanged(tiny_model: Path, spec: LossSpec) -> None:
-    """SimPO and DPO (sigmoid with label smoothing and rpo_alpha; IPO) through the
-    segmented backward, the bounded head and both shared layouts equal autograd over two
-    forwards: that code sees only the scalar loss of the token log-probs, so a new loss
-    needs no change there. DPO's reference log-probs ride in the shared layout's pairs
-    (``PrefixBatch.pairs.ref``) in the two forwards' row order."""
+# Every registered loss at its defaults (the response span), and variants of SimPO and DPO.
+LEVER_SPECS = [*(spec_of(kind, "response") for kind in sorted(LOSSES) if kind != "orpo"),
+               spec_of("simpo", simpo_nll_weight=0.5),
+               spec_of("dpo", "response", dpo_beta=0.5, dpo_label_smoothing=0.1,
+                       rpo_alpha=0.3),
+               spec_of("dpo", dpo_beta=0.5, dpo_loss_type="ipo")]
+
+
+@pytest.mark.parametrize("spec", LEVER_SPECS, ids=lambda s: f"{s.kind}-{s.nll_span}")
+def test_every_loss_runs_every_lever_unchanged(tiny_model: Path, spec: LossSpec) -> None:
+    """Each loss (ORPO: the tests above; DPO with label smoothing and rpo_alpha, and IPO)
+    through the segmented backward, the bounded head and both shared layouts equals
+    autograd over two forwards: that code sees only the scalar loss of the token log-probs,
+    so a new loss needs no change there. DPO's reference log-probs ride in the shared
+    layout's pairs (``PrefixBatch.pairs.ref``) in the two forwards' row order."""
     model, stack = lora_model(tiny_model)
     pairs = with_reference(model, stack, tokenized_pairs(tiny_model, 3, seed=17))
     two = make_batch(pairs, spec.nll_span)
@@ -303,7 +307,7 @@ def test_scoring_reads_only_the_positions_asked_for(tiny_model: Path, layout: st
     read = np.array(forward_logps(model, stack, batch, head_chunk, active))
     np.testing.assert_allclose(read[active], whole[active], rtol=0, atol=READ_ATOL)
     assert not read[~active].any()
-    spec = LossSpec("orpo", 0.3, "response")
+    spec = spec_of("orpo", "response", orpo_lambda=0.3)
     got = evaluate(model, stack, pairs, spec, 3, head_chunk=head_chunk,
                    layout=lambda g: batch)
     # the naive path: the whole head's log-probs through the same loss

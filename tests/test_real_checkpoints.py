@@ -169,7 +169,7 @@ def test_every_lever_gives_the_plain_gradients_on_real_models(name: str, real) -
     tiny families but not on a real stack (SmolLM2: 30 layers, 49k vocabulary; Gemma 3:
     offset norms, √hidden embedding, 262k vocabulary)."""
     from engine.batch import batch_norms, make_batch
-    from engine.losses import LossSpec, pair_loss
+    from engine.losses import pair_loss, spec_of
     from engine.prefix import split_prefix_batch
     from engine.recompute import chunk_mlps
     from engine.segmented import plain_value_and_grad, value_and_grad
@@ -180,7 +180,7 @@ def test_every_lever_gives_the_plain_gradients_on_real_models(name: str, real) -
     with_lora(model)
     stack, _ = checked_stack(model)
     pairs = tokenized_pairs(real[name], 1, seed=3, task="reverse", max_shots=1)
-    spec = LossSpec("orpo", 1.0, "full")
+    spec = spec_of("orpo", "full", orpo_lambda=1.0)
     def loss_of(pb):  # the loss over a layout's own masks (its padding may differ)
         resp, nll, norms = mx.array(pb.resp_mask), mx.array(pb.nll_mask), batch_norms([pb])
         return lambda lp: pair_loss(lp, resp, nll, spec, norms)

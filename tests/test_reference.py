@@ -286,15 +286,15 @@ def test_python_m_engine_train_dpo_caches_its_reference(tiny_model: Path, tiny_d
 
 @pytest.mark.unit
 def test_bad_dpo_settings_are_refused_by_name() -> None:
-    """TrainConfig.validate refuses a β that trains nothing or is not a number, and label
-    smoothing or a loss type the loss refuses (tests/test_losses.py: LossSpec's own)."""
+    """A config refuses a β that trains nothing or is not a number, and label smoothing or
+    a loss type the loss refuses, naming the field (the loss's settings: valid when built)."""
     ok = TrainConfig(model="m", data="d", loss="dpo")
     ok.validate()
     for field, value in (("dpo_beta", 0.0), ("dpo_beta", -0.1), ("dpo_beta", float("nan")),
                          ("dpo_label_smoothing", 0.5), ("dpo_label_smoothing", -0.1),
                          ("dpo_loss_type", "hinge")):
         with pytest.raises(ValueError, match=field):
-            replace(ok, **{field: value}).validate()
+            ok.replace(**{field: value}).validate()
 
 
 def test_two_pairs_under_one_id_are_refused_by_name(tiny_model: Path, tiny_data: Path,

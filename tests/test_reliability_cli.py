@@ -118,13 +118,13 @@ def test_settings_that_train_nothing_or_the_wrong_thing_are_refused() -> None:
     layer) or -2, pad_multiple -2, min_lr_ratio 1.5 (the lr climbs past its peak) all
     trained. Would catch: any of them accepted again."""
     for flag, message in [("--learning-rate=0", "learning_rate=0.0: must be > 0"),
-                          ("--simpo-beta=0", "simpo_beta=0.0: must be > 0"),
+                          ("--loss=simpo --simpo-beta=0", "simpo_beta=0.0: must be > 0"),
                           ("--lora-scale=0", "lora_scale=0.0: must be > 0"),
                           ("--lora-layers=0", "lora_layers=0: adapt the last N >= 1"),
                           ("--lora-layers=-2", "lora_layers=-2: adapt the last N >= 1"),
                           ("--pad-multiple=-2", "pad_multiple=-2: must be -1 (auto) or >= 0"),
                           ("--min-lr-ratio=1.5", "min_lr_ratio=1.5: must be in [0, 1]")]:
-        line = one_error("train", "--model", "m", "--data", "d", flag)
+        line = one_error("train", "--model", "m", "--data", "d", *flag.split())
         assert message in line, (flag, line)
 
 

@@ -15,7 +15,7 @@ import mlx.nn as nn
 import pytest
 
 from engine.batch import Pair, batch_norms, make_batch
-from engine.losses import LossSpec, pair_loss
+from engine.losses import LossSpec, pair_loss, spec_of
 from engine.model import lora_modules
 from engine.segmented import segment_ranges, value_and_grad
 from tests.pairs import tokenized_pairs
@@ -47,8 +47,8 @@ def test_segmented_equals_plain(fixture: str, span: str, request) -> None:
     pairs = with_reference(model, stack, tokenized_pairs(path, 3, seed=1))
     batch = make_batch(pairs, span, pad_multiple=8)
     assert batch.ref is not None and batch.ref.shape == (6,)
-    for spec in (LossSpec("orpo", 0.5, span), LossSpec("sft", 0.5, span),
-                 LossSpec("dpo", nll_span=span, dpo_beta=0.5, rpo_alpha=0.5)):
+    for spec in (spec_of("orpo", span, orpo_lambda=0.5), spec_of("sft", span),
+                 spec_of("dpo", nll_span=span, dpo_beta=0.5, rpo_alpha=0.5)):
         ref = run(model, stack, batch, spec)
         for k in (1, 2, 3, len(stack.layers)):
             assert_same(run(model, stack, batch, spec, k=k), ref)
@@ -71,7 +71,7 @@ def test_lora_on_last_layers_only_and_any_inflight_depth(depth: int, tiny_model:
 
     model, stack = lora_model(tiny_model, num_layers=2)  # LoRA on layers 2 and 3 of 4
     batch = make_batch(tokenized_pairs(tiny_model, 2, seed=3), "full", pad_multiple=8)
-    spec = LossSpec("orpo", 0.5, "full")
+    spec = spec_of("orpo", "full", orpo_lambda=0.5)
     ref = run(model, stack, batch, spec)
     assert all(".layers.2." in n or ".layers.3." in n for n in ref[2])
     monkeypatch.setattr(inflight.InFlight, "__init__", record)
@@ -85,7 +85,7 @@ def test_bounded_head_equals_dense(fixture: str, request) -> None:
     path = request.getfixturevalue(fixture)
     model, stack = lora_model(path)
     batch = make_batch(tokenized_pairs(path, 3, seed=2), "full")
-    spec = LossSpec("orpo", 0.1, "full")
+    spec = spec_of("orpo", "full", orpo_lambda=0.1)
     ref = run(model, stack, batch, spec)
     for k, chunk in ((0, 16), (1, 7), (2, 64), (4, 1000)):
         assert_same(run(model, stack, batch, spec, k=k, chunk=chunk), ref)
@@ -99,7 +99,7 @@ def test_bounded_head_tiny_spans_on_quantized_head(tiny_model_q4: Path, chunk: i
     pairs = [Pair("a", [1, 40], [50], [60, 61]), Pair("b", [1], [70, 71], [80])]
     batch = make_batch(pairs, "response")
     assert int(((batch.resp_mask > 0) | (batch.nll_mask > 0)).sum()) == 6
-    spec = LossSpec("orpo", 0.1, "response")
+    spec = spec_of("orpo", "response", orpo_lambda=0.1)
     assert_same(run(model, stack, batch, spec, k=1, chunk=chunk), run(model, stack, batch, spec))
 
 
@@ -162,8 +162,8 @@ def test_chunked_scoring_equals_dense(chunk: int, tiny_model: Path) -> None:
 
     model, stack = lora_model(tiny_model)
     pairs = tokenized_pairs(tiny_model, 5, seed=13)
-    dense = score_pairs(model, stack, pairs, LossSpec("orpo", 0.3), 2, 0)
-    chunked = score_pairs(model, stack, pairs, LossSpec("orpo", 0.3), 2, chunk)
+    dense = score_pairs(model, stack, pairs, spec_of("orpo", orpo_lambda=0.3), 2, 0)
+    chunked = score_pairs(model, stack, pairs, spec_of("orpo", orpo_lambda=0.3), 2, chunk)
     assert [r["id"] for r in chunked] == [r["id"] for r in dense]
     for a, b in zip(chunked, dense, strict=True):
         for key in ("chosen_logp_mean", "rejected_logp_mean", "nll", "loss"):
@@ -195,14 +195,14 @@ def test_dpo_step_accumulates_and_verifies_through_every_lever(tiny_model: Path)
         return {k: v for k, v in sums.items() if k.startswith(("rewards/", "logps/"))
                 or k == "nll_sum"}
 
-    for spec in (LossSpec("dpo", dpo_beta=beta, dpo_label_smoothing=0.1),
-                 LossSpec("dpo", dpo_beta=beta, dpo_loss_type="ipo")):
+    for spec in (spec_of("dpo", dpo_beta=beta, dpo_label_smoothing=0.1),
+                 spec_of("dpo", dpo_beta=beta, dpo_loss_type="ipo")):
         one = step_grads(model, stack, [make_batch(pairs, "full")], spec, plain, step=1)
         four = step_grads(model, stack, micro, spec, levers, step=1)
         assert one[1]["pairs"] == four[1]["pairs"] == 4 and four[1]["shared_batches"] == 2
         assert_same((mx.array(four[0]), loss_metrics(four[1]), four[2]),
                     (mx.array(one[0]), loss_metrics(one[1]), one[2]))
-        if spec.dpo_loss_type == "sigmoid":
+        if spec.loss.dpo_loss_type == "sigmoid":
             offsets = [ref_offset(i) for i in range(len(pairs))]
             assert one[1]["rewards/chosen"] == pytest.approx(
                 -beta * sum(o[0] for o in offsets), abs=1e-4)

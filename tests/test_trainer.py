@@ -54,7 +54,7 @@ def test_accumulation_4x1_equals_1x4(tiny_model, tiny_data) -> None:
     """Four micro-batches of one pair give the one-batch-of-four loss and gradients."""
     from engine.arch import make_stack
     from engine.batch import make_batch
-    from engine.losses import LossSpec
+    from engine.losses import spec_of
     from engine.model import LoraSpec, attach_lora, lora_modules
     from engine.step import step_grads
     from tests.parity import assert_same
@@ -65,7 +65,7 @@ def test_accumulation_4x1_equals_1x4(tiny_model, tiny_data) -> None:
         m.lora_b = mx.ones_like(m.lora_b) * 0.01
     stack = make_stack(model)
     pairs = load_pairs(tiny_data).train[:4]
-    spec = LossSpec("orpo", 0.1, "full")
+    spec = spec_of("orpo", "full", orpo_lambda=0.1)
     for k in (0, 2):
         c = TrainConfig(model="m", data="d", segment_size=k)
         one = step_grads(model, stack, [make_batch(pairs, "full")], spec, c, step=1)

@@ -1,0 +1,71 @@
+"""Preference losses, one file each under one protocol (engine/losses/base.py): ORPO (Hong
+et al. 2024), SimPO (Meng et al. 2024), DPO (Rafailov et al. 2023; IPO, Azar et al. 2023)
+and SFT.
+
+This registry is the one place that lists them. Adding a loss is one module holding a
+``LossSettings`` subclass (its fields, rules, extras and maths) and its line in
+``REGISTRY``; the trainer, CLI, sweep spec, scoring and adapters read the rest from it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.losses.base import (
+    LOGP_CEILING,
+    LossSettings,
+    Norms,
+    PairLogps,
+    PairTerms,
+    log1mexp,
+    mean_logps,
+    pair_logps,
+)
+from engine.losses.dpo import Dpo
+from engine.losses.orpo import Orpo, orpo_pair_terms
+from engine.losses.sft import Sft
+from engine.losses.simpo import Simpo
+from engine.losses.spec import (
+    NLL_SPANS,
+    LossSpec,
+    pair_loss,
+    per_pair_losses,
+    validation_metrics,
+)
+
+REGISTRY: tuple[type[LossSettings], ...] = (Orpo, Simpo, Sft, Dpo)
+
+LOSSES: dict[str, type[LossSettings]] = {cls.kind: cls for cls in REGISTRY}
+# Each loss field's name -> the loss that owns it (names are unique across losses).
+OWNERS: dict[str, type[LossSettings]] = {
+    f: cls for cls in REGISTRY for f in cls.names()}
+
+
+def loss_named(kind: str, **fields: Any) -> LossSettings:
+    """The settings of loss ``kind`` with ``fields`` (ValueError naming a bad one)."""
+    if kind not in LOSSES:
+        raise ValueError(f"loss={kind!r}: expected one of {tuple(LOSSES)}")
+    cls = LOSSES[kind]
+    foreign = sorted(set(fields) - set(cls.names()))
+    if foreign:
+        raise ValueError(foreign_message(foreign[0], kind))
+    return cls(**fields)
+
+
+def foreign_message(name: str, kind: str) -> str:
+    """Why field ``name`` cannot be set on a run of loss ``kind``."""
+    owner = OWNERS.get(name)
+    if owner is None:
+        return f"{name}: not a loss setting"
+    return f"{name}: a setting of loss {owner.kind}, and this run's loss is {kind}"
+
+
+def spec_of(kind: str = "orpo", nll_span: str = "full", **fields: Any) -> LossSpec:
+    """A ``LossSpec`` from a loss name, the NLL's span and that loss's fields."""
+    return LossSpec(loss_named(kind, **fields), nll_span)
+
+
+__all__ = ["LOGP_CEILING", "LOSSES", "NLL_SPANS", "OWNERS", "REGISTRY", "Dpo", "LossSettings",
+           "LossSpec", "Norms", "Orpo", "PairLogps", "PairTerms", "Sft", "Simpo",
+           "foreign_message", "log1mexp", "loss_named", "mean_logps", "orpo_pair_terms",
+           "pair_logps", "pair_loss", "per_pair_losses", "spec_of", "validation_metrics"]

@@ -1,0 +1,177 @@
+"""The loss protocol: what every preference loss reads (``PairLogps``), returns
+(``PairTerms``) and is configured by (a ``LossSettings`` subclass, one per loss file).
+
+A loss is one module of this package holding one frozen ``LossSettings`` subclass: its
+``kind`` (the name a spec, the CLI and an adapter's config give), its fields (each a
+user-facing option: ``--orpo-lambda``, a spec's ``orpo_lambda``; ``setting`` gives its
+default and help), its rules (``check``), the names of its extra metrics (``extras``),
+its NLL weight and its maths (``terms``: per-pair losses and rewards from per-pair
+log-probs, as torchtune's DPO-family losses are written). Nothing else in the engine
+knows which losses exist but the registry (engine/losses/__init__.py).
+
+Conventions (DESIGN.md, = TRL's trainers): ℓw, ℓr are per-token MEAN response log-probs
+(ORPO Eq. 4's length-normalised likelihood); ``*_sum`` the summed ones (DPO's, CPO's);
+reference log-probs are summed (engine/reference.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, get_type_hints
+
+import mlx.core as mx
+import mlx.nn as nn
+
+LN2 = math.log(2.0)
+# Largest float32 below 0: keeps log1mexp finite when a mean log-prob rounds to 0.
+LOGP_CEILING = -1.1920929e-07
+
+
+def log1mexp(x: mx.array) -> mx.array:
+    """log(1 − exp(x)) for x < 0, stable in float32 (Mächler 2012: branch at −ln 2)."""
+    x = mx.minimum(x, LOGP_CEILING)
+    return mx.where(x > -LN2, mx.log(-mx.expm1(x)), mx.log1p(-mx.exp(x)))
+
+
+@dataclass(frozen=True)
+class Norms:
+    """Normalisers of one optimizer batch: NLL tokens and preference pairs in it."""
+
+    nll_tokens: float
+    pairs: float
+
+
+@dataclass(frozen=True)
+class PairLogps:
+    """One micro-batch's per-pair log-probs [B] (float32), what a pair loss reads.
+
+    chosen, rejected: mean response log-probs ℓw, ℓr; chosen_sum, rejected_sum: summed;
+    chosen_tokens, rejected_tokens: response token counts; ref_chosen, ref_rejected: the
+    reference model's summed log-probs (None without a reference).
+    """
+
+    chosen: mx.array
+    rejected: mx.array
+    chosen_sum: mx.array
+    rejected_sum: mx.array
+    chosen_tokens: mx.array
+    rejected_tokens: mx.array
+    ref_chosen: mx.array | None = None
+    ref_rejected: mx.array | None = None
+
+
+def pair_logps(token_logps: mx.array, resp_mask: mx.array, ref: mx.array | None = None
+               ) -> PairLogps:
+    """``PairLogps`` of a [2B, T] batch (rows 0..B−1 chosen) and its reference [2B] or None."""
+    token_logps = token_logps.astype(mx.float32)
+    sums = (token_logps * resp_mask).sum(axis=-1)
+    counts = mx.maximum(resp_mask.sum(axis=-1), 1.0)
+    means = sums / counts
+    b = token_logps.shape[0] // 2
+    refs = (None, None) if ref is None else (ref[:b].astype(mx.float32),
+                                            ref[b:].astype(mx.float32))
+    return PairLogps(means[:b], means[b:], sums[:b], sums[b:], counts[:b], counts[b:], *refs)
+
+
+def mean_logps(token_logps: mx.array, mask: mx.array) -> mx.array:
+    """Per-row mean of ``token_logps`` [N, T] over ``mask`` [N, T] → [N] (float32)."""
+    return (token_logps * mask).sum(axis=-1) / mx.maximum(mask.sum(axis=-1), 1.0)
+
+
+@dataclass(frozen=True)
+class PairTerms:
+    """A pair loss's per-pair outputs [B]: the loss, both rewards, and extra metrics."""
+
+    losses: mx.array
+    chosen_rewards: mx.array
+    rejected_rewards: mx.array
+    extra: dict[str, mx.array] = field(default_factory=dict)
+    logps: tuple[mx.array, mx.array] | None = None  # reported as logps/*; None: the means
+
+
+def smoothed_sigmoid(x: mx.array, eps: float) -> mx.array:
+    """−(1−ε)·log σ(x) − ε·log σ(−x): the sigmoid preference loss of a scaled margin x with
+    a share ε of labels assumed flipped (cDPO's conservative loss; ε = 0: −log σ(x))."""
+    return -(1 - eps) * nn.log_sigmoid(x) - eps * nn.log_sigmoid(-x)
+
+
+def check_smoothing(name: str, eps: float, loss_type: str, smoothed: tuple[str, ...]) -> None:
+    """ValueError naming ``name`` unless 0 ≤ ε < 0.5, and 0 for a loss type without it."""
+    if not 0 <= eps < 0.5:  # 0.5: both labels equally likely, no signal
+        raise ValueError(f"{name}={eps}: must be in [0, 0.5) (0.5 makes both labels equally "
+                         "likely: no signal)")
+    if eps and loss_type not in smoothed:
+        raise ValueError(f"{name}={eps} with loss type {loss_type}: it has no label "
+                         "smoothing; drop one of them")
+
+
+def setting(default: Any, help: str, **rules: Any) -> Any:
+    """A loss field: its default, its help (the CLI's) and its rules, checked by
+    ``LossSettings``: ``minimum`` (≥), ``above`` (>), ``below`` (<), ``choices``."""
+    return field(default=default, metadata={"help": help, **rules})
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """One loss's settings, valid by construction (a bad field is a ValueError naming it)."""
+
+    kind: ClassVar[str] = ""
+    summary: ClassVar[str] = ""  # one line for --loss's help
+    needs_reference: ClassVar[bool] = False  # reads reference log-probs (engine/reference.py)
+    extras: ClassVar[tuple[str, ...]] = ()  # the names of PairTerms.extra it reports
+    # Its rewards order pairs as mean log-probs do and its logps/* are means (ORPO's λ·ℓ,
+    # SimPO's β·ℓ): trials of such losses rank on one scale (tasks/spec_rules.py).
+    mean_rewards: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        hints = get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            _check_field(f, hints[f.name], getattr(self, f.name))
+        self.check()
+
+    def check(self) -> None:
+        """Rules across this loss's fields (ValueError naming them); none by default."""
+
+    @property
+    def nll_weight(self) -> float:
+        """The chosen NLL term's weight (ORPO's and SFT's 1 by definition)."""
+        return 1.0
+
+    def terms(self, lp: PairLogps) -> PairTerms:
+        raise NotImplementedError(f"loss {self.kind} has no terms")
+
+    def fields(self) -> dict[str, Any]:
+        """This loss's fields by name (what an adapter's config records)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def field(cls, name: str) -> dataclasses.Field | None:
+        """The field ``name`` of this loss (its default, help and rules), or None."""
+        return next((f for f in dataclasses.fields(cls) if f.name == name), None)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """Its fields' names (ClassVars are not fields)."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _check_field(f: dataclasses.Field, hint: Any, value: Any) -> None:
+    rules = f.metadata
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{f.name}={value!r}: expected a number")
+        if not math.isfinite(value):
+            raise ValueError(f"{f.name}={value!r}: must be a finite number")
+    elif hint is str and not isinstance(value, str):
+        raise ValueError(f"{f.name}={value!r}: expected a string")
+    if "choices" in rules and value not in rules["choices"]:
+        raise ValueError(f"{f.name}={value!r}: expected one of {rules['choices']}")
+    if "minimum" in rules and value < rules["minimum"]:
+        raise ValueError(f"{f.name}={value}: must be >= {rules['minimum']:g}")
+    if "above" in rules and not value > rules["above"]:
+        raise ValueError(f"{f.name}={value}: must be > {rules['above']:g} (0 trains nothing: "
+                         "every update is zero)")
+    if "below" in rules and not value < rules["below"]:
+        raise ValueError(f"{f.name}={value}: must be below {rules['below']:g}")
