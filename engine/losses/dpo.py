@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.losses import base
+import engine.losses.base as base
 from engine.losses.base import LossSettings, PairLogps, PairTerms, setting
 
 LOSS_TYPES = ("sigmoid", "ipo")
