@@ -1,0 +1,64 @@
+"""CPO (Xu et al. 2024), TRL's CPOTrainer ``cpo_loss``: a reference-free DPO with the
+chosen NLL added (weight ``cpo_alpha``; TRL's span is nll_span response).
+
+logits = Sw − Sr on SUMMED response log-probs (sigmoid, hinge), or ℓw − ℓr on mean ones
+(ipo, simpo: TRL's ``average_log_prob``);
+sigmoid: −(1−ε)·log σ(β·logits) − ε·log σ(−β·logits)      (CPO Eq. 3; ε label smoothing);
+simpo:   the same on logits − γ/β                          (SimPO Eq. 6, TRL's CPO-SimPO);
+hinge:   max(0, 1 − β·logits);  ipo: (logits − 1/(2β))²   (IPO Eq. 17);
+L = mean(losses) + cpo_alpha·NLL; rewards β·logps, as TRL logs them. TRL's AlphaPO reward
+transform (``alpha``) is not offered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+import engine.losses.base as base
+from engine.losses.base import LossSettings, PairLogps, PairTerms, setting
+
+LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
+
+
+@dataclass(frozen=True)
+class Cpo(LossSettings):
+    kind = "cpo"
+    summary = "cpo (reference-free DPO plus the chosen NLL; its SimPO variant)"
+    mean_rewards = False  # β·S on summed log-probs (sigmoid, hinge)
+
+    cpo_beta: float = setting(0.1, "CPO: β, the temperature of the preference term (TRL's "
+                                   "beta).", above=0)
+    cpo_alpha: float = setting(1.0, "CPO: weight of the chosen NLL term (TRL's cpo_alpha; "
+                                    "its span is nll_span response).", minimum=0)
+    cpo_label_smoothing: float = setting(0.0, "CPO sigmoid/simpo: the share of labels "
+                                              "assumed flipped (TRL's label_smoothing), in "
+                                              "[0, 0.5).")
+    cpo_loss_type: str = setting("sigmoid", "CPO: sigmoid or hinge on summed log-probs, ipo "
+                                            "or simpo on mean ones (TRL's loss_type).",
+                                 choices=LOSS_TYPES)
+    cpo_simpo_gamma: float = setting(0.5, "CPO simpo: the target margin γ (TRL's "
+                                          "simpo_gamma).")
+
+    def check(self) -> None:
+        base.check_smoothing("cpo_label_smoothing", self.cpo_label_smoothing, self.cpo_loss_type,
+                        ("sigmoid", "simpo"))
+
+    @property
+    def nll_weight(self) -> float:
+        return self.cpo_alpha
+
+    def terms(self, lp: PairLogps) -> PairTerms:
+        mean = self.cpo_loss_type in ("ipo", "simpo")
+        pc, pr = (lp.chosen, lp.rejected) if mean else (lp.chosen_sum, lp.rejected_sum)
+        beta, logits = self.cpo_beta, pc - pr
+        if self.cpo_loss_type == "hinge":
+            losses = mx.maximum(1 - beta * logits, 0.0)
+        elif self.cpo_loss_type == "ipo":
+            losses = (logits - 1 / (2 * beta)) ** 2
+        else:
+            if self.cpo_loss_type == "simpo":
+                logits = logits - self.cpo_simpo_gamma / beta
+            losses = base.smoothed_sigmoid(beta * logits, self.cpo_label_smoothing)
+        return PairTerms(losses, beta * pc, beta * pr, logps=(pc, pr))
