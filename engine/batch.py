@@ -26,6 +26,7 @@ class Pair:
     chosen: Sequence[int]
     rejected: Sequence[int]
     ref: tuple[float, float] | None = None  # reference summed log-probs (DPO: reference.py)
+    kl: Pair | None = None  # its KL partner, with its reference (KTO: reference.kl_partners)
 
     def problem(self) -> str | None:
         """Why this pair cannot be trained on, or None (empty responses give NaN means)."""
@@ -46,7 +47,8 @@ class PairBatch:
     resp_mask: [2B, T] float32 — target is a response token;
     nll_mask: [2B, T] float32 — target is in the chosen row's NLL span;
     tokens: real (non-pad) tokens of both sequences of every pair (for tokens/s);
-    ref: [2B] float32 reference summed log-probs, same row order, when every pair has one.
+    ref: [2B] float32 reference summed log-probs, same row order, when every pair has one;
+    kl: the pairs' KL partners as a batch of their own, when every pair has one (KTO).
     """
 
     ids: list[str]
@@ -56,6 +58,7 @@ class PairBatch:
     nll_mask: np.ndarray
     tokens: int
     ref: np.ndarray | None = None
+    kl: PairBatch | None = None
 
     @property
     def pairs(self) -> int:
@@ -92,8 +95,11 @@ def make_batch(pairs: Sequence[Pair], nll_span: str = "full", pad_multiple: int 
     refs = None
     if all(p.ref is not None for p in pairs):
         refs = np.array([p.ref[0] for p in pairs] + [p.ref[1] for p in pairs], np.float32)
+    partners = [p.kl for p in pairs]
+    kl = (make_batch(partners, "full", pad_multiple, pad_id)
+          if all(q is not None for q in partners) else None)
     return PairBatch([p.id for p in pairs], inputs, targets, resp, nll,
-                     tokens=sum(len(s) for s in seqs), ref=refs)
+                     tokens=sum(len(s) for s in seqs), ref=refs, kl=kl)
 
 
 def batch_norms(batches: Sequence[PairBatch]) -> Norms:

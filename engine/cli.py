@@ -229,7 +229,8 @@ def run_score(argv: list[str]) -> int:
     try:  # the output first: a refused --out costs no model load nor scoring
         check_file(a.out, is_score_file, "a score file", inputs=[a.data, a.model, a.adapter])
         spec = score_loss(a, trained_loss(a.adapter) or LossSpec())
-        reference = ReferenceSpec(a.model, a.data, a.reference or trained_reference(a.adapter))
+        reference = ReferenceSpec(a.model, a.data, a.reference or trained_reference(a.adapter),
+                                  spec.needs_kl)
         options = {"batch_size": a.batch_size, "head_chunk": a.head_chunk,
                    "prefix_share": a.prefix_share,
                    "allow_tokenizer_mismatch": a.allow_tokenizer_mismatch}

@@ -42,6 +42,7 @@ from engine.losses import LossSpec, pair_loss
 from engine.model import set_dropout_seed
 from engine.prefix import PrefixBatch, pair_batch
 from engine.recompute import chunk_mlps, mlp_chunks
+from engine.scoring import batch_kl, kl_point
 from engine.segmented import segmented_value_and_grad, value_and_grad
 
 log = logging.getLogger(__name__)
@@ -317,8 +318,10 @@ def verify_paths(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch,
     norms = batch_norms([pairs])
     resp, nll, refs = mx.array(pairs.resp_mask), mx.array(pairs.nll_mask), pairs.ref_array()
 
+    kl = kl_point(*batch_kl(model, stack, pairs, cfg.head_chunk)) if spec.needs_kl else None
+
     def fn(lp: mx.array) -> Any:
-        return pair_loss(lp, resp, nll, spec, norms, refs)
+        return pair_loss(lp, resp, nll, spec, norms, refs, kl)
 
     set_dropout_seed(model, 0)
     with mlp_chunks(stack.layers, 0):
@@ -350,4 +353,5 @@ def fold_ids(batch: PairBatch | PrefixBatch, vocab: int) -> PairBatch | PrefixBa
         return dataclasses.replace(batch, inputs=batch.inputs % vocab,
                                    pairs=fold_ids(batch.pairs, vocab))
     return dataclasses.replace(batch, inputs=batch.inputs % vocab,
-                               targets=batch.targets % vocab)
+                               targets=batch.targets % vocab,
+                               kl=batch.kl and fold_ids(batch.kl, vocab))

@@ -20,6 +20,17 @@ import mlx.core as mx
 from engine.config import TrainConfig
 from engine.data import micro_batches, pair_length
 from engine.data_fit import load_pairs_for
+from engine.reference import kl_partners, with_partners
+
+
+def placeholder_references(pairs: list, kl: bool) -> list:
+    """``pairs`` with zero reference log-probs (and, with ``kl``, KL partners carrying
+    zeros): the arrays a step reads, made without the reference's pass."""
+    zeros = [dataclasses.replace(p, ref=(0.0, 0.0)) for p in pairs]
+    if not kl:
+        return zeros
+    partners = {q.id: (0.0, 0.0) for q in kl_partners(zeros)}
+    return with_partners(zeros, partners, "the probe's placeholders")
 
 
 def probe_steps(cfg: TrainConfig, variants: list[dict[str, Any]],
@@ -32,7 +43,7 @@ def probe_steps(cfg: TrainConfig, variants: list[dict[str, Any]],
     prepared = prepare_training(cfg)  # as the trainer sets it up: one function for both
     data = load_pairs_for(cfg.data, cfg.model, prepared.stack, cfg.allow_tokenizer_mismatch)
     if cfg.loss_spec().needs_reference:  # a step's memory and time never read the values:
-        data.train = [dataclasses.replace(p, ref=(0.0, 0.0)) for p in data.train]  # no pass
+        data.train = placeholder_references(data.train, cfg.loss.needs_kl)  # no pass
     if batches == "worst":
         chosen = [sorted(data.train, key=pair_length, reverse=True)[: cfg.batch_size]]
     else:

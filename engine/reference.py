@@ -49,6 +49,7 @@ from engine.prepared import Prepared, prepare_scoring
 from engine.scoring import forward_groups
 
 REFERENCE_VERSION = "1"  # bump when the forward's semantics change: old files are not read
+KL_PARTNERS = "~kl"  # a KL partner's id is its pair's and this (and keys a file that has them)
 KEY_FIELD = b"pomona_reference_key"
 COLUMNS = ("id", "ref_chosen_logps", "ref_rejected_logps")
 # The pass never materialises [tokens, vocab] logits: a run with the dense head (0) still
@@ -61,19 +62,38 @@ Progress = Callable[[int, int], None]  # (pairs done, pairs in all)
 @dataclass(frozen=True)
 class ReferenceSpec:
     """Whose log-probs, on what: ``model`` (directory, .gguf or hub id), ``data`` (a
-    tokenized dataset or file) and ``reference`` ("base", or an adapter directory)."""
+    tokenized dataset or file) and ``reference`` ("base", or an adapter directory); with
+    ``kl``, the pairs' KL partners' too (``kl_partners``: KTO's reference point)."""
 
     model: str
     data: str
     reference: str = "base"
+    kl: bool = False
 
     def key(self) -> str:
         """The content key (engine/content_key.py digests, cached by file stat)."""
         adapter = "base" if self.reference == "base" else adapter_fingerprint(self.reference)
+        partners = {"kl_partners": KL_PARTNERS} if self.kl else {}  # DPO's keys unchanged
         body = json.dumps({"model": model_fingerprint(self.model),
                            "data": data_digest(self.data), "reference": adapter,
-                           "version": REFERENCE_VERSION}, sort_keys=True)
+                           "version": REFERENCE_VERSION, **partners}, sort_keys=True)
         return "ref-" + hashlib.sha256(body.encode()).hexdigest()[:32]
+
+
+def kl_partners(pairs: Sequence[Pair]) -> list[Pair]:
+    """Each pair's KL partner, a mismatched pair: its prompt with the previous pair's
+    responses, in the split's order (TRL's KTO ``_get_kl_dataset``: completions offset by
+    one; the first takes the last's). A split of one pair is its own partner."""
+    return [Pair(f"{p.id}{KL_PARTNERS}", p.prompt, q.chosen, q.rejected)
+            for p, q in zip(pairs, [*pairs[-1:], *pairs[:-1]], strict=True)]
+
+
+def with_partners(pairs: Sequence[Pair], refs: dict[str, tuple[float, float]],
+                  where: str | Path) -> list[Pair]:
+    """``pairs`` carrying their KL partners, each with its reference log-probs from
+    ``refs`` (a partner missing there is an error naming it and the file)."""
+    return [replace(p, kl=q) for p, q in zip(pairs, with_reference(kl_partners(pairs), refs,
+                                                                   where), strict=True)]
 
 
 def resolved_reference(reference: str) -> str:
@@ -178,6 +198,8 @@ def compute_reference(spec: ReferenceSpec, batch_size: int = 8, head_chunk: int 
         if (first.prompt, first.chosen, first.rejected) != (p.prompt, p.chosen, p.rejected):
             raise ValueError(f"{spec.data}: pair id {p.id!r} names two different pairs; "
                              "DPO's reference log-probs are kept by id: give each its own")
+    if spec.kl:  # the partners of each split, in the order training and scoring read them
+        pairs += [q for split in (data.train, data.valid, data.test) for q in kl_partners(split)]
     layout = scoring_layout(prefix_share, prepared.pad_id, "full")
     loaded = time.perf_counter()
     refs = reference_logps(model, stack, pairs, layout, batch_size,
@@ -367,4 +389,6 @@ def attach_reference(pairs: Any, spec: ReferenceSpec, path: str | Path | None = 
         refs = read_reference(where, key)
     for split in ("train", "valid", "test"):
         setattr(pairs, split, with_reference(getattr(pairs, split), refs, where))
+        if spec.kl:
+            setattr(pairs, split, with_partners(getattr(pairs, split), refs, where))
     return where

@@ -68,6 +68,33 @@ def forward_logps(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch
     return mx.zeros((n * t,), mx.float32).at[idx].add(lp).reshape(n, t)
 
 
+def batch_kl(model: nn.Module, stack: Stack, batch: PairBatch, head_chunk: int = 0
+             ) -> tuple[float, int]:
+    """The parts of a KL reference point from ``batch``'s KL partners (``PairBatch.kl``):
+    Σ over their rows of the policy's summed response log-prob minus the reference's
+    (TRL's ``policy_KL_logps − reference_KL_logps``), and how many rows (no gradient)."""
+    partners = batch.kl
+    if partners is None or partners.ref is None:
+        raise ValueError("this loss needs KL partners with reference log-probs "
+                         "(engine/reference.py): none were attached to this batch")
+    resp = mx.array(partners.resp_mask)
+    lp = forward_logps(model, stack, partners, head_chunk, partners.resp_mask > 0)
+    total = ((lp * resp).sum(axis=-1) - mx.array(partners.ref)).sum()
+    return float(total), 2 * partners.pairs
+
+
+def kl_point(total: float, rows: float) -> mx.array:
+    """KTO's z0: the mean policy-to-reference log-ratio of mismatched pairs, clamped at 0
+    (Ethayarajh et al. 2024, Eq. 7; TRL's ``.clamp(min=0)``), a constant to the gradient."""
+    return mx.array(max(total / max(rows, 1.0), 0.0), mx.float32)
+
+
+def group_kl(model: nn.Module, stack: Stack, two: PairBatch, spec: LossSpec,
+             head_chunk: int) -> mx.array | None:
+    """One scored group's KL reference point where ``spec``'s loss reads one, else None."""
+    return kl_point(*batch_kl(model, stack, two, head_chunk)) if spec.needs_kl else None
+
+
 def read_positions(*masks: np.ndarray) -> np.ndarray:
     """The positions any of ``masks`` reads: ``forward_logps``' ``active``."""
     return np.logical_or.reduce([np.asarray(m) != 0 for m in masks])
@@ -120,7 +147,8 @@ def evaluate(model: nn.Module, stack: Stack, pairs: Sequence[Pair], spec: LossSp
     total_loss, sums = 0.0, {}
     for idx, two, lp in forward_groups(model, stack, pairs, batch_size, layout, head_chunk):
         loss, metrics = pair_loss(lp, mx.array(two.resp_mask), mx.array(two.nll_mask),
-                                  spec, norms, two.ref_array())
+                                  spec, norms, two.ref_array(),
+                                  group_kl(model, stack, two, spec, head_chunk))
         mx.eval(loss, metrics)
         if per_pair is not None:
             _record_wins(per_pair, [pairs[i] for i in idx], lp, mx.array(two.resp_mask))
@@ -153,7 +181,8 @@ def score_pairs(model: nn.Module, stack: Stack, pairs: Sequence[Pair], spec: Los
     rows: list[dict] = [{} for _ in pairs]
     for idx, two, lp in forward_groups(model, stack, pairs, batch_size, layout, head_chunk):
         resp, nll_mask = mx.array(two.resp_mask), mx.array(two.nll_mask)
-        logps = pair_logps(lp, resp, two.ref_array())
+        logps = pair_logps(lp, resp, two.ref_array(), group_kl(model, stack, two, spec,
+                                                               head_chunk))
         k = len(idx)
         nll = -mean_logps(lp[:k], nll_mask[:k])
         loss, terms = per_pair_losses(logps, nll, spec)

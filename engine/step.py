@@ -17,6 +17,7 @@ from engine.distributed import SINGLE, Ranks
 from engine.losses import LossSpec, Norms, pair_loss
 from engine.model import set_dropout_seed
 from engine.prefix import PrefixBatch, pair_batch
+from engine.scoring import batch_kl, kl_point
 from engine.segmented import Grads, value_and_grad
 
 
@@ -68,6 +69,8 @@ def dispatch_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | P
     layouts = [pair_batch(b) for b in micro]
     counted = [pb for pb, on in zip(layouts, live, strict=True) if on]
     norms: Norms = ranks.sum_norms(batch_norms(counted) if counted else Norms(0.0, 0.0))
+    kl = (step_kl(model, stack, layouts, live, cfg.head_chunk, ranks) if spec.needs_kl
+          else None)
     losses, metric_list, grads = [], [], {}
     for i, (b, pb) in enumerate(zip(micro, layouts, strict=True)):
         if i:  # bound the accumulation: the earlier micro-batches finish first
@@ -76,7 +79,7 @@ def dispatch_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | P
         resp, nll, ref = mx.array(pb.resp_mask), mx.array(pb.nll_mask), pb.ref_array()
         loss, metrics, g = value_and_grad(
             model, stack, b,
-            lambda lp, r=resp, n=nll, f=ref: pair_loss(lp, r, n, spec, norms, f),
+            lambda lp, r=resp, n=nll, f=ref: pair_loss(lp, r, n, spec, norms, f, kl),
             cfg.segment_size, cfg.head_chunk, cfg.inflight)
         if not live[i]:  # weight zero: the collectives see this rank, its sums add nothing
             loss, g = loss * 0, {k: v * 0 for k, v in g.items()}
@@ -89,6 +92,20 @@ def dispatch_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | P
                                     for b, on in zip(micro, live, strict=True)),
               "tokens": sum(pb.tokens for pb in counted)}
     return StepGrads(losses, metric_list, ranks.sum_arrays(grads), counts, norms)
+
+
+def step_kl(model: nn.Module, stack: Stack, layouts: Sequence[PairBatch], live: Sequence[bool],
+            head_chunk: int, ranks: Ranks) -> mx.array:
+    """KTO's KL reference point of one optimizer step: over every live micro-batch's KL
+    partners on every rank, before any loss reads it (TRL takes each forward's batch; over
+    the optimizer batch, 4×1 micro-batches still equal 1×4)."""
+    total, rows = 0.0, 0
+    for pb, on in zip(layouts, live, strict=True):
+        if on:
+            part, n = batch_kl(model, stack, pb, head_chunk)
+            total, rows = total + part, rows + n
+    sums = ranks.sum_floats({"kl": total, "rows": float(rows)})
+    return kl_point(sums["kl"], sums["rows"])
 
 
 def step_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | PrefixBatch],

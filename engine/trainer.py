@@ -170,7 +170,8 @@ def reference_of(cfg: TrainConfig, ranks: int = 1
     """DPO's reference as ``ensure_reference`` takes it: whose log-probs, the file to
     read (None: Pomona's cache, computed once when missing) and the forward's options (a
     rank's share of the batch: one device runs the pass)."""
-    return (ReferenceSpec(cfg.model, cfg.data, resolved_reference(cfg.reference)),
+    return (ReferenceSpec(cfg.model, cfg.data, resolved_reference(cfg.reference),
+                          cfg.loss.needs_kl),
             cfg.reference_logps,
             {"batch_size": max(1, cfg.batch_size // ranks), "head_chunk": cfg.head_chunk,
              "prefix_share": cfg.prefix_share,

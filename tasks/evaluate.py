@@ -63,7 +63,8 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec 
     from engine.scoring import evaluate
 
     spec = loss or trained_loss(adapter) or LossSpec()
-    reference = ReferenceSpec(model, data, reference or trained_reference(adapter))
+    reference = ReferenceSpec(model, data, reference or trained_reference(adapter),
+                              spec.needs_kl)
     options = {"batch_size": batch_size, "head_chunk": head_chunk,
                "prefix_share": prefix_share,
                "allow_tokenizer_mismatch": allow_tokenizer_mismatch}

@@ -34,14 +34,15 @@ OPTIONS = ("batch_size", "head_chunk", "prefix_share", "allow_tokenizer_mismatch
 
 
 def reference_needs(spec: SweepSpec) -> list[tuple[ReferenceSpec, dict[str, Any]]]:
-    """One (reference, forward options) per distinct reference the spec's DPO trials
-    train against; none when no trial trains DPO or the spec names its own file."""
+    """One (reference, forward options) per distinct reference the spec's trials of a loss
+    that reads one (DPO, KTO: with its KL partners) train against; none when no trial
+    does or the spec names its own file."""
     losses = {spec.fixed.get("loss", "orpo"), *spec.grid.get("loss", [])}
     dist = spec.space.get("loss")
     if dist is not None and dist.kind == "choice":
         losses |= set(dist.args)
-    if not any(LOSSES[k].needs_reference for k in losses if k in LOSSES) \
-            or spec.fixed.get("reference_logps") or spec.grid.get(
+    kinds = {LOSSES[k].needs_kl for k in losses if k in LOSSES and LOSSES[k].needs_reference}
+    if not kinds or spec.fixed.get("reference_logps") or spec.grid.get(
             "reference_logps"):  # the spec names its own files
         return []
     references = spec.grid.get("reference") or [spec.fixed.get("reference", "base")]
@@ -52,8 +53,8 @@ def reference_needs(spec: SweepSpec) -> list[tuple[ReferenceSpec, dict[str, Any]
     options = {k: (spec.grid[k][0] if spec.grid.get(k) else spec.fixed.get(k,
                                                                           getattr(defaults, k)))
                for k in OPTIONS}
-    return [(ReferenceSpec(spec.model, spec.data, resolved_reference(r)), options)
-            for r in dict.fromkeys(references)]
+    return [(ReferenceSpec(spec.model, spec.data, resolved_reference(r), kl), options)
+            for r in dict.fromkeys(references) for kl in sorted(kinds)]
 
 
 class ProgressBox:

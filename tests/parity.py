@@ -8,7 +8,7 @@ only; a margin near zero is a difference of two such sums).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -45,20 +45,57 @@ def lora_model(path: Path, dropout: float = 0.0, num_layers: int = -1):
     return model, stack
 
 
-def with_reference(model, stack, pairs: Sequence[Pair]) -> list[Pair]:
-    """``pairs`` carrying DPO reference log-probs (``Pair.ref``): each sequence's own summed
+def with_reference(model, stack, pairs: Sequence[Pair], partners: bool = True) -> list[Pair]:
+    """``pairs`` carrying reference log-probs (``Pair.ref``): each sequence's own summed
     response log-prob under ``model`` (one dense forward, engine/scoring.py) moved by a
-    deterministic offset per pair, so z = (Sw − Sr) − (Rw − Rr) is −(oc − or) ≠ 0, of
-    either sign and a few units: the sigmoid is not saturated and the gradients are not
-    zero. Parity tests take the reference as the constant it is during training."""
+    deterministic offset per pair, so DPO's z = (Sw − Sr) − (Rw − Rr) is −(oc − or) ≠ 0,
+    of either sign and a few units: the sigmoid is not saturated and the gradients are not
+    zero. With ``partners``, each also carries its KL partner (engine/reference.kl_partners)
+    with its own log-probs less 0.5 + 0.1·i as its reference: KTO's KL point is then about
+    +0.6, not clamped at 0. Parity tests take both as the constants they are in training."""
+    from engine.reference import kl_partners
     from engine.scoring import forward_logps
 
     batch = make_batch(pairs, "full")
     lp = forward_logps(model, stack, batch)
     sums = (lp * mx.array(batch.resp_mask)).sum(axis=-1).tolist()
     b = len(pairs)
-    return [replace(p, ref=(sums[i] + ref_offset(i)[0], sums[b + i] + ref_offset(i)[1]))
-            for i, p in enumerate(pairs)]
+    out = [replace(p, ref=(sums[i] + ref_offset(i)[0], sums[b + i] + ref_offset(i)[1]))
+           for i, p in enumerate(pairs)]
+    if not partners:
+        return out
+    mates = with_reference(model, stack, kl_partners(pairs), partners=False)
+    return [replace(p, kl=replace(q, ref=(q.ref[0] - ref_offset(i)[0] - 0.5 - 0.1 * i,
+                                          q.ref[1] - ref_offset(i)[1] - 0.5 - 0.1 * i)))
+            for i, (p, q) in enumerate(zip(out, mates, strict=True))]
+
+
+def batch_loss(model, stack, pairs_batch, spec):
+    """The loss of a token log-prob array [2B, T] for ``pairs_batch`` (a PairBatch) under
+    ``spec``, as the trainer closes over it: its normalisers, its reference log-probs and,
+    for a loss that reads one, its KL point (engine/step.py: a constant to the gradient)."""
+    from engine.batch import batch_norms
+    from engine.losses import pair_loss
+    from engine.scoring import batch_kl, kl_point
+
+    norms = batch_norms([pairs_batch])
+    resp, nll = mx.array(pairs_batch.resp_mask), mx.array(pairs_batch.nll_mask)
+    ref = pairs_batch.ref_array()
+    kl = kl_point(*batch_kl(model, stack, pairs_batch)) if spec.needs_kl else None
+    return lambda lp: pair_loss(lp, resp, nll, spec, norms, ref, kl)
+
+
+def assert_finite_differences(grad: np.ndarray, loss_of: Callable[[np.ndarray], float],
+                              lp: np.ndarray, mask: np.ndarray, eps: float = 1e-4) -> None:
+    """``grad`` (a loss's gradient with respect to token log-probs ``lp``) equals central
+    differences of the float64 reference ``loss_of`` at every position ``mask`` marks,
+    within 1e-3 relative (the difference's own error at eps 1e-4) or 1e-6 absolute."""
+    for i, j in zip(*np.nonzero(mask), strict=True):
+        up, down = lp.astype(np.float64).copy(), lp.astype(np.float64).copy()
+        up[i, j] += eps
+        down[i, j] -= eps
+        fd = (loss_of(up) - loss_of(down)) / (2 * eps)
+        assert float(grad[i, j]) == pytest.approx(fd, rel=1e-3, abs=1e-6), (i, j)
 
 
 def ref_offset(i: int) -> tuple[float, float]:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from engine.losses import Norms, pair_loss, spec_of
+from tests.parity import assert_finite_differences
 
 TOL = 1e-4  # relative, float32 against float64 (the acceptance's TRL parity)
 
@@ -101,15 +102,9 @@ def test_cpo_gradient_equals_finite_differences_of_the_reference(loss_type: str)
     def loss_of(x: mx.array) -> mx.array:
         return pair_loss(x, mx.array(resp), mx.array(nll), spec, Norms(float(nll.sum()), b))[0]
 
-    grad = np.array(mx.grad(loss_of)(mx.array(lp)))
-    eps = 1e-4
-    for i, j in zip(*np.nonzero(resp), strict=True):
-        up, down = lp.astype(np.float64).copy(), lp.astype(np.float64).copy()
-        up[i, j] += eps
-        down[i, j] -= eps
-        fd = (trl_cpo(up, resp, nll, 0.5, 1.0, 0.0, loss_type, 0.5)[0]
-              - trl_cpo(down, resp, nll, 0.5, 1.0, 0.0, loss_type, 0.5)[0]) / (2 * eps)
-        assert float(grad[i, j]) == pytest.approx(fd, rel=1e-3, abs=1e-6), (i, j)
+    assert_finite_differences(np.array(mx.grad(loss_of)(mx.array(lp))),
+                              lambda x: trl_cpo(x, resp, nll, 0.5, 1.0, 0.0, loss_type, 0.5)[0],
+                              lp, resp)
 
 
 @pytest.mark.unit

@@ -32,7 +32,7 @@ def test_declared_metrics_are_the_ones_a_batch_reports(kind: str) -> None:
     lp = mx.array(-rng.uniform(0.1, 3.0, (4, 6)).astype(np.float32))
     nll = mx.array(np.r_[np.ones((2, 6)), np.zeros((2, 6))].astype(np.float32))
     _, metrics = pair_loss(lp, mx.ones((4, 6)), nll, spec_of(kind), Norms(12.0, 2.0),
-                           mx.array([-5.0, -6.0, -7.0, -8.0]))
+                           mx.array([-5.0, -6.0, -7.0, -8.0]), mx.array(0.3))
     reported = {f"val/{k}" for k in metrics} - {"val/nll_sum"} | {
         "val/loss", "val/nll_loss", "val/rows"}
     assert sorted(reported) == validation_metrics(LOSSES[kind]())
@@ -66,7 +66,7 @@ def test_another_loss_setting_is_refused_naming_both() -> None:
                                          "run's loss is simpo"):
         TrainConfig().replace(loss="simpo", orpo_lambda=0.3)
     with pytest.raises(ValueError, match="unknown config field"):
-        TrainConfig().replace(kto_beta=0.3)
+        TrainConfig().replace(nonesuch_beta=0.3)
     kept = TrainConfig().replace(orpo_lambda=0.5).replace(loss="orpo")  # same loss: kept
     assert kept.loss.orpo_lambda == 0.5
     assert TrainConfig().replace(orpo_lambda=0.5).replace(loss="dpo").loss == LOSSES["dpo"]()

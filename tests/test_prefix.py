@@ -17,17 +17,14 @@ from engine.losses import LOSSES, LossSpec, pair_loss, spec_of
 from engine.prefix import PrefixBatch, split_prefix_batch
 from engine.segmented import value_and_grad
 from tests.pairs import tokenized_pairs
-from tests.parity import assert_same, lora_model, with_reference
+from tests.parity import assert_same, batch_loss, lora_model, with_reference
 
 pytestmark = pytest.mark.integration
 
 
 def run(model, stack, batch, pairs_batch, spec, k=0, chunk=0):
-    norms = batch_norms([pairs_batch])
-    resp, nll = mx.array(pairs_batch.resp_mask), mx.array(pairs_batch.nll_mask)
-    ref = pairs_batch.ref_array()  # DPO's reference log-probs, as the trainer passes them
-    return value_and_grad(model, stack, batch,
-                          lambda lp: pair_loss(lp, resp, nll, spec, norms, ref), k, chunk)
+    return value_and_grad(model, stack, batch, batch_loss(model, stack, pairs_batch, spec),
+                          k, chunk)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_model", "tiny_model_q4"])

@@ -14,21 +14,18 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from engine.batch import Pair, batch_norms, make_batch
-from engine.losses import LossSpec, pair_loss, spec_of
+from engine.batch import Pair, make_batch
+from engine.losses import LossSpec, spec_of
 from engine.model import lora_modules
 from engine.segmented import segment_ranges, value_and_grad
 from tests.pairs import tokenized_pairs
-from tests.parity import assert_same, lora_model, ref_offset, with_reference
+from tests.parity import assert_same, batch_loss, lora_model, ref_offset, with_reference
 
 pytestmark = pytest.mark.integration
 
 
 def run(model, stack, batch, spec, k=0, chunk=0, inflight=2):
-    norms = batch_norms([batch])
-    resp, nll, ref = mx.array(batch.resp_mask), mx.array(batch.nll_mask), batch.ref_array()
-    return value_and_grad(model, stack, batch,
-                          lambda lp: pair_loss(lp, resp, nll, spec, norms, ref), k, chunk,
+    return value_and_grad(model, stack, batch, batch_loss(model, stack, batch, spec), k, chunk,
                           inflight)
 
 

@@ -1,6 +1,6 @@
 """Preference losses, one file each under one protocol (engine/losses/base.py): ORPO (Hong
 et al. 2024), SimPO (Meng et al. 2024), DPO (Rafailov et al. 2023; IPO, Azar et al. 2023), CPO
-(Xu et al. 2024) and SFT.
+(Xu et al. 2024), KTO (Ethayarajh et al. 2024) and SFT.
 
 This registry is the one place that lists them. Adding a loss is one module holding a
 ``LossSettings`` subclass (its fields, rules, extras and maths) and its line in
@@ -23,6 +23,7 @@ from engine.losses.base import (
 )
 from engine.losses.cpo import Cpo
 from engine.losses.dpo import Dpo
+from engine.losses.kto import Kto
 from engine.losses.orpo import Orpo, orpo_pair_terms
 from engine.losses.sft import Sft
 from engine.losses.simpo import Simpo
@@ -34,7 +35,7 @@ from engine.losses.spec import (
     validation_metrics,
 )
 
-REGISTRY: tuple[type[LossSettings], ...] = (Orpo, Simpo, Sft, Dpo, Cpo)
+REGISTRY: tuple[type[LossSettings], ...] = (Orpo, Simpo, Sft, Dpo, Cpo, Kto)
 
 LOSSES: dict[str, type[LossSettings]] = {cls.kind: cls for cls in REGISTRY}
 # Each loss field's name -> the loss that owns it (names are unique across losses).

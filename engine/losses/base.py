@@ -49,7 +49,8 @@ class PairLogps:
 
     chosen, rejected: mean response log-probs ℓw, ℓr; chosen_sum, rejected_sum: summed;
     chosen_tokens, rejected_tokens: response token counts; ref_chosen, ref_rejected: the
-    reference model's summed log-probs (None without a reference).
+    reference model's summed log-probs (None without a reference); kl: the batch's KL
+    reference point, a detached scalar (KTO's z0; None for a loss that reads none).
     """
 
     chosen: mx.array
@@ -60,11 +61,13 @@ class PairLogps:
     rejected_tokens: mx.array
     ref_chosen: mx.array | None = None
     ref_rejected: mx.array | None = None
+    kl: mx.array | None = None
 
 
-def pair_logps(token_logps: mx.array, resp_mask: mx.array, ref: mx.array | None = None
-               ) -> PairLogps:
-    """``PairLogps`` of a [2B, T] batch (rows 0..B−1 chosen) and its reference [2B] or None."""
+def pair_logps(token_logps: mx.array, resp_mask: mx.array, ref: mx.array | None = None,
+               kl: mx.array | None = None) -> PairLogps:
+    """``PairLogps`` of a [2B, T] batch (rows 0..B−1 chosen), its reference [2B] or None and
+    its KL reference point or None."""
     token_logps = token_logps.astype(mx.float32)
     sums = (token_logps * resp_mask).sum(axis=-1)
     counts = mx.maximum(resp_mask.sum(axis=-1), 1.0)
@@ -72,7 +75,8 @@ def pair_logps(token_logps: mx.array, resp_mask: mx.array, ref: mx.array | None 
     b = token_logps.shape[0] // 2
     refs = (None, None) if ref is None else (ref[:b].astype(mx.float32),
                                             ref[b:].astype(mx.float32))
-    return PairLogps(means[:b], means[b:], sums[:b], sums[b:], counts[:b], counts[b:], *refs)
+    return PairLogps(means[:b], means[b:], sums[:b], sums[b:], counts[:b], counts[b:], *refs,
+                     kl=kl)
 
 
 def mean_logps(token_logps: mx.array, mask: mx.array) -> mx.array:
@@ -120,6 +124,9 @@ class LossSettings:
     kind: ClassVar[str] = ""
     summary: ClassVar[str] = ""  # one line for --loss's help
     needs_reference: ClassVar[bool] = False  # reads reference log-probs (engine/reference.py)
+    # Reads a KL reference point: each pair's mismatched partner (its prompt, the previous
+    # pair's responses: engine/reference.kl_partners) under the policy and the reference.
+    needs_kl: ClassVar[bool] = False
     extras: ClassVar[tuple[str, ...]] = ()  # the names of PairTerms.extra it reports
     # Its rewards order pairs as mean log-probs do and its logps/* are means (ORPO's λ·ℓ,
     # SimPO's β·ℓ): trials of such losses rank on one scale (tasks/spec_rules.py).

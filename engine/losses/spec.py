@@ -48,6 +48,10 @@ class LossSpec:
     def needs_reference(self) -> bool:
         return self.loss.needs_reference
 
+    @property
+    def needs_kl(self) -> bool:
+        return self.loss.needs_kl
+
     def to_dict(self) -> dict[str, Any]:
         """Plain values: the loss's name, its settings and the span (a cache key's part)."""
         return {"loss": self.kind, **self.loss.fields(), "nll_span": self.nll_span}
@@ -60,19 +64,21 @@ def pair_loss(
     spec: LossSpec,
     norms: Norms,
     ref: mx.array | None = None,
+    kl: mx.array | None = None,
 ) -> tuple[mx.array, dict[str, mx.array]]:
     """Loss of one micro-batch and its summed metrics (TRL's names).
 
     token_logps, resp_mask, nll_mask: [2B, T], rows 0..B−1 chosen, B..2B−1 rejected;
     ``nll_mask`` marks the chosen rows' NLL span (zero on rejected rows); ``ref``: [2B]
-    summed reference log-probs, same row order (a loss that reads them; None for others).
+    summed reference log-probs, same row order (a loss that reads them; None for others);
+    ``kl``: the optimizer batch's KL reference point (engine/step.py; KTO's, else None).
     Returns the micro-batch's share of the batch loss and per-pair metric *sums*
     (divide by ``norms.pairs`` for batch means; ``nll_sum`` by ``norms.nll_tokens``).
     """
     token_logps = token_logps.astype(mx.float32)
     nll_sum = -(token_logps * nll_mask).sum()
     loss = spec.loss.nll_weight * nll_sum / norms.nll_tokens
-    lp = pair_logps(token_logps, resp_mask, ref)
+    lp = pair_logps(token_logps, resp_mask, ref, kl)
     terms = spec.loss.terms(lp)
     loss = loss + terms.losses.sum() / norms.pairs
     return loss, {"nll_sum": nll_sum, **logp_metrics(lp, terms), **reward_metrics(terms)}
