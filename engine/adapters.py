@@ -25,6 +25,7 @@ from engine.atomic import written
 from engine.content_key import adapter_fingerprint
 from engine.losses import LOSSES, LossSpec, spec_of
 from engine.model import LoraSpec
+from engine.reference_kind import BASE, AdapterRef, Reference, parse_reference
 
 ADAPTER_FILE, CONFIG_FILE = "adapters.safetensors", "adapter_config.json"
 log = logging.getLogger(__name__)
@@ -83,25 +84,25 @@ def trained_loss(adapter_dir: str | Path | None) -> LossSpec | None:
                          f"({err})") from None
 
 
-def trained_reference(adapter_dir: str | Path | None) -> str:
-    """The reference a DPO adapter trained against (its pomona block), else "base". A
+def trained_reference(adapter_dir: str | Path | None) -> Reference:
+    """The reference a DPO adapter trained against (its pomona block), else ``BASE``. A
     reference adapter whose bytes changed since (retrained in place) is said by name: its
     log-probs are recomputed from the new bytes, not the ones the adapter trained against."""
     path = Path(adapter_dir) / CONFIG_FILE if adapter_dir else None
     if path is None or not path.is_file():
-        return "base"
+        return BASE
     with contextlib.suppress(ValueError, AttributeError):
         block = json.loads(path.read_text()).get("pomona") or {}
-        reference = str(block.get("reference", "base"))
+        reference = parse_reference(str(block.get("reference", "base")))
         recorded = block.get("reference_key")
-        if reference != "base" and recorded and recorded != (
-                now := adapter_fingerprint(reference)):
+        if isinstance(reference, AdapterRef) and recorded and recorded != (
+                now := adapter_fingerprint(reference.path)):
             log.warning("%s: its DPO reference %s changed since training (reference_key %s "
                         "recorded, %s now): the reference log-probs are recomputed from the "
                         "changed adapter, so the DPO loss is not the one it trained on",
                         path, reference, recorded, now)
         return reference
-    return "base"
+    return BASE
 
 
 def load_adapter_weights(model: nn.Module, adapter_dir: Path) -> None:

@@ -43,6 +43,10 @@ def train_parser() -> argparse.ArgumentParser:
             p.add_argument("--loss", choices=tuple(LOSSES), default=None,
                            help=f"{f.metadata['help']} (default: {f.default.kind})")
             continue
+        if f.name == "reference":  # a word or a path, read by TrainConfig (parse_reference)
+            p.add_argument("--reference", default=None, metavar="base|DIR",
+                           help=f"{f.metadata['help']} (default: {f.default})")
+            continue
         _, kwargs = _arg_type(hints[f.name])
         p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None,
                        help=f"{f.metadata['help']} (default: {f.default})".replace("%", "%%"),
@@ -222,6 +226,7 @@ def run_score(argv: list[str]) -> int:
     from engine.outputs import check_file
     from engine.prepared import prepare_scoring
     from engine.reference import ReferenceSpec, attach_reference, ensure_reference
+    from engine.reference_kind import parse_reference
     from engine.scoring import is_score_file, preference_accuracy, score_pairs
 
     log_to_stderr()
@@ -229,8 +234,8 @@ def run_score(argv: list[str]) -> int:
     try:  # the output first: a refused --out costs no model load nor scoring
         check_file(a.out, is_score_file, "a score file", inputs=[a.data, a.model, a.adapter])
         spec = score_loss(a, trained_loss(a.adapter) or LossSpec())
-        reference = ReferenceSpec(a.model, a.data, a.reference or trained_reference(a.adapter),
-                                  spec.needs_kl)
+        reference = ReferenceSpec(a.model, a.data, parse_reference(a.reference) if a.reference
+                                  else trained_reference(a.adapter), spec.needs_kl)
         options = {"batch_size": a.batch_size, "head_chunk": a.head_chunk,
                    "prefix_share": a.prefix_share,
                    "allow_tokenizer_mismatch": a.allow_tokenizer_mismatch}

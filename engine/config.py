@@ -26,6 +26,7 @@ from engine.losses import (
     loss_named,
 )
 from engine.ranking import MODES
+from engine.reference_kind import BASE, AdapterRef, Base, Reference, parse_reference
 
 
 def _f(default: Any, help: str) -> Any:
@@ -44,6 +45,8 @@ def check_choice(name: str, value: str) -> None:
 
 
 DEFAULT_LOSS = Orpo()
+REFERENCE_HELP = ("DPO's and KTO's reference model: base (the base model, no LoRA) or an "
+                  "adapter directory for it (SFT, then DPO).")
 LOSS_HELP = ("The loss and its settings: " + "; ".join(cls.summary for cls in LOSSES.values())
              + " (engine/losses/). On the command line and in YAML: --loss NAME and that "
              "loss's own options (--orpo-lambda, ...).")
@@ -58,8 +61,7 @@ class TrainConfig:
                        "prompt_ids/chosen_ids/rejected_ids (and optional id, split).")
     out: str = _f("runs/train", "Output directory: adapters, metrics.jsonl, checkpoints.")
     loss: LossSettings = _f(DEFAULT_LOSS, LOSS_HELP)  # noqa: RUF009 (frozen: immutable)
-    reference: str = _f("base", "DPO's reference model: base (the base model, no LoRA) or "
-                                "an adapter directory for it (SFT, then DPO).")
+    reference: Reference = _f(BASE, REFERENCE_HELP)  # noqa: RUF009 (frozen: immutable)
     reference_logps: str | None = _f(None, "DPO: a reference log-prob file to read "
                                            "(engine/reference.py); default: Pomona's cache, "
                                            "computed once when missing.")
@@ -127,15 +129,17 @@ class TrainConfig:
                                      "themselves with it). 0 = MLX's default.")
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field (types, ranges, required paths)."""
-        self.check_values()
+        """Raise ValueError unless the run names its model and data (every other field was
+        checked when the config was built: ``check_values``)."""
         if not self.model:
             raise ValueError("model is required (a model directory or repo id)")
         if not self.data:
             raise ValueError("data is required (a tokenized dataset)")
 
     def check_values(self) -> None:
-        """Every field's type and range; model and data may still be empty."""
+        """Every field's type and range, and the rules across fields (ValueError naming the
+        first bad one): run once, by ``__post_init__``, whenever a config is built, so a
+        TrainConfig is valid by construction; model and data may still be empty."""
         for f in dataclasses.fields(self):
             value, kind = getattr(self, f.name), _kind(f.name)
             if not _is_kind(value, kind):
@@ -173,7 +177,8 @@ class TrainConfig:
 
     def _check_trains_something(self) -> None:
         """Values the types and signs allow that would still train nothing (a zero
-        learning rate, SimPO's β or LoRA scale: every update or gradient is 0) or not what
+        learning rate or LoRA scale: every update or gradient is 0; a loss's own, such as
+        SimPO's β, its settings refuse) or not what
         was asked (``lora_layers`` 0 adapts every block in mlx-lm; a final rate above the
         peak climbs instead of decaying)."""
         for name in ("learning_rate", "lora_scale"):
@@ -196,6 +201,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.loss, str):  # TrainConfig(loss="dpo"): that loss's defaults
             object.__setattr__(self, "loss", loss_named(self.loss))
+        if isinstance(self.reference, str):  # TrainConfig(reference=DIR), as written
+            object.__setattr__(self, "reference", parse_reference(self.reference))
+        self.check_values()
 
     def loss_spec(self) -> LossSpec:
         """The loss this run trains, validates and scores with."""
@@ -219,7 +227,7 @@ class TrainConfig:
                              f"{type(data).__name__}")
         data = {str(k): v for k, v in data.items()}
         try:
-            cls().replace(**data).check_values()
+            cls().replace(**data)
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
         return cls().replace(**{**data, **overrides})  # one replace: the loss, then its own
@@ -228,7 +236,8 @@ class TrainConfig:
         """Plain values, the loss flat (its name and its own settings): ``from_dict``
         rebuilds the config."""
         plain = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {**plain, "loss": self.loss.kind, **self.loss.fields()}
+        return {**plain, "loss": self.loss.kind, **self.loss.fields(),
+                "reference": str(self.reference)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
@@ -273,7 +282,8 @@ def read_yaml(path: str | Path, what: str) -> Any:
         raise ValueError(f"{path}: not valid YAML{line}: {problem}") from None
 
 
-_KINDS = {"loss": f"one of {tuple(LOSSES)}", "bool": "true or false", "int": "an integer",
+_KINDS = {"loss": f"one of {tuple(LOSSES)}", "reference": "base or an adapter directory",
+          "bool": "true or false", "int": "an integer",
           "float": "a number",
           "str": "a string", "str?": "a string or null",
           "keys?": "a list of module paths or null"}
@@ -291,12 +301,15 @@ def _kind(name: str) -> str:
     return {"<class 'bool'>": "bool", "<class 'int'>": "int", "<class 'float'>": "float",
             "<class 'str'>": "str", "str | None": "str?",
             "tuple[str, ...] | None": "keys?",
-            "<class 'engine.losses.base.LossSettings'>": "loss"}[hint]
+            "<class 'engine.losses.base.LossSettings'>": "loss",
+            "engine.reference_kind.Base | engine.reference_kind.AdapterRef": "reference"}[hint]
 
 
 def _is_kind(value: Any, kind: str) -> bool:
     if kind == "loss":
         return isinstance(value, LossSettings)
+    if kind == "reference":
+        return isinstance(value, Base | AdapterRef)
     if kind == "bool":
         return isinstance(value, bool)
     if kind in ("int", "float"):
@@ -322,6 +335,8 @@ def coerce(name: str, value: Any) -> Any:
         if isinstance(value, str) and value in LOSSES:
             return loss_named(value)
         raise ValueError(f"loss={value!r}: expected one of {tuple(LOSSES)}")
+    if kind == "reference":
+        return parse_reference(value)
     if kind == "bool" and isinstance(value, bool):
         return value
     if kind == "int" and number is not None and math.isfinite(number) and number.is_integer():

@@ -46,6 +46,7 @@ from engine.digests import file_digest
 from engine.layout_policy import scoring_layout
 from engine.model import use_input_dtype_lora
 from engine.prepared import Prepared, prepare_scoring
+from engine.reference_kind import BASE, AdapterRef, Reference, adapter_path, parse_reference
 from engine.scoring import forward_groups
 
 REFERENCE_VERSION = "1"  # bump when the forward's semantics change: old files are not read
@@ -62,17 +63,21 @@ Progress = Callable[[int, int], None]  # (pairs done, pairs in all)
 @dataclass(frozen=True)
 class ReferenceSpec:
     """Whose log-probs, on what: ``model`` (directory, .gguf or hub id), ``data`` (a
-    tokenized dataset or file) and ``reference`` ("base", or an adapter directory); with
+    tokenized dataset or file) and ``reference`` (``BASE``, or an adapter); with
     ``kl``, the pairs' KL partners' too (``kl_partners``: KTO's reference point)."""
 
     model: str
     data: str
-    reference: str = "base"
+    reference: Reference = BASE
     kl: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reference", parse_reference(self.reference))
 
     def key(self) -> str:
         """The content key (engine/content_key.py digests, cached by file stat)."""
-        adapter = "base" if self.reference == "base" else adapter_fingerprint(self.reference)
+        folder = adapter_path(self.reference)
+        adapter = "base" if folder is None else adapter_fingerprint(folder)
         partners = {"kl_partners": KL_PARTNERS} if self.kl else {}  # DPO's keys unchanged
         body = json.dumps({"model": model_fingerprint(self.model),
                            "data": data_digest(self.data), "reference": adapter,
@@ -96,12 +101,11 @@ def with_partners(pairs: Sequence[Pair], refs: dict[str, tuple[float, float]],
                                                                    where), strict=True)]
 
 
-def resolved_reference(reference: str) -> str:
-    """``reference`` as stored and keyed: "base", or the adapter folder's absolute path (a
+def resolved_reference(reference: str | Reference) -> Reference:
+    """``reference`` as stored and keyed: ``BASE``, or the adapter at its absolute path (a
     relative one would name another folder, or none, where score later runs)."""
-    if reference == "base":
-        return reference
-    return str(Path(reference).expanduser().resolve())
+    reference = parse_reference(reference)
+    return reference.resolved() if isinstance(reference, AdapterRef) else reference
 
 
 def cache_dir() -> Path:
@@ -129,9 +133,9 @@ def prepare_reference(spec: ReferenceSpec) -> Prepared:
     ``spec.reference``'s LoRA attached as its config says. An adapter that does not fit
     the base (another model, size or family) is refused here, before any forward, in one
     line."""
-    if spec.reference == "base":
+    if not isinstance(spec.reference, AdapterRef):
         return prepare_scoring(spec.model)
-    folder = Path(spec.reference).expanduser()
+    folder = Path(spec.reference.path).expanduser()
     config = _adapter_config(folder)
     return prepare_scoring(spec.model, attach=lambda model: _attach_reference_adapter(
         model, folder, config, spec.model))
@@ -355,7 +359,7 @@ def ensure_reference(spec: ReferenceSpec, path: str | Path | None = None,
             log.info("reference log-probs: cached (%s)", target)
             return target, True
         log.info("reference log-probs: computing %s for %s on %s (one forward per pair)",
-                 "the base model" if spec.reference == "base" else spec.reference,
+                 "the base model" if spec.reference == BASE else spec.reference,
                  spec.model, spec.data)
         reserve(target)  # a full disk is said now, not after the whole pass
         write_reference(target, key, compute_reference(spec, **(options or {})))

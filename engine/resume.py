@@ -18,6 +18,7 @@ from engine.config import TrainConfig
 from engine.content_key import adapter_fingerprint, model_fingerprint
 from engine.losses import OWNERS
 from engine.reference import data_digest
+from engine.reference_kind import adapter_path
 
 # Fields a resume may change: bookkeeping, or the memory levers whose gradients equal the
 # plain path's (DESIGN.md, "three memory levers"). Every other field shapes the updates.
@@ -38,8 +39,8 @@ def run_settings(cfg: TrainConfig) -> dict[str, Any]:
     settings["model"] = model_fingerprint(cfg.model)
     settings["data"] = data_digest(cfg.data)
     settings["warm_start"] = adapter_fingerprint(cfg.warm_start) if cfg.warm_start else None
-    settings["reference"] = (cfg.reference if cfg.reference == "base"
-                             else adapter_fingerprint(cfg.reference))
+    folder = adapter_path(cfg.reference)
+    settings["reference"] = "base" if folder is None else adapter_fingerprint(folder)
     return json.loads(json.dumps(settings))  # as state.json gives it back
 
 

@@ -56,6 +56,7 @@ from engine.reference import (
     ensure_reference,
     resolved_reference,
 )
+from engine.reference_kind import BASE, adapter_path
 from engine.report_window import Window
 from engine.resume import check_resume, read_state, resume_checkpoint, run_settings
 from engine.scoring import evaluate
@@ -183,7 +184,7 @@ def loss_weights(cfg: TrainConfig) -> dict[str, Any]:
     DPO's reference too, which evaluation re-reads)."""
     weights = {**cfg.loss.fields(), "nll_span": cfg.nll_span}
     if cfg.loss.needs_reference:  # absolute: score and evaluation run from anywhere
-        weights["reference"] = resolved_reference(cfg.reference)
+        weights["reference"] = str(resolved_reference(cfg.reference))
     return weights
 
 
@@ -202,17 +203,17 @@ def content_keys(cfg: TrainConfig) -> dict[str, str]:
     """The base's content key (a reference adapter is refused on another base) and, for
     DPO with an adapter reference, that adapter's (retrained in place: said at score)."""
     keys = {"model_key": model_fingerprint(cfg.model)}
-    if cfg.loss_spec().needs_reference and cfg.reference != "base":
-        keys["reference_key"] = adapter_fingerprint(cfg.reference)
+    if cfg.loss_spec().needs_reference and (folder := adapter_path(cfg.reference)):
+        keys["reference_key"] = adapter_fingerprint(folder)
     return keys
 
 
 def claim_run(cfg: TrainConfig) -> AbstractContextManager[Path]:
     """``cfg.out`` held as this process's run (engine/outputs.py): refused when it holds
     files Pomona did not write, another process is writing it, or it overlaps an input."""
-    reference = cfg.reference if cfg.reference != "base" else None
     return claim(cfg.out, ("run",), legacy=is_run_dir, may_hold=False,
-                 inputs=[cfg.model, cfg.data, cfg.warm_start, reference, cfg.reference_logps])
+                 inputs=[cfg.model, cfg.data, cfg.warm_start, adapter_path(cfg.reference),
+                         cfg.reference_logps])
 
 
 def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
@@ -233,7 +234,7 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback], held: ExitStack) -> 
         held.enter_context(claim_run(cfg))
     out.mkdir(parents=True, exist_ok=True)
     if cfg.loss_spec().needs_reference:  # made before the policy loads: one model at a time
-        if cfg.warm_start and cfg.reference == "base":
+        if cfg.warm_start and cfg.reference == BASE:
             log.warning("warm_start %s with reference base: the policy starts away from its "
                         "reference (SFT, then DPO: give --reference %s)", cfg.warm_start,
                         cfg.warm_start)

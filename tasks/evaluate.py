@@ -60,11 +60,12 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec 
     from engine.layout_policy import scoring_layout
     from engine.prepared import prepare_scoring
     from engine.reference import ReferenceSpec, attach_reference, ensure_reference
+    from engine.reference_kind import parse_reference
     from engine.scoring import evaluate
 
     spec = loss or trained_loss(adapter) or LossSpec()
-    reference = ReferenceSpec(model, data, reference or trained_reference(adapter),
-                              spec.needs_kl)
+    reference = ReferenceSpec(model, data, parse_reference(reference) if reference
+                              else trained_reference(adapter), spec.needs_kl)
     options = {"batch_size": batch_size, "head_chunk": head_chunk,
                "prefix_share": prefix_share,
                "allow_tokenizer_mismatch": allow_tokenizer_mismatch}

@@ -23,6 +23,7 @@ from engine.atomic import atomic_write_text
 from engine.content_key import adapter_fingerprint, model_fingerprint
 from engine.digests import file_digest
 from engine.losses import LossSpec
+from engine.reference_kind import adapter_path
 from tasks.evaluate import evaluate_on_node
 from tasks.generation_eval import GenerationSettings, as_settings
 from tasks.leaderboard import (
@@ -116,9 +117,8 @@ def evaluation_key(context: Any, inputs: dict[str, Any]) -> str:
     adapter, loss = inputs["adapter"], inputs["loss"]
     weights = file_digest(Path(adapter) / ADAPTER_FILE) if adapter else "base"
     trained = file_digest(Path(adapter) / CONFIG_FILE) if adapter else None  # its own loss
-    reference = trained_reference(adapter)  # DPO's: its bytes, not the path its config holds
-    if reference != "base":
-        reference = adapter_fingerprint(reference)
+    folder = adapter_path(trained_reference(adapter))  # its bytes, not the path it names
+    reference = "base" if folder is None else adapter_fingerprint(folder)
     body = json.dumps([model_fingerprint(inputs["model"]), weights, trained, reference,
                        data_fingerprint(inputs["data"]),
                        loss.to_dict() if loss else None,
@@ -138,9 +138,8 @@ def evaluate_task(name: str, model: str, adapter: str | None, data: str,
     import ray
 
     settings = settings or EvalSettings()
-    reference = trained_reference(adapter)
     paths = {"model": model, "data": data, "adapter": adapter,
-             "reference": None if reference == "base" else reference}
+             "reference": adapter_path(trained_reference(adapter))}
     inputs = SweepFiles().for_paths({k: v for k, v in paths.items()
                                      if v and Path(v).exists()})
     remote = placement.fresh_task(evaluate_on_node)

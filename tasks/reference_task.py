@@ -25,6 +25,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from engine.config import TrainConfig
 from engine.losses import LOSSES
 from engine.reference import ReferenceSpec, cache_dir, ensure_reference, resolved_reference
+from engine.reference_kind import adapter_path
 from tasks.pipeline_tasks import artifact_key
 from tasks.placement import Placement
 from tasks.sweep_spec import SweepSpec
@@ -119,9 +120,8 @@ def reference_on_ray(spec: ReferenceSpec, options: dict[str, Any], placement: Pl
     import ray
 
     box = ray.remote(num_cpus=0)(ProgressBox).remote()
-    paths = {"model": spec.model, "data": spec.data, "reference": spec.reference}
-    inputs = SweepFiles().for_paths({k: v for k, v in paths.items()
-                                     if v != "base" and Path(v).exists()})
+    paths = {"model": spec.model, "data": spec.data, "reference": adapter_path(spec.reference)}
+    inputs = SweepFiles().for_paths({k: v for k, v in paths.items() if v and Path(v).exists()})
     ref = placement.fresh_task(make_reference).remote(spec, options, box, inputs)
     while not ray.wait([ref], timeout=2.0)[0]:
         done, total = ray.get(box.get.remote())

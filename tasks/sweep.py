@@ -29,6 +29,7 @@ from engine.content_key import adapter_fingerprint, model_fingerprint
 from engine.digests import file_digest
 from engine.model_source import source_kind
 from engine.outputs import claim, mark_kind, reading
+from engine.reference_kind import adapter_path, parse_reference
 from tasks.attempts import EventHook
 from tasks.memory_probe import resolve_auto
 from tasks.placement import Placement
@@ -118,8 +119,8 @@ def cache_key(config: dict[str, Any], fingerprint: str, model_key: str) -> str:
     text = f"{body}|{model_key}|{fingerprint}|{CODE_VERSION}"
     if config.get("warm_start"):
         text += f"|{adapter_fingerprint(config['warm_start'])}"
-    if config.get("reference", "base") != "base":
-        text += f"|reference:{adapter_fingerprint(config['reference'])}"
+    if folder := adapter_path(parse_reference(config.get("reference"))):
+        text += f"|reference:{adapter_fingerprint(folder)}"
     if config.get("reference_logps"):
         text += f"|reference_logps:{file_digest(config['reference_logps'])}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import TrainConfig
+from engine.reference_kind import adapter_path
 from engine.scratch import process_alive
 from tasks.node_files import Bundle, cache_root, fetch, file_server, server_reader
 
@@ -32,9 +33,14 @@ SKIP_OUTPUTS = ("checkpoints",)  # resume state stays on the node; a retry start
 
 
 def input_paths(config: TrainConfig) -> dict[str, str]:
-    """The local paths ``config`` reads, by field (a Hub id or ``base`` is none)."""
-    paths = {f: getattr(config, f) for f in FIELDS}
-    return {f: p for f, p in paths.items() if p and p != "base" and Path(p).exists()}
+    """The local paths ``config`` reads, by field (a Hub id or the base reference is none)."""
+    return {f: p for f, p in named_paths(config).items() if p and Path(p).exists()}
+
+
+def named_paths(config: TrainConfig) -> dict[str, str | None]:
+    """Each input field's path as ``config`` names it (None: not set, or the base)."""
+    return {**{f: getattr(config, f) for f in FIELDS},
+            "reference": adapter_path(config.reference)}
 
 
 class SweepFiles:
@@ -68,7 +74,8 @@ def localised(config: TrainConfig, inputs: dict[str, Any] | None, trial_id: str
     their bytes) and its ``out`` a fresh scratch folder; and the map back from each local
     path to the driver's. InputChanged / OSError name the file that could not be had."""
     local = fetched(inputs)
-    back = {path: getattr(config, field) for field, path in local.items()}
+    named = named_paths(config)
+    back = {path: named[field] for field, path in local.items()}
     changes = {"out": str(scratch_dir(trial_id)), **local}
     return dataclasses.replace(config, **changes), back
 

@@ -140,25 +140,3 @@ def test_pomona_train_trains_cpo_with_every_lever(tiny_model: Path, tiny_data: P
     first, last = [r for r in vals if "val/loss" in r]
     assert last["val/loss"] < first["val/loss"] - 0.5, (first, last)
     assert last["val/nll_loss"] < first["val/nll_loss"] - 0.5, (first, last)
-
-
-@pytest.mark.slow
-def test_a_sweep_over_losses_trains_cpo_beside_orpo(ray_cluster, tiny_model: Path,
-                                                    tiny_data: Path, tmp_path: Path) -> None:
-    """``loss: [orpo, cpo]`` in a grid, ranked on a metric both report on one scale: each
-    trial trains its own loss with its own settings (ORPO's λ is not CPO's)."""
-    from tasks.sweep import run_sweep
-    from tasks.sweep_spec import parse_spec
-
-    spec = parse_spec({"name": "losses", "model": str(tiny_model), "data": str(tiny_data),
-                       "metric": "val/logps/accuracies", "mode": "max", "max_concurrent": 2,
-                       "fixed": {"steps": 2, "batch_size": 4, "lora_rank": 4, "val_every": 2,
-                                 "orpo_lambda": 0.5, "cpo_beta": 0.2},
-                       "grid": {"loss": ["orpo", "cpo"]}})
-    rows = run_sweep(spec, tmp_path)
-    assert [r["status"] for r in rows] == ["completed"] * 2, [r.get("reason") for r in rows]
-    blocks = {r["param/loss"]: json.loads((tmp_path / r["trial_id"] / "adapter_config.json")
-                                          .read_text())["pomona"] for r in rows}
-    assert blocks["cpo"]["loss"] == "cpo" and blocks["cpo"]["cpo_beta"] == 0.2
-    assert "orpo_lambda" not in blocks["cpo"] and blocks["orpo"]["orpo_lambda"] == 0.5
-    assert all(r["best_val_accuracy"] is not None for r in rows)

@@ -62,10 +62,10 @@ def test_score_loss_mistakes_are_one_line(tiny_model: Path, tiny_data: Path, tmp
         assert name in capsys.readouterr().err
     adapter = tmp_path / "adapter"
     adapter.mkdir()
-    (adapter / "adapter_config.json").write_text(json.dumps({"pomona": {"loss": "kto"}}))
+    (adapter / "adapter_config.json").write_text(json.dumps({"pomona": {"loss": "nonesuch"}}))
     assert run_score([*base, "--adapter", str(adapter)]) == 2  # through score's own path
     err = capsys.readouterr().err
-    assert "adapter_config.json" in err and "kto" in err, err
+    assert "adapter_config.json" in err and "nonesuch" in err, err
     assert not (tmp_path / "s.jsonl").exists()
 
 

@@ -193,25 +193,3 @@ def test_pomona_train_trains_kto_with_every_lever(tiny_model: Path, tiny_data: P
     vals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     first, last = [r for r in vals if "val/loss" in r]
     assert "val/kl" in last and last["val/loss"] < first["val/loss"], (first, last)
-
-
-@pytest.mark.slow
-def test_a_sweep_trains_kto_beside_dpo(ray_cluster, tiny_model: Path, tiny_data: Path,
-                                       tmp_path: Path) -> None:
-    """``loss: [dpo, kto]``: the sweep plans one reference without KL partners and one with
-    them, and both trials train against the base."""
-    from tasks.reference_task import reference_needs
-    from tasks.sweep import run_sweep
-    from tasks.sweep_spec import parse_spec
-
-    spec = parse_spec({"name": "kto", "model": str(tiny_model), "data": str(tiny_data),
-                       "metric": "val/logps/accuracies", "mode": "max", "max_concurrent": 2,
-                       "fixed": {"steps": 2, "batch_size": 4, "lora_rank": 4, "val_every": 2,
-                                 "kto_beta": 0.3},
-                       "grid": {"loss": ["dpo", "kto"]}})
-    assert sorted(r.kl for r, _ in reference_needs(spec)) == [False, True]
-    rows = run_sweep(spec, tmp_path)
-    assert [r["status"] for r in rows] == ["completed"] * 2, [r.get("reason") for r in rows]
-    blocks = {r["param/loss"]: json.loads((tmp_path / r["trial_id"] / "adapter_config.json")
-                                          .read_text())["pomona"] for r in rows}
-    assert blocks["kto"]["kto_beta"] == 0.3 and "kto_beta" not in blocks["dpo"]

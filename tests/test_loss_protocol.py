@@ -5,6 +5,7 @@ another's, and a sweep over losses gives each trial its own."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import mlx.core as mx
 import numpy as np
@@ -15,15 +16,15 @@ from engine.losses import LOSSES, OWNERS, REGISTRY, Norms, pair_loss, spec_of, v
 from tasks.spec_rules import SpecError
 from tasks.sweep_spec import parse_spec
 
-pytestmark = pytest.mark.unit
 
-
+@pytest.mark.unit
 def test_each_setting_belongs_to_one_loss() -> None:
     names = [n for cls in REGISTRY for n in cls.names()]
     assert len(names) == len(set(names)) == len(OWNERS)
     assert set(LOSSES) == {cls.kind for cls in REGISTRY} and len(LOSSES) == len(REGISTRY)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kind", sorted(LOSSES))
 def test_declared_metrics_are_the_ones_a_batch_reports(kind: str) -> None:
     """validation_metrics reads a loss's declared extras: they must be what pair_loss
@@ -38,6 +39,7 @@ def test_declared_metrics_are_the_ones_a_batch_reports(kind: str) -> None:
     assert sorted(reported) == validation_metrics(LOSSES[kind]())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kind", sorted(LOSSES))
 def test_a_config_crosses_as_a_flat_dict_and_back(kind: str) -> None:
     cls = LOSSES[kind]
@@ -61,6 +63,7 @@ def _valid(cls, fields: dict) -> dict:
     return kept
 
 
+@pytest.mark.unit
 def test_another_loss_setting_is_refused_naming_both() -> None:
     with pytest.raises(ValueError, match="orpo_lambda: a setting of loss orpo, and this "
                                          "run's loss is simpo"):
@@ -72,6 +75,7 @@ def test_another_loss_setting_is_refused_naming_both() -> None:
     assert TrainConfig().replace(orpo_lambda=0.5).replace(loss="dpo").loss == LOSSES["dpo"]()
 
 
+@pytest.mark.unit
 def test_a_sweep_over_losses_gives_each_trial_its_own_settings(tmp_path) -> None:
     spec = parse_spec({"name": "s", "model": "m", "data": "d", "metric": "val/logps/accuracies",
                        "fixed": {"orpo_lambda": 1.0, "rpo_alpha": 1.0, "steps": 2},
@@ -82,6 +86,7 @@ def test_a_sweep_over_losses_gives_each_trial_its_own_settings(tmp_path) -> None
     assert plans["orpo"].fields["rpo_alpha"] == 1.0  # the trial's id and param columns
 
 
+@pytest.mark.unit
 def test_a_setting_of_a_loss_no_trial_trains_is_refused() -> None:
     with pytest.raises(SpecError, match=r"fixed\.simpo_beta: a setting of loss simpo, which no "
                                         "trial of this sweep trains with"):
@@ -89,3 +94,37 @@ def test_a_setting_of_a_loss_no_trial_trains_is_refused() -> None:
     with pytest.raises(SpecError, match=r"grid\.dpo_beta"):
         parse_spec({"name": "s", "model": "m", "data": "d", "fixed": {"loss": "simpo"},
                     "grid": {"dpo_beta": [0.1, 0.2]}})
+
+
+@pytest.mark.slow
+def test_a_sweep_over_every_loss_trains_each_with_its_own_settings(
+        ray_cluster, tiny_model, tiny_data, tmp_path) -> None:
+    """``loss:`` over every registered loss in one grid, each loss's first setting given
+    in ``fixed`` off its default: every trial completes, its adapter records its own loss
+    and its own settings alone; losses that read a reference get theirs made (KTO's with
+    its KL partners: two files for the base when DPO and KTO both run)."""
+    from tasks.reference_task import reference_needs
+    from tasks.sweep import run_sweep
+
+    own = {cls.kind: next(iter(dataclasses.fields(cls)), None) for cls in REGISTRY}
+    fixed = {f.name: f.default * 2 + 0.25 for f in own.values()
+             if f is not None and isinstance(f.default, float)}
+    spec = parse_spec({"name": "losses", "model": str(tiny_model), "data": str(tiny_data),
+                       "metric": "val/logps/accuracies", "mode": "max", "max_concurrent": 2,
+                       "fixed": {"steps": 2, "batch_size": 4, "lora_rank": 4, "val_every": 2,
+                                 **fixed},
+                       "grid": {"loss": sorted(LOSSES)}})
+    kinds = {cls.needs_kl for cls in REGISTRY if cls.needs_reference}
+    assert sorted(r.kl for r, _ in reference_needs(spec)) == sorted(kinds)
+    rows = run_sweep(spec, tmp_path)
+    assert [r["status"] for r in rows] == ["completed"] * len(LOSSES), [
+        r.get("reason") for r in rows]
+    for r in rows:
+        block = json.loads((tmp_path / r["trial_id"] / "adapter_config.json").read_text())
+        kind = block["pomona"]["loss"]
+        assert kind == r["param/loss"] and r["best_val_accuracy"] is not None
+        theirs = set(OWNERS) - set(LOSSES[kind].names())
+        assert not theirs & set(block["pomona"]), (kind, sorted(block["pomona"]))
+        for name, value in fixed.items():
+            if name in LOSSES[kind].names():
+                assert block["pomona"][name] == value, (kind, name)

@@ -204,12 +204,14 @@ def test_orpo_raises_smollm2s_held_out_preference_accuracy(real, tmp_path) -> No
     read them. The real demo's settings (flows/configs/demo-real.yaml), shorter at a higher
     rate (CI time)."""
     from engine.config import TrainConfig
+    from engine.losses import loss_named
     from engine.trainer import train
 
     data = _reverse_data(real["smollm2"], tmp_path, 500)
     cfg = TrainConfig(model=str(real["smollm2"]), data=str(data), out=str(tmp_path / "run"),
                       steps=16, batch_size=8, lora_rank=16, lora_layers=8, warmup_steps=4,
-                      learning_rate=1.5e-3, nll_span="response", orpo_lambda=1.0,
+                      learning_rate=1.5e-3, nll_span="response",
+                      loss=loss_named("orpo", orpo_lambda=1.0),
                       segment_size=4, head_chunk=256, val_every=16, val_batches=5)
     train(cfg)
     records = map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())

@@ -48,7 +48,7 @@ def test_trial_ids_are_stable_and_order_free() -> None:
     ({"name": "s", "data": "d"}, "model: required"),
     ({**BASE, "grid": {"learnin_rate": [1e-4]}}, "grid.learnin_rate: not a training param"),
     ({**BASE, "fixed": {"batch_size": 0}}, r"fixed.batch_size=0"),
-    ({**BASE, "grid": {"loss": ["kto"]}}, r"grid.loss='kto'"),
+    ({**BASE, "grid": {"loss": ["nonesuch"]}}, r"grid.loss='nonesuch'"),
     ({**BASE, "fixed": {"out": "x"}}, "fixed.out: set by the sweep"),
     ({**BASE, "search": "random", "space": {"lora_rank": {"normal": [1, 2]}}},
      "space.lora_rank: expected one of"),
@@ -104,7 +104,7 @@ def test_loss_is_searched_like_any_key_and_ranked_on_a_shared_metric() -> None:
         parse_spec({**grid, "metric": "val/loss"})
     assert len(parse_spec({**grid, "grid": {"loss": ["orpo", "sft"]}}).trials()) == 2
     with pytest.raises(SpecError, match="loss"):
-        parse_spec({**grid, "grid": {"loss": ["orpo", "kto"]}})
+        parse_spec({**grid, "grid": {"loss": ["orpo", "nonesuch"]}})
     assert parse_spec({**BASE, "fixed": {"loss": "simpo"}}).metric == "val/loss"  # one loss
 
 

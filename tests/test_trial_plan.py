@@ -45,8 +45,10 @@ def test_train_config_is_built_once_per_trial_from_spec_to_actor(
     listed, resolved by the real memory probe on the tiny model (its Ray task run in this
     process), keyed for the cache, sent as ``to_dict`` (pickled, as Ray would) and rebuilt
     in the actor. TrainConfig is constructed three times on the driver (once per trial)
-    and three times in the actors. Would catch: a config rebuilt to validate a value, to
-    probe, or to resolve ``auto``, or a plan that reaches the actor still auto."""
+    and three times in the actors, and validated exactly as often (by its construction:
+    ``check_values`` runs nowhere else). Would catch: a config rebuilt to validate a value,
+    to probe, or to resolve ``auto``, a second validation of one config, or a plan that
+    reaches the actor still auto."""
     import ray
 
     from tasks.placement import Placement
@@ -59,6 +61,13 @@ def test_train_config_is_built_once_per_trial_from_spec_to_actor(
     def counted(self: TrainConfig, *args: Any, **kwargs: Any) -> None:
         built[where[-1]] += 1
         init(self, *args, **kwargs)
+
+    checked = dict.fromkeys(built, 0)
+    check = TrainConfig.check_values
+
+    def counted_check(self: TrainConfig) -> None:
+        checked[where[-1]] += 1
+        check(self)
 
     class InProcess:  # Placement.fresh_task's Ray task, run here so its builds are seen
         def __init__(self, fn: Any):
@@ -76,6 +85,7 @@ def test_train_config_is_built_once_per_trial_from_spec_to_actor(
                        "fixed": {"steps": 2, "batch_size": 4, "lora_rank": 4},
                        "grid": {"segment_size": ["auto", 1, 2]}})
     monkeypatch.setattr(TrainConfig, "__init__", counted)
+    monkeypatch.setattr(TrainConfig, "check_values", counted_check)
     monkeypatch.setattr(Placement, "fresh_task", lambda self, fn, env=None: InProcess(fn))
     monkeypatch.setattr(ray, "get", lambda value: value)
     sweep = SweepRun(spec, tmp_path / "sweep", Placement(), None)
@@ -90,6 +100,7 @@ def test_train_config_is_built_once_per_trial_from_spec_to_actor(
     assert auto.config.segment_size == auto.fields["segment_size"] in (0, 1, 2)
     assert [a.config.segment_size for a in actors][1:] == [1, 2]
     assert set(sweep.keys) == {a.id for a in actors}  # each keyed for the cache
+    assert checked == built  # validated once a build, the actor's three included
 
 
 @pytest.mark.integration
