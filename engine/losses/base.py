@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any, ClassVar, get_type_hints
 
 import mlx.core as mx
@@ -133,7 +134,7 @@ class LossSettings:
     mean_rewards: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        hints = get_type_hints(type(self))
+        hints = _hints(type(self))
         for f in dataclasses.fields(self):
             _check_field(f, hints[f.name], getattr(self, f.name))
         self.check()
@@ -162,6 +163,12 @@ class LossSettings:
     def names(cls) -> tuple[str, ...]:
         """Its fields' names (ClassVars are not fields)."""
         return tuple(f.name for f in dataclasses.fields(cls))
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    """A loss class's field types, read once (``get_type_hints`` evaluates them each call)."""
+    return get_type_hints(cls)
 
 
 def _check_field(f: dataclasses.Field, hint: Any, value: Any) -> None:
