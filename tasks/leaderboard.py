@@ -35,7 +35,7 @@ from tasks.degenerate import below_chance
 from tasks.paired import against_base, board_row
 from tasks.ranked_metric import metric_value
 from tasks.results_table import write_results
-from tasks.spec_rules import shared_metrics
+from engine.losses import shared_metrics
 
 ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
 EVAL_COLUMNS = ("eval/valid/logps/accuracies", "eval/test/logps/accuracies",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.config import DEFAULT_LOSS, TrainConfig
-from engine.losses import LOSSES, OWNERS, validation_metrics
+from engine.losses import ACROSS_LOSSES, LOSSES, OWNERS, shared_metrics, validation_metrics
 
 PRUNING_DEFAULTS = {"startup_trials": 2, "warmup_steps": 0}
 
@@ -40,17 +40,6 @@ def check_ranks(ranks: int, kind: str, fixed: dict, grid: dict, space: dict) -> 
                             "(each rank trains its share of every batch)")
 
 
-# Validation metrics every loss reports on one scale: what trials of different losses are
-# ranked on (val/loss and the reward values are each loss's own: λ·ℓ for ORPO, β·ℓ for
-# SimPO, ℓ for SFT). Without DPO, which response wins, rewards/accuracies, is the same for
-# all, and logps/* are mean log-probs; DPO's rewards are relative to its reference and its
-# logps summed (TRL's), so a search with DPO ranks on logps/accuracies, logps/margin or
-# nll_loss.
-ACROSS_LOSSES = ("val/logps/accuracies", "val/logps/margin", "val/nll_loss")
-ACROSS_NON_REFERENCE_LOSSES = (*ACROSS_LOSSES, "val/rewards/accuracies",
-                               "val/logps/chosen", "val/logps/rejected")
-
-
 def searched(name: str, grid: dict, space: dict) -> set:
     """The values a search gives field ``name`` (its grid list or its space's choice)."""
     dist = space.get(name)
@@ -74,12 +63,6 @@ def check_loss_settings(fixed: dict, grid: dict, space: dict) -> None:
                 raise SpecError(f"{where}.{name}: a setting of loss {owner.kind}, which no "
                                 f"trial of this sweep trains with (its losses: "
                                 f"{', '.join(sorted(losses))})")
-
-
-def shared_metrics(losses: set[str]) -> tuple[str, ...]:
-    """The validation metrics trials of ``losses`` are ranked on together."""
-    same = all(LOSSES[k].mean_rewards for k in losses if k in LOSSES)
-    return ACROSS_NON_REFERENCE_LOSSES if same else ACROSS_LOSSES
 
 
 def check_metric_of_losses(metric: str, fixed: dict, grid: dict, space: dict) -> None:

@@ -43,6 +43,23 @@ OWNERS: dict[str, type[LossSettings]] = {
     f: cls for cls in REGISTRY for f in cls.names()}
 
 
+# Validation metrics every loss reports on one scale: what trials of different losses are
+# ranked on (val/loss and the reward values are each loss's own: λ·ℓ for ORPO, β·ℓ for
+# SimPO, ℓ for SFT). Without DPO, which response wins, rewards/accuracies, is the same for
+# all, and logps/* are mean log-probs; DPO's rewards are relative to its reference and its
+# logps summed (TRL's), so a search with DPO ranks on logps/accuracies, logps/margin or
+# nll_loss.
+ACROSS_LOSSES = ("val/logps/accuracies", "val/logps/margin", "val/nll_loss")
+ACROSS_NON_REFERENCE_LOSSES = (*ACROSS_LOSSES, "val/rewards/accuracies",
+                               "val/logps/chosen", "val/logps/rejected")
+
+
+def shared_metrics(losses: set[str]) -> tuple[str, ...]:
+    """The validation metrics trials of ``losses`` are ranked on together."""
+    same = all(LOSSES[k].mean_rewards for k in losses if k in LOSSES)
+    return ACROSS_NON_REFERENCE_LOSSES if same else ACROSS_LOSSES
+
+
 def loss_named(kind: str, **fields: Any) -> LossSettings:
     """The settings of loss ``kind`` with ``fields`` (ValueError naming a bad one)."""
     if kind not in LOSSES:
@@ -67,7 +84,8 @@ def spec_of(kind: str = "orpo", nll_span: str = "full", **fields: Any) -> LossSp
     return LossSpec(loss_named(kind, **fields), nll_span)
 
 
-__all__ = ["LOGP_CEILING", "LOSSES", "NLL_SPANS", "OWNERS", "REGISTRY", "Dpo", "LossSettings",
-           "LossSpec", "Norms", "Orpo", "PairLogps", "PairTerms", "Sft", "Simpo",
-           "foreign_message", "log1mexp", "loss_named", "mean_logps", "orpo_pair_terms",
-           "pair_logps", "pair_loss", "per_pair_losses", "spec_of", "validation_metrics"]
+__all__ = ["ACROSS_LOSSES", "ACROSS_NON_REFERENCE_LOSSES", "LOGP_CEILING", "LOSSES",
+           "NLL_SPANS", "OWNERS", "REGISTRY", "Dpo", "LossSettings", "LossSpec", "Norms",
+           "Orpo", "PairLogps", "PairTerms", "Sft", "Simpo", "foreign_message", "log1mexp",
+           "loss_named", "mean_logps", "orpo_pair_terms", "pair_logps", "pair_loss",
+           "per_pair_losses", "shared_metrics", "spec_of", "validation_metrics"]
