@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from engine.parsers import command_parser
+from engine.host.parsers import command_parser
 
 # kind → (module, one line); each module's main(argv) runs it.
 KINDS = {
@@ -48,9 +48,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks") -> i
     except SystemExit as done:  # --help (0) or a missing/unknown kind (2): a return code
         return int(done.code or 0)
     if args.command != "trl":  # TRL's rows run where MLX stays off the path
-        from engine.blas import ensure_fast_blas
+        from engine.host.blas import ensure_fast_blas
 
-        ensure_fast_blas()  # Linux CPU: re-run with OpenBLAS preloaded (engine/blas.py)
+        ensure_fast_blas()  # Linux CPU: re-run with OpenBLAS preloaded (engine/host/blas.py)
     module = importlib.import_module(f"benchmarks.{KINDS[args.command][0]}")
     return int(module.main(rest) or 0)
 

@@ -2,7 +2,7 @@
 
     python -m benchmarks allreduce        # the table in docs/cluster.md
 
-Counts r·(in + out) over each model's default LoRA targets (engine/arch: every attention
+Counts r·(in + out) over each model's default LoRA targets (engine/model/arch: every attention
 and MLP linear) and over q/k/v/o, at published shapes built by mlx-lm's own classes
 (weights never evaluated, so nothing is allocated). The engine all-sums the gradients as
 one float32 buffer; a ring all-reduce moves 2(N−1)/N of it per rank, timed at each
@@ -16,7 +16,7 @@ import argparse
 import mlx.nn as nn
 
 from benchmarks.bench_model import PRESETS, model_args
-from engine.arch import make_stack
+from engine.model.arch import make_stack
 
 RANK = 16
 QKVO = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")

@@ -56,8 +56,8 @@ def model_args(a: argparse.Namespace):
 
 def build_model(a: argparse.Namespace):
     """The benchmark's model (``model_args``) in ``--dtype``, ``--quantize``d, LoRA'd."""
-    from engine.arch import make_stack
-    from engine.model import LoraSpec, attach_lora
+    from engine.model.arch import make_stack
+    from engine.model.load import LoraSpec, attach_lora
 
     family, args = model_args(a)
     model = family.Model(args)
@@ -76,9 +76,9 @@ def build_model(a: argparse.Namespace):
 def pair_batch(a: argparse.Namespace, shared: bool = False):
     """One pair (prompt:response 4:1, sequences ``--seq`` tokens); ``shared``: its split
     prefix-shared layout at the engine's ``--pad-multiple``."""
-    from engine.batch import Pair, make_batch
-    from engine.layout_policy import resolve_pad_multiple
-    from engine.prefix import split_prefix_batch
+    from engine.data.batch import Pair, make_batch
+    from engine.forward.layout_policy import resolve_pad_multiple
+    from engine.forward.prefix import split_prefix_batch
 
     rng = np.random.default_rng(0)
     p = a.seq * 4 // 5 + 1

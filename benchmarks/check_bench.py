@@ -2,7 +2,7 @@
 that it still refuses a broken decomposition.
 
 Loads the model as the trainer does (LoRA at the trainer's defaults), runs the load check
-(engine/load_check.py) and prints its figures: the float32 copy's logits and gradient
+(engine/check/load_check.py) and prints its figures: the float32 copy's logits and gradient
 errors, the native dtype's distance from float32 (segmented and plain autograd), seconds.
 ``--mutate`` breaks the family's Stack first (a sliding window dropped, the embedding
 scale dropped) and reports whether the check refused it, which it must.
@@ -17,7 +17,7 @@ import json
 import time
 from typing import Any
 
-from engine.parsers import OneLineParser
+from engine.host.parsers import OneLineParser
 
 MUTATIONS = {
     "drop-window": ("window", lambda self, i: None),
@@ -36,8 +36,8 @@ def parser() -> argparse.ArgumentParser:
 
 def run_check(model: Any, mutation: str) -> dict[str, Any]:
     """Whether the load check refused the stack broken by ``mutation``."""
-    from engine.arch import make_stack
-    from engine.load_check import checked_stack
+    from engine.check.load_check import checked_stack
+    from engine.model.arch import make_stack
 
     cls = type(make_stack(model))
     name, broken = MUTATIONS[mutation]
@@ -61,8 +61,8 @@ def run_check(model: Any, mutation: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
 
-    from engine.config import TrainConfig
-    from engine.prepared import prepare_training
+    from engine.settings.config import TrainConfig
+    from engine.train.prepared import prepare_training
 
     a = parser().parse_args(argv)
     started = time.perf_counter()

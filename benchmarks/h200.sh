@@ -67,7 +67,7 @@ for section in "${@:1:$#-1}"; do
     e4b-train)  # issue 27: the trainer a user runs on the E4B shape, rows side by side in
                 # one run (bench train --preset); the last line of each file is its JSON. A
                 # memory_limit_gb row runs in its own process with MLX's queue capped, as
-                # pomona train starts one (engine/command_queue.py)
+                # pomona train starts one (engine/host/command_queue.py)
       mlx train --preset e4b --seq 2048 --warmup 2 --steps 6 --segment-size 1 --head-chunk 256 \
         --mlp-chunk 0 --row plain --row levers --profile --work /tmp/e4b-bf16 --json \
         > "$out/e4b_train_2k_bf16.json" || echo "e4b-train 2k failed" >&2

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import train_bench, trainer_timing
-from engine import step, trainer
+from engine.backward import step
+from engine.train import trainer
 
 
 def labelled(name: str, fn):

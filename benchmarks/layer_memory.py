@@ -9,12 +9,12 @@ one pair in its split prefix-shared layout (as ``seg1p``), and then, for each la
 ``--at`` (default: the first sliding, the last donor, the last full and the last layer),
 measures the peak above what is held before (weights, boundaries) of:
 
-- ``layer``: the engine's one-layer segment vjp (engine/segmented.py), as a step runs it;
+- ``layer``: the engine's one-layer segment vjp (engine/backward/segmented.py), as a step runs it;
 - ``attn``: that layer's attention block alone (norm, q/k/v/o with LoRA, attention);
 - ``mlp``: its MLP alone (chunked when ``--mlp-chunk``), cotangent for its input only.
 
-``--memory-limit-gb`` sets MLX's memory limit (engine/config.py); ``--cpu-blocks`` makes
-a CPU run block full layers as a GPU does (engine/attention.py).
+``--memory-limit-gb`` sets MLX's memory limit (engine/settings/config.py); ``--cpu-blocks`` makes
+a CPU run block full layers as a GPU does (engine/model/attention.py).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import numpy as np
 
 from benchmarks.bench_args import parser as bench_parser
 from benchmarks.bench_model import build_model, pair_batch
-from engine import attention
-from engine.prefix_patch import layout_masks
-from engine.recompute import chunk_mlps
-from engine.segmented import Segment
+from engine.backward.segmented import Segment
+from engine.forward.prefix_patch import layout_masks
+from engine.model import attention
+from engine.model.recompute import chunk_mlps
 
 
 def _measure(fn) -> float:

@@ -26,10 +26,10 @@ from benchmarks.row_runner import table
 
 
 def step_fn(name: str, model, stack, batch, head_chunk: int, inflight: int):
-    from engine.batch import batch_norms
+    from engine.backward.segmented import value_and_grad
+    from engine.data.batch import batch_norms
+    from engine.forward.prefix import pair_batch
     from engine.losses import LossSpec, pair_loss
-    from engine.prefix import pair_batch
-    from engine.segmented import value_and_grad
 
     pairs = pair_batch(batch)
     norms, spec = batch_norms([pairs]), LossSpec()
@@ -50,7 +50,7 @@ def step_fn(name: str, model, stack, batch, head_chunk: int, inflight: int):
 
 
 def _head_fn(name: str, stack, a: argparse.Namespace):
-    from engine.head import bounded_head_grad, dense_logps
+    from engine.model.head import bounded_head_grad, dense_logps
 
     n, t = 2, a.seq
     h = mx.random.normal((n, t, a.hidden), key=mx.random.key(0)).astype(getattr(mx, a.dtype))

@@ -1,7 +1,7 @@
 """Where one trainer step's device time goes, phase by phase (``bench train --profile``).
 
 The trainer's configuration on its own first batch: the engine's step with every stage
-evaluated alone (``engine.inflight.observe_phases`` makes them synchronous), each stage's
+evaluated alone (``engine.host.inflight.observe_phases`` makes them synchronous), each stage's
 seconds summed by kind — the embedding, the forward and the backward by layer type (Gemma
 4: sliding / full, with or without its own K/V), the head — and then one optimizer update
 (the trainer's compiled clip + AdamW), evaluated alone. Plain autograd has no stages: its
@@ -49,7 +49,7 @@ def timed_stages(stack: Any, step: Callable[[], Any], peaks: dict[str, float],
     sums the seconds of the three parts of every stage: Python building its graph
     (``build``), MLX queueing its kernels (``dispatch``), the device running them
     (``wait``). A pipelined step is host-bound where build + dispatch reach the wait."""
-    from engine.inflight import clock, observe_phases
+    from engine.host.inflight import clock, observe_phases
 
     marks: list[tuple[str, float, float, float, float]] = []
 
@@ -82,8 +82,8 @@ def profile(cfg: Any, repeats: int = 3) -> dict[str, Any]:
     of one update (``ms``), and each stage kind's peak GB (``peak_gb``); plain autograd:
     its forward alone and its step."""
     from benchmarks.trainer_timing import engine_step_of
-    from engine.trainer import memory_limit
-    from engine.update import make_optimizer, make_update
+    from engine.backward.update import make_optimizer, make_update
+    from engine.train.trainer import memory_limit
 
     with memory_limit(cfg.memory_limit_gb):
         es = engine_step_of(cfg)
@@ -110,7 +110,7 @@ def profile(cfg: Any, repeats: int = 3) -> dict[str, Any]:
 
 
 def _plain_logps(model: Any, pb: Any) -> mx.array:
-    from engine.head import token_logps
+    from engine.model.head import token_logps
 
     return token_logps(model(mx.array(pb.inputs)), mx.array(pb.targets))
 

@@ -22,11 +22,11 @@ from benchmarks.row_runner import table
 
 def prefix_step(path: str, ratio: str, model, stack, a: argparse.Namespace):
     """One ORPO step, shared or two-forward, at prompt:response ``ratio`` (seq = P + R)."""
-    from engine.batch import Pair, batch_norms, make_batch
-    from engine.layout_policy import resolve_pad_multiple
+    from engine.backward.segmented import value_and_grad
+    from engine.data.batch import Pair, batch_norms, make_batch
+    from engine.forward.layout_policy import resolve_pad_multiple
+    from engine.forward.prefix import split_prefix_batch
     from engine.losses import LossSpec, pair_loss
-    from engine.prefix import split_prefix_batch
-    from engine.segmented import value_and_grad
 
     num, den = (int(x) for x in ratio.split(":"))
     p = a.seq * num // (num + den)

@@ -25,7 +25,7 @@ from benchmarks.memory_bench import step_fn
 
 def profile(a: argparse.Namespace) -> dict[str, Any]:
     """Phase times of one step, then one layer's blocks alone (module docstring)."""
-    from engine.inflight import observe_phases
+    from engine.host.inflight import observe_phases
 
     model, stack = build_model(a)
     k = a.segment_size or 1

@@ -86,7 +86,7 @@ def measure(row: str, a: argparse.Namespace, make_step: MakeStep) -> dict[str, A
         mx.set_memory_limit(int(a.memory_limit_gb * 2**30))  # as TrainConfig's
     model, stack = build_model(a)
     if a.mlp_chunk and name.startswith("seg"):  # the engine's lever; baselines stay mlx-lm's
-        from engine.recompute import chunk_mlps
+        from engine.model.recompute import chunk_mlps
 
         chunk_mlps(stack.layers, a.mlp_chunk)
     weights = mx.get_active_memory()

@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from engine.parsers import OneLineParser
+from engine.host.parsers import OneLineParser
 
 # Published text-decoder configs (random weights: the shape is what is measured).
 PRESETS = {
@@ -70,7 +70,7 @@ def write_shape(preset: str, out: Path, dtype: str = "bfloat16", quantize: int |
     import mlx.core as mx
     from mlx_lm.utils import quantize_model, save_config, save_model
 
-    from tasks.model_factory import ModelSpec, tokenizer_config, train_tokenizer
+    from tasks.models.model_factory import ModelSpec, tokenizer_config, train_tokenizer
 
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"--out {out}: exists and is not an empty folder; choose a new "

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tasks.model_factory import ModelSpec, init_model
-from tasks.synthetic import synth_rows, write_rows
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
+from tasks.data.synthetic import synth_rows, write_rows
+from tasks.data.tokenize import TokenizeOptions, tokenize_dataset
+from tasks.models.model_factory import ModelSpec, init_model
 
 
 def hf_datasets_tokenize(data: Path, model_dir: Path, out: Path) -> tuple[int, int]:

@@ -8,7 +8,7 @@ below, side by side (benchmarks/trainer_rows.py); the rest of this docstring is 
 
 Pomona side: ``pomona model init`` at the benchmark shape (a random-init llama, like
 ``benchmarks/trl_orpo.py``'s), a tokenized dataset of pairs whose two sequences are
-exactly ``--seq`` tokens (prompt:response 4:1), then ``engine.trainer.train`` — the path
+exactly ``--seq`` tokens (prompt:response 4:1), then ``engine.train.trainer.train`` — the path
 users run, data order, layouts, update and metrics included — reporting every step.
 Step time = the median of the steps after ``--warmup`` (each step's wall time as the
 trainer measures it: batches, forward, backward, update); tokens/s counts both sequences
@@ -90,9 +90,9 @@ def parser() -> argparse.ArgumentParser:
 def _model_and_data(a: argparse.Namespace, work: Path) -> tuple[Path, Path]:
     import numpy as np
 
-    from engine.batch import Pair
-    from engine.data import write_pairs_jsonl
-    from tasks.model_factory import ModelSpec, init_model
+    from engine.data.batch import Pair
+    from engine.data.pairs import write_pairs_jsonl
+    from tasks.models.model_factory import ModelSpec, init_model
 
     model = work / "model"
     if a.preset:

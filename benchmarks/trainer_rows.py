@@ -8,7 +8,7 @@ A row is a base and TrainConfig overrides: ``plain`` (levers off: segment_size 0
 head_chunk 0, mlp_chunk 0, prefix_share off: mlx-lm's two forwards, dense logits, one
 ``nn.value_and_grad``) or ``levers`` (this command's --segment-size, --head-chunk,
 --mlp-chunk, --prefix-share, --memory-limit-gb), then ``,field=value`` for any TrainConfig
-field. Each row is ``engine.trainer.train`` on the same model and pairs (``--preset``: a
+field. Each row is ``engine.train.trainer.train`` on the same model and pairs (``--preset``: a
 published shape with random weights, benchmarks/shapes.py), every check on; step time is
 the median over the steps after ``--warmup``, peak MLX's over those steps. Ratios: each
 row's step time and peak against the first row's. ``--profile`` adds each row's stage
@@ -19,7 +19,7 @@ process (``MLX_MAX_MB_PER_BUFFER``, ``MLX_MAX_OPS_PER_BUFFER``: how far the host
 ahead of the device), so when any row sets one, every row runs in its own process
 (``python -m benchmarks train ... --row SPEC --one-row``), the model and pairs shared. A
 row with ``memory_limit_gb`` starts as ``pomona train`` re-runs itself under a limit, with
-MLX's queue capped (engine/command_queue.py), so it has its own process too.
+MLX's queue capped (engine/host/command_queue.py), so it has its own process too.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ PLAIN = {"segment_size": 0, "head_chunk": 0, "mlp_chunk": 0, "prefix_share": "of
 def row_fields(spec: str, a: argparse.Namespace) -> dict[str, Any]:
     """The TrainConfig fields row ``spec`` sets (module docstring), or ValueError naming
     it: checked for every row before any model is built."""
-    from engine.config import TrainConfig, coerce
+    from engine.settings.config import TrainConfig, coerce
 
     base, *changes = spec.split(",")
     if base not in ("plain", "levers"):
@@ -69,8 +69,8 @@ def row_env(spec: str) -> dict[str, str]:
 
 def process_env(spec: str, a: argparse.Namespace) -> dict[str, str]:
     """What row ``spec``'s process starts with: the queue cap a run under its memory limit
-    gets from the CLIs (engine/command_queue.py), then its ``env.`` items."""
-    from engine.command_queue import queue_env
+    gets from the CLIs (engine/host/command_queue.py), then its ``env.`` items."""
+    from engine.host.command_queue import queue_env
 
     return {**queue_env(row_fields(spec, a)["memory_limit_gb"]), **row_env(spec)}
 

@@ -16,7 +16,7 @@ from typing import Any
 
 def bench_config(a: argparse.Namespace, model: Path, data: Path, work: Path):
     """The benchmark's TrainConfig: LoRA r16 on q/k/v/o, as TRL's side."""
-    from engine.config import TrainConfig
+    from engine.settings.config import TrainConfig
 
     return TrainConfig(model=str(model), data=str(data), out=str(work / "run"),
                        steps=a.warmup + a.steps, batch_size=a.pairs, report_every=1,
@@ -32,7 +32,7 @@ def timed_phases() -> Iterator[dict[str, list[float]]]:
     per name: waiting for the prefetched batches, dispatching the forward + backward
     (``step_grads``: it returns with the last stage still queued) and the clip + AdamW
     update. What a step spends beyond them is the wait for the device (``wait``)."""
-    from engine import trainer
+    from engine.train import trainer
 
     phases: dict[str, list[float]] = {"batches": [], "step_grads": [], "update": []}
 
@@ -68,7 +68,7 @@ def timed_train(cfg: Any, warmup: int, fed: int) -> dict[str, Any]:
     each, their median), their peak GB and prefix-share rate, and the host phases.
     ``fed``: tokens a step as the trainer counts them (every token of a sequence), so
     its tokens/s gives the step's wall time."""
-    from engine.trainer import train
+    from engine.train.trainer import train
 
     records: list[dict[str, Any]] = []
 
@@ -104,13 +104,13 @@ def engine_step_of(cfg: Any) -> EngineStep:
     """``cfg``'s model loaded with its LoRA, checked, MLPs chunked as it says; its batch."""
     import mlx.core as mx
 
-    from engine.batch import batch_norms
-    from engine.data import load_pairs
-    from engine.layout_policy import choose_layout, resolve_pad_multiple
+    from engine.backward.segmented import value_and_grad
+    from engine.data.batch import batch_norms
+    from engine.data.pairs import load_pairs
+    from engine.forward.layout_policy import choose_layout, resolve_pad_multiple
+    from engine.forward.prefix import pair_batch
     from engine.losses import pair_loss
-    from engine.prefix import pair_batch
-    from engine.prepared import prepare_training
-    from engine.segmented import value_and_grad
+    from engine.train.prepared import prepare_training
 
     prepared = prepare_training(cfg)  # as the trainer sets it up
     model, stack = prepared.model, prepared.stack

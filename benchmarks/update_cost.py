@@ -19,7 +19,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
-from engine.segmented import grads_to_tree
+from engine.backward.segmented import grads_to_tree
 
 
 class Lora(nn.Module):

@@ -1,7 +1,9 @@
 """Pomona's training engine: pure MLX (mlx, mlx-lm, numpy, pyarrow, safetensors, gguf).
 
 No Prefect, Ray or terminal UI here: progress leaves through callbacks, so
-``python -m engine ...`` trains one adapter on its own.
+``python -m engine ...`` trains one adapter on its own. Its wings, lowest floor first:
+host/, losses/, settings/, model/, data/, forward/, backward/, check/, train/; a wing imports
+only the wings before it, and cli.py stands on all of them (docs/engine.md).
 """
 
 import os

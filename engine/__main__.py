@@ -4,11 +4,11 @@
     python -m engine score --model DIR [--adapter DIR] --data PATH --out FILE.jsonl
 """
 
-from engine.blas import ensure_fast_blas
+from engine.host.blas import ensure_fast_blas
 
-ensure_fast_blas()  # Linux CPU: re-run with OpenBLAS preloaded (engine/blas.py)
+ensure_fast_blas()  # Linux CPU: re-run with OpenBLAS preloaded (engine/host/blas.py)
 
-from engine.command_queue import entry_point  # noqa: E402
+from engine.host.command_queue import entry_point  # noqa: E402
 
 entry_point()  # a run under a memory limit may re-run with MLX's queue capped
 

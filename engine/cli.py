@@ -17,9 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from engine.config import CHOICES, TrainConfig
+from engine.host.parsers import OneLineParser, command_parser
 from engine.losses import LOSSES, OWNERS, LossSpec
-from engine.parsers import OneLineParser, command_parser
+from engine.settings.config import CHOICES, TrainConfig
 
 
 def _arg_type(hint: Any) -> tuple[Any, dict[str, Any]]:
@@ -112,7 +112,8 @@ class _Stderr(logging.StreamHandler):
 
 
 # Loggers whose INFO lines the CLI shows (--verify's figures); every logger's warnings show.
-SHOWN_INFO = ("engine.trainer", "engine.load_check", "engine.model_source", "engine.reference")
+SHOWN_INFO = ("engine.train.trainer", "engine.check.load_check", "engine.model.source",
+              "engine.train.reference")
 
 
 def log_to_stderr() -> None:
@@ -128,9 +129,9 @@ def log_to_stderr() -> None:
 
 
 def run_train(argv: list[str]) -> int:
-    from engine.command_queue import ensure_queue
-    from engine.load_check import VerifyFailed
-    from engine.trainer import NonFiniteLoss, train
+    from engine.check.load_check import VerifyFailed
+    from engine.host.command_queue import ensure_queue
+    from engine.train.trainer import NonFiniteLoss, train
 
     log_to_stderr()
     cfg = None
@@ -158,7 +159,7 @@ def run_train(argv: list[str]) -> int:
 
 def resume_hint(cfg: Any) -> str:
     """How to continue an interrupted run: the step of its newest checkpoint, if any."""
-    from engine.adapters import latest_checkpoint
+    from engine.model.adapters import latest_checkpoint
 
     ckpt = latest_checkpoint(Path(cfg.out)) if cfg is not None else None
     if ckpt is None:
@@ -219,15 +220,15 @@ def score_loss(a: argparse.Namespace, own: LossSpec) -> LossSpec:
 
 
 def run_score(argv: list[str]) -> int:
-    from engine.adapters import trained_loss, trained_reference
-    from engine.atomic import atomic_write_text
-    from engine.data_fit import load_pairs_for
-    from engine.layout_policy import scoring_layout
-    from engine.outputs import check_file
-    from engine.prepared import prepare_scoring
-    from engine.reference import ReferenceSpec, attach_reference, ensure_reference
-    from engine.reference_kind import parse_reference
-    from engine.scoring import is_score_file, preference_accuracy, score_pairs
+    from engine.data.data_fit import load_pairs_for
+    from engine.forward.layout_policy import scoring_layout
+    from engine.forward.scoring import is_score_file, preference_accuracy, score_pairs
+    from engine.host.atomic import atomic_write_text
+    from engine.host.outputs import check_file
+    from engine.model.adapters import trained_loss, trained_reference
+    from engine.settings.reference_kind import parse_reference
+    from engine.train.prepared import prepare_scoring
+    from engine.train.reference import ReferenceSpec, attach_reference, ensure_reference
 
     log_to_stderr()
     a = score_parser().parse_args(argv)

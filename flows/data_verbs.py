@@ -10,7 +10,7 @@ import typer
 
 from flows.options import fills
 from flows.terminal import console, fail
-from tasks.tokenize_options import TokenizeOptions
+from tasks.data.tokenize_options import TokenizeOptions
 
 data_app = typer.Typer(help="Make and prepare preference data.", no_args_is_help=True)
 
@@ -28,7 +28,7 @@ def data_synth(
     ids: Annotated[bool, typer.Option(help="Write the optional `id` field.")] = True,
 ) -> None:
     """Write a learnable synthetic preference task (chosen correct, rejected a near-miss)."""
-    from tasks.synthetic import synth_rows, write_rows
+    from tasks.data.synthetic import synth_rows, write_rows
 
     try:
         rows = list(synth_rows(task, n, seed, layout, max_shots=max_shots, ids=ids))

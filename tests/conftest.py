@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.model_factory import ModelSpec, init_model
+from tasks.models.model_factory import ModelSpec, init_model
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -54,7 +54,7 @@ def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_data(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tokenized sort pairs for the tiny model: 64 train + 16 valid rows (engine JSONL)."""
-    from engine.data import write_pairs_jsonl
+    from engine.data.pairs import write_pairs_jsonl
     from tests.pairs import tokenized_pairs
 
     out = tmp_path_factory.mktemp("data") / "pairs.jsonl"

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from engine.batch import Pair
-from tasks.model_factory import ModelSpec
+from engine.data.batch import Pair
+from tasks.models.model_factory import ModelSpec
 
 WINDOW = 16
 SEQ = 3 * WINDOW + 8  # every two-forward row is at least this long

@@ -317,7 +317,7 @@ def stocked_lab(root: Path, model: Path, data: Path):
     (generator: stopped after); pytest.skip where namespaces are not allowed."""
     import pytest
 
-    from tasks.synthetic import synth_rows, write_rows
+    from tasks.data.synthetic import synth_rows, write_rows
 
     why = namespaces_allowed()
     if why:

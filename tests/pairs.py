@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.batch import Pair
-from tasks.synthetic import synth_rows
+from engine.data.batch import Pair
+from tasks.data.synthetic import synth_rows
 
 
 def tokenized_pairs(model_dir: Path, n: int, seed: int = 0, task: str = "mixed",

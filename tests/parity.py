@@ -17,10 +17,10 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from engine.arch import make_stack
-from engine.batch import Pair, make_batch
-from engine.load_check import check_stack
-from engine.model import LoraSpec, attach_lora, lora_modules
+from engine.check.load_check import check_stack
+from engine.data.batch import Pair, make_batch
+from engine.model.arch import make_stack
+from engine.model.load import LoraSpec, attach_lora, lora_modules
 
 GRAD_RTOL, LOSS_RTOL = 1e-5, 1e-6
 
@@ -47,14 +47,14 @@ def lora_model(path: Path, dropout: float = 0.0, num_layers: int = -1):
 
 def with_reference(model, stack, pairs: Sequence[Pair], partners: bool = True) -> list[Pair]:
     """``pairs`` carrying reference log-probs (``Pair.ref``): each sequence's own summed
-    response log-prob under ``model`` (one dense forward, engine/scoring.py) moved by a
+    response log-prob under ``model`` (one dense forward, engine/forward/scoring.py) moved by a
     deterministic offset per pair, so DPO's z = (Sw − Sr) − (Rw − Rr) is −(oc − or) ≠ 0,
     of either sign and a few units: the sigmoid is not saturated and the gradients are not
-    zero. With ``partners``, each also carries its KL partner (engine/reference.kl_partners)
+    zero. With ``partners``, each also carries its KL partner (engine/train/reference.kl_partners)
     with its own log-probs less 0.5 + 0.1·i as its reference: KTO's KL point is then about
     +0.6, not clamped at 0. Parity tests take both as the constants they are in training."""
-    from engine.reference import kl_partners
-    from engine.scoring import forward_logps
+    from engine.forward.scoring import forward_logps
+    from engine.train.reference import kl_partners
 
     batch = make_batch(pairs, "full")
     lp = forward_logps(model, stack, batch)
@@ -73,10 +73,11 @@ def with_reference(model, stack, pairs: Sequence[Pair], partners: bool = True) -
 def batch_loss(model, stack, pairs_batch, spec):
     """The loss of a token log-prob array [2B, T] for ``pairs_batch`` (a PairBatch) under
     ``spec``, as the trainer closes over it: its normalisers, its reference log-probs and,
-    for a loss that reads one, its KL point (engine/step.py: a constant to the gradient)."""
-    from engine.batch import batch_norms
+    for a loss that reads one, its KL point (engine/backward/step.py: a constant to the
+    gradient)."""
+    from engine.data.batch import batch_norms
+    from engine.forward.scoring import batch_kl, kl_point
     from engine.losses import pair_loss
-    from engine.scoring import batch_kl, kl_point
 
     norms = batch_norms([pairs_batch])
     resp, nll = mx.array(pairs_batch.resp_mask), mx.array(pairs_batch.nll_mask)

@@ -20,16 +20,16 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from engine import segmented
-from engine.arch import make_stack
-from engine.arch.stack import Stack
-from engine.batch import batch_norms, make_batch
-from engine.load_check import check_length, check_stack, checked_stack
+from engine.backward import segmented
+from engine.backward.segmented import plain_value_and_grad, value_and_grad
+from engine.check.load_check import check_length, check_stack, checked_stack
+from engine.data.batch import batch_norms, make_batch
+from engine.forward.prefix import split_prefix_batch
 from engine.losses import LossSpec, pair_loss, spec_of
-from engine.model import lora_modules
-from engine.prefix import split_prefix_batch
-from engine.segmented import plain_value_and_grad, value_and_grad
-from tasks.model_factory import init_model
+from engine.model.arch import make_stack
+from engine.model.arch.stack import Stack
+from engine.model.load import lora_modules
+from tasks.models.model_factory import init_model
 from tests.family_specs import BASE, MOE, SPECS, WINDOW, family_pairs
 from tests.parity import assert_same, with_lora
 
@@ -174,7 +174,7 @@ def test_a_lost_donor_cotangent_fails_parity(family_dir, monkeypatch) -> None:
 
 def test_gemma4_per_layer_inputs_and_softcap_matter(family_dir, monkeypatch) -> None:
     """Without PLE or the softcap the stack is not the model: the load check refuses."""
-    from engine.arch.gemma4 import Gemma4
+    from engine.model.arch.gemma4 import Gemma4
 
     model, _ = lora_family(family_dir("gemma4_text"))
     monkeypatch.setattr(Gemma4, "side", Stack.side)
@@ -189,7 +189,7 @@ def test_gemma4_per_layer_inputs_and_softcap_matter(family_dir, monkeypatch) -> 
 def test_rejected_positions_matter_in_shared_layouts(family_dir, monkeypatch) -> None:
     """Ministral 3's query scale and a sliding window read logical positions: counting a
     rejected token at its concatenation index breaks parity."""
-    from engine import prefix_patch
+    from engine.forward import prefix_patch
 
     model, stack = lora_family(family_dir("ministral3"))
     monkeypatch.setattr(prefix_patch, "logical_positions",
@@ -219,9 +219,9 @@ def test_adapters_load_and_generate_in_mlx_lm(family_dir, tmp_path: Path) -> Non
     generates; its config names the family's targets (no per-layer-input gates)."""
     import json
 
-    from engine.config import TrainConfig
-    from engine.data import write_pairs_jsonl
-    from engine.trainer import train
+    from engine.data.pairs import write_pairs_jsonl
+    from engine.settings.config import TrainConfig
+    from engine.train.trainer import train
 
     path = family_dir("gemma4_text")
     data = write_pairs_jsonl(family_pairs(8, 5), tmp_path / "pairs.jsonl", split="train")
@@ -244,7 +244,7 @@ def test_blocked_full_layers_stay_exact(family_dir, monkeypatch) -> None:
     """Full layers attending in recomputed query blocks (what a GPU does for Gemma 4's
     512-wide global heads at long lengths), and sliding layers in window blocks, forced
     here on CPU at short ones: every lever still equals autograd."""
-    from engine import attention
+    from engine.model import attention
 
     monkeypatch.setattr(attention, "WHOLE_SCORES_BYTES", 0)  # the tiny scores fit
     monkeypatch.setattr(attention, "full_block", lambda q: 16 if q.shape[2] > 16 else 0)
@@ -257,7 +257,7 @@ def test_chunked_recomputed_mlps_stay_exact(arch: str, family_dir) -> None:
     """MLPs on 16-token chunks, recomputed in the backward (``mlp_chunk``), with LoRA on
     their projections: catches a LoRA gradient that stops at the chunk (parameters
     captured as constants) or a chunk that drops rows."""
-    from engine.recompute import chunk_mlps
+    from engine.model.recompute import chunk_mlps
 
     keys = (("self_attn.q_proj", "mlp.gate", "mlp.switch_mlp.up_proj")  # router, experts
             if arch == "qwen3_moe" else None)

@@ -1,4 +1,4 @@
-"""engine/atomic.py: a file appears whole or not at all, under a temporary that never takes
+"""engine/host/atomic.py: a file appears whole or not at all, under a temporary that never takes
 a file already there, and a failed write is an OSError naming the target."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.atomic import atomic_write_text, temp_beside, write_atomic, written
+from engine.host.atomic import atomic_write_text, temp_beside, write_atomic, written
 
 pytestmark = pytest.mark.unit
 

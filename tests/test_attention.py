@@ -11,8 +11,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.base import create_causal_mask
 
-from engine import attention
-from engine.attention import blockwise_attention
+from engine.model import attention
+from engine.model.attention import blockwise_attention
 
 pytestmark = pytest.mark.unit
 
@@ -120,7 +120,7 @@ def test_full_layers_block_only_wide_heads_on_a_gpu() -> None:
 def test_recomputed_takes_one_input_or_several() -> None:
     """A one-input piece (an MLP with no LoRA) comes to the vjp as a bare array: iterating
     it as a list of inputs split its rows (a shape error at any chunk size)."""
-    from engine.recompute import recomputed
+    from engine.model.recompute import recomputed
 
     w = mx.random.normal((8, 8), key=mx.random.key(1))
     x = mx.random.normal((1, 5, 8), key=mx.random.key(2))

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from engine.command_queue import bounded_mb
+from engine.host.command_queue import bounded_mb
 
 pytestmark = pytest.mark.integration
 TOY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "500",

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.blas import openblas_library
+from engine.host.blas import openblas_library
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(sys.platform != "linux", reason="Linux only")]
 ROOT = Path(__file__).resolve().parents[1]
-PROBE = "from engine.blas import openblas_loaded; print('openblas', openblas_loaded())"
+PROBE = "from engine.host.blas import openblas_loaded; print('openblas', openblas_loaded())"
 
 
 def bare_env(**extra: str) -> dict[str, str]:
@@ -30,7 +30,7 @@ def test_python_m_engine_reexecutes_with_openblas(tmp_path: Path) -> None:
     their own arguments intact (the help each prints is its own). A missing call at either
     entry point, a lost argv or a preload that does not reach the new process fails."""
     check = subprocess.run(
-        [sys.executable, "-c", "from engine.blas import ensure_fast_blas; ensure_fast_blas(); "
+        [sys.executable, "-c", "from engine.host.blas import ensure_fast_blas; ensure_fast_blas(); "
          + PROBE], capture_output=True, text=True, env=bare_env(), cwd=tmp_path, timeout=120)
     assert check.stdout.strip() == "openblas True", check.stderr
     for cmd, own in (([sys.executable, "-m", "engine", "--help"],
@@ -48,7 +48,7 @@ def test_without_openblas_it_warns_once_and_runs_on(tmp_path: Path) -> None:
     """No library where it looks (POMONA_OPENBLAS names a missing file): one warning naming
     the package to install, no re-execution, the command still runs."""
     run = subprocess.run(
-        [sys.executable, "-c", "from engine.blas import ensure_fast_blas; ensure_fast_blas(); "
+        [sys.executable, "-c", "from engine.host.blas import ensure_fast_blas; ensure_fast_blas(); "
          "ensure_fast_blas(); " + PROBE], capture_output=True, text=True, cwd=tmp_path,
         env=bare_env(POMONA_OPENBLAS=str(tmp_path / "missing.so")), timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "openblas False"

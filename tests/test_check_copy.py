@@ -1,4 +1,4 @@
-"""The load check's float32 structural copy (engine/check_copy.py), on every family's tiny
+"""The load check's float32 structural copy (engine/check/check_copy.py), on every family's tiny
 model: it keeps one layer of each kind and each K/V donor with two of its consumers, and
 the check on it refuses what the check on the whole model refused."""
 
@@ -9,12 +9,12 @@ from pathlib import Path
 import mlx_lm
 import pytest
 
-from engine import segmented
-from engine.arch import make_stack
-from engine.arch.gemma4 import Gemma4
-from engine.check_copy import same_structure, structural_copy
-from engine.load_check import checked_stack
-from tasks.model_factory import init_model
+from engine.backward import segmented
+from engine.check.check_copy import same_structure, structural_copy
+from engine.check.load_check import checked_stack
+from engine.model.arch import make_stack
+from engine.model.arch.gemma4 import Gemma4
+from tasks.models.model_factory import init_model
 from tests.family_specs import MOE, SPECS
 from tests.parity import with_lora
 

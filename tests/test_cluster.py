@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.placement import Placement
-from tasks.scheduler import run_trials
-from tasks.trial_plan import TrialPlan
+from tasks.nodes.placement import Placement
+from tasks.sweep.scheduler import run_trials
+from tasks.sweep.trial_plan import TrialPlan
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 

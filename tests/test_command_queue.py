@@ -1,5 +1,5 @@
 """MLX's queue capped in every process that trains under a memory limit, and only there
-(engine/command_queue.py): the CLI re-runs itself with the cap. A sweep's actors start with
+(engine/host/command_queue.py): the CLI re-runs itself with the cap. A sweep's actors start with
 it (tests/test_sweep_search.py, tests/test_gang.py); a library caller is told it is
 missing (tests/test_trainer.py)."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.command_queue import QUEUE_MB, bounded_mb, queue_env
+from engine.host.command_queue import QUEUE_MB, bounded_mb, queue_env
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]

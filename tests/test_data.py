@@ -10,11 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from engine.data import load_pairs
-from tasks import dataset_dir
-from tasks.dataset_dir import read_manifest, read_table
-from tasks.preprocess import preprocess_dataset
-from tasks.tokenize import TokenizeOptions, TooManyBadRows, tokenize_dataset
+from engine.data.pairs import load_pairs
+from tasks.data import dataset_dir
+from tasks.data.dataset_dir import read_manifest, read_table
+from tasks.data.preprocess import preprocess_dataset
+from tasks.data.tokenize import TokenizeOptions, TooManyBadRows, tokenize_dataset
 
 pytestmark = pytest.mark.integration
 SAMPLES = Path(__file__).resolve().parents[1] / "datasets" / "sample"
@@ -243,7 +243,7 @@ def test_crash_mid_write_leaves_no_valid_looking_dataset(tiny_model, tmp_path, m
         tokenize_dataset(src, str(tiny_model), out, TokenizeOptions(max_length=256))
     assert read_manifest(out)["fingerprint"] == good.fingerprint  # old dataset intact
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".atomic")
-                and p.name != ".atomic.pomona-lock"]  # the lock stays: engine/outputs.py
+                and p.name != ".atomic.pomona-lock"]  # the lock stays: engine/host/outputs.py
     with pytest.raises(KeyboardInterrupt):
         tokenize_dataset(src, str(tiny_model), tmp_path / "fresh")
     assert read_manifest(tmp_path / "fresh") is None and not (tmp_path / "fresh").exists()
@@ -266,8 +266,8 @@ def test_preprocess_dedupes_and_shares(tiny_model, tmp_path) -> None:
 
 
 def test_compiled_template_matches_apply_chat_template(tiny_model, tiny_qwen2) -> None:
-    from tasks.preference_rows import read_conversations
-    from tasks.render import ChatTemplate, prompt_messages
+    from tasks.data.preference_rows import read_conversations
+    from tasks.data.render import ChatTemplate, prompt_messages
 
     for model in (tiny_model, tiny_qwen2):
         hf = load_tokenizer(model)._tokenizer
@@ -317,8 +317,8 @@ def test_over_long_row_identical_after_truncation_is_rejected(tiny_model, tmp_pa
 def test_length_bucketed_batches_cut_padding_and_are_seeded() -> None:
     import numpy as np
 
-    from engine.batch import Pair
-    from engine.data import epoch_batches
+    from engine.data.batch import Pair
+    from engine.data.pairs import epoch_batches
 
     rng = np.random.default_rng(0)
     pairs = [Pair(str(i), [1] * int(n), [2], [3]) for i, n in enumerate(rng.integers(1, 400, 512))]

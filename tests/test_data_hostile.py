@@ -25,8 +25,8 @@ import pytest
 from typer.testing import CliRunner
 
 from flows.cli import app
-from tasks.dataset_dir import read_manifest, read_table
-from tasks.preference_rows import content_id
+from tasks.data.dataset_dir import read_manifest, read_table
+from tasks.data.preference_rows import content_id
 
 pytestmark = pytest.mark.integration
 KEPT = "kept"
@@ -268,7 +268,7 @@ def test_pretokenized_hostile_rows_are_counted_rejects(tmp_path) -> None:
     counted reject with its reason, the good rows load as ints. Would catch: an id past
     the vocabulary or a negative one kept (NaN, SIGSEGV, silent wrap), a float truncated,
     2**40 an OverflowError traceback."""
-    from engine.data import load_pairs
+    from engine.data.pairs import load_pairs
 
     rows = GOOD[:75] + [row for row, _, _ in HOSTILE_IDS.values()] + GOOD[75:]
     pairs = load_pairs(_jsonl(tmp_path / "ids.jsonl", rows), vocab=VOCAB)
@@ -289,7 +289,7 @@ def test_pretokenized_hostile_rows_are_counted_rejects(tmp_path) -> None:
 def test_pretokenized_hostile_majority_is_one_line_naming_file_row_and_id(kind, tmp_path) -> None:
     """180 of 200 rows unusable trained on the other 20 with no word (item 6); here 10 of
     20. Would catch: no bad-row limit, or an error that names no file, row or id."""
-    from engine.data import load_pairs
+    from engine.data.pairs import load_pairs
 
     row, reason, named = HOSTILE_IDS[kind]
     path = _jsonl(tmp_path / "ids.jsonl", GOOD[:10] + [{**row, "id": f"{row['id']}{k}"}
@@ -304,7 +304,7 @@ def test_pretokenized_hostile_majority_is_one_line_naming_file_row_and_id(kind, 
 
 def test_id_columns_that_hold_no_numbers_fail_naming_the_file(tmp_path) -> None:
     """A string or a nested list where ids belong was an Arrow traceback naming no file."""
-    from engine.data import load_pairs
+    from engine.data.pairs import load_pairs
 
     for text, named in (('{"prompt_ids": [1, "a"], "chosen_ids": [2], "rejected_ids": [3]}',
                          "cannot read it as tokenized pairs"),
@@ -354,8 +354,8 @@ def test_a_dataset_of_another_tokenizer_is_refused_unless_allowed(tiny_model, tm
     or the refusal with no way past it."""
     import shutil
 
-    from tasks.synthetic import synth_rows, write_rows
-    from tasks.tokenize import tokenize_dataset
+    from tasks.data.synthetic import synth_rows, write_rows
+    from tasks.data.tokenize import tokenize_dataset
 
     other = tmp_path / "other-model"
     shutil.copytree(tiny_model, other)

@@ -20,7 +20,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flows.cli import app
-from tasks.dataset_dir import read_manifest, read_table
+from tasks.data.dataset_dir import read_manifest, read_table
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
@@ -193,7 +193,7 @@ def test_stale_temporaries_of_a_killed_run_are_removed(tiny_model, tmp_path) -> 
     src, out = jsonl(tmp_path / "s.jsonl", explicit(20)), tmp_path / "ds"
     code = ("import os, signal\nfrom tasks import dataset_dir\nreal = dataset_dir.pq.write_table\n"
             "def die(*a, **k):\n    real(*a, **k)\n    os.kill(os.getpid(), signal.SIGKILL)\n"
-            "dataset_dir.pq.write_table = die\nfrom tasks.tokenize import tokenize_dataset\n"
+            "dataset_dir.pq.write_table = die\nfrom tasks.data.tokenize import tokenize_dataset\n"
             f"tokenize_dataset({str(src)!r}, {str(tiny_model)!r}, {str(out)!r})\n")
     killed = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True)
     assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
@@ -207,7 +207,7 @@ def test_stale_temporaries_of_a_killed_run_are_removed(tiny_model, tmp_path) -> 
     live.mkdir()
     assert tokenize(tiny_model, src, out).exit_code == 0
     temporaries = [p.name for p in tmp_path.iterdir() if p.name.startswith(".ds.")
-                   and p.name != ".ds.pomona-lock"]  # the lock stays: engine/outputs.py
+                   and p.name != ".ds.pomona-lock"]  # the lock stays: engine/host/outputs.py
     assert temporaries == [live.name]
 
 

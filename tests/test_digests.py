@@ -14,7 +14,7 @@ def test_a_batch_of_new_files_writes_the_hash_cache_once(tmp_path: Path, monkeyp
     """Tokenizing a folder of many files hashed each through the cache, which rewrote the
     whole cache file per file (N² bytes). Would catch: a write per file again, or a batch
     that never writes (every later run hashes all again)."""
-    import engine.digests as digests
+    import engine.host.digests as digests
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(digests, "_memory", {})
@@ -39,7 +39,7 @@ def test_a_batch_of_new_files_writes_the_hash_cache_once(tmp_path: Path, monkeyp
 def test_a_failed_cache_write_leaves_no_temporary(tmp_path: Path, monkeypatch) -> None:
     """Issue 36 (reference cache, low): a write that failed (a full disk; here the cache
     path is a folder, so the rename fails) left `.file-hashes.json.*.tmp` behind."""
-    import engine.digests as digests
+    import engine.host.digests as digests
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     digests.hash_cache_path().mkdir(parents=True)  # os.replace onto a folder fails

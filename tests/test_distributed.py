@@ -22,8 +22,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.batch import Pair
-from engine.data import write_pairs_jsonl
+from engine.data.batch import Pair
+from engine.data.pairs import write_pairs_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +90,7 @@ def test_ranks_train_the_one_process_adapter(ranks: int, tiny_model: Path, one_p
     many = train(tiny_model, data, tmp_path / "many", ranks)
     assert many.returncode == 0, many.stderr[-3000:]
     # Ranks > 0 compiled their CPU kernels into caches of their own (no half-written
-    # library of one rank loaded by another: engine/distributed.own_jit_cache).
+    # library of one rank loaded by another: engine/backward/distributed.own_jit_cache).
     assert all(cache.is_dir() for cache in caches)
     summary = json.loads((tmp_path / "many" / "summary.json").read_text())
     assert summary["world_size"] == ranks and summary["rank_pairs"] == [24 // ranks] * ranks
@@ -141,7 +141,7 @@ def test_a_hostfile_without_this_rank_is_refused_by_name(tiny_model: Path, tmp_p
                                                           ) -> None:
     """A hostfile listing fewer ranks than MLX_RANK needs (a Mac left out of it), or a
     malformed one, is one line naming the file, before MLX would hang waiting for it."""
-    from engine.distributed import check_hostfile
+    from engine.backward.distributed import check_hostfile
 
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"]]))

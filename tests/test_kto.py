@@ -20,9 +20,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from engine.batch import Pair, make_batch
+from engine.data.batch import Pair, make_batch
+from engine.forward.scoring import kl_point
 from engine.losses import Norms, pair_loss, spec_of
-from engine.scoring import kl_point
 from tests.parity import assert_finite_differences
 
 TOL = 1e-4  # relative, float32 against float64 (the acceptance's TRL parity)
@@ -118,7 +118,7 @@ def test_kto_gradient_equals_finite_differences_of_the_reference() -> None:
 
 @pytest.mark.unit
 def test_kl_partners_pair_each_prompt_with_the_previous_responses() -> None:
-    from engine.reference import kl_partners
+    from engine.train.reference import kl_partners
 
     pairs = [Pair(f"p{i}", [i, 10 + i], [20 + i], [30 + i, 40 + i]) for i in range(3)]
     partners = kl_partners(pairs)
@@ -152,8 +152,8 @@ def test_bad_kto_settings_are_refused_by_name() -> None:
 def test_the_kl_point_spans_the_optimizer_batch(tiny_model: Path) -> None:
     """Two micro-batches of two pairs equal one of four (grad_accum): one KL point over the
     whole optimizer batch, not one per micro-batch."""
-    from engine.config import TrainConfig
-    from engine.step import step_grads
+    from engine.backward.step import step_grads
+    from engine.settings.config import TrainConfig
     from tests.pairs import tokenized_pairs
     from tests.parity import assert_same, lora_model, with_reference
 

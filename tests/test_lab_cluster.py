@@ -57,7 +57,7 @@ def test_a_stale_dataset_on_a_worker_is_never_used(lab: Lab, lab_dataset: str,
                                                    tmp_path: Path) -> None:
     """w1 holds another dataset at the sweep's data path: its trials train on the head's
     bytes, fetched into w1's cache by digest, and w1's own folder is left as it was."""
-    from tasks.synthetic import synth_rows, write_rows
+    from tasks.data.synthetic import synth_rows, write_rows
 
     other = write_rows(list(synth_rows("reverse", 80, seed=1)), tmp_path / "rev.jsonl")
     lab.put("w1", other, "/tmp/lab/rev.jsonl")

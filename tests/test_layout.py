@@ -122,6 +122,81 @@ def test_no_import_circle_inside_a_package(package: str) -> None:
     assert not circle, "import circle: " + " -> ".join(circle)
 
 
+# Each package's wings, its lowest floor first: a wing imports only the wings listed before
+# it, so the folder list reads as the architecture (issue 38). A module outside every wing
+# (the engine's cli.py and __main__.py) stands on top and may import any wing.
+WINGS = {
+    "engine": ("host", "losses", "settings", "model", "data", "forward", "backward", "check",
+               "train"),
+    "tasks": ("data", "models", "nodes", "eval", "board", "sweep", "prefect"),
+}
+TOP = {"engine": {"engine", "engine.cli", "engine.__main__"}, "tasks": {"tasks"}}
+
+
+def wing_of(module: str, package: str, root: Path = ROOT) -> str | None:
+    """The wing (``package``'s sub-package) ``module`` lies in, or None for a top module."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and (root / package / parts[1]).is_dir() else None
+
+
+def wing_violations(package: str, wings: tuple[str, ...], top: set[str],
+                    root: Path = ROOT) -> list[str]:
+    """Each import that points up between ``package``'s wings or into its top, and each
+    module that lies in no wing and is not a top one."""
+    floor = {w: i for i, w in enumerate(wings)}
+    found = []
+    for module, targets in sorted(import_graph(package, root).items()):
+        if module in top:
+            continue
+        here = wing_of(module, package, root)
+        if here not in floor:
+            found.append(f"{module}: in no wing of {package} (its wings: {', '.join(wings)})")
+            continue
+        for target in sorted(targets):
+            there = wing_of(target, package, root)
+            if there is None:
+                found.append(f"{module} imports {target}, the top of {package}")
+            elif floor.get(there, len(wings)) > floor[here]:
+                found.append(f"{module} ({here}) imports {target} ({there}), a higher wing")
+    return found
+
+
+def test_wing_detector(tmp_path: Path) -> None:
+    """The detector itself: a wing importing a higher one, a module in no wing and a wing
+    importing the top are each seen; imports down, or inside one wing, are not."""
+    pkg = tmp_path / "pkg"
+    for wing in ("low", "high"):
+        (pkg / wing).mkdir(parents=True)
+        (pkg / wing / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "cli.py").write_text("from pkg.high import b\n")
+    (pkg / "low" / "a.py").write_text("def f():\n    from pkg.high import b\n")
+    (pkg / "high" / "b.py").write_text("from pkg.low import a\nfrom .c import x\n")
+    (pkg / "high" / "c.py").write_text("import pkg.cli\n")
+    (pkg / "loose.py").write_text("")
+    top = {"pkg", "pkg.cli"}
+    assert wing_violations("pkg", ("low", "high"), top, tmp_path) == [
+        "pkg.high.c imports pkg.cli, the top of pkg",
+        "pkg.loose: in no wing of pkg (its wings: low, high)",
+        "pkg.low.a (low) imports pkg.high (high), a higher wing",
+        "pkg.low.a (low) imports pkg.high.b (high), a higher wing"]
+    (pkg / "low" / "a.py").write_text("")
+    (pkg / "high" / "c.py").write_text("")
+    (pkg / "loose.py").unlink()
+    assert wing_violations("pkg", ("low", "high"), top, tmp_path) == []
+
+
+@pytest.mark.parametrize("package", sorted(WINGS))
+def test_wings_point_down(package: str) -> None:
+    """Every module of engine/ and tasks/ is in a wing, and wings import only lower ones:
+    the direction between wings, as between packages (no circle between wings either)."""
+    listed = set(WINGS[package])
+    folders = {p.name for p in (ROOT / package).iterdir() if (p / "__init__.py").is_file()}
+    assert folders == listed, f"{package}/'s wings {sorted(folders)} != listed {sorted(listed)}"
+    found = wing_violations(package, WINGS[package], TOP[package])
+    assert not found, "\n".join(found)
+
+
 def private_imports(path: Path) -> list[str]:
     """``from our_module import _name`` in ``path``: another module's private name."""
     tree = ast.parse(path.read_text(), filename=str(path))
@@ -141,7 +216,7 @@ def test_no_module_imports_another_modules_private_names(package: str) -> None:
     assert not found, "imports of private names:\n" + "\n".join(found)
 
 
-RESOLVER = ROOT / "engine" / "model_source.py"
+RESOLVER = ROOT / "engine" / "model" / "source.py"
 HUB_LOOKUPS = {"hf_repo_to_path", "snapshot_download"}
 
 
@@ -172,10 +247,10 @@ def resolver_leaks(source: str) -> list[str]:
 
 
 def test_resolver_leak_detector() -> None:
-    """The detector itself: each way a second resolver crept in before (tasks/sweep.py's
-    ``count("/") > 1``, engine/data_fit.py's ``startswith``, a hub lookup in
-    tasks/tokenize.py and engine/content_key.py, a raw config read in tasks/memory_probe.py)
-    is seen; writing a config is not a read."""
+    """The detector itself: each way a second resolver crept in before (tasks/sweep/run.py's
+    ``count("/") > 1``, engine/data/data_fit.py's ``startswith``, a hub lookup in
+    tasks/data/tokenize.py and engine/model/content_key.py, a raw config read in
+    tasks/sweep/memory_probe.py) is seen; writing a config is not a read."""
     leaks = resolver_leaks('local = model.count("/") > 1 or m.startswith(("/", "~"))\n'
                            'from huggingface_hub import snapshot_download\n'
                            'import mlx_lm.utils\np = mlx_lm.utils.hf_repo_to_path(m)\n'
@@ -189,23 +264,23 @@ def test_resolver_leak_detector() -> None:
 @pytest.mark.parametrize("package", ["engine", "tasks", "flows"])
 def test_one_model_resolver(package: str) -> None:
     """Whether ``--model`` is a directory, a .gguf or a repo id, and its config.json, are
-    engine/model_source.py's alone (issue 26: four rules had drifted apart)."""
+    engine/model/source.py's alone (issue 26: four rules had drifted apart)."""
     found = [f"{p.relative_to(ROOT)} {leak}" for p in sorted((ROOT / package).rglob("*.py"))
              if p != RESOLVER for leak in resolver_leaks(p.read_text())]
-    assert not found, "use engine/model_source.py (source_kind, model_dir, read_config):\n" \
+    assert not found, "use engine/model/source.py (source_kind, model_dir, read_config):\n" \
         + "\n".join(found)
 
 
-SETUP = ROOT / "engine" / "prepared.py"
+SETUP = ROOT / "engine" / "train" / "prepared.py"
 SETUP_CALLS = {"load_model", "checked_stack", "attach_lora", "chunk_mlps", "mlp_chunks",
                "load_reference_model"}
-# Calls of a set-up step outside engine/prepared.py that set up no config's model, each
+# Calls of a set-up step outside engine/train/prepared.py that set up no config's model, each
 # with why: the float32 copy of a model already set up, the check's own internals, the
 # benchmarks of random-init shapes (no checkpoint, no TrainConfig).
 SETUP_ELSEWHERE = {
-    "engine/recompute.py": {"chunk_mlps"},  # mlp_chunks is chunk_mlps undone after
-    "engine/load_check.py": {"chunk_mlps", "mlp_chunks"},  # --verify's copy and plain path
-    "engine/check_copy.py": {"attach_lora"},  # the copy's LoRA, from the model's own
+    "engine/model/recompute.py": {"chunk_mlps"},  # mlp_chunks is chunk_mlps undone after
+    "engine/check/load_check.py": {"chunk_mlps", "mlp_chunks"},  # --verify's copy and plain path
+    "engine/check/check_copy.py": {"attach_lora"},  # the copy's LoRA, from the model's own
     "benchmarks/check_bench.py": {"checked_stack"},  # the check of a mutated stack
     "benchmarks/bench_model.py": {"attach_lora"},  # random-init shapes
     "benchmarks/row_runner.py": {"chunk_mlps"},
@@ -231,7 +306,7 @@ def test_setup_call_detector() -> None:
 
 @pytest.mark.parametrize("package", ["engine", "tasks", "flows", "benchmarks"])
 def test_one_model_setup(package: str) -> None:
-    """Loading, LoRA, the load check and the levers are engine/prepared.py's alone: five
+    """Loading, LoRA, the load check and the levers are engine/train/prepared.py's alone: five
     copies had drifted apart, and the probe measured a path training did not take (its
     MLPs unchunked: issue 38)."""
     found = []
@@ -241,4 +316,4 @@ def test_one_model_setup(package: str) -> None:
             continue
         found += [f"{rel} line {line}: {name}" for line, name in setup_calls(path.read_text())
                   if name not in SETUP_ELSEWHERE.get(rel, set())]
-    assert not found, "set the model up through engine/prepared.py:\n" + "\n".join(found)
+    assert not found, "set the model up through engine/train/prepared.py:\n" + "\n".join(found)

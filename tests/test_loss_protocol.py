@@ -11,10 +11,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.config import TrainConfig
 from engine.losses import LOSSES, OWNERS, REGISTRY, Norms, pair_loss, spec_of, validation_metrics
-from tasks.spec_rules import SpecError
-from tasks.sweep_spec import parse_spec
+from engine.settings.config import TrainConfig
+from tasks.sweep.spec_rules import SpecError
+from tasks.sweep.sweep_spec import parse_spec
 
 
 @pytest.mark.unit
@@ -103,8 +103,8 @@ def test_a_sweep_over_every_loss_trains_each_with_its_own_settings(
     in ``fixed`` off its default: every trial completes, its adapter records its own loss
     and its own settings alone; losses that read a reference get theirs made (KTO's with
     its KL partners: two files for the base when DPO and KTO both run)."""
-    from tasks.reference_task import reference_needs
-    from tasks.sweep import run_sweep
+    from tasks.prefect.reference_task import reference_needs
+    from tasks.sweep.run import run_sweep
 
     own = {cls.kind: next(iter(dataclasses.fields(cls)), None) for cls in REGISTRY}
     fixed = {f.name: f.default * 2 + 0.25 for f in own.values()

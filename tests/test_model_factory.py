@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten
 
-from tasks.model_factory import IM_END, ModelSpec, init_model, train_tokenizer
+from tasks.models.model_factory import IM_END, ModelSpec, init_model, train_tokenizer
 from tests.conftest import TINY
 
 pytestmark = pytest.mark.integration

@@ -1,4 +1,4 @@
-"""The one model resolver (engine/model_source.py): each of its rules (a directory, a .gguf
+"""The one model resolver (engine/model/source.py): each of its rules (a directory, a .gguf
 file, a repo id, a mistyped path that looks local) through ``source_kind``, the verbs that
 read a model agreeing with it, the one ``config.json`` reader, and cache keys pinned so a
 change to the resolver or the hashing cannot silently invalidate every cached trial and
@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.content_key import model_fingerprint
-from engine.data_fit import tokenizer_problem
-from engine.model_source import local_model, model_dir, read_config, source_kind
+from engine.data.data_fit import tokenizer_problem
+from engine.model.content_key import model_fingerprint
+from engine.model.source import local_model, model_dir, read_config, source_kind
 
 pytestmark = pytest.mark.unit
 
@@ -77,7 +77,7 @@ def test_a_repo_id_reads_its_local_snapshot(tiny_model: Path, tmp_path: Path,
                                                 rf"\({tmp_path}\), and as a Hugging Face"):
         model_dir("org/typo")
     assert model_fingerprint("org/typo") == "repo:org/typo"
-    from tasks.tokenize import tokenize_dataset
+    from tasks.data.tokenize import tokenize_dataset
 
     (tmp_path / "raw.jsonl").write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n')
     with pytest.raises(FileNotFoundError, match=r"^--model 'org/typo': no such directory"):
@@ -86,10 +86,10 @@ def test_a_repo_id_reads_its_local_snapshot(tiny_model: Path, tmp_path: Path,
 
 def test_a_gguf_file_is_read_through_its_import(tmp_path: Path, monkeypatch) -> None:
     """A .gguf is keyed on its own bytes without importing it, and read from its cached
-    import (engine/model_source.py: ``imported_gguf``) by every reader."""
+    import (engine/model/source.py: ``imported_gguf``) by every reader."""
     import hashlib
 
-    import engine.model_source as model_source
+    import engine.model.source as model_source
 
     gguf = tmp_path / "w.gguf"
     gguf.write_bytes(b"GGUF-bytes")
@@ -116,8 +116,8 @@ def test_cache_keys_are_pinned(tiny_model: Path, tmp_path: Path, monkeypatch) ->
     """The keys of the tests' tiny model and a fixed preference file, computed before the
     resolver and the hashing were made one (issue 26): a change to either that moved them
     would re-run every cached trial and re-tokenize every dataset."""
-    from tasks.sweep import data_fingerprint
-    from tasks.tokenize import tokenize_dataset
+    from tasks.data.tokenize import tokenize_dataset
+    from tasks.sweep.run import data_fingerprint
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     raw = tmp_path / "raw.jsonl"
@@ -140,7 +140,7 @@ def test_segment_size_auto_probes_the_layers_a_model_states(tmp_path: Path, monk
     candidate); 32 only where nothing says (it was assumed for every GGUF and repo id)."""
     import gguf
 
-    from tasks.memory_probe import candidate_sizes
+    from tasks.sweep.memory_probe import candidate_sizes
 
     writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
     writer.add_block_count(12)

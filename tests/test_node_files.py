@@ -1,4 +1,4 @@
-"""Files across nodes by content (tasks/node_files.py), without Ray: a node that holds the
+"""Files across nodes by content (tasks/nodes/node_files.py), without Ray: a node that holds the
 same bytes uses them in place; one that does not gets a checked copy in its cache once;
 bytes changed since planning are refused, naming the file; a pull keeps other files."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.node_files import Bundle, InputChanged, fetch, holds, local_reader, pull
+from tasks.nodes.node_files import Bundle, InputChanged, fetch, holds, local_reader, pull
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def test_scratch_of_attempts_whose_process_is_gone_is_removed(cache: Path) -> No
     import subprocess
     import sys
 
-    from tasks.trial_inputs import remove_stale_scratch, scratch_dir
+    from tasks.nodes.trial_inputs import remove_stale_scratch, scratch_dir
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.outputs import MARK, claim
+from engine.host.outputs import MARK, claim
 from tests.test_reliability_cli import one_error, pomona
 
 pytestmark = pytest.mark.integration
@@ -57,7 +57,7 @@ def spec_file(path: Path, model: Path, data: Path) -> Path:
 @pytest.fixture(scope="module")
 def dataset(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tokenized Pomona dataset directory (the sample explicit pairs, tiny model)."""
-    from tasks.tokenize import tokenize_dataset
+    from tasks.data.tokenize import tokenize_dataset
 
     out = tmp_path_factory.mktemp("ds") / "tok"
     tokenize_dataset(SAMPLE, str(tiny_model), out)
@@ -208,7 +208,7 @@ def test_a_second_sweep_is_refused_before_ray_and_a_dead_holder_frees_the_folder
     """Item 7: two sweeps into one --out both exited 0 with duplicate steps. The lock is
     the OS's: a killed holder (no clean exit) leaves the folder free."""
     out, spec = tmp_path / "sweep", spec_file(tmp_path / "s.yaml", tiny_model, tiny_data)
-    code = f"from engine.outputs import claim\nwith claim({str(out)!r}, ('sweep',)):\n" \
+    code = f"from engine.host.outputs import claim\nwith claim({str(out)!r}, ('sweep',)):\n" \
            "    print('held', flush=True)\n    input()\n"
     holder = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)

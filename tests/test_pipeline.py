@@ -17,7 +17,7 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     from flows.pipeline import pipeline
-    from tasks.synthetic import synth_rows, write_rows
+    from tasks.data.synthetic import synth_rows, write_rows
 
     raw = write_rows(list(synth_rows("sort", 160, seed=0)), tmp_path / "raw" / "sort.jsonl")
     spec = tmp_path / "spec.yaml"
@@ -44,7 +44,7 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
         assert (r["eval/valid/rows"], r["eval/test/rows"]) == (rows["valid"], rows["test"])
     # The board's accuracies are what `pomona score` reads off the same pairs.
     from engine.cli import run_score
-    from engine.scoring import preference_accuracy
+    from engine.forward.scoring import preference_accuracy
 
     for r in (board[-1], trials[0]):
         for split in ("valid", "test"):
@@ -142,7 +142,7 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
 def test_evaluation_fits_where_the_trials_trained() -> None:
     """Each trial is evaluated at its own batch size, head chunk and prefix sharing; the
     base and the soup at what suits all of them."""
-    from tasks.pipeline_tasks import EvalSettings, eval_settings
+    from tasks.prefect.pipeline_tasks import EvalSettings, eval_settings
 
     a = {"param/batch_size": 8, "param/head_chunk": 0}
     b = {"param/batch_size": 2, "param/head_chunk": 512, "param/prefix_share": "on"}

@@ -62,7 +62,7 @@ def test_a_pipeline_whose_trials_all_fail_stops_in_one_line(prefect_api, tiny_mo
     then a 311-line traceback)."""
     from prefect.settings import PREFECT_API_URL
 
-    from tasks.synthetic import synth_rows, write_rows
+    from tasks.data.synthetic import synth_rows, write_rows
 
     raw = write_rows(list(synth_rows("sort", 60, seed=0)), tmp_path / "raw.jsonl")
     spec = tmp_path / "spec.yaml"

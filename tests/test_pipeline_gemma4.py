@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tasks.model_factory import ModelSpec, init_model
+from tasks.models.model_factory import ModelSpec, init_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 SPEC = Path(__file__).resolve().parents[1] / "flows" / "configs" / "gemma4.yaml"
@@ -19,7 +19,7 @@ SPEC = Path(__file__).resolve().parents[1] / "flows" / "configs" / "gemma4.yaml"
 
 def test_pipeline_on_gemma4(prefect_api, ray_cluster, tmp_path: Path) -> None:
     from flows.pipeline import pipeline
-    from tasks.synthetic import synth_rows, write_rows
+    from tasks.data.synthetic import synth_rows, write_rows
 
     model = init_model(ModelSpec(arch="gemma4_text", layers=12, kv_shared_layers=4,
                                  hidden=128, window=32), tmp_path / "model")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks import plots
+from tasks.board import plots
 
 pytestmark = pytest.mark.unit
 

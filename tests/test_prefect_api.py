@@ -42,7 +42,7 @@ def run(code_or_args: list[str], env: dict[str, str], timeout: float = 120
 def test_a_prefect_api_that_is_down_is_one_line_before_any_work(tiny_model: Path,
                                                                 tmp_path: Path) -> None:
     """Catches a flow started against a dead PREFECT_API_URL (minutes of retries)."""
-    from tasks.synthetic import synth_rows, write_rows
+    from tasks.data.synthetic import synth_rows, write_rows
 
     raw = write_rows(list(synth_rows("sort", 40, seed=0)), tmp_path / "raw.jsonl")
     spec = tmp_path / "spec.yaml"

@@ -12,10 +12,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.batch import Pair, batch_norms, make_batch
+from engine.backward.segmented import value_and_grad
+from engine.data.batch import Pair, batch_norms, make_batch
+from engine.forward.prefix import PrefixBatch, split_prefix_batch
 from engine.losses import LOSSES, LossSpec, pair_loss, spec_of
-from engine.prefix import PrefixBatch, split_prefix_batch
-from engine.segmented import value_and_grad
 from tests.pairs import tokenized_pairs
 from tests.parity import assert_same, batch_loss, lora_model, with_reference
 
@@ -116,7 +116,7 @@ def test_batched_split_rows_share_one_geometry_and_equal_two_forwards(tiny_model
 
 def test_cuda_takes_split_attention_only_when_aligned(monkeypatch) -> None:
     """Unaligned split shapes crashed MLX's CUDA attention backward: mask there, or refuse."""
-    from engine import layout_policy as policy
+    from engine.forward import layout_policy as policy
 
     assert policy.resolve_prefix_attention("split", 1) == "split"  # CPU: as asked
     monkeypatch.setattr(policy, "is_cuda", lambda: True)
@@ -173,8 +173,8 @@ def test_cuda_auto_takes_aligned_split_from_2k_tokens(monkeypatch) -> None:
     """auto on CUDA: split where measured faster (≥ 2048 tokens a micro-batch), two
     forwards below, never the array mask; CPU: split, else the mask, where it saves enough
     of the padded tokens."""
-    from engine import layout_policy as policy
-    from engine.config import TrainConfig
+    from engine.forward import layout_policy as policy
+    from engine.settings.config import TrainConfig
 
     def pair(prompt: int) -> Pair:
         return Pair("x", list(range(3, 3 + prompt)), [5] * (prompt // 4), [6] * (prompt // 4))
@@ -201,7 +201,7 @@ def test_cuda_auto_takes_aligned_split_from_2k_tokens(monkeypatch) -> None:
 def test_split_layout_slices_match_the_gather_and_its_scatter(p: int) -> None:
     """to_pair_layout / from_pair_layout by slices == by the gather index (and scatter-add),
     for ragged rows (prompts p and p + 11, responses of different lengths)."""
-    from engine.prefix import from_pair_layout, to_pair_layout
+    from engine.forward.prefix import from_pair_layout, to_pair_layout
 
     pairs = [Pair("x", list(range(3, 3 + p)), [7] * 9, [8] * 4),
              Pair("y", list(range(4, 15 + p)), [7] * 2, [8] * 13)]
@@ -227,7 +227,7 @@ def test_scoring_shares_the_prefix_and_keeps_row_order(tiny_model: Path, head_ch
     """Forward-only scoring (validation, `pomona score`): the shared layouts give the two
     forwards' per-pair scores, in the data's order although batches go by length.
     Tolerance: 1e-5 absolute on mean log-probs of order 1 (float32)."""
-    from engine.scoring import evaluate, score_pairs
+    from engine.forward.scoring import evaluate, score_pairs
 
     model, stack = lora_model(tiny_model)
     pairs = tokenized_pairs(tiny_model, 7, seed=21)
@@ -248,7 +248,7 @@ def test_scoring_shares_the_prefix_and_keeps_row_order(tiny_model: Path, head_ch
     shared = evaluate(model, stack, pairs, spec, 3, head_chunk=head_chunk,
                       layout=lambda g: split_prefix_batch(g, "response", attention="mask"))
     assert shared == pytest.approx(plain, abs=1e-5) and plain["rows"] == 7
-    from engine.layout_policy import scoring_layout
+    from engine.forward.layout_policy import scoring_layout
 
     with pytest.raises(ValueError, match="prefix_share='maybe'"):
         scoring_layout("maybe", 0)
@@ -288,10 +288,10 @@ READ_ATOL = 1e-5  # float32 log-probs of the same rows: only the matmul's blocki
 @pytest.mark.parametrize("head_chunk", [0, 7])
 def test_scoring_reads_only_the_positions_asked_for(tiny_model: Path, layout: str,
                                                     head_chunk: int) -> None:
-    """engine/scoring.forward_logps with ``active`` (the head on read positions alone, as
+    """engine/forward/scoring.forward_logps with ``active`` (the head on read positions alone, as
     evaluation calls it) equals the whole head there, to READ_ATOL, and is 0 elsewhere;
     and the metrics evaluation reports from it equal the whole head's."""
-    from engine.scoring import evaluate, forward_logps, read_positions
+    from engine.forward.scoring import evaluate, forward_logps, read_positions
 
     model, stack = lora_model(tiny_model)
     pairs = tokenized_pairs(tiny_model, 3, seed=11)

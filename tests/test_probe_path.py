@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import TrainConfig
+from engine.settings.config import TrainConfig
 
 pytestmark = pytest.mark.integration
 
 
 def test_the_probe_chunks_the_mlps_as_training_does(tiny_model: Path, tiny_data: Path,
                                                     tmp_path: Path, monkeypatch) -> None:
-    from engine import recompute
-    from engine.probe import probe_steps
-    from tasks.memory_probe import probe_key
+    from engine.model import recompute
+    from engine.train.probe import probe_steps
+    from tasks.sweep.memory_probe import probe_key
 
     chunked = []
     real = recompute.ChunkedMLP.__call__

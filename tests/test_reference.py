@@ -1,4 +1,4 @@
-"""DPO's reference log-probs (engine/reference.py): computed once, cached by content,
+"""DPO's reference log-probs (engine/train/reference.py): computed once, cached by content,
 refused when made for another model, dataset or reference adapter, and read back bit for
 bit; ``reference: DIR`` is that adapter on the base, not the base.
 
@@ -23,10 +23,10 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from engine import reference as reference_mod
-from engine.config import TrainConfig
-from engine.data import load_pairs
-from engine.reference import (
+from engine.data.pairs import load_pairs
+from engine.settings.config import TrainConfig
+from engine.train import reference as reference_mod
+from engine.train.reference import (
     ReferenceSpec,
     cache_dir,
     compute_reference,
@@ -35,8 +35,8 @@ from engine.reference import (
     read_reference,
     write_reference,
 )
-from engine.trainer import train
-from tasks.model_factory import init_model
+from engine.train.trainer import train
+from tasks.models.model_factory import init_model
 from tests.conftest import TINY
 
 pytestmark = pytest.mark.integration
@@ -180,7 +180,7 @@ def test_an_adapter_for_another_base_is_refused_before_any_forward(
                        tmp_path / "small-model")
     foreign = trained_adapter(small, tiny_data, tmp_path / "foreign", 1, 1e-3)
     forwards = []
-    import engine.scoring as scoring_mod  # the one forward-only loop's forward
+    import engine.forward.scoring as scoring_mod  # the one forward-only loop's forward
 
     real = scoring_mod.forward_logps
     monkeypatch.setattr(scoring_mod, "forward_logps",
@@ -318,7 +318,7 @@ def test_score_and_evaluation_report_dpo_under_its_own_reference(tiny_model: Pat
     against that same reference (its adapter config names it): evaluation's valid figures
     equal training's last validation, and score's per-pair rewards average to them."""
     from engine.cli import run_score
-    from tasks.evaluate import evaluate_adapter
+    from tasks.eval.evaluate import evaluate_adapter
 
     out = tmp_path / "dpo"
     train(cfg(tiny_model, tiny_data, out, loss="dpo", steps=2, val_every=2,
@@ -349,9 +349,9 @@ def test_review_fixes_probe_keys_paths_and_identical_rows(tiny_model: Path, tiny
     search over dpo_loss_type cannot rank sigmoid against IPO on val/loss."""
     import shutil
 
-    from engine.probe import probe_steps
-    from tasks.sweep import cache_key
-    from tasks.sweep_spec import SpecError, parse_spec
+    from engine.train.probe import probe_steps
+    from tasks.sweep.run import cache_key
+    from tasks.sweep.sweep_spec import SpecError, parse_spec
 
     rows = probe_steps(cfg(tiny_model, tiny_data, tmp_path / "p", loss="dpo"),
                        [{"segment_size": 0}, {"segment_size": 1}])
@@ -473,7 +473,7 @@ def test_pomona_sweep_makes_the_reference_before_its_trials(
         ray_cluster, tiny_model: Path, tiny_data: Path, tmp_path: Path) -> None:
     """Issue 38: `pomona sweep` left DPO's reference to its first trial, the others waiting
     on its lock, where the Prefect flow made it first; both now make it before any trial,
-    through one function (tasks/reference_task.py: reference_on_ray)."""
+    through one function (tasks/prefect/reference_task.py: reference_on_ray)."""
     from typer.testing import CliRunner
 
     from flows.cli import app

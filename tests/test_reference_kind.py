@@ -1,14 +1,14 @@
-"""A reference is a type (engine/reference_kind.py): ``base`` or an adapter directory, read
+"""A reference is a type (engine/settings/reference_kind.py): ``base`` or an adapter directory, read
 from a word in one place and written back as that word."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.config import TrainConfig
-from engine.reference import ReferenceSpec, resolved_reference
-from engine.reference_kind import BASE, AdapterRef, adapter_path, parse_reference
-from tasks.sweep_spec import parse_spec
+from engine.settings.config import TrainConfig
+from engine.settings.reference_kind import BASE, AdapterRef, adapter_path, parse_reference
+from engine.train.reference import ReferenceSpec, resolved_reference
+from tasks.sweep.sweep_spec import parse_spec
 
 pytestmark = pytest.mark.unit
 

@@ -131,7 +131,7 @@ def test_settings_that_train_nothing_or_the_wrong_thing_are_refused() -> None:
 def test_grid_values_that_are_one_number_are_refused(tmp_path: Path) -> None:
     """Item 10: grid [8, 8.0, "8"] gave duplicate trial ids (one trial run twice, into one
     folder). Would catch: values equal after coercion accepted as separate trials."""
-    from tasks.sweep_spec import SpecError, parse_spec
+    from tasks.sweep.sweep_spec import SpecError, parse_spec
 
     with pytest.raises(SpecError, match=r"grid.lora_rank: 8.0 repeats 8 \(both are 8"):
         parse_spec({"name": "s", "model": "m", "data": "d",
@@ -193,7 +193,7 @@ def test_ui_ports_no_server_can_be_told_are_one_line(monkeypatch) -> None:
 def test_training_that_goes_non_finite_is_one_line(monkeypatch) -> None:
     """Item 11: a run ending in NonFiniteLoss printed its traceback with exit 1. Would
     catch: the CLI letting it through."""
-    import engine.trainer as trainer
+    import engine.train.trainer as trainer
 
     def diverges(cfg: object, callbacks: object = ()) -> None:
         raise trainer.NonFiniteLoss("step 3: loss nan on pairs ['a', 'b']")

@@ -20,8 +20,8 @@ def test_a_finished_trial_survives_a_later_error(ray_cluster, tiny_model, tiny_d
     """results.parquet was written once, after the last trial: any later error (there, a
     column Arrow refused) lost every trial. Would catch: results held back until the end,
     or one trial's error on the driver ending the sweep (it now costs that trial only)."""
-    from tasks.sweep import run_sweep
-    from tasks.sweep_spec import parse_spec
+    from tasks.sweep.run import run_sweep
+    from tasks.sweep.sweep_spec import parse_spec
 
     spec = parse_spec({"name": "s", "model": str(tiny_model), "data": str(tiny_data),
                        "fixed": FIXED, "grid": {"seed": [0, 1]}})
@@ -44,9 +44,9 @@ def test_a_model_remade_in_place_reruns_its_trials(ray_cluster, tiny_data, tmp_p
     """The issue: `model init` again over the same path with another seed, and the sweep
     said "2 trials: 2 cached", reusing adapters trained on the old weights. Would catch: a
     sweep cache keyed on the model's path."""
-    from tasks.model_factory import init_model
-    from tasks.sweep import run_sweep
-    from tasks.sweep_spec import parse_spec
+    from tasks.models.model_factory import init_model
+    from tasks.sweep.run import run_sweep
+    from tasks.sweep.sweep_spec import parse_spec
     from tests.conftest import TINY
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

@@ -19,8 +19,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from engine.config import TrainConfig
-from tasks.sweep_spec import SpecError, load_spec, parse_spec
+from engine.settings.config import TrainConfig
+from tasks.sweep.sweep_spec import SpecError, load_spec, parse_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.long]  # conftest.py: scheduled first
 
@@ -33,7 +33,7 @@ def test_results_keep_every_trial_whatever_a_parameter_column_mixes(tmp_path: Pa
     """The issue's grid [3.0e-4, .nan, "1e-4"] made results.parquet fail with ArrowInvalid
     after every trial had run: nothing was written. Would catch: a column that Arrow cannot
     type as given costing the whole table."""
-    from tasks.results_table import write_results
+    from tasks.board.results_table import write_results
 
     rows = [{"trial_id": "a", "status": "completed", "param/learning_rate": 3.0e-4,
              "param/lora_rank": 8, "flag": True},
@@ -54,8 +54,8 @@ def test_results_keep_every_trial_whatever_a_parameter_column_mixes(tmp_path: Pa
 # Item 5 -----------------------------------------------------------------------------------
 
 def _keys(model: Path, data: Path, out: Path) -> list[str]:
-    from tasks.placement import Placement
-    from tasks.sweep import SweepRun
+    from tasks.nodes.placement import Placement
+    from tasks.sweep.run import SweepRun
 
     spec = parse_spec({**SPEC, "model": str(model), "data": str(data),
                        "grid": {"seed": [0, 1]}})
@@ -69,9 +69,9 @@ def test_caches_key_on_the_model_bytes_not_its_path(tmp_path: Path, monkeypatch)
     """The issue: re-initialising the model in place with another seed gave "2 trials: 2
     cached" and the old adapters were reused; the pipeline's evaluation cache did the same.
     Would catch: a cache key built from the model path string."""
-    from engine.digests import file_digest
-    from tasks.model_factory import init_model
-    from tasks.pipeline_tasks import evaluation_key
+    from engine.host.digests import file_digest
+    from tasks.models.model_factory import init_model
+    from tasks.prefect.pipeline_tasks import evaluation_key
     from tests.conftest import TINY
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -92,7 +92,7 @@ def test_caches_key_on_the_model_bytes_not_its_path(tmp_path: Path, monkeypatch)
     cache = tmp_path / "cache" / "pomona" / "file-hashes.json"
     entries = json.loads(cache.read_text())
     assert str(weights.resolve()) in entries
-    import engine.digests as digests
+    import engine.host.digests as digests
 
     digests._memory[str(weights.resolve())]["sha256"] = "planted"
     assert file_digest(weights) == "planted"  # not read again while its stat holds
@@ -158,9 +158,9 @@ def test_a_collapsed_trial_is_degenerate_and_kept_off_the_board(tiny_model, tiny
                                                                 tmp_path) -> None:
     """lr 1e8 (the issue): grad_norm 0.0 from step 2, val accuracy 0 and the lowest
     val/loss, reported "completed" and ranked first. Would catch: a collapsed run ranked."""
-    from engine.config import TrainConfig
-    from tasks.leaderboard import markdown, rank_trials
-    from tasks.trial import run_trial
+    from engine.settings.config import TrainConfig
+    from tasks.board.leaderboard import markdown, rank_trials
+    from tasks.sweep.trial import run_trial
 
     config = {"model": str(tiny_model), "data": str(tiny_data), "out": str(tmp_path / "x"),
               "steps": 8, "batch_size": 4, "lora_rank": 4, "val_every": 4,
@@ -213,7 +213,7 @@ def test_a_reused_out_holds_one_run_and_resume_never_repeats_metrics(tiny_model,
     """A run killed in a reused --out left the previous run's adapter and summary beside
     its new metrics; resume appended the steps after the checkpoint a second time. Would
     catch: stale outputs that look valid, duplicated metric rows."""
-    from engine.trainer import train
+    from engine.train.trainer import train
 
     out = tmp_path / "run"
     base = TrainConfig().replace(model=str(tiny_model), data=str(tiny_data), out=str(out),
@@ -251,9 +251,9 @@ def test_no_prefect_task_or_flow_would_pickle_its_result() -> None:
     import tasks
 
     found = []
-    for package in (flows, tasks):  # flows in flows/, their tasks in tasks/
-        for info in pkgutil.iter_modules(package.__path__):
-            module = importlib.import_module(f"{package.__name__}.{info.name}")
+    for package in (flows, tasks):  # flows in flows/, their tasks in tasks/ (in its wings)
+        for info in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
+            module = importlib.import_module(info.name)
             found += [(f"{module.__name__}.{name}", obj) for name, obj in vars(module).items()
                       if isinstance(obj, (Task, Flow)) and obj.__module__ == module.__name__]
     assert len(found) >= 10, found
@@ -267,7 +267,7 @@ def test_no_prefect_task_or_flow_would_pickle_its_result() -> None:
 def test_a_warm_start_is_keyed_on_its_bytes_not_its_path(tmp_path: Path, monkeypatch) -> None:
     """Item 8: re-training a warm_start adapter in place gave "1 cached" (the key held its
     path). Would catch: a cache key that does not change with the adapter's bytes."""
-    from tasks.sweep import cache_key
+    from tasks.sweep.run import cache_key
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     warm = tmp_path / "warm"

@@ -1,6 +1,6 @@
 """A ring rank whose peer never starts (issue 28, item 13): MLX's ring waited forever in
 ``accept()`` and printed nothing. Now every rank checks in with rank 0 first
-(engine/rendezvous.py) and, past a time limit, fails with one line naming the missing rank.
+(engine/host/rendezvous.py) and, past a time limit, fails with one line naming the missing rank.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.rendezvous import meet
+from engine.host.rendezvous import meet
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.trainer import train
+from engine.train.trainer import train
 from tests.test_trainer import cfg
 
 pytestmark = [pytest.mark.integration]
@@ -79,7 +79,7 @@ def test_cli_rank_change_on_resume_is_one_line(killed_run) -> None:
 
 def test_sigint_prints_the_step_to_resume_from(killed_run, monkeypatch, capsys) -> None:
     """Old code: exit 130 with a traceback and no hint."""
-    import engine.trainer
+    import engine.train.trainer
     from engine.cli import run_train
 
     out, resume = killed_run
@@ -87,7 +87,7 @@ def test_sigint_prints_the_step_to_resume_from(killed_run, monkeypatch, capsys) 
     def interrupted(*_a, **_k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(engine.trainer, "train", interrupted)
+    monkeypatch.setattr(engine.train.trainer, "train", interrupted)
     rc = run_train(["--model", resume.model, "--data", resume.data, "--out", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 130 and "resume from step 2" in err[-1] and "--resume auto" in err[-1]
@@ -98,7 +98,7 @@ def test_sigint_prints_the_step_to_resume_from(killed_run, monkeypatch, capsys) 
     ({"loss": "dpo", "dpo_loss_type": "ipo", "dpo_label_smoothing": 0.1}, "ipo: it has no label"),
 ])
 def test_silently_ignored_or_absurd_values_are_refused(kw, needle) -> None:
-    from engine.config import TrainConfig
+    from engine.settings.config import TrainConfig
 
     with pytest.raises(ValueError, match=needle):
         TrainConfig().replace(model="m", data="d", **kw).validate()

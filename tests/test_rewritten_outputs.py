@@ -20,7 +20,7 @@ import pytest
 from safetensors.numpy import save_file
 from typer.testing import CliRunner
 
-from engine.outputs import RefusedOutput, lock_file, reading, replacing
+from engine.host.outputs import RefusedOutput, lock_file, reading, replacing
 from flows.cli import app
 
 pytestmark = pytest.mark.integration
@@ -66,7 +66,7 @@ def one_error(result, *needles: str) -> str:
 def test_leaderboard_export_keeps_user_files_in_best_adapter(tmp_path: Path) -> None:
     """Item 1: a second export replaced best-adapter/ whole, deleting the README.md and
     tokenizer.json a user added. Also the low item: best-adapter/ was mode 0700 (mkdtemp)."""
-    from tasks.leaderboard import export_best
+    from tasks.board.leaderboard import export_best
 
     a, b = adapter(tmp_path / "t1", 1), adapter(tmp_path / "t2", 2)
     best = export_best([{"trial_id": "t1", "rank": 1, "adapter": str(a)}], tmp_path)
@@ -86,7 +86,7 @@ def test_leaderboard_export_keeps_user_files_in_best_adapter(tmp_path: Path) -> 
 
 def test_soup_rewrite_keeps_user_files(tmp_path: Path) -> None:
     """Item 1, soup/: a second soup replaces its own two files and nothing else."""
-    from tasks.soup import make_soup
+    from tasks.board.soup import make_soup
 
     adapters = [adapter(tmp_path / f"t{i}", i) for i in range(3)]
     soup = make_soup(adapters[:2], tmp_path / "soup")
@@ -100,7 +100,7 @@ def test_soup_rewrite_keeps_user_files(tmp_path: Path) -> None:
 def test_plots_rewrite_keeps_user_files(tmp_path: Path) -> None:
     """Item 1, plots/: a re-run writes curves.png again; a user's files there, even one
     under the old fixed temporary name (.curves.png.tmp.png), stay byte for byte."""
-    from tasks.plots import curves_png
+    from tasks.board.plots import curves_png
 
     run = tmp_path / "t1"
     run.mkdir()
@@ -136,7 +136,7 @@ def tokenize(model: Path, src: Path, out: Path):
 
 @pytest.fixture
 def raw(tmp_path: Path) -> Path:
-    from tasks.synthetic import synth_rows, write_rows
+    from tasks.data.synthetic import synth_rows, write_rows
 
     return write_rows(list(synth_rows("sort", 40, seed=0)), tmp_path / "raw.jsonl")
 
@@ -158,7 +158,7 @@ def test_tokenize_refuses_a_user_file_where_its_rejects_go(tiny_model: Path, raw
 
 def hold(kind: str, folder: Path) -> subprocess.Popen:
     """Another process holding ``folder``'s dataset lock (``replacing`` or ``reading``)."""
-    code = (f"import sys, time\nfrom engine.outputs import {kind}\nwith {kind}(sys.argv[1]):\n"
+    code = (f"import sys, time\nfrom engine.host.outputs import {kind}\nwith {kind}(sys.argv[1]):\n"
             "    print('held', flush=True)\n    time.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE,
                             text=True, cwd=Path(__file__).resolve().parents[1])
@@ -186,7 +186,7 @@ def test_a_dataset_being_read_is_not_replaced(tiny_model: Path, raw: Path,
     """Item 2, writer side: `data tokenize` and `data preprocess` replaced a dataset a
     sweep was reading. While a reader holds it they are refused in one line; a cache hit
     (nothing replaced) still answers; a reader is refused while a writer holds it."""
-    from engine.data import load_pairs
+    from engine.data.pairs import load_pairs
 
     out = tmp_path / "ds"
     assert tokenize(tiny_model, raw, out).exit_code == 0

@@ -1,5 +1,5 @@
-"""Scorers, intervals and the paired test against hand-computed values (tasks/scorers.py,
-tasks/intervals.py, tasks/paired.py), and the bad scorers a spec can name."""
+"""Scorers, intervals and the paired test against hand-computed values (tasks/eval/scorers.py,
+tasks/eval/intervals.py, tasks/eval/paired.py), and the bad scorers a spec can name."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import types
 
 import pytest
 
-from tasks.intervals import estimate, paired, sign_test, wilson
-from tasks.scorers import ScorerError, parse_scorer, parse_scorers, score
+from tasks.eval.intervals import estimate, paired, sign_test, wilson
+from tasks.eval.scorers import ScorerError, parse_scorer, parse_scorers, score
 
 ROW = {"id": "r1", "prompt": "What is 2 + 2?", "chosen": " 4 ", "rejected": "5"}
 

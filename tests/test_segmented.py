@@ -14,10 +14,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from engine.batch import Pair, make_batch
+from engine.backward.segmented import segment_ranges, value_and_grad
+from engine.data.batch import Pair, make_batch
 from engine.losses import LossSpec, spec_of
-from engine.model import lora_modules
-from engine.segmented import segment_ranges, value_and_grad
+from engine.model.load import lora_modules
 from tests.pairs import tokenized_pairs
 from tests.parity import assert_same, batch_loss, lora_model, ref_offset, with_reference
 
@@ -57,7 +57,7 @@ def test_lora_on_last_layers_only_and_any_inflight_depth(depth: int, tiny_model:
     """The backward stops at the lowest LoRA segment; the evaluation depth (``inflight``,
     segments and head pieces evaluated at once) changes no number. (This test once set an
     environment variable nothing read, so all three depths were the same run.)"""
-    from engine import inflight
+    from engine.host import inflight
 
     seen: list[int] = []
     real = inflight.InFlight.__init__
@@ -155,7 +155,7 @@ def test_chunked_scoring_equals_dense(chunk: int, tiny_model: Path) -> None:
     """Validation and `pomona score` with a bounded head (``head_chunk``) give the dense
     head's per-pair numbers: catches a chunk boundary that drops or repeats a position.
     Tolerance 1e-5 absolute on mean log-probs of order 1 (float32)."""
-    from engine.scoring import score_pairs
+    from engine.forward.scoring import score_pairs
 
     model, stack = lora_model(tiny_model)
     pairs = tokenized_pairs(tiny_model, 5, seed=13)
@@ -175,10 +175,10 @@ def test_dpo_step_accumulates_and_verifies_through_every_lever(tiny_model: Path)
     reference is each pair's own log-probs moved by known offsets (``with_reference``),
     so the step's sigmoid rewards are known: β·(S − R) = −β·offset, summed over the pairs
     (a reference in the wrong rows or pairs would move them)."""
-    from engine.config import TrainConfig
-    from engine.load_check import verify_paths
-    from engine.prefix import split_prefix_batch
-    from engine.step import step_grads
+    from engine.backward.step import step_grads
+    from engine.check.load_check import verify_paths
+    from engine.forward.prefix import split_prefix_batch
+    from engine.settings.config import TrainConfig
 
     model, stack = lora_model(tiny_model)
     pairs = with_reference(model, stack, tokenized_pairs(tiny_model, 4, seed=19))

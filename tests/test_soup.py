@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from tasks.soup import delta_weights, make_soup
+from tasks.board.soup import delta_weights, make_soup
 
 pytestmark = pytest.mark.unit
 MODULES = ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj")

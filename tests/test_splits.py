@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.batch import Pair
-from engine.data import load_pairs, stable_split, write_pairs_jsonl
-from engine.splits import check_fractions
-from tasks.leaderboard import markdown, rank_trials
+from engine.data.batch import Pair
+from engine.data.pairs import load_pairs, stable_split, write_pairs_jsonl
+from engine.data.splits import check_fractions
+from tasks.board.leaderboard import markdown, rank_trials
 
 IDS = [f"row-{i}" for i in range(4000)]
 
@@ -134,9 +134,9 @@ def test_an_old_dataset_loads_without_test_rows_and_preprocess_carves_them(
     """A dataset tokenized before the test split (no test rows, no test_fraction in its
     manifest) loads with an empty test; preprocess carves test out of train, leaves valid's
     rows where they were, and changes the data fingerprint trials are cached on."""
-    from tasks.preprocess import preprocess_dataset
-    from tasks.sweep import data_fingerprint
-    from tasks.tokenize import TokenizeOptions, tokenize_dataset
+    from tasks.data.preprocess import preprocess_dataset
+    from tasks.data.tokenize import TokenizeOptions, tokenize_dataset
+    from tasks.sweep.run import data_fingerprint
 
     rows = [{"id": f"s{i}", "prompt": f"Sort: {i} 0", "chosen": f" 0 {i}",
              "rejected": f" {i} 0"} for i in range(1, 161)]
@@ -205,8 +205,8 @@ def test_valid_and_test_metrics_come_from_disjoint_rows(tiny_model, mirrored, tm
     """Test is valid mirrored (chosen ↔ rejected), so its margin must be valid's negated
     and, on 15 pairs (no tie at 0.5), its accuracy 1 − valid's. Scoring one split for both,
     or both splits' rows for each, gives equal numbers and fails."""
-    from tasks.evaluate import evaluate_adapter
-    from tasks.generation_eval import GenerationSettings
+    from tasks.eval.evaluate import evaluate_adapter
+    from tasks.eval.generation_eval import GenerationSettings
 
     m = evaluate_adapter(str(tiny_model), None, str(mirrored), out=str(tmp_path),
                          generation=GenerationSettings(valid_prompts=0, test_prompts=2,
@@ -225,9 +225,9 @@ def test_valid_and_test_metrics_come_from_disjoint_rows(tiny_model, mirrored, tm
 def test_evaluation_without_test_rows_says_so(tiny_model, tiny_data, caplog) -> None:
     """tiny_data's split column names only train and valid, as datasets written before the
     test split: test metrics are None with the reason, valid ones are still computed."""
-    from tasks.evaluate import evaluate_adapter
+    from tasks.eval.evaluate import evaluate_adapter
 
-    with caplog.at_level(logging.WARNING, logger="tasks.evaluate"):
+    with caplog.at_level(logging.WARNING, logger="tasks.eval.evaluate"):
         m = evaluate_adapter(str(tiny_model), None, str(tiny_data))
     assert m["eval/test/rows"] == 0
     assert m["eval/test/logps/accuracies"] is None and m["eval/test/logps/margin"] is None
@@ -264,7 +264,7 @@ def _tokenize(*args: str) -> tuple[int, list[str]]:
 def test_a_split_that_leaves_no_train_rows_is_refused(tiny_model, tmp_path) -> None:
     """--valid-fraction 0.6 + --test-fraction 0.39 on 19 rows put none in train and exited
     0; so did 1 + 0. Would catch: a dataset written that trains nothing."""
-    from tasks.synthetic import synth_rows, write_rows
+    from tasks.data.synthetic import synth_rows, write_rows
 
     rows = list(synth_rows("sort", 20, seed=0))[1:]  # row 0 is the one train row of 20
     raw = write_rows(rows, tmp_path / "raw.jsonl")
@@ -277,7 +277,7 @@ def test_a_split_that_leaves_no_train_rows_is_refused(tiny_model, tmp_path) -> N
         assert code == 2 and len(lines) == 1 and message in lines[0], lines
     assert not (tmp_path / "ds").exists()
     only_valid = write_pairs_jsonl(_pairs(4, "v"), tmp_path / "v.jsonl", split="valid")
-    from engine.data import check_train_split
+    from engine.data.pairs import check_train_split
 
     with pytest.raises(ValueError, match=f"{only_valid}: no train rows"):
         check_train_split(load_pairs(only_valid), only_valid)
@@ -287,8 +287,8 @@ def test_a_split_that_leaves_no_train_rows_is_refused(tiny_model, tmp_path) -> N
 def test_an_empty_valid_split_is_a_note_that_reaches_the_board(tiny_model, tmp_path) -> None:
     """--valid-fraction 0: every metric "-", trials ranked in no order and the sweep exit 0.
     Would catch: no note at tokenize, trials ranked on nothing, the board silent on why."""
-    from tasks.evaluate import missing_valid_reason
-    from tasks.leaderboard import why_unranked
+    from tasks.board.leaderboard import why_unranked
+    from tasks.eval.evaluate import missing_valid_reason
 
     samples = Path(__file__).resolve().parents[1] / "datasets" / "sample" / "explicit.jsonl"
     code, lines = _tokenize("--input", str(samples), "--model", str(tiny_model), "--out",
@@ -317,7 +317,7 @@ def test_leaderboard_with_nothing_held_out_is_one_line(tmp_path) -> None:
     from typer.testing import CliRunner
 
     from flows.cli import app
-    from tasks.results_table import write_results
+    from tasks.board.results_table import write_results
 
     sweep = tmp_path / "sweep"
     write_results([{"trial_id": "t-1", "status": "completed"}], sweep / "results.parquet")

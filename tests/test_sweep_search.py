@@ -8,11 +8,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from engine.command_queue import bounded_mb
-from tasks.placement import Placement
-from tasks.scheduler import TrialsInterrupted
-from tasks.sweep import run_sweep
-from tasks.sweep_spec import parse_spec
+from engine.host.command_queue import bounded_mb
+from tasks.nodes.placement import Placement
+from tasks.sweep.run import run_sweep
+from tasks.sweep.scheduler import TrialsInterrupted
+from tasks.sweep.sweep_spec import parse_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 
@@ -49,8 +49,8 @@ def test_optuna_prunes_a_hopeless_trial(ray_cluster, tiny_model, tiny_data, tmp_
 def test_segment_size_auto_fits_the_budget(ray_cluster, tiny_model, tiny_data, tmp_path) -> None:
     """Two budgets from the probe's own measurements: the smaller picks a smaller size, and
     re-running the same sweep under it re-trains (the resolved size is part of the key)."""
-    from tasks.memory_probe import AUTO_HEADROOM, probe_key
-    from tasks.sweep import data_fingerprint
+    from tasks.sweep.memory_probe import AUTO_HEADROOM, probe_key
+    from tasks.sweep.run import data_fingerprint
 
     raw = _spec(tiny_model, tiny_data, fixed={"segment_size": "auto", "head_chunk": 16,
                                               "batch_size": 8, "steps": 2, "val_every": 0},
@@ -62,7 +62,7 @@ def test_segment_size_auto_fits_the_budget(ray_cluster, tiny_model, tiny_data, t
     assert sorted(peaks) == [0, 1, 2]  # plain and the powers of two below 4 layers
     assert big[0]["status"] == "completed" and big[0]["param/segment_size"] == 0
     # Under the budget (its memory limit) the trial's actor started with MLX's queue capped
-    # (engine/command_queue.py), as the probes did.
+    # (engine/host/command_queue.py), as the probes did.
     assert big[0]["mlx_queue_mb"] == str(bounded_mb())
     smallest = min(peaks, key=peaks.get)
     assert smallest != 0 and peaks[smallest] * AUTO_HEADROOM < peaks[0], peaks
@@ -111,7 +111,7 @@ def test_ctrl_c_cancels_running_trials_and_keeps_results(ray_cluster, tiny_model
 
 def test_memory_mode_writes_a_pareto_table_and_plot(ray_cluster, tiny_model, tiny_data,
                                                     tmp_path) -> None:
-    from tasks.memory_sweep import run_memory_sweep
+    from tasks.sweep.memory_sweep import run_memory_sweep
 
     raw = {"name": "mem", "kind": "memory", "model": str(tiny_model), "data": str(tiny_data),
            "probe_batches": 2, "fixed": {"batch_size": 8, "lora_rank": 4},

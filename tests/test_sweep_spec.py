@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.sweep_spec import SpecError, load_spec, parse_spec, trial_id
-from tasks.trial_plan import AUTO
+from tasks.sweep.sweep_spec import SpecError, load_spec, parse_spec, trial_id
+from tasks.sweep.trial_plan import AUTO
 
 pytestmark = pytest.mark.unit
 BASE = {"name": "s", "model": "m", "data": "d"}
@@ -135,7 +135,7 @@ def test_the_board_of_a_sweep_over_losses_ranks_on_a_shared_metric(tmp_path, tin
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from tasks.leaderboard import check_leaderboard_inputs
+    from tasks.board.leaderboard import check_leaderboard_inputs
 
     pq.write_table(pa.table({"trial_id": ["a", "b"], "param/loss": ["orpo", "dpo"]}),
                    tmp_path / "results.parquet")

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tasks.synthetic import LAYOUTS, NEAR_MISSES, TASKS, near_miss, synth_rows, write_rows
+from tasks.data.synthetic import LAYOUTS, NEAR_MISSES, TASKS, near_miss, synth_rows, write_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASETS = ROOT / "datasets"

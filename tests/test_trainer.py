@@ -14,11 +14,11 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from engine.adapters import ADAPTER_FILE, CONFIG_FILE
-from engine.batch import Pair
-from engine.config import TrainConfig
-from engine.data import load_pairs, write_pairs_jsonl
-from engine.trainer import train
+from engine.data.batch import Pair
+from engine.data.pairs import load_pairs, write_pairs_jsonl
+from engine.model.adapters import ADAPTER_FILE, CONFIG_FILE
+from engine.settings.config import TrainConfig
+from engine.train.trainer import train
 
 pytestmark = [pytest.mark.integration, pytest.mark.long]  # conftest.py: scheduled first
 
@@ -52,11 +52,11 @@ def test_two_identical_runs_give_identical_adapters(tiny_model, tiny_data, tmp_p
 
 def test_accumulation_4x1_equals_1x4(tiny_model, tiny_data) -> None:
     """Four micro-batches of one pair give the one-batch-of-four loss and gradients."""
-    from engine.arch import make_stack
-    from engine.batch import make_batch
+    from engine.backward.step import step_grads
+    from engine.data.batch import make_batch
     from engine.losses import spec_of
-    from engine.model import LoraSpec, attach_lora, lora_modules
-    from engine.step import step_grads
+    from engine.model.arch import make_stack
+    from engine.model.load import LoraSpec, attach_lora, lora_modules
     from tests.parity import assert_same
 
     model, _ = mlx_lm.load(str(tiny_model))
@@ -91,8 +91,8 @@ def test_resume_reproduces_uninterrupted_run(tiny_model, tiny_data, tmp_path) ->
 
 
 def test_adapter_loads_in_mlx_lm_with_matching_logits(tiny_model, tiny_data, tmp_path) -> None:
-    from engine.adapters import load_adapter_weights
-    from engine.model import LoraSpec, attach_lora
+    from engine.model.adapters import load_adapter_weights
+    from engine.model.load import LoraSpec, attach_lora
 
     out = tmp_path / "run"
     train(cfg(tiny_model, tiny_data, out, segment_size=1, head_chunk=16))
@@ -154,8 +154,8 @@ def test_verify_passes_for_segmented_path(tiny_model, tiny_data, tmp_path,
                                           monkeypatch) -> None:
     """``--verify`` compares the configured path with the plain one, and stops a run whose
     segmented gradients are off (here: doubled by a broken backward)."""
-    import engine.load_check as load_check
-    from engine.load_check import VerifyFailed
+    import engine.check.load_check as load_check
+    from engine.check.load_check import VerifyFailed
 
     run = cfg(tiny_model, tiny_data, tmp_path / "v", steps=1, verify=True, segment_size=3,
               head_chunk=8)
@@ -174,7 +174,7 @@ def test_verify_passes_for_segmented_path(tiny_model, tiny_data, tmp_path,
 
 
 def test_empty_responses_are_counted_not_trained(tiny_model, tmp_path) -> None:
-    # 1 bad row of 31: under the 5% a load allows (engine/data.py: MAX_BAD_FRACTION)
+    # 1 bad row of 31: under the 5% a load allows (engine/data/pairs.py: MAX_BAD_FRACTION)
     pairs = [Pair(f"p{i}", [1, 20, 30], [40, 4], [41, 4]) for i in range(30)]
     pairs += [Pair("empty", [1, 20], [], [41, 4])]
     data = write_pairs_jsonl(pairs, tmp_path / "d.jsonl", split="train")
@@ -243,7 +243,7 @@ def test_python_m_engine_train_and_score(tiny_model, tiny_data, tmp_path) -> Non
 
 @pytest.mark.unit
 def test_a_missing_model_directory_is_named(tmp_path, monkeypatch) -> None:
-    from engine.model import load_model
+    from engine.model.load import load_model
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     for name in (str(tmp_path / "nope"), "./nope", "~/no-such-pomona-model"):
@@ -278,8 +278,8 @@ def test_memory_limit_is_applied_then_restored_and_changes_no_number(tiny_model,
     must not inherit it) and, being a wait, not a change of maths, gives the same adapter
     and losses. Catches a limit set in the wrong unit (GB vs GiB), left behind, or dropped.
     Called as a library in a process started without MLX's queue cap, it says so."""
-    from engine import trainer
-    from engine.command_queue import QUEUE_MB, bounded_mb
+    from engine.host.command_queue import QUEUE_MB, bounded_mb
+    from engine.train import trainer
 
     monkeypatch.delenv(QUEUE_MB, raising=False)
 

@@ -11,9 +11,9 @@ import mlx.core as mx
 import mlx.optimizers as optim
 import pytest
 
-from engine import trainer
-from engine.config import TrainConfig
-from engine.segmented import grads_to_tree
+from engine.backward.segmented import grads_to_tree
+from engine.settings.config import TrainConfig
+from engine.train import trainer
 
 pytestmark = pytest.mark.integration
 TIMING = {"tokens_per_sec", "peak_memory_gb"}

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from engine.config import TrainConfig
-from tasks.sweep import cache_key
-from tasks.sweep_spec import parse_spec
-from tasks.trial_plan import AUTO, TrialPlan
+from engine.settings.config import TrainConfig
+from tasks.sweep.run import cache_key
+from tasks.sweep.sweep_spec import parse_spec
+from tasks.sweep.trial_plan import AUTO, TrialPlan
 
 
 @pytest.mark.unit
@@ -51,8 +51,8 @@ def test_train_config_is_built_once_per_trial_from_spec_to_actor(
     reaches the actor still auto."""
     import ray
 
-    from tasks.placement import Placement
-    from tasks.sweep import SweepRun
+    from tasks.nodes.placement import Placement
+    from tasks.sweep.run import SweepRun
 
     built = {"driver": 0, "probe": 0, "actor": 0}
     where = ["driver"]
@@ -110,8 +110,8 @@ def test_a_point_no_config_takes_is_one_failed_row_and_the_others_run(
     point becomes a failed row naming why, with its params, and the three others are
     planned, as when the bad one failed in its actor. Would catch: the whole sweep refused
     for one point, or the point dropped from the table."""
-    from tasks.placement import Placement
-    from tasks.sweep import SweepRun
+    from tasks.nodes.placement import Placement
+    from tasks.sweep.run import SweepRun
 
     spec = parse_spec({"name": "x", "model": str(tiny_model), "data": str(tiny_data),
                        "fixed": {"steps": 1},
@@ -133,8 +133,8 @@ def test_optuna_choices_keep_their_values_and_a_bad_point_is_one_row(monkeypatch
     training the key "None"), or the results table holding the same trial N times."""
     import ray
 
-    from tasks.optuna_search import OptunaSource, distribution
-    from tasks.sweep_spec import Dist, PlanError
+    from tasks.sweep.optuna_search import OptunaSource, distribution
+    from tasks.sweep.sweep_spec import Dist, PlanError
 
     dist = distribution(Dist("choice", (None, AUTO, 3, "x")))
     assert list(dist.choices) == [None, "auto", 3, "x"]

@@ -8,8 +8,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.placement import Placement
-from tasks.scheduler import run_trials
+from tasks.nodes.placement import Placement
+from tasks.sweep.scheduler import run_trials
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 
@@ -62,8 +62,8 @@ def test_sweep_reruns_exactly_what_changed(ray_cluster, tiny_model, tiny_data,
                                            tmp_path) -> None:
     import shutil
 
-    from tasks.sweep import run_sweep
-    from tasks.sweep_spec import parse_spec
+    from tasks.sweep.run import run_sweep
+    from tasks.sweep.sweep_spec import parse_spec
 
     data = shutil.copy(tiny_data, tmp_path / "data.jsonl")
     raw = {"name": "s", "model": str(tiny_model), "data": str(data), "max_concurrent": 2,
@@ -91,10 +91,10 @@ def test_a_malformed_summary_costs_its_trial_not_the_results(ray_cluster, tiny_m
     """A node that answers a summary this driver cannot rank (an older Pomona's: a dict
     where the trial id goes crashed the driver and results.parquet was never written):
     that trial fails naming why, the other completes, and the table is written."""
-    import tasks.attempts
-    from tasks.sweep import run_sweep
-    from tasks.sweep_spec import parse_spec
-    from tasks.trial import TrialActor
+    import tasks.sweep.attempts
+    from tasks.sweep.run import run_sweep
+    from tasks.sweep.sweep_spec import parse_spec
+    from tasks.sweep.trial import TrialActor
 
     class OlderNode(TrialActor):  # defined here: Ray ships it by value to the worker
         def run(self, plan, *args, **kwargs):
@@ -103,7 +103,7 @@ def test_a_malformed_summary_costs_its_trial_not_the_results(ray_cluster, tiny_m
                 return {**summary, "trial_id": {"id": plan["id"]}}
             return summary
 
-    monkeypatch.setattr(tasks.attempts, "TrialActor", OlderNode)
+    monkeypatch.setattr(tasks.sweep.attempts, "TrialActor", OlderNode)
     raw = {"name": "m", "model": str(tiny_model), "data": str(tiny_data), "max_concurrent": 2,
            "fixed": {"steps": 2, "batch_size": 2, "lora_rank": 4, "val_every": 0},
            "grid": {"seed": [0, 1]}}
@@ -118,8 +118,8 @@ def test_a_malformed_summary_costs_its_trial_not_the_results(ray_cluster, tiny_m
 
 def test_sweep_refuses_a_cluster_without_the_gpus_it_needs() -> None:
     """check_cluster alone, on resource tables (no Ray, model or data)."""
-    from tasks.placement import Placement
-    from tasks.sweep import check_cluster
+    from tasks.nodes.placement import Placement
+    from tasks.sweep.run import check_cluster
 
     with pytest.raises(RuntimeError, match="no GPUs"):
         check_cluster(Placement(gpus=1), {"CPU": 8.0})

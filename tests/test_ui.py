@@ -89,7 +89,7 @@ BOARD += [{"trial_id": "base", "status": "baseline", "rank": None, "eval/test/ro
            "gen/test/add-small/low": 0.0, "gen/test/add-small/high": 0.0152}]
 COMPACT_HEAD = ["#", "trial", "learning_rate", "lora_rank", "orpo_lambda", "val acc",
                 "test acc", "test add-small"]
-# The answers table artifact (tasks/leaderboard.py: answer_samples), as the pipeline posts it.
+# The answers table artifact (tasks/board/leaderboard.py: answer_samples), as the pipeline posts it.
 ANSWERS = [{"prompt": f"What is the sum? {a} + {b}", "chosen": str(a + b),
             "base answer": f"The answer is {a + b}.", "base add-small": 0.0,
             "best answer": str(a + b), "best add-small": 1.0}
@@ -98,9 +98,9 @@ ANSWERS = [{"prompt": f"What is the sum? {a} + {b}", "chosen": str(a + b),
 
 def board_artifacts(tmp: Path) -> list[dict[str, str]]:
     """The pipeline's two leaderboard artifacts for three trials and the base, a plot inline
-    in the first (tasks/pipeline_tasks.py: aggregate_task)."""
-    from tasks.pipeline_tasks import board_artifacts
-    from tasks.plots import inline_png, metric_vs_params_png
+    in the first (tasks/prefect/pipeline_tasks.py: aggregate_task)."""
+    from tasks.board.plots import inline_png, metric_vs_params_png
+    from tasks.prefect.pipeline_tasks import board_artifacts
 
     plot = metric_vs_params_png(BOARD[:3], "val/loss", ["param/learning_rate"],
                                 tmp / "params.png")

@@ -11,7 +11,7 @@ knows which losses exist but the registry (engine/losses/__init__.py).
 
 Conventions (DESIGN.md, = TRL's trainers): ℓw, ℓr are per-token MEAN response log-probs
 (ORPO Eq. 4's length-normalised likelihood); ``*_sum`` the summed ones (DPO's, CPO's);
-reference log-probs are summed (engine/reference.py).
+reference log-probs are summed (engine/train/reference.py).
 """
 
 from __future__ import annotations
@@ -124,13 +124,13 @@ class LossSettings:
 
     kind: ClassVar[str] = ""
     summary: ClassVar[str] = ""  # one line for --loss's help
-    needs_reference: ClassVar[bool] = False  # reads reference log-probs (engine/reference.py)
+    needs_reference: ClassVar[bool] = False  # reads reference log-probs (engine/train/reference.py)
     # Reads a KL reference point: each pair's mismatched partner (its prompt, the previous
-    # pair's responses: engine/reference.kl_partners) under the policy and the reference.
+    # pair's responses: engine/train/reference.kl_partners) under the policy and the reference.
     needs_kl: ClassVar[bool] = False
     extras: ClassVar[tuple[str, ...]] = ()  # the names of PairTerms.extra it reports
     # Its rewards order pairs as mean log-probs do and its logps/* are means (ORPO's λ·ℓ,
-    # SimPO's β·ℓ): trials of such losses rank on one scale (tasks/spec_rules.py).
+    # SimPO's β·ℓ): trials of such losses rank on one scale (tasks/sweep/spec_rules.py).
     mean_rewards: ClassVar[bool] = True
 
     def __post_init__(self) -> None:

@@ -22,7 +22,7 @@ LOSS_TYPES = ("sigmoid", "ipo")
 class Dpo(LossSettings):
     kind = "dpo"
     summary = ("dpo (against reference log-probs computed once and cached: "
-               "engine/reference.py)")
+               "engine/train/reference.py)")
     needs_reference = True
     mean_rewards = False  # β·(S − R): relative to its reference, on summed log-probs
 
@@ -47,7 +47,7 @@ class Dpo(LossSettings):
 
     def terms(self, lp: PairLogps) -> PairTerms:
         if lp.ref_chosen is None or lp.ref_rejected is None:
-            raise ValueError("loss dpo needs reference log-probs (engine/reference.py): none "
+            raise ValueError("loss dpo needs reference log-probs (engine/train/reference.py): none "
                              "were attached to this batch")
         if self.dpo_loss_type == "ipo":
             pc, pr = lp.chosen, lp.rejected

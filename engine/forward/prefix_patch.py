@@ -1,0 +1,123 @@
+"""Patching mlx-lm's model for the prefix-shared layouts (engine/forward/prefix.py): no model code
+is forked.
+
+- Rope: every attention's ``rope`` is wrapped once (``PrefixRope``). Outside a shared
+  forward it is the model's own. Inside, rejected tokens take positions P … P+Rr−1 as if
+  they followed the prompt: the mask layout runs each rope at offset 0 and at offset
+  −Rc per row (MLX's rope takes per-row offsets) and a select keeps the right one per
+  token; the split layout ropes its two branches apart (the second continues from the
+  shared prefix).
+- Attention: mlx-lm's ``scaled_dot_product_attention`` is routed (engine/model/attention.py) so
+  a layer given a ``SplitAttention`` or ``Window`` mask runs the engine's attention.
+- Masks: ``layout_masks`` yields a layout's masks per sliding window, with each token's
+  logical position (what a windowed layer or a position-dependent query scale reads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from engine.data.batch import PairBatch
+from engine.forward.prefix import PrefixBatch
+from engine.model.attention import SplitAttention, install_routing, partition
+from engine.model.masks import BlockMasks, CausalMasks, Masks
+
+
+class _RopeState:
+    shift: mx.array | None = None  # [B] offsets for rejected tokens
+    select: mx.array | None = None  # [B, 1, L, 1] True where the token is rejected
+    split: SplitAttention | None = None  # split layout: the rejected branch is a suffix
+
+
+class PrefixRope(nn.Module):
+    """Wraps an attention's rope: unchanged unless a shared forward is running."""
+
+    def __init__(self, rope: nn.Module, state: _RopeState):
+        super().__init__()
+        self.inner = rope
+        self._state = state
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        st = self._state
+        if st.shift is None:
+            return self.inner(x, offset=offset)
+        if st.split is not None:  # the suffix from `first` continues from `shared`
+            a = st.split.first
+            if a == x.shape[2]:
+                return self.inner(x, offset=0)
+            lo, hi = partition((a,))(x)
+            return mx.concatenate([self.inner(lo, offset=0),
+                                   self.inner(hi, offset=st.split.shared)], axis=2)
+        # x: [B, H, L, D]; rejected tokens at concat index j take position j + shift.
+        return mx.where(st.select, self.inner(x, offset=st.shift), self.inner(x, offset=0))
+
+
+def install_prefix_rope(model: nn.Module) -> _RopeState:
+    """Wrap every attention's rope once; returns the state the shared forward sets."""
+    existing = getattr(model, "_pomona_rope_state", None)
+    if existing is not None:
+        return existing
+    state = _RopeState()
+    wrapped = 0
+    for _, m in model.named_modules():
+        rope = getattr(m, "rope", None)
+        if isinstance(rope, nn.Module) and not isinstance(rope, PrefixRope):
+            m.rope = PrefixRope(rope, state)
+            wrapped += 1
+    if not wrapped:
+        raise ValueError(f"{type(model).__module__}: no attention `rope` module to wrap; "
+                         "prefix sharing is not supported for this architecture")
+    install_routing(model)
+    model._pomona_rope_state = state
+    return state
+
+
+class SplitMasks:
+    """The split layout's masks: its SplitAttention, carrying a sliding layer's window."""
+
+    def __init__(self, split: SplitAttention, positions: np.ndarray):
+        self.split = split
+        self.positions = mx.array(positions)
+
+    def __call__(self, window: int | None) -> SplitAttention:
+        return self.split if window is None else dataclasses.replace(self.split, window=window)
+
+
+def logical_positions(batch: PrefixBatch) -> np.ndarray:
+    """[B, L] int32: each concatenation token's position as the two forwards see it."""
+    b, length = batch.inputs.shape
+    pos = np.broadcast_to(np.arange(length, dtype=np.int32), (b, length))
+    return (pos + batch.rejected * batch.shift[:, None]).astype(np.int32)
+
+
+@contextmanager
+def shared_positions(state: _RopeState, batch: PrefixBatch) -> Iterator[Masks]:
+    """Inside: ropes give rejected tokens prompt-relative positions; yields the layout's
+    masks (SplitMasks, or the block-sparse BlockMasks), per sliding window."""
+    state.shift = mx.array(batch.shift)
+    state.split = batch.split
+    if batch.split is None:  # the split layout's ropes slice instead of selecting
+        state.select = mx.array(batch.rejected)[:, None, :, None]
+    positions = logical_positions(batch)
+    try:
+        yield (SplitMasks(batch.split, positions) if batch.split is not None
+               else BlockMasks(batch.mask, positions))
+    finally:
+        state.shift = state.select = state.split = None
+
+
+@contextmanager
+def layout_masks(model: nn.Module, batch: PairBatch | PrefixBatch) -> Iterator[Masks]:
+    """The masks (per sliding window) and positions of ``batch``'s layout; for a shared
+    layout, the ropes give rejected tokens prompt-relative positions inside."""
+    if isinstance(batch, PrefixBatch):
+        with shared_positions(install_prefix_rope(model), batch) as masks:
+            yield masks
+    else:
+        yield CausalMasks()

@@ -1,0 +1,195 @@
+"""Scored generations: what an adapter answers on held-out prompts, and how often it is right.
+
+For each held-out split, the first ``valid_prompts`` / ``test_prompts`` prompts (the
+same rows for the base model, every trial and the soup, so they compare pair by pair)
+are completed greedily in batches (engine/forward/generation.py), every completion is scored by
+every scorer (tasks/eval/scorers.py), and the split gets, per scorer label:
+
+- ``gen/<split>/<label>``: the mean score, with ``…/n``, ``…/low`` and ``…/high`` (its
+  95 % interval: tasks/eval/intervals.py);
+- ``paired/<split>/gen/<label>``: the per-row scores by row id, for the board's paired
+  test against the base (tasks/eval/paired.py; not a board column);
+
+and ``gen/<split>/tokens_per_sec``, ``gen/<split>/tokens``. The completions, with their
+scores and the chosen response, are the rows of the adapter's ``generations.jsonl``. A
+budget of 0 prompts turns it off (no columns, nothing divided by zero).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from tasks.eval.intervals import estimate
+from tasks.eval.scorers import parse_scorers, score
+
+DEFAULTS = {"scorers": ("exact",), "valid_prompts": 64, "test_prompts": 64,
+            "max_tokens": 32, "batch_size": 32}
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """How much each evaluation generates and how it is scored (``evaluation:`` in a
+    spec). The defaults keep it a small share of a sweep: 64 prompts a split, 32 tokens."""
+
+    scorers: tuple[str, ...] = DEFAULTS["scorers"]
+    valid_prompts: int = DEFAULTS["valid_prompts"]
+    test_prompts: int = DEFAULTS["test_prompts"]
+    max_tokens: int = DEFAULTS["max_tokens"]
+    batch_size: int = DEFAULTS["batch_size"]
+
+    def __post_init__(self) -> None:
+        parse_scorers(list(self.scorers))  # importable, labels distinct
+        for name in ("valid_prompts", "test_prompts", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"evaluation.{name}={value!r}: expected an integer >= 0")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or (
+                self.batch_size < 1):
+            raise ValueError(f"evaluation.batch_size={self.batch_size!r}: expected an "
+                             "integer >= 1")
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return tuple(s.label for s in parse_scorers(list(self.scorers)))
+
+    def prompts(self, split: str) -> int:
+        """The budget of ``split``: 0 when generation is off (no tokens either)."""
+        return 0 if self.max_tokens == 0 else getattr(self, f"{split}_prompts")
+
+    @property
+    def on(self) -> bool:
+        return self.max_tokens > 0 and (self.valid_prompts > 0 or self.test_prompts > 0)
+
+    def with_prompts(self, prompts: int | None) -> GenerationSettings:
+        """Both splits' budgets set to ``prompts`` (None: unchanged)."""
+        return self if prompts is None else replace(self, valid_prompts=prompts,
+                                                    test_prompts=prompts)
+
+
+def as_settings(generation: GenerationSettings | int | None) -> GenerationSettings:
+    """A generation budget as settings: an int is that many prompts a split under the
+    default scorer (None: none)."""
+    if isinstance(generation, GenerationSettings):
+        return generation
+    return GenerationSettings().with_prompts(int(generation or 0))
+
+
+def parse_generation(raw: Any) -> GenerationSettings:
+    """A spec's ``evaluation:`` mapping (``prompts`` sets both splits' budgets)."""
+    if raw is None:
+        return GenerationSettings()
+    if not isinstance(raw, dict):
+        raise ValueError(f"evaluation: expected a mapping, got {raw!r}")
+    known = {f.name for f in fields(GenerationSettings)} | {"prompts"}
+    if unknown := sorted(set(raw) - known):
+        raise ValueError(f"evaluation: unknown key(s) {', '.join(unknown)}; expected "
+                         f"{sorted(known)}")
+    values = dict(raw)
+    if "prompts" in values:
+        both = values.pop("prompts")
+        values = {"valid_prompts": both, "test_prompts": both, **values}
+    if "scorers" in values:
+        scorers = values["scorers"]
+        values["scorers"] = tuple([scorers] if isinstance(scorers, str) else scorers or ())
+    try:
+        return GenerationSettings(**values)
+    except TypeError as err:
+        raise ValueError(f"evaluation: {err}") from None
+
+
+def check_rank_by(rank_by: Any, settings: GenerationSettings) -> str:
+    """A spec's ``rank_by``: "" (the sweep's metric), a validation metric (``val/…``), or
+    ``gen/valid/<label>`` of a scorer the evaluation runs with a validation budget."""
+    if rank_by in ("", None):
+        return ""
+    if not isinstance(rank_by, str) or not rank_by.startswith(("val/", "gen/valid/")):
+        raise ValueError(f"rank_by={rank_by!r}: expected a validation metric (val/loss, "
+                         "val/rewards/accuracies) or a generation score on the valid split "
+                         "(gen/valid/exact)")
+    label = rank_by.removeprefix("gen/valid/")
+    if rank_by.startswith("gen/") and label not in settings.labels:
+        raise ValueError(f"rank_by={rank_by}: no scorer labelled {label!r} in "
+                         f"evaluation.scorers (labels: {', '.join(settings.labels)})")
+    if rank_by.startswith("gen/") and settings.prompts("valid") == 0:
+        raise ValueError(f"rank_by={rank_by}: evaluation generates no valid prompts "
+                         "(valid_prompts or max_tokens is 0)")
+    return rank_by
+
+
+def decoded_row(tokenizer, pair, split: str) -> dict[str, Any]:
+    """A held-out pair as text: its id, split, prompt, chosen and rejected response
+    (special tokens such as the chat template's end-of-turn left out)."""
+    def text(ids) -> str:
+        return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    return {"id": pair.id, "split": split, "prompt": text(pair.prompt),
+            "chosen": text(pair.chosen), "rejected": text(pair.rejected)}
+
+
+def generation_metrics(model, tokenizer, pairs_by_split: dict[str, list],
+                       settings: GenerationSettings) -> tuple[dict[str, Any], list[dict]]:
+    """The ``gen/*`` and ``paired/*/gen/*`` metrics of ``model`` on each split's first
+    prompts, and the scored completions (generations.jsonl's rows)."""
+    from engine.forward.generation import greedy_batch
+
+    scorers = parse_scorers(list(settings.scorers))
+    metrics: dict[str, Any] = {}
+    rows: list[dict] = []
+    for split, pairs in pairs_by_split.items():
+        chosen = pairs[: settings.prompts(split)]
+        if not chosen:
+            continue
+        done = greedy_batch(model, tokenizer, [p.prompt for p in chosen],
+                            settings.max_tokens, settings.batch_size)
+        scored = []
+        for pair, completion in zip(chosen, done.texts, strict=True):
+            row = decoded_row(tokenizer, pair, split)
+            values = {s.label: score(s, row["prompt"], completion, row) for s in scorers}
+            scored.append({**row, "generated": completion, "scores": values})
+        rows += scored
+        metrics.update(split_columns(split, scored, scorers))
+        metrics[f"gen/{split}/tokens"] = done.generated
+        metrics[f"gen/{split}/tokens_per_sec"] = done.tokens_per_sec
+    return metrics, rows
+
+
+def split_columns(split: str, scored: list[dict], scorers) -> dict[str, Any]:
+    """Mean, n and 95 % interval of each scorer on one split, and its per-row scores."""
+    out: dict[str, Any] = {}
+    for s in scorers:
+        values = [r["scores"][s.label] for r in scored]
+        est = estimate(values)
+        name = f"gen/{split}/{s.label}"
+        out.update({name: est.mean, f"{name}/n": est.n, f"{name}/low": est.low,
+                    f"{name}/high": est.high,
+                    f"paired/{split}/gen/{s.label}": {r["id"]: r["scores"][s.label]
+                                                      for r in scored}})
+    return out
+
+
+def check_scorers(settings: GenerationSettings, rows: list[dict[str, Any]]) -> None:
+    """Each scorer tried on ``rows`` (decoded held-out rows) with the chosen response as
+    the completion, before a sweep starts: a scorer that raises, or returns NaN or a
+    non-number, is a ScorerError naming it and the row now, not after hours of trials."""
+    for s in parse_scorers(list(settings.scorers)):
+        for row in rows:
+            score(s, row["prompt"], row["chosen"], row)
+
+
+def check_scorers_on_data(settings: GenerationSettings, model: str, data: str,
+                          rows: int = 32) -> None:
+    """``check_scorers`` on the first held-out rows of ``data`` (tokenized for ``model``),
+    decoded with the model's tokenizer: on the driver, before any trial starts."""
+    if not settings.on:
+        return
+    from mlx_lm.utils import load_tokenizer
+
+    from engine.data.pairs import load_pairs
+    from engine.model.source import model_dir
+
+    pairs = load_pairs(data)
+    tokenizer = load_tokenizer(model_dir(model))
+    held_out = [decoded_row(tokenizer, p, split) for split in ("valid", "test")
+                for p in pairs.split(split)[: min(rows, settings.prompts(split))]]
+    check_scorers(settings, held_out)

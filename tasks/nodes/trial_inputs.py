@@ -1,0 +1,159 @@
+"""A trial's files across nodes: its inputs by content, its results back to the driver.
+
+The driver (``SweepFiles``) lists every local input a trial reads — the model (a folder or
+a GGUF file; a Hub id is each node's own download), the data, a warm start, a DPO reference
+adapter, a reference log-prob file — as ``Bundle``s when the trial is planned, and serves
+them from its node (tasks/nodes/node_files.py). The trial's process (``localised``) trains on
+exactly those bytes: its config's paths point at this node's copies, and it trains in a
+node-local scratch folder (``scratch_dir``). Its outputs come back as a ``Bundle`` the
+driver pulls into ``<sweep>/<trial>/`` (``pull_outputs``): only the driver writes the sweep
+folder, so a process orphaned by a lost node can neither block a retry nor overwrite a
+result. ``MetricsBox`` carries the trial's metric lines to the driver while it trains, so
+its log follows it in the Prefect UI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import socket
+import uuid
+from pathlib import Path
+from typing import Any
+
+from engine.host.scratch import process_alive
+from engine.settings.config import TrainConfig
+from engine.settings.reference_kind import adapter_path
+from tasks.nodes.node_files import Bundle, cache_root, fetch, file_server, server_reader
+
+FIELDS = ("model", "data", "warm_start", "reference", "reference_logps")  # paths a trial reads
+SKIP_OUTPUTS = ("checkpoints",)  # resume state stays on the node; a retry starts afresh
+
+
+def input_paths(config: TrainConfig) -> dict[str, str]:
+    """The local paths ``config`` reads, by field (a Hub id or the base reference is none)."""
+    return {f: p for f, p in named_paths(config).items() if p and Path(p).exists()}
+
+
+def named_paths(config: TrainConfig) -> dict[str, str | None]:
+    """Each input field's path as ``config`` names it (None: not set, or the base)."""
+    return {**{f: getattr(config, f) for f in FIELDS},
+            "reference": adapter_path(config.reference)}
+
+
+class SweepFiles:
+    """The driver's side: each input listed once (its bytes as planned) and served."""
+
+    def __init__(self) -> None:
+        self.bundles: dict[str, Bundle] = {}  # path -> its bundle, as first listed
+        self.server: Any = None
+
+    def for_config(self, config: TrainConfig) -> dict[str, Any]:
+        """What a trial's process needs to fetch ``config``'s inputs (plain values and the
+        server's handle, for Ray)."""
+        return self.for_paths(input_paths(config))
+
+    def for_paths(self, paths: dict[str, str]) -> dict[str, Any]:
+        """What a process on another node needs to fetch ``paths`` (by name)."""
+        listed = {}
+        for field, path in paths.items():
+            if path not in self.bundles:
+                self.bundles[path] = Bundle.of(path)
+                self.server = None  # a new bundle: a server that serves it too
+            listed[field] = self.bundles[path].to_dict()
+        if listed and self.server is None:
+            self.server = file_server(list(self.bundles.values()))
+        return {"bundles": listed, "server": self.server}
+
+
+def localised(config: TrainConfig, inputs: dict[str, Any] | None, trial_id: str
+              ) -> tuple[TrainConfig, dict[str, str]]:
+    """``config`` with its inputs on this node (fetched by content where this node lacks
+    their bytes) and its ``out`` a fresh scratch folder; and the map back from each local
+    path to the driver's. InputChanged / OSError name the file that could not be had."""
+    local = fetched(inputs)
+    named = named_paths(config)
+    back = {path: named[field] for field, path in local.items()}
+    changes = {"out": str(scratch_dir(trial_id)), **local}
+    return dataclasses.replace(config, **changes), back
+
+
+def fetched(inputs: dict[str, Any] | None) -> dict[str, str]:
+    """This node's path of each of ``inputs`` (``SweepFiles.for_paths``), by name."""
+    return {name: fetch(Bundle.from_dict(data), server_reader(inputs["server"],
+                                                              data["digest"]))
+            for name, data in ((inputs or {}).get("bundles") or {}).items()}
+
+
+def scratch_dir(trial_id: str) -> Path:
+    """A new folder for one attempt of a trial on this node (never shared by two): under
+    the host's name, so that nodes sharing a home folder never judge each other's pids."""
+    return (cache_root() / "scratch" / socket.gethostname()
+            / f"{trial_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def remove_stale_scratch() -> list[Path]:
+    """This host's scratch folders whose attempt's process is gone (its node was cut off
+    or killed mid-trial, or the driver was lost before it pulled them): removed, as
+    Pomona's own; the folders removed."""
+    mine, gone = cache_root() / "scratch" / socket.gethostname(), []
+    for folder in sorted(mine.iterdir()) if mine.is_dir() else []:
+        pid = folder.name.rsplit("-", 2)[-2] if folder.name.count("-") >= 2 else ""
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            gone.append(folder)
+    return gone
+
+
+def outputs_bundle(out: str, back: dict[str, str]) -> Bundle:
+    """The attempt's outputs, with the adapter config's paths put back to the driver's (a
+    one-node run records those), listed for the driver to pull."""
+    config = Path(out) / "adapter_config.json"
+    if config.exists() and back:
+        data = json.loads(config.read_text())
+        for key, value in data.items():
+            if isinstance(value, str) and value in back:
+                data[key] = back[value]
+        config.write_text(json.dumps(data, indent=2) + "\n")
+    return Bundle.of(out, skip=SKIP_OUTPUTS)
+
+
+def remove_scratch(out: str) -> None:
+    """The attempt's scratch folder, once the driver has its files (Pomona's own)."""
+    path = Path(out)
+    if path.is_relative_to(cache_root() / "scratch"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class MetricsBox:
+    """A Ray actor on the driver's node: metric lines trials send while they train."""
+
+    def __init__(self) -> None:
+        self.lines: dict[str, list[str]] = {}
+
+    def add(self, trial_id: str, line: str) -> None:
+        self.lines.setdefault(trial_id, []).append(line)
+
+    def take(self, trial_id: str) -> list[str]:
+        return self.lines.pop(trial_id, [])
+
+
+class SendMetrics:
+    """Engine callback: each metrics record as a JSON line to the driver's ``MetricsBox``."""
+
+    def __init__(self, box: Any, trial_id: str):
+        self.box, self.trial_id = box, trial_id
+
+    def on_metrics(self, record: dict[str, Any]) -> None:
+        self.box.add.remote(self.trial_id, json.dumps(record, default=str))
+
+
+def metrics_box() -> Any:
+    """A ``MetricsBox`` pinned to this (the driver's) node."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(num_cpus=0)(MetricsBox).options(scheduling_strategy=here).remote()

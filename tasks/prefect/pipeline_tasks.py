@@ -1,0 +1,230 @@
+"""The pipeline's Prefect tasks: each stage of flows/pipeline.py as a task run, a thin
+typed wrapper over a plain function of this package (tokenize, preprocess, evaluate in a
+Ray task, soup, aggregate, fuse), so the Prefect UI shows every stage, and the flows hold
+only the order of stages. Tests call each one's ``.fn``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.states import Failed, State
+
+from engine.host.atomic import atomic_write_text
+from engine.host.digests import file_digest
+from engine.losses import LossSpec
+from engine.model.adapters import ADAPTER_FILE, CONFIG_FILE, trained_reference
+from engine.model.content_key import adapter_fingerprint, model_fingerprint
+from engine.settings.reference_kind import adapter_path
+from tasks.board.leaderboard import (
+    answer_samples,
+    compact_markdown,
+    export_best,
+    markdown,
+    rank_trials,
+    swept_params,
+    write_leaderboard,
+)
+from tasks.board.plots import curves_png, inline_png, metric_vs_params_png
+from tasks.board.soup import make_soup
+from tasks.data.preprocess import preprocess_dataset
+from tasks.data.tokenize import tokenize_dataset
+from tasks.data.tokenize_options import TokenizeOptions
+from tasks.eval.evaluate import evaluate_on_node
+from tasks.eval.generation_eval import GenerationSettings, as_settings
+from tasks.nodes.placement import Placement
+from tasks.nodes.trial_inputs import SweepFiles
+from tasks.sweep.run import CODE_VERSION, data_fingerprint
+
+
+def artifact_key(*parts: str) -> str:
+    """A Prefect artifact key: lowercase letters, digits and dashes only."""
+    return re.sub(r"[^a-z0-9]+", "-", "-".join(parts).lower()).strip("-")
+
+
+@task(cache_policy=NO_CACHE, persist_result=False)
+def tokenize_task(raw: str, model: str, out: str, options: TokenizeOptions | None = None
+                  ) -> dict[str, Any] | State:
+    """Raw preference files → an Arrow dataset directory (cached on its fingerprint), with
+    ``options`` (None: the defaults; the demo holds out more rows for test).
+
+    A data mistake (no rows, too many bad ones, an unreadable file, a refused --out) ends
+    the run Failed with its one-line message: the user's error, not a traceback."""
+    try:
+        report = tokenize_dataset(raw, model, out, options)
+    except (ValueError, OSError) as err:
+        return Failed(message=str(err))
+    get_run_logger().info("tokenized %s rows (%s tokens)%s; rejects: %s", report.rows,
+                          report.tokens, " [cache hit]" if report.cache_hit else "",
+                          report.rejects)
+    return {"path": out, "rows": report.rows, "tokens": report.tokens,
+            "cache_hit": report.cache_hit}
+
+
+@task(cache_policy=NO_CACHE, persist_result=False)
+def preprocess_task(path: str) -> dict[str, Any]:
+    """Find each pair's shared prompt prefix (split_prefix_batch's input)."""
+    report = preprocess_dataset(path)
+    get_run_logger().info("prefix sharing saves %.0f%% of tokens", 100 * report.saved_fraction)
+    return {"saved_fraction": report.saved_fraction}
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """How an evaluation runs: batch size, LM-head chunk (0 = dense), prefix sharing."""
+
+    batch_size: int = 8
+    head_chunk: int = 0
+    prefix_share: str = "auto"
+    allow_tokenizer_mismatch: bool = False  # as the trials were allowed (engine/data/data_fit.py)
+
+
+def eval_settings(rows: list[dict[str, Any]]) -> EvalSettings:
+    """Settings that work where ``rows``' trials trained: their smallest batch; if any
+    bounded its head, the smallest chunk (dense [2B, T, vocab] logits at batch 8 would
+    outgrow a 16 GB Mac mini that trained a large-vocabulary model with head_chunk); and
+    prefix sharing off if any trial turned it off (an architecture it cannot wrap); a
+    tokenizer mismatch allowed if any trial was allowed one."""
+    if not rows:
+        return EvalSettings()
+    chunks = [int(r.get("param/head_chunk") or 0) for r in rows]
+    shares = {r.get("param/prefix_share") or "auto" for r in rows}
+    return EvalSettings(batch_size=min(int(r.get("param/batch_size") or 8) for r in rows),
+                        head_chunk=min((c for c in chunks if c > 0), default=0),
+                        prefix_share="off" if "off" in shares else
+                        "on" if shares == {"on"} else "auto",
+                        allow_tokenizer_mismatch=any(r.get("param/allow_tokenizer_mismatch")
+                                                     for r in rows))
+
+
+def _settings(generations: GenerationSettings | int | None) -> Any:
+    """The generation budget as the cache key reads it."""
+    return dataclasses.asdict(as_settings(generations))
+
+
+def evaluation_key(context: Any, inputs: dict[str, Any]) -> str:
+    """An evaluation depends on the model's and the adapter's bytes, the data's
+    fingerprint, the code and its settings, never on paths alone (Prefect's INPUTS policy
+    would hash the paths; a model re-made in place keeps its path)."""
+    adapter, loss = inputs["adapter"], inputs["loss"]
+    weights = file_digest(Path(adapter) / ADAPTER_FILE) if adapter else "base"
+    trained = file_digest(Path(adapter) / CONFIG_FILE) if adapter else None  # its own loss
+    folder = adapter_path(trained_reference(adapter))  # its bytes, not the path it names
+    reference = "base" if folder is None else adapter_fingerprint(folder)
+    body = json.dumps([model_fingerprint(inputs["model"]), weights, trained, reference,
+                       data_fingerprint(inputs["data"]),
+                       loss.to_dict() if loss else None,
+                       _settings(inputs["generations"]), inputs["out"], CODE_VERSION])
+    return "evaluate-" + hashlib.sha256(body.encode()).hexdigest()[:24]
+
+
+@task(cache_key_fn=evaluation_key, persist_result=True, result_serializer="json", retries=2,
+      retry_delay_seconds=5, task_run_name="evaluate-{name}")
+def evaluate_task(name: str, model: str, adapter: str | None, data: str,
+                  loss: LossSpec | None, generations: GenerationSettings | int | None,
+                  out: str, placement: Placement,
+                  settings: EvalSettings | None = None) -> dict[str, Any]:
+    """Valid and test metrics of one adapter (or the base), in a Ray task on a GPU/slot,
+    under ``loss`` (None: the adapter's own), with scored generations as ``generations``
+    says (an int: that many prompts a split)."""
+    import ray
+
+    settings = settings or EvalSettings()
+    paths = {"model": model, "data": data, "adapter": adapter,
+             "reference": adapter_path(trained_reference(adapter))}
+    inputs = SweepFiles().for_paths({k: v for k, v in paths.items()
+                                     if v and Path(v).exists()})
+    remote = placement.fresh_task(evaluate_on_node)
+    metrics = ray.get(remote.remote(inputs, model, adapter, data, loss, generations,
+                                    batch_size=settings.batch_size,
+                                    head_chunk=settings.head_chunk,
+                                    prefix_share=settings.prefix_share,
+                                    allow_tokenizer_mismatch=settings.allow_tokenizer_mismatch))
+    if "generations_text" in metrics:  # the driver alone writes its outputs
+        path = Path(out) / "generations.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, metrics.pop("generations_text"))
+        metrics["generations"] = str(path)
+    logger = get_run_logger()
+    logger.info("%s: %s", name, {k: round(v, 4) if isinstance(v, float) else v
+                                 for k, v in metrics.items()
+                                 if not k.endswith("/missing") and not k.startswith("paired/")})
+    for split in ("valid", "test"):
+        if metrics.get(f"eval/{split}/missing"):
+            logger.warning("%s: %s", name, metrics[f"eval/{split}/missing"])
+    return metrics
+
+
+@task(cache_policy=NO_CACHE, persist_result=False)
+def soup_task(adapters: list[str], out: str) -> str:
+    """The top adapters averaged in ΔW and re-factored to rank r (tasks/board/soup.py)."""
+    path = make_soup([Path(a) for a in adapters], Path(out))
+    get_run_logger().info("soup of %s → %s", adapters, path)
+    return str(path)
+
+
+def board_artifacts(rows: list[dict[str, Any]], metric: str, title: str, figures: str,
+                    description: str) -> list[dict[str, str]]:
+    """The UI's leaderboard artifacts (key, markdown, description): first the board in the
+    CLI's few columns with the ``figures`` (every column overflowed a 1400 px browser after
+    the third metric), then every column in an artifact of its own."""
+    return [{"key": artifact_key(title, "leaderboard"), "description": description,
+             "markdown": compact_markdown(rows, metric, title) + "\n" + figures},
+            {"key": artifact_key(title, "leaderboard", "full"),
+             "description": f"{description}; every column",
+             "markdown": markdown(rows, metric, title)}]
+
+
+@task(cache_policy=NO_CACHE, persist_result=False)
+def aggregate_task(results: list[dict[str, Any]], evals: dict[str, dict[str, Any]],
+                   base: dict[str, Any], ranking: tuple[str, str], metric: str, out: str,
+                   title: str, soup: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Rank by ``ranking`` (rank_by, mode), write leaderboard.parquet/.md, export the best
+    adapter, publish the board (its compact columns and plots, then every column in a
+    second artifact) and a table of held-out answers, base beside best; the plots show
+    the training ``metric``."""
+    rank_by, mode = ranking
+    rows = rank_trials(results, evals, rank_by, mode, base, soup)
+    parquet, md = write_leaderboard(rows, Path(out), metric, title)
+    best = export_best(rows, Path(out))
+    plots = Path(out) / "plots"
+    trials = [r for r in rows if r["status"] not in ("baseline", "soup")]
+    curves = curves_png(trials, metric, plots / "curves.png")
+    by_param = metric_vs_params_png(trials, metric, swept_params(trials), plots / "params.png")
+    memory = Path(out) / "memory.png"  # a memory sweep's Pareto plot, when one ran here
+    figures = (inline_png(curves, "training and validation curves")
+               + inline_png(by_param, f"{metric} against each swept parameter")
+               + inline_png(memory if memory.exists() else None, "memory: peak vs throughput"))
+    for art in board_artifacts(rows, rank_by, title, figures, f"{md}; best adapter: {best}"):
+        create_markdown_artifact(art["markdown"], key=art["key"],
+                                 description=art["description"])
+    if samples := answer_samples(rows):
+        create_table_artifact(samples, key=artifact_key(title, "answers"),
+                              description="held-out prompts: the chosen response, the base "
+                              "model's and the best adapter's greedy answers, their scores")
+    return {"leaderboard": str(parquet), "markdown": str(md),
+            "best_adapter": str(best) if best else None,
+            "best_trial": next((r["trial_id"] for r in rows if r.get("rank") == 1), None)}
+
+
+@task(cache_policy=NO_CACHE, persist_result=False)
+def fuse_task(model: str, adapter: str, out: str) -> str:
+    """The best adapter fused into the base weights (``mlx_lm fuse``), a standalone model."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "mlx_lm", "fuse", "--model", model, "--adapter-path",
+           adapter, "--save-path", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"mlx_lm fuse failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    get_run_logger().info("fused %s into %s", adapter, out)
+    return out

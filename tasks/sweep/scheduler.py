@@ -1,0 +1,180 @@
+"""The sweep's scheduler: ``max_concurrent`` trials at a time on Ray, each retried when its
+process is lost, every summary kept in the order trials were asked.
+
+``max_concurrent`` driver threads each take a trial from a source (a list, or an Optuna
+study asked trial by trial) and run it through a strategy (tasks/sweep/attempts.py: one fresh
+actor per trial; tasks/sweep/gang.py: a gang of ranks), so every trial gets a fresh process and
+MLX's memory never leaks into the next. A trial that raises, goes non-finite, is pruned or
+exceeds its time limit comes back as a status with a reason; the sweep goes on. A trial
+whose process dies (its node left, the process was killed) is retried on a fresh one after
+``retry_delay_s``, up to ``retries`` times: Ray takes ~20 s to declare a node dead, so the
+budget must outlast that. Ctrl-C kills the running actors and marks their trials
+``cancelled``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from tasks.board.results_table import write_results
+from tasks.nodes.placement import Placement
+from tasks.nodes.trial_inputs import metrics_box
+from tasks.sweep.attempts import Attempts, EventHook, LiveTrials, OneActor, Strategy
+from tasks.sweep.gang import Gang
+from tasks.sweep.trial import Summary, outcome
+from tasks.sweep.trial_plan import TrialPlan
+
+log = logging.getLogger(__name__)
+
+# Runs one trial's work (the callable) as the caller likes, e.g. as a Prefect task run.
+Wrap = Callable[[TrialPlan, Callable[[], Summary]], Summary]
+
+
+class TrialSource(Protocol):
+    """Where trials come from; ``ask`` and ``tell`` are called from several threads."""
+
+    def ask(self) -> TrialPlan | None: ...
+
+    def tell(self, trial: TrialPlan, summary: Summary) -> None: ...
+
+
+@dataclass
+class ListSource:
+    """A fixed list of trials (grid and random search)."""
+
+    trials: list[TrialPlan]
+    _next: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def ask(self) -> TrialPlan | None:
+        with self._lock:
+            if self._next >= len(self.trials):
+                return None
+            self._next += 1
+            return self.trials[self._next - 1]
+
+    def tell(self, trial: TrialPlan, summary: Summary) -> None:
+        return None
+
+
+class TrialsInterrupted(KeyboardInterrupt):
+    """Ctrl-C during ``run_trials``; ``rows`` holds every summary so far (cancelled too)."""
+
+    def __init__(self, rows: list[Summary]):
+        super().__init__("sweep interrupted")
+        self.rows = rows
+
+
+@dataclass
+class Retrying:
+    """Runs one trial through ``strategy``, retrying an attempt whose process was lost."""
+
+    strategy: Strategy
+    live: LiveTrials
+    retries: int
+    retry_delay_s: float
+
+    def run(self, trial: TrialPlan) -> Summary:
+        """The trial's summary after at most ``retries`` retries of a lost process."""
+        first = time.time()
+        for attempt in range(self.retries + 1):
+            if self.live.stopping.is_set():
+                return outcome(trial, "cancelled", "sweep interrupted", first, attempt)
+            self.live.event("started", {"trial_id": trial.id, "attempt": attempt})
+            summary = self.strategy.attempt(trial, attempt, first)
+            if summary is not None:
+                # After a retry its duration spans every attempt (the last one's start kept).
+                return {**summary, "attempts": attempt + 1,
+                        **({"started": first, "attempt_started": summary.get("started")}
+                           if attempt else {})}
+            if attempt < self.retries:
+                self.live.event("retry", {"trial_id": trial.id, "attempt": attempt})
+                self.live.stopping.wait(self.retry_delay_s)
+        return outcome(trial, "failed", f"lost: its process died {self.retries + 1} times "
+                       "(node gone or killed)", first, self.retries + 1)
+
+
+def contained(trial: TrialPlan, run: Callable[[], Summary]) -> Summary:
+    """``run()``, or a failed row naming the error it raised on the driver (logged whole):
+    one trial's surprise costs that trial, never the others nor results.parquet."""
+    started = time.time()
+    try:
+        return run()
+    except Exception as err:  # reported as the trial's reason
+        log.exception("trial %s: unexpected error on the driver", trial.id)
+        return outcome(trial, "failed", f"driver_error: {type(err).__name__}: {err}"[:500],
+                       started, 1)
+
+
+def run_trials(source: TrialSource | list[TrialPlan] | list[tuple[str, dict[str, Any]]],
+               placement: Placement, max_concurrent: int, results: Path | None = None,
+               time_limit_s: float = 0.0, retries: int = 2, retry_delay_s: float = 5.0,
+               study: Any = None, metric: str = "val/loss",
+               on_event: EventHook | None = None, wrap: Wrap | None = None,
+               ranks_per_trial: int = 1) -> list[Summary]:
+    """Run the source's trials on the connected Ray cluster, ``max_concurrent`` at a time.
+
+    Returns the summaries in the order trials were asked (written to ``results`` if
+    given). Ctrl-C: running trials are killed and reported ``cancelled``, the rest of the
+    source is not started, ``results`` is written, and TrialsInterrupted (a
+    KeyboardInterrupt carrying the summaries so far) is raised. ``wrap(trial, run)``
+    runs each trial's ``run()`` (the flow makes it a Prefect task run); worker threads
+    run in a copy of the caller's context, so such task runs nest in the caller's flow run.
+    ``ranks_per_trial`` > 1 runs each trial as a gang of that many ranks (tasks/sweep/gang.py).
+    A list may hold (id, TrainConfig fields) pairs: each becomes its plan (``TrialPlan.make``).
+    """
+    if isinstance(source, list):
+        source = ListSource([t if isinstance(t, TrialPlan) else TrialPlan.make(*t)
+                             for t in source])
+    live = LiveTrials(on_event)
+    shared = Attempts(placement, live, time_limit_s, study, metric, box=metrics_box())
+    strategy: Strategy = Gang(shared, ranks_per_trial) if ranks_per_trial > 1 else OneActor(shared)
+    runner = Retrying(strategy, live, retries, retry_delay_s)
+    summaries: dict[str, Summary] = {}
+    order: list[str] = []
+    order_lock = threading.Lock()
+
+    def worker() -> None:
+        while not live.stopping.is_set():
+            trial = source.ask()
+            if trial is None:
+                return
+            with order_lock:
+                order.append(trial.id)
+            summary = contained(trial, lambda t=trial: (
+                wrap(t, lambda: runner.run(t)) if wrap else runner.run(t)))
+            summary["duration_s"] = summary["ended"] - summary["started"]
+            summaries[trial.id] = summary
+            source.tell(trial, summary)
+            live.event("finished", summary)
+
+    interrupted = False
+    pool = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="trial")
+    context = contextvars.copy_context()
+    futures = [pool.submit(context.copy().run, worker) for _ in range(max_concurrent)]
+    try:
+        while not all(f.done() for f in futures):
+            time.sleep(0.2)  # the main thread stays free to take Ctrl-C
+        for f in futures:
+            f.result()  # a bug in the scheduler itself surfaces here
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C; SIGTERM as Ray's driver handler has it
+        interrupted = True
+        while not all(f.done() for f in futures):  # kills what started meanwhile, too
+            live.cancel_all()
+            time.sleep(0.5)
+    finally:
+        pool.shutdown(wait=True)
+    rows = [summaries[t] for t in order if t in summaries]
+    if results is not None:
+        write_results(rows, results)
+    if interrupted:
+        raise TrialsInterrupted(rows)
+    return rows

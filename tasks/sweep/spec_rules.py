@@ -1,0 +1,100 @@
+"""Rules a sweep spec is checked against across its keys: the batch sizes ranks split, the
+metric trials of different losses are ranked on, the pruner's settings (tasks/sweep/sweep_spec.py
+parses; these refuse)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.losses import ACROSS_LOSSES, LOSSES, OWNERS, shared_metrics, validation_metrics
+from engine.settings.config import DEFAULT_LOSS, TrainConfig
+
+PRUNING_DEFAULTS = {"startup_trials": 2, "warmup_steps": 0}
+
+
+class SpecError(ValueError):
+    """A sweep spec problem, naming the key."""
+
+
+def check_ranks(ranks: int, kind: str, fixed: dict, grid: dict, space: dict) -> None:
+    """Every batch size a trial may get splits over ``ranks`` (each rank takes its share of
+    every global batch), known before any rank starts."""
+    if kind == "memory":
+        raise SpecError("ranks_per_trial: a memory sweep measures one process per point")
+    if "batch_size" in space:
+        raw = space["batch_size"]
+        values = raw.get("choice") if isinstance(raw, dict) else None
+        if not isinstance(values, list):
+            raise SpecError(f"space.batch_size: with ranks_per_trial {ranks} give a choice of "
+                            "multiples of it (a range would draw sizes the ranks cannot split)")
+        sources = [("space.batch_size", values)]
+    elif "batch_size" in grid:
+        sources = [("grid.batch_size", grid["batch_size"])]
+    else:
+        sources = [("fixed.batch_size" if "batch_size" in fixed else "batch_size (default)",
+                    [fixed.get("batch_size", TrainConfig().batch_size)])]
+    for where, values in sources:
+        bad = [v for v in values if not isinstance(v, int) or v % ranks]
+        if bad:
+            raise SpecError(f"{where}={bad[0]!r}: must be a multiple of ranks_per_trial={ranks} "
+                            "(each rank trains its share of every batch)")
+
+
+def searched(name: str, grid: dict, space: dict) -> set:
+    """The values a search gives field ``name`` (its grid list or its space's choice)."""
+    dist = space.get(name)
+    return set(grid.get(name, [])) | set(dist.get("choice", []) if isinstance(dist, dict)
+                                         else [])
+
+
+def spec_losses(fixed: dict, grid: dict, space: dict) -> set[str]:
+    """The losses a spec's trials train with."""
+    return searched("loss", grid, space) or {fixed.get("loss", DEFAULT_LOSS.kind)}
+
+
+def check_loss_settings(fixed: dict, grid: dict, space: dict) -> None:
+    """A loss's own setting (``orpo_lambda``) is given only where a trial trains with that
+    loss: each trial takes its own loss's settings (tasks/sweep/trial_plan.own_loss_fields)."""
+    losses = spec_losses(fixed, grid, space)
+    for where, section in (("fixed", fixed), ("grid", grid), ("space", space)):
+        for name in section:
+            owner = OWNERS.get(name)
+            if owner is not None and owner.kind not in losses:
+                raise SpecError(f"{where}.{name}: a setting of loss {owner.kind}, which no "
+                                f"trial of this sweep trains with (its losses: "
+                                f"{', '.join(sorted(losses))})")
+
+
+def check_metric_of_losses(metric: str, fixed: dict, grid: dict, space: dict) -> None:
+    """A search over ``loss`` must rank trials on a metric every loss shares; one loss,
+    on a metric it reports (else every trial would train and then go unranked)."""
+    losses = searched("loss", grid, space)
+    shared = shared_metrics(losses)
+    for name, owner in OWNERS.items():  # a loss's variants (its loss_type: choices)
+        types = searched(name, grid, space)
+        if len(types) > 1 and "choices" in owner.field(name).metadata:
+            loss = owner.kind  # e.g. sigmoid and IPO: two scales (IPO starts at 1/(4β²))
+            losses, shared = losses | {f"{loss}-{t}" for t in types}, ACROSS_LOSSES
+    if len(losses) > 1 and metric not in shared:
+        raise SpecError(f"metric={metric}: not comparable across losses {sorted(losses)}; "
+                        f"rank a search over loss on one of {', '.join(shared)}")
+    for loss in sorted(losses or {fixed.get("loss", DEFAULT_LOSS.kind)}):
+        if loss in LOSSES and metric not in (names := validation_metrics(LOSSES[loss]())):
+            raise SpecError(f"metric={metric}: loss {loss} does not report it; it reports "
+                            f"{', '.join(names)}")
+
+
+def pruning_of(raw: Any, search: str) -> dict[str, int]:
+    """The ``pruning:`` setting: off, Optuna's defaults, or the keys given over them."""
+    if raw is False or raw is None:
+        return {}
+    if search != "optuna":
+        raise SpecError("pruning: needs search: optuna (the pruner is Optuna's)")
+    if raw is True:
+        return dict(PRUNING_DEFAULTS)
+    if not isinstance(raw, dict) or set(raw) - set(PRUNING_DEFAULTS):
+        raise SpecError(f"pruning: expected true or a mapping with keys "
+                        f"{sorted(PRUNING_DEFAULTS)}, got {raw!r}")
+    if not all(isinstance(v, int) and v >= 0 for v in raw.values()):
+        raise SpecError(f"pruning: values must be integers >= 0, got {raw!r}")
+    return {**PRUNING_DEFAULTS, **raw}

@@ -1,0 +1,390 @@
+"""Sweep specs: a YAML file → validated trials (each a typed plan: tasks/sweep/trial_plan.py).
+
+    name: tiny
+    model: runs/demo/model
+    data: runs/demo/data
+    fixed: {steps: 100, batch_size: 8}
+    grid: {segment_size: [1, 2]}
+    space:
+      learning_rate: {loguniform: [1.0e-4, 1.0e-3]}
+      lora_rank: {choice: [8, 16]}
+    search: random          # grid | random | optuna
+    num_samples: 4          # random draws per grid point; optuna: trials in all
+    metric: val/loss        # a validation metric (val/...), as in metrics.jsonl
+    mode: min
+    pruning: true           # optuna only: true, or {startup_trials: 2, warmup_steps: 0}
+    max_concurrent: 2
+    time_limit_s: 600       # per trial; 0 = none
+    retries: 2              # re-runs of a trial whose process or node died
+    retry_delay_s: 5
+    memory_budget_gb: 0     # per trial: MLX's memory limit, and what segment_size: auto fits
+    ranks_per_trial: 1      # > 1: each trial data parallel over that many GPUs (Macs)
+    seed: 0
+    evaluation: {scorers: [exact], prompts: 64, max_tokens: 32}   # tasks/eval/generation_eval.py
+    rank_by: gen/valid/exact    # what the leaderboard ranks on (default: metric)
+
+Every error names the key and file that is wrong. Parameter names are TrainConfig fields
+(``loss`` too: a search over it ranks on a metric every loss shares, ACROSS_LOSSES);
+``segment_size: auto`` is allowed with a ``memory_budget_gb`` (``AUTO`` in the plans,
+resolved per trial from a memory probe: tasks/sweep/memory_probe.py).
+Distributions: ``choice: [..]``, ``uniform: [lo, hi]``, ``loguniform: [lo, hi]``,
+``int: [lo, hi]`` (inclusive).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.losses import OWNERS
+from engine.settings.config import TrainConfig, field_type
+from engine.settings.ranking import MODES
+from tasks.board.ranked_metric import rank_mode
+from tasks.eval.generation_eval import GenerationSettings, check_rank_by, parse_generation
+from tasks.sweep.spec_rules import (
+    SpecError,
+    check_loss_settings,
+    check_metric_of_losses,
+    check_ranks,
+    pruning_of,
+)
+from tasks.sweep.trial_plan import AUTO, TrialPlan, parse_auto
+
+KINDS = ("choice", "uniform", "loguniform", "int")
+SEARCHES = ("grid", "random", "optuna")
+HUGE_SWEEP = 1000  # trials: more is warned of at planning time
+TOP_KEYS = {"name", "model", "data", "fixed", "grid", "space", "search", "num_samples",
+            "metric", "mode", "max_concurrent", "time_limit_s", "seed", "pruning",
+            "memory_budget_gb", "retries", "retry_delay_s", "kind", "probe_batches",
+            "ranks_per_trial", "evaluation", "rank_by"}
+# TrainConfig's fields and each loss's own settings (engine/losses/), by their flat names.
+CONFIG_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} | set(OWNERS)
+FIELD_TYPES = {name: field_type(name) for name in CONFIG_FIELDS}
+NOT_SWEPT = {"model", "data", "out", "resume",  # set by the sweep itself:
+             "best_metric", "best_mode"}  # a trial's best is what the sweep ranks on
+
+
+class PlanError(SpecError):
+    """A trial whose whole TrainConfig is invalid (a rule across fields), naming it."""
+
+
+@dataclass(frozen=True)
+class Dist:
+    """One search-space dimension."""
+
+    kind: str
+    args: tuple
+
+    def sample(self, rng: np.random.Generator) -> Any:
+        if self.kind == "choice":
+            return self.args[int(rng.integers(0, len(self.args)))]
+        lo, hi = self.args
+        if self.kind == "uniform":
+            return float(rng.uniform(lo, hi))
+        if self.kind == "loguniform":
+            return float(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+        return int(rng.integers(lo, hi + 1))
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """A validated sweep."""
+
+    name: str
+    model: str
+    data: str
+    fixed: dict[str, Any] = field(default_factory=dict)
+    grid: dict[str, list] = field(default_factory=dict)
+    space: dict[str, Dist] = field(default_factory=dict)
+    search: str = "grid"
+    num_samples: int = 1
+    metric: str = "val/loss"
+    mode: str = "min"
+    max_concurrent: int = 1
+    time_limit_s: float = 0.0
+    seed: int = 0
+    pruning: dict[str, int] = field(default_factory=dict)  # empty: no pruning
+    memory_budget_gb: float = 0.0
+    retries: int = 2
+    retry_delay_s: float = 5.0
+    kind: str = "train"  # train | memory
+    probe_batches: int = 8
+    ranks_per_trial: int = 1  # > 1: a trial is a gang of ranks (tasks/sweep/gang.py)
+    evaluation: GenerationSettings = field(default_factory=GenerationSettings)
+    rank_by: str = ""  # the leaderboard's metric ("": metric)
+
+    @property
+    def ranking(self) -> tuple[str, str]:
+        """What the leaderboard ranks on, and which way: a generation score is better
+        higher; a validation metric goes the spec's ``mode``."""
+        rank_by = self.rank_by or self.metric
+        return rank_by, rank_mode(rank_by, self.mode)
+
+    def points(self) -> list[dict[str, Any]]:
+        """Grid points × ``num_samples`` draws from ``space`` (random search), in order: each
+        trial's params. Optuna search asks its sampler trial by trial; this lists its grid."""
+        keys = sorted(self.grid)
+        points = [dict(zip(keys, combo, strict=True))
+                  for combo in itertools.product(*(self.grid[k] for k in keys))] or [{}]
+        rng = np.random.default_rng(self.seed)
+        draws = self.num_samples if self.space and self.search == "random" else 1
+        space = sorted(self.space.items())
+        return [{**self.fixed, **point, **{k: d.sample(rng) for k, d in space}}
+                for point in points for _ in range(draws)]
+
+    def size(self) -> int:
+        """How many trials the spec plans (optuna: its ``num_samples``), before listing any."""
+        if self.search == "optuna":
+            return self.num_samples
+        draws = self.num_samples if self.space and self.search == "random" else 1
+        return math.prod(len(v) for v in self.grid.values()) * draws
+
+    def trials(self, out: Path | None = None) -> list[TrialPlan]:
+        """Every listed trial (``points``) planned into ``out`` (default: runs/<name>)."""
+        out = Path("runs") / self.name if out is None else out
+        return [self.plan(params, out) for params in self.points()]
+
+    def plan(self, params: dict[str, Any], out: Path, number: int | None = None) -> TrialPlan:
+        """The trial of ``params`` (its id their hash), completed by the sweep: its model,
+        data and directory ``out/<id>``, its best evaluation picked by the metric the sweep
+        ranks on, the memory budget as its limit. Its TrainConfig is built and validated
+        whole here, once (PlanError naming the trial and the field)."""
+        tid = trial_id(params)
+        fields = {**params, "best_metric": self.metric, "best_mode": self.mode,
+                  "model": self.model, "data": self.data, "out": str(out / tid)}
+        if self.memory_budget_gb > 0 and "memory_limit_gb" not in params:
+            fields["memory_limit_gb"] = self.memory_budget_gb
+        try:
+            return TrialPlan.make(tid, fields, number)
+        except (ValueError, TypeError) as err:
+            raise PlanError(f"trial {tid} {json.dumps(params, default=str)}: {err}") from None
+
+
+def trial_id(params: dict[str, Any]) -> str:
+    """Stable short id of a parameter set (the same params are the same trial)."""
+    body = json.dumps(params, sort_keys=True, default=str)
+    return "t-" + hashlib.sha256(body.encode()).hexdigest()[:10]
+
+
+def _check_param(name: str, where: str) -> None:
+    if name in NOT_SWEPT:
+        raise SpecError(f"{where}.{name}: set by the sweep itself; remove it")
+    if name not in CONFIG_FIELDS:
+        raise SpecError(f"{where}.{name}: not a training parameter (see `pomona train "
+                        "--help` for the names)")
+
+
+def _check_value(name: str, value: Any, where: str) -> Any:
+    """``value`` checked as TrainConfig field ``name`` would take it (type, range, finite);
+    a string that TrainConfig reads as a number (``1e-4``: YAML 1.1 keeps it a string) is
+    returned as that number, so trials, ids and the results table hold the number."""
+    if (auto := parse_auto(name, value)) is AUTO:
+        return auto
+    try:
+        owner = OWNERS.get(name)  # a loss's own setting: checked on its loss
+        config = TrainConfig(model="m", data="d", loss=owner.kind if owner else "orpo"
+                             ).replace(**{name: value})
+        config.validate()
+    except (ValueError, TypeError) as err:
+        message = str(err)
+        raise SpecError(f"{where}.{message}" if message.startswith(f"{name}=") else
+                        f"{where}.{name}={value!r}: {message}") from None
+    checked = config.to_dict()[name]
+    return value if not isinstance(value, str) and checked == value else checked
+
+
+def _distinct(name: str, raw: list, values: list) -> list:
+    """``values`` (grid.name's ``raw`` values, checked), refused when two are one value
+    (``[8, 8.0, "8"]``): they would run one trial twice, under one id or two."""
+    for i, value in enumerate(values):
+        j = next((j for j in range(i) if values[j] == value), None)
+        if j is not None:
+            raise SpecError(f"grid.{name}: {raw[i]!r} repeats {raw[j]!r} (both are "
+                            f"{value!r}); list each value once")
+    return values
+
+
+def _dist(name: str, raw: Any) -> Dist:
+    where = f"space.{name}"
+    if not isinstance(raw, dict) or len(raw) != 1 or next(iter(raw)) not in KINDS:
+        raise SpecError(f"{where}: expected one of {{{', '.join(KINDS)}: ...}}, got {raw!r}")
+    kind, args = next(iter(raw.items()))
+    if not isinstance(args, list) or not args:
+        raise SpecError(f"{where}.{kind}: expected a non-empty list")
+    if kind == "choice":
+        return Dist(kind, tuple(_check_value(name, v, f"{where}.choice") for v in args))
+    if FIELD_TYPES[name] not in (int, float):
+        raise SpecError(f"{where}.{kind}: {name} is not numeric; use choice: [...]")
+    if kind != "int" and FIELD_TYPES[name] is int:
+        raise SpecError(f"{where}.{kind}: {name} takes integers; use int: [low, high]")
+    numbers = [_number(a) for a in args]
+    if len(args) != 2 or None in numbers:
+        raise SpecError(f"{where}.{kind}: expected [low, high] numbers, got {args!r}")
+    lo, hi = numbers
+    if kind == "int" and not all(float(a).is_integer() for a in numbers):
+        raise SpecError(f"{where}.int: bounds must be integers, got {args!r}")
+    if not lo < hi or (kind == "loguniform" and lo <= 0):
+        raise SpecError(f"{where}.{kind}: need 0 < low < high (log) or low < high")
+    bounds = (int(lo), int(hi)) if kind == "int" else (lo, hi)
+    for bound in bounds:  # the range is convex: both ends valid means every draw is
+        _check_value(name, bound, f"{where}.{kind}")
+    return Dist(kind, bounds)
+
+
+def _number(value: Any) -> float | None:
+    """A finite number from an int, float or numeric string (YAML 1.1: ``1e-4``), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = float(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _setting(data: dict[str, Any], key: str, default: float, integer: bool = False,
+             minimum: float = 0) -> Any:
+    """A top-level numeric setting: finite, at least ``minimum``, an integer if asked."""
+    raw = data.get(key, default)
+    number = _number(raw)
+    if number is None or number < minimum or (integer and not number.is_integer()):
+        kind = "an integer" if integer else "a finite number"
+        raise SpecError(f"{key}={raw!r}: expected {kind} >= {minimum:g}")
+    return int(number) if integer else number
+
+
+def parse_spec(data: dict[str, Any], source: str = "spec") -> SweepSpec:
+    """Validate a spec mapping; raise SpecError naming ``source`` and the bad key."""
+    try:
+        return _parse(data)
+    except SpecError as err:
+        raise SpecError(f"{source}: {err}") from None
+
+
+def _parse(data: Any) -> SweepSpec:
+    if not isinstance(data, dict):
+        raise SpecError(f"expected a mapping, got {type(data).__name__}")
+    unknown = sorted(set(data) - TOP_KEYS)
+    if unknown:
+        raise SpecError(f"unknown key(s) {', '.join(unknown)}; expected {sorted(TOP_KEYS)}")
+    for key in ("name", "model", "data"):
+        if not isinstance(data.get(key), str) or not data[key]:
+            raise SpecError(f"{key}: required (a non-empty string)")
+    if not re.fullmatch(r"\w[\w.-]*", data["name"]):  # \w: letters of any script too
+        raise SpecError(f"name={data['name']!r}: letters, digits, '.', '_' and '-' only (it "
+                        "names the run directory, which must stay inside runs/)")
+    fixed, grid, space = data.get("fixed") or {}, data.get("grid") or {}, data.get("space") or {}
+    for where, section in (("fixed", fixed), ("grid", grid), ("space", space)):
+        if not isinstance(section, dict):
+            raise SpecError(f"{where}: expected a mapping of parameter names")
+        for name in section:
+            _check_param(name, where)
+    fixed = {name: _check_value(name, value, "fixed") for name, value in fixed.items()}
+    for name, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise SpecError(f"grid.{name}: expected a non-empty list of values")
+    grid = {name: _distinct(name, values, [_check_value(name, v, "grid") for v in values])
+            for name, values in grid.items()}
+    f, g, s = set(fixed), set(grid), set(space)
+    overlap = sorted((f & g) | (f & s) | (g & s))
+    if overlap:
+        raise SpecError(f"{', '.join(overlap)}: given in more than one of fixed/grid/space")
+    search = data.get("search", "grid" if not space else "random")
+    if search not in SEARCHES:
+        raise SpecError(f"search={search!r}: expected one of {', '.join(SEARCHES)}")
+    if search == "grid" and space:
+        raise SpecError("space: a grid search has no space; use search: random or optuna")
+    mode = data.get("mode", "min")
+    if mode not in MODES:
+        raise SpecError(f"mode={mode!r}: expected min or max")
+    counts = {key: _setting(data, key, default, integer=True, minimum=minimum)
+              for key, default, minimum in (("num_samples", 1, 1), ("max_concurrent", 1, 1),
+                                            ("retries", 2, 0), ("probe_batches", 8, 1),
+                                            ("seed", 0, 0), ("ranks_per_trial", 1, 1))}
+    seconds = {key: _setting(data, key, default)
+               for key, default in (("time_limit_s", 0), ("retry_delay_s", 5),
+                                    ("memory_budget_gb", 0))}
+    if search == "optuna" and (grid or not space):
+        raise SpecError("search: optuna samples a space (put grid values in space as "
+                        "{choice: [...]}) and needs a non-empty one")
+    metric = data.get("metric", "val/loss")
+    if not isinstance(metric, str) or not metric.startswith("val/"):
+        raise SpecError(f"metric={metric!r}: expected a validation metric such as val/loss "
+                        "or val/rewards/accuracies")
+    check_loss_settings(fixed, grid, space)
+    check_metric_of_losses(metric, fixed, grid, space)
+    try:
+        evaluation = parse_generation(data.get("evaluation"))
+        rank_by = check_rank_by(data.get("rank_by", ""), evaluation)
+    except ValueError as err:
+        raise SpecError(str(err)) from None
+    if rank_by.startswith("val/") and rank_by != metric:
+        check_metric_of_losses(rank_by, fixed, grid, space)
+    pruning = pruning_of(data.get("pruning", False), search)
+    budget = seconds["memory_budget_gb"]
+    autos = [f"{w}.{k}" for w, sec in (("fixed", fixed), ("grid", grid))
+             for k, v in sec.items() if AUTO in (v if isinstance(v, list) else [v])]
+    if autos and budget <= 0:
+        raise SpecError(f"{autos[0]}: auto needs memory_budget_gb > 0 (what the segment "
+                        "size must fit in)")
+    kind = data.get("kind", "train")
+    if kind not in ("train", "memory"):
+        raise SpecError(f"kind={kind!r}: expected train or memory")
+    if kind == "memory" and (search != "grid" or autos):
+        raise SpecError("kind: memory measures grid points (search: grid, explicit segment "
+                        "sizes)")
+    if counts["ranks_per_trial"] > 1:
+        check_ranks(counts["ranks_per_trial"], kind, fixed, grid, space)
+    return SweepSpec(
+        name=data["name"], model=data["model"], data=data["data"], fixed=fixed, grid=grid,
+        space={k: _dist(k, v) for k, v in space.items()}, search=search, metric=metric,
+        mode=mode, pruning=pruning, kind=kind, evaluation=evaluation, rank_by=rank_by,
+        **counts, **seconds)
+
+
+def load_spec(path: str | Path) -> SweepSpec:
+    """Read and validate a YAML spec file."""
+    from engine.settings.config import read_yaml
+
+    try:
+        data = read_yaml(path, "sweep spec")
+        _refuse_duplicate_keys(Path(path))
+    except FileNotFoundError:
+        raise
+    except ValueError as err:
+        raise SpecError(str(err)) from None
+    spec = parse_spec(data, str(path))
+    if spec.size() > HUGE_SWEEP:  # a typo'd grid: hours of trials, and a slow interrupt
+        logging.getLogger("pomona.sweep").warning(
+            f"warning: {path}: {spec.size():,} trials planned (over {HUGE_SWEEP:,}); narrow "
+            "the grid, or use search: random or optuna with num_samples")
+    return spec
+
+
+def _refuse_duplicate_keys(path: Path) -> None:
+    """ValueError naming a key a mapping of the file gives twice (YAML keeps the last)."""
+    import yaml
+
+    nodes = [yaml.compose(path.read_text())]
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, yaml.MappingNode):
+            seen: set[str] = set()
+            for key, value in node.value:
+                if key.value in seen:
+                    raise ValueError(f"{path}: key {key.value!r} given twice (line "
+                                     f"{key.start_mark.line + 1}); keep one")
+                seen.add(key.value)
+                nodes.append(value)
+        elif isinstance(node, yaml.SequenceNode):
+            nodes.extend(node.value)
