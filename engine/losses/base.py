@@ -118,6 +118,13 @@ def setting(default: Any, help: str, **rules: Any) -> Any:
     return field(default=default, metadata={"help": help, **rules})
 
 
+def label_smoothing(what: str) -> Any:
+    """A loss's label-smoothing field ε (TRL's ``label_smoothing``, cDPO), 0 by default;
+    its rule, 0 ≤ ε < 0.5 and only on a loss type that smooths, is ``check_smoothing``."""
+    return setting(0.0, f"{what}: the share of labels assumed flipped (TRL's "
+                        "label_smoothing), in [0, 0.5).")
+
+
 @dataclass(frozen=True)
 class LossSettings:
     """One loss's settings, valid by construction (a bad field is a ValueError naming it)."""
@@ -130,7 +137,7 @@ class LossSettings:
     needs_kl: ClassVar[bool] = False
     extras: ClassVar[tuple[str, ...]] = ()  # the names of PairTerms.extra it reports
     # Its rewards order pairs as mean log-probs do and its logps/* are means (ORPO's λ·ℓ,
-    # SimPO's β·ℓ): trials of such losses rank on one scale (tasks/sweep/spec_rules.py).
+    # SimPO's β·ℓ): trials of such losses rank on one scale (engine/losses: shared_metrics).
     mean_rewards: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
@@ -163,6 +170,23 @@ class LossSettings:
     def names(cls) -> tuple[str, ...]:
         """Its fields' names (ClassVars are not fields)."""
         return tuple(f.name for f in dataclasses.fields(cls))
+
+
+class AgainstReference(LossSettings):
+    """A loss that reads reference log-probs R (DPO, KTO): its rewards β·(S − R) are
+    relative to its reference on summed log-probs, not on the mean-log-prob scale."""
+
+    needs_reference = True
+    mean_rewards = False
+
+    def references(self, lp: PairLogps) -> tuple[mx.array, mx.array]:
+        """(Rw, Rr) of this batch (and its KL point where the loss reads one), or a
+        ValueError naming the loss when they were not attached."""
+        what = "reference log-probs and a KL point" if self.needs_kl else "reference log-probs"
+        if lp.ref_chosen is None or lp.ref_rejected is None or (self.needs_kl and lp.kl is None):
+            raise ValueError(f"loss {self.kind} needs {what} (engine/train/reference.py): none "
+                             "were attached to this batch")
+        return lp.ref_chosen, lp.ref_rejected
 
 
 @cache

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 import engine.losses.base as base
-from engine.losses.base import LossSettings, PairLogps, PairTerms, setting
+from engine.losses.base import LossSettings, PairLogps, PairTerms, label_smoothing, setting
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 
@@ -32,9 +32,7 @@ class Cpo(LossSettings):
                                    "beta).", above=0)
     cpo_alpha: float = setting(1.0, "CPO: weight of the chosen NLL term (TRL's cpo_alpha; "
                                     "its span is nll_span response).", minimum=0)
-    cpo_label_smoothing: float = setting(0.0, "CPO sigmoid/simpo: the share of labels "
-                                              "assumed flipped (TRL's label_smoothing), in "
-                                              "[0, 0.5).")
+    cpo_label_smoothing: float = label_smoothing("CPO sigmoid/simpo")
     cpo_loss_type: str = setting("sigmoid", "CPO: sigmoid or hinge on summed log-probs, ipo "
                                             "or simpo on mean ones (TRL's loss_type).",
                                  choices=LOSS_TYPES)

@@ -13,24 +13,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import engine.losses.base as base
-from engine.losses.base import LossSettings, PairLogps, PairTerms, setting
+from engine.losses.base import AgainstReference, PairLogps, PairTerms, label_smoothing, setting
 
 LOSS_TYPES = ("sigmoid", "ipo")
 
 
 @dataclass(frozen=True)
-class Dpo(LossSettings):
+class Dpo(AgainstReference):
     kind = "dpo"
     summary = ("dpo (against reference log-probs computed once and cached: "
                "engine/train/reference.py)")
-    needs_reference = True
-    mean_rewards = False  # β·(S − R): relative to its reference, on summed log-probs
 
     dpo_beta: float = setting(0.1, "DPO: β, the strength of the pull to the reference "
                                    "(TRL's beta).", above=0)
-    dpo_label_smoothing: float = setting(0.0, "DPO sigmoid: the share of labels assumed "
-                                              "flipped (cDPO; TRL's label_smoothing), in "
-                                              "[0, 0.5).")
+    dpo_label_smoothing: float = label_smoothing("DPO sigmoid")
     dpo_loss_type: str = setting("sigmoid", "DPO: sigmoid (Rafailov et al., summed "
                                             "log-probs) or ipo (Azar et al., length-averaged), "
                                             "TRL's loss_type.", choices=LOSS_TYPES)
@@ -46,14 +42,12 @@ class Dpo(LossSettings):
         return self.rpo_alpha
 
     def terms(self, lp: PairLogps) -> PairTerms:
-        if lp.ref_chosen is None or lp.ref_rejected is None:
-            raise ValueError("loss dpo needs reference log-probs (engine/train/reference.py): none "
-                             "were attached to this batch")
+        ref_chosen, ref_rejected = self.references(lp)
         if self.dpo_loss_type == "ipo":
             pc, pr = lp.chosen, lp.rejected
-            rc, rr = lp.ref_chosen / lp.chosen_tokens, lp.ref_rejected / lp.rejected_tokens
+            rc, rr = ref_chosen / lp.chosen_tokens, ref_rejected / lp.rejected_tokens
         else:
-            pc, pr, rc, rr = lp.chosen_sum, lp.rejected_sum, lp.ref_chosen, lp.ref_rejected
+            pc, pr, rc, rr = lp.chosen_sum, lp.rejected_sum, ref_chosen, ref_rejected
         z = (pc - pr) - (rc - rr)
         beta = self.dpo_beta
         if self.dpo_loss_type == "ipo":

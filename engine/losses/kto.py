@@ -19,17 +19,15 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.losses.base import LossSettings, PairLogps, PairTerms, setting
+from engine.losses.base import AgainstReference, PairLogps, PairTerms, setting
 
 
 @dataclass(frozen=True)
-class Kto(LossSettings):
+class Kto(AgainstReference):
     kind = "kto"
     summary = ("kto (prospect-theoretic, against reference log-probs and a KL point "
                "from mismatched pairs)")
-    needs_reference = True
     needs_kl = True
-    mean_rewards = False  # β·(S − R): relative to its reference, on summed log-probs
     extras = ("kl",)
 
     kto_beta: float = setting(0.1, "KTO: β, the value function's steepness (TRL's beta).",
@@ -51,12 +49,10 @@ class Kto(LossSettings):
         return 0.0
 
     def terms(self, lp: PairLogps) -> PairTerms:
-        if lp.ref_chosen is None or lp.ref_rejected is None or lp.kl is None:
-            raise ValueError("loss kto needs reference log-probs and a KL point "
-                             "(engine/train/reference.py): none were attached to this batch")
+        ref_chosen, ref_rejected = self.references(lp)
         beta, z0 = self.kto_beta, lp.kl
-        chosen = lp.chosen_sum - lp.ref_chosen
-        rejected = lp.rejected_sum - lp.ref_rejected
+        chosen = lp.chosen_sum - ref_chosen
+        rejected = lp.rejected_sum - ref_rejected
         gain = 1 - mx.sigmoid(beta * (chosen - z0))
         loss = 1 - mx.sigmoid(beta * (z0 - rejected))
         losses = (self.kto_desirable_weight * gain + self.kto_undesirable_weight * loss) / 2

@@ -186,3 +186,22 @@ def prepare_out(out: Path, resume_step: int | None) -> None:
                 return False  # a line cut short by the kill
         lines = log.read_text().splitlines(keepends=True)
         run_write_text(log, "".join(line for line in lines if kept(line)))
+
+
+def is_run_dir(path: Path) -> bool:
+    """Whether ``path`` holds a run an earlier Pomona wrote, before runs carried the mark
+    of engine/host/outputs.py: its summary, an adapter config with Pomona's block, its metrics
+    log or a checkpoint (a run killed early has only some of them)."""
+    def first_json(name: str) -> Any:
+        try:
+            with (path / name).open() as f:
+                return json.loads(f.read() if name.endswith(".json") else f.readline())
+        except (OSError, ValueError):
+            return None
+
+    summary, config, record = (first_json(n) for n in ("summary.json", CONFIG_FILE,
+                                                        "metrics.jsonl"))
+    return ((isinstance(summary, dict) and "trainable_params" in summary)
+            or (isinstance(config, dict) and isinstance(config.get("pomona"), dict))
+            or (isinstance(record, dict) and {"step", "split"} <= record.keys())
+            or any((c / "state.json").is_file() for c in (path / "checkpoints").glob("step_*")))

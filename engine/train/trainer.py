@@ -45,6 +45,7 @@ from engine.host.outputs import claim
 from engine.host.prefetch import Prefetch
 from engine.losses import validation_metrics
 from engine.model.adapters import (
+    is_run_dir,
     load_adapter_weights,
     load_checkpoint,
     prepare_out,
@@ -148,27 +149,6 @@ def memory_limit(gib: float) -> Iterator[None]:
         yield
     finally:
         mx.set_memory_limit(before)
-
-
-def is_run_dir(path: Path) -> bool:
-    """Whether ``path`` holds a run an earlier Pomona wrote, before runs carried the mark
-    of engine/host/outputs.py: its summary, an adapter config with Pomona's block, its metrics
-    log or a checkpoint (a run killed early has only some of them)."""
-    from engine.model.adapters import CONFIG_FILE
-
-    def first_json(name: str) -> Any:
-        try:
-            with (path / name).open() as f:
-                return json.loads(f.read() if name.endswith(".json") else f.readline())
-        except (OSError, ValueError):
-            return None
-
-    summary, config, record = (first_json(n) for n in ("summary.json", CONFIG_FILE,
-                                                        "metrics.jsonl"))
-    return ((isinstance(summary, dict) and "trainable_params" in summary)
-            or (isinstance(config, dict) and isinstance(config.get("pomona"), dict))
-            or (isinstance(record, dict) and {"step", "split"} <= record.keys())
-            or any((c / "state.json").is_file() for c in (path / "checkpoints").glob("step_*")))
 
 
 def reference_of(cfg: TrainConfig, ranks: int = 1

@@ -84,7 +84,7 @@ def is_sweep_dir(path: Path) -> bool:
     """Whether ``path`` holds a sweep an earlier Pomona wrote, before sweeps carried the
     mark of engine/host/outputs.py: its results table, a memory sweep's, or a trial's run
     folder (a sweep killed before its first trial finished)."""
-    from engine.train.trainer import is_run_dir
+    from engine.model.adapters import is_run_dir
 
     for name, column in (("results.parquet", "trial_id"), ("memory.parquet", "setting")):
         with contextlib.suppress(OSError, ValueError, pa.ArrowException):
