@@ -1,4 +1,5 @@
-"""Test helper: synthetic rows → tokenized pairs with a model's own tokenizer (raw text)."""
+"""Test helpers: synthetic rows → tokenized pairs with a model's own tokenizer (raw text), and
+a reference log-prob file for a dataset's pair ids."""
 
 from __future__ import annotations
 
@@ -33,3 +34,15 @@ def uncached_copy(data: Path, out: Path) -> Path:
     first = data.read_text().splitlines()[0].replace('"id": "', f'"id": "{uuid.uuid4().hex}-', 1)
     out.write_text(data.read_text() + first + "\n")
     return out
+
+
+def write_reference_for(path: Path, key: str, data: Path, drop: int = 0) -> Path:
+    """A reference file under ``key`` with made-up values for ``data``'s pair ids (all but
+    the last ``drop``): what a user's --reference-logps may hold."""
+    from engine.data.pairs import load_pairs
+    from engine.train.reference_file import write_reference
+
+    pairs = load_pairs(data)
+    ids = [p.id for p in (*pairs.train, *pairs.valid, *pairs.test)]
+    write_reference(path, key, {i: (-10.0, -11.0) for i in ids[: len(ids) - drop]})
+    return path
