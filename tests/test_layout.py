@@ -317,3 +317,13 @@ def test_one_model_setup(package: str) -> None:
         found += [f"{rel} line {line}: {name}" for line, name in setup_calls(path.read_text())
                   if name not in SETUP_ELSEWHERE.get(rel, set())]
     assert not found, "set the model up through engine/train/prepared.py:\n" + "\n".join(found)
+
+
+MAX_LINES = 400  # a file longer than this holds more than one concept (issue 38)
+
+
+@pytest.mark.parametrize("package", ["engine", "tasks", "flows", "benchmarks", "tests"])
+def test_no_file_over_400_lines(package: str) -> None:
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in sorted((ROOT / package).rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert not long, f"over {MAX_LINES} lines (split by concept):\n" + "\n".join(long)
