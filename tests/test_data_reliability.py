@@ -191,7 +191,8 @@ def test_all_rows_bad_is_an_error_even_when_allowed(tiny_model, tmp_path) -> Non
 def test_stale_temporaries_of_a_killed_run_are_removed(tiny_model, tmp_path) -> None:
     """Smaller: a run killed mid-write left its hidden temporary folder behind forever."""
     src, out = jsonl(tmp_path / "s.jsonl", explicit(20)), tmp_path / "ds"
-    code = ("import os, signal\nfrom tasks import dataset_dir\nreal = dataset_dir.pq.write_table\n"
+    code = ("import os, signal\nfrom tasks.data import dataset_dir\n"
+            "real = dataset_dir.pq.write_table\n"
             "def die(*a, **k):\n    real(*a, **k)\n    os.kill(os.getpid(), signal.SIGKILL)\n"
             "dataset_dir.pq.write_table = die\nfrom tasks.data.tokenize import tokenize_dataset\n"
             f"tokenize_dataset({str(src)!r}, {str(tiny_model)!r}, {str(out)!r})\n")

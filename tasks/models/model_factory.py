@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.model.gguf_check import expected_shapes
 from engine.host.outputs import RefusedOutput, entries
 from engine.host.scratch import work_folder
-from tasks.models.model_families import BOS, FAMILIES, IM_END, PAD, SPECIAL_TOKENS, ModelSpec
+from engine.model.gguf_check import expected_shapes
 from tasks.data.synthetic import LAYOUTS, synth_rows
+from tasks.models.model_families import BOS, FAMILIES, IM_END, PAD, SPECIAL_TOKENS, ModelSpec
 
 MARK = "pomona_model.json"  # the spec a model was made from: what makes it Pomona's
 # Everything a model of ours holds (mlx_lm.convert adds the last three when quantizing).
