@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from engine.model.gguf_import import unpermute_qk
+from engine.model.gguf_archs import unpermute_qk
 from flows.cli import app
 
 pytestmark = pytest.mark.unit

@@ -2,8 +2,8 @@
 
 The ``gguf`` package alone reads the file (no torch): its metadata is the config, and each
 tensor is dequantized to float32 (``gguf.quants.dequantize``, every llama.cpp quant type),
-renamed to mlx-lm's names, un-done where llama.cpp's converter changed it (llama's q/k rows
-permuted for its rope; Gemma's norms stored as 1 + w), then cast to the chosen dtype. The
+renamed to mlx-lm's names, un-done where llama.cpp's converter changed it (each
+architecture's rules: engine/model/gguf_archs.py), then cast to the chosen dtype. The
 tokenizer is rebuilt from ``tokenizer.ggml.*`` by transformers' GGUF builders, which need
 ``tokenizers`` only; the chat template is kept when the file has one.
 
@@ -27,6 +27,7 @@ import numpy as np
 
 from engine.host.digests import sha256_file
 from engine.host.scratch import work_folder
+from engine.model.gguf_archs import ARCHS, Arch, gguf_name, hf_name, unpermute_qk
 from engine.model.gguf_check import check_tensors
 from engine.model.gguf_tokenizer import build_tokenizer, fix_tokenizer_class
 
@@ -35,92 +36,6 @@ IMPORTER_VERSION = 2  # part of the cache key: a fix here re-imports cached file
 DTYPES = ("bfloat16", "float16", "float32")
 SHARD_BYTES = 4 << 30
 ProgressFn = Callable[[int, int], None]  # (tensors done, tensors in all)
-
-
-@dataclass(frozen=True)
-class Arch:
-    """How one GGUF ``general.architecture`` maps onto an mlx-lm ``model_type``."""
-
-    model_type: str
-    config: Callable[[dict[str, Any], set[str]], dict[str, Any]]
-    names: dict[str, str]  # GGUF block-tensor stem → mlx-lm name inside the block
-    permute_qk: bool = False  # llama.cpp's LlamaModel.permute of q/k rows (rope layout)
-    norm_offset: float = 0.0  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
-
-
-_BLOCK = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def _common(meta: dict[str, Any], arch: str, tensors: set[str]) -> dict[str, Any]:
-    """The config keys every decoder states, under llama.cpp's names (``arch.key``)."""
-    def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{name}", default)
-        if value is None:
-            raise ValueError(f"GGUF metadata has no {arch}.{name}")
-        return value
-
-    heads = int(key("attention.head_count"))
-    hidden = int(key("embedding_length"))
-    return {
-        "hidden_size": hidden,
-        "num_hidden_layers": int(key("block_count")),
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": int(key("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
-        "max_position_embeddings": int(key("context_length")),
-        "vocab_size": len(meta["tokenizer.ggml.tokens"]),
-        "tie_word_embeddings": "output.weight" not in tensors,
-    }
-
-
-def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
-    kind = meta.get(f"{arch}.rope.scaling.type")
-    if kind in (None, "none"):
-        return None
-    if kind != "linear":
-        raise ValueError(f"GGUF rope scaling {kind!r} is not supported (linear only)")
-    return {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
-
-
-def _llama_config(meta: dict[str, Any], tensors: set[str]) -> dict[str, Any]:
-    if "rope_freqs.weight" in tensors:  # Llama 3.1+'s scaled rope, stored as a tensor
-        raise ValueError("GGUF llama with rope_freqs (Llama 3.1+ rope scaling) is not "
-                         "supported yet; import its Hugging Face checkpoint instead")
-    return {**_common(meta, "llama", tensors), "model_type": "llama",
-            "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
-            "rope_scaling": _rope_scaling(meta, "llama"),
-            "attention_bias": "blk.0.attn_q.bias" in tensors, "mlp_bias": False}
-
-
-def _gemma3_config(meta: dict[str, Any], tensors: set[str]) -> dict[str, Any]:
-    base = _common(meta, "gemma3", tensors)
-    # llama.cpp's fixed Gemma 3 facts: 5 sliding layers to 1 global, local rope base 10k,
-    # and 27B (62 layers) scales queries by hidden/heads where the others use head_dim.
-    big = base["num_hidden_layers"] == 62
-    scalar = base["hidden_size"] // base["num_attention_heads"] if big else base["head_dim"]
-    return {**base, "model_type": "gemma3_text",
-            "rope_theta": float(meta.get("gemma3.rope.freq_base", 1_000_000.0)),
-            "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": scalar,
-            "sliding_window": int(meta["gemma3.attention.sliding_window"]),
-            "sliding_window_pattern": 6, "rope_scaling": _rope_scaling(meta, "gemma3")}
-
-
-ARCHS: dict[str, Arch] = {
-    "llama": Arch("llama", _llama_config,
-                  {**_BLOCK, "attn_norm": "input_layernorm",
-                   "ffn_norm": "post_attention_layernorm"}, permute_qk=True),
-    "gemma3": Arch("gemma3_text", _gemma3_config,
-                   {**_BLOCK, "attn_norm": "input_layernorm",
-                    "post_attention_norm": "post_attention_layernorm",
-                    "ffn_norm": "pre_feedforward_layernorm",
-                    "post_ffw_norm": "post_feedforward_layernorm"}, norm_offset=1.0),
-}
 
 
 def read_metadata(reader: Any) -> dict[str, Any]:
@@ -157,35 +72,6 @@ def _arch_of(meta: dict[str, Any], path: Path) -> Arch:
         raise ValueError(f"{path}: GGUF architecture {name!r} is not supported; supported: "
                          f"{', '.join(sorted(ARCHS))}")
     return ARCHS[name]
-
-
-def hf_name(arch: Arch, name: str) -> str:
-    """mlx-lm's parameter name for GGUF tensor ``name`` (ValueError if it has none)."""
-    stem, _, kind = name.rpartition(".")  # kind: weight or bias
-    if stem in _TOP:
-        return f"{_TOP[stem]}.{kind}"
-    parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in arch.names:
-        return f"model.layers.{parts[1]}.{arch.names[parts[2]]}.{kind}"
-    raise ValueError(f"GGUF tensor {name!r} has no {arch.model_type} counterpart")
-
-
-def gguf_name(arch: Arch, hf: str) -> str:
-    """The GGUF tensor name of mlx-lm parameter ``hf``: ``hf_name``'s inverse."""
-    stem, _, kind = hf.rpartition(".")
-    parts = stem.split(".", 3)
-    block = {v: k for k, v in arch.names.items()}
-    if parts[:2] == ["model", "layers"] and len(parts) == 4 and parts[3] in block:
-        return f"blk.{parts[2]}.{block[parts[3]]}.{kind}"
-    top = {v: k for k, v in _TOP.items()}
-    return f"{top[stem]}.{kind}" if stem in top else hf
-
-
-def unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's ``permute`` of q/k rows, which took each head's rows from rope
-    pairs [d/2, 2] to halves [2, d/2]: read them as [d/2, 2] and swap back."""
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape)
 
 
 def tensor_values(arch: Arch, config: dict[str, Any], tensor: Any) -> np.ndarray:
@@ -312,9 +198,9 @@ def read_gguf(path: Path) -> GGUFModel:
                          f"({type(err).__name__}: {err}); fetch or export it again") from err
     arch = _arch_of(meta, path)
     check_quant_types(list(reader.tensors), path)
-    tensors = [t for t in reader.tensors if t.name != "rope_freqs.weight"]
+    tensors = [t for t in reader.tensors if t.name not in arch.extra]
     try:
-        config = arch.config(meta, {t.name for t in reader.tensors})
+        config = arch.config(meta, {t.name: t for t in reader.tensors})
         names = {t.name: hf_name(arch, t.name) for t in tensors}
     except KeyError as err:
         raise ValueError(f"{path}: GGUF metadata has no {err.args[0]}") from err
