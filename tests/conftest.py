@@ -111,3 +111,12 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory):
         env.setenv("PREFECT_HOME", str(tmp_path_factory.mktemp("prefect")))
         with prefect_test_harness(server_startup_timeout=180):
             yield
+
+
+@pytest.fixture
+def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This test's own cache root (reference files and the file-hash cache): nothing it
+    does reads or writes the user's ``~/.cache``."""
+    root = tmp_path / "xdg-cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(root))
+    return root

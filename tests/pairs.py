@@ -8,6 +8,9 @@ from pathlib import Path
 from engine.data.batch import Pair
 from tasks.data.synthetic import synth_rows
 
+# The reference pass's options in the reference tests: small batches, a bounded head.
+REFERENCE_OPTIONS = {"batch_size": 4, "head_chunk": 16, "prefix_share": "auto"}
+
 
 def tokenized_pairs(model_dir: Path, n: int, seed: int = 0, task: str = "mixed",
                     max_shots: int = 2) -> list[Pair]:

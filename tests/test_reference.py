@@ -37,19 +37,11 @@ from engine.train.reference_file import read_reference
 from engine.train.trainer import train
 from tasks.models.model_factory import init_model
 from tests.conftest import TINY
+from tests.pairs import REFERENCE_OPTIONS as OPTIONS
 from tests.pairs import write_reference_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("private_cache")]
 ROOT = Path(__file__).resolve().parents[1]
-OPTIONS = {"batch_size": 4, "head_chunk": 16, "prefix_share": "auto"}
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """This test's own cache root (reference files and the file-hash cache)."""
-    root = tmp_path / "xdg-cache"
-    monkeypatch.setenv("XDG_CACHE_HOME", str(root))
-    return root
 
 
 def cfg(model: Path, data: Path, out: Path, **kw) -> TrainConfig:

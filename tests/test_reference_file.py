@@ -17,18 +17,10 @@ from engine.train import reference as reference_mod
 from engine.train import reference_file
 from engine.train.reference import ReferenceSpec, cache_dir, compute_reference, ensure_reference
 from engine.train.reference_file import read_reference
+from tests.pairs import REFERENCE_OPTIONS as OPTIONS
 from tests.pairs import write_reference_for
 
-pytestmark = pytest.mark.integration
-OPTIONS = {"batch_size": 4, "head_chunk": 16, "prefix_share": "auto"}
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """This test's own cache root (reference files and the file-hash cache)."""
-    root = tmp_path / "xdg-cache"
-    monkeypatch.setenv("XDG_CACHE_HOME", str(root))
-    return root
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("private_cache")]
 
 
 def test_two_pairs_under_one_id_are_refused_by_name(tiny_model: Path, tiny_data: Path,
