@@ -92,16 +92,3 @@ def test_rope_freqs_are_read_back_into_llama3_scaling(head_dim, base, scaling) -
 def test_rope_freqs_of_another_form_are_refused_naming_why(factors, needle) -> None:
     with pytest.raises(ValueError, match=needle):
         llama3_scaling(factors, 8, 10000.0)
-
-
-def test_an_unknown_family_is_one_line_naming_the_supported(tmp_path: Path) -> None:
-    import gguf
-
-    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "mamba")
-    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file,
-                 w.close):
-        step()
-    with pytest.raises(ValueError) as err:
-        import_gguf(tmp_path / "m.gguf", tmp_path / "out", dtype="float32")
-    assert "'mamba' is not supported" in str(err.value)
-    assert "gemma3, llama, phi3, qwen2, qwen3" in str(err.value)

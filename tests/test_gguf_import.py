@@ -65,7 +65,8 @@ def test_what_the_import_refuses_is_one_line(tmp_path: Path) -> None:
     is not GGUF, an --out that holds files: each one line naming it, nothing written."""
     out = tmp_path / "out"
     line = one_error(str(write_gguf(tmp_path / "m.gguf", "mamba")), "--out", str(out))
-    assert "architecture 'mamba' is not supported" in line and "gemma3, llama" in line
+    assert "architecture 'mamba' is not supported" in line
+    assert "supported: gemma3, llama, phi3, qwen2, qwen3" in line
     line = one_error(str(write_gguf(tmp_path / "q.gguf", "llama", "Q8_1")), "--out", str(out))
     assert "'blk.0.attn_q.weight' is Q8_1" in line
     (tmp_path / "x.gguf").write_bytes(b"not a gguf file at all")
@@ -189,6 +190,15 @@ def test_a_malformed_gguf_is_refused_at_import(broken: dict, field: str, tmp_pat
     assert not (tmp_path / "out").exists()
     assert not list((tmp_path / "cache").rglob("config.json"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "m.gguf"]
+
+
+def test_rope_freqs_of_another_form_are_one_line_naming_the_file(tmp_path: Path) -> None:
+    """A llama GGUF whose rope_freqs is not Llama 3's rope scaling (random values here) is
+    refused before any tensor is converted, in one line naming the file."""
+    path = llama_gguf(tmp_path / "m.gguf", shapes={"rope_freqs.weight": (8,)})
+    line = one_error(str(path), "--out", str(tmp_path / "out"))
+    assert line.startswith(f"error: {path}: rope_freqs") and "Llama 3's rope scaling" in line, line
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_whole_tiny_gguf_imports(tmp_path: Path) -> None:
