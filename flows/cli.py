@@ -180,12 +180,18 @@ def leaderboard_cmd(
     metric: Annotated[str, typer.Option(help="Rank by this validation metric, or by a "
                                              "generation score gen/valid/LABEL (higher "
                                              "better).")] = "val/loss",
-    mode: Annotated[str, typer.Option(help="min or max.")] = "min",
+    mode: Annotated[str | None, typer.Option(
+        help="min or max: the validation metric's direction (default min); a generation "
+             "score ranks higher first.")] = None,
     scorer: Annotated[list[str] | None, typer.Option(
         help="How generations are scored (repeatable): exact, contains, regex:PATTERN, "
-             "task, task:NAME, python:package.module:function.")] = None,
+             "task, task:NAME, python:package.module:function; LABEL=SCORER names its "
+             "metric gen/<split>/LABEL.")] = None,
     generations: Annotated[int, typer.Option(help="Held-out prompts a split to complete "
                                                   "and score (0: none).")] = 64,
+    score_timeout: Annotated[float, typer.Option(
+        help="Seconds one evaluation's scoring may take, all rows and scorers; past it the "
+             "run ends naming the scorer and row.")] = 300.0,
     address: Annotated[str | None, typer.Option(help="Ray address (auto | HOST:PORT).")] = None,
     gpus: Annotated[bool, typer.Option(help="Each evaluation on one GPU.")] = False,
     resource: Annotated[str | None, typer.Option(help="Custom resource per evaluation.")]
@@ -198,23 +204,36 @@ def leaderboard_cmd(
     from flows.pipeline import claim_sweep_dir, leaderboard_flow
     from flows.prefect_ui import ApiGone, prefect_api
     from tasks.board.leaderboard import check_leaderboard_inputs
-    from tasks.eval.generation_eval import GenerationSettings, check_rank_by
+    from tasks.eval.generation_eval import check_rank_by, check_scorers_on_data
 
     check_address(address)
     try:
-        settings = GenerationSettings(**({"scorers": tuple(scorer)} if scorer else {})
-                                      ).with_prompts(generations)
+        settings = leaderboard_settings(scorer, generations, score_timeout)
         if metric.startswith("gen/"):
             check_rank_by(metric, settings)
         check_leaderboard_inputs(sweep_dir, model, str(data), metric, mode)
+        check_scorers_on_data(settings, model, str(data))  # before anything starts or is written
         with claim_sweep_dir(sweep_dir, model, str(data)), prefect_api(sweep_dir):
             summary = leaderboard_flow(str(sweep_dir), model, str(data), metric, mode,
                                        address=address, gpus=gpus, resource=resource,
                                        generations=settings, fuse=fuse)
     except (RefusedOutput, ValueError, FileNotFoundError, ApiGone) as err:
-        raise fail(str(err)) from None
+        raise fail(str(err)) from None  # ScorerError is a ValueError
     console.print(f"leaderboard: {summary['markdown']}; best adapter: "
                   f"{summary['best_adapter']}")
+
+
+def leaderboard_settings(scorers: list[str] | None, generations: int, timeout: float):
+    """The leaderboard's GenerationSettings from its flags (ValueError naming the flag)."""
+    from tasks.eval.generation_eval import GenerationSettings
+
+    if generations < 0:
+        raise ValueError(f"--generations {generations}: expected 0 (no generation) or more "
+                         "held-out prompts a split")
+    if not 0 < timeout < float("inf"):
+        raise ValueError(f"--score-timeout {timeout:g}: expected seconds > 0")
+    return GenerationSettings(**({"scorers": tuple(scorers)} if scorers else {}),
+                              score_timeout_s=timeout).with_prompts(generations)
 
 
 @app.command("serve")

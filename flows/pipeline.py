@@ -122,8 +122,9 @@ def _pipeline(raw: str, model: str, spec: str, out: str, address: str | None, gp
         results = sweep_stage(sweep, out_dir / "sweep", address, gpus, resource)
         if not any(r["status"] == "completed" for r in results):  # nothing to rank: stop here
             return no_trial_completed(results)
-        summary = rank_stage(results, model, data["path"], sweep.ranking, sweep.metric,
-                             sweep.name, out_dir, placement, settings, soup_k, fuse)
+        summary = rank_stage(results, model, data["path"], sweep.ranking,
+                             (sweep.metric, sweep.mode), sweep.name, out_dir, placement,
+                             settings, soup_k, fuse)
     return {**summary, "rows": data["rows"], "tokenize_cache_hit": data["cache_hit"],
             "trials": len(results)}
 
@@ -137,14 +138,17 @@ def no_trial_completed(results: list[dict[str, Any]]) -> State:
 
 
 def rank_stage(results: list[dict[str, Any]], model: str, data: str,
-               ranking: tuple[str, str], metric: str, title: str, out_dir: Path,
-               placement: Placement, generations: GenerationSettings | None = None,
-               soup_k: int = 2, fuse: bool = False) -> dict[str, Any]:
+               ranking: tuple[str, str], trained: tuple[str, str], title: str,
+               out_dir: Path, placement: Placement,
+               generations: GenerationSettings | None = None, soup_k: int = 2,
+               fuse: bool = False) -> dict[str, Any]:
     """Evaluate every completed trial and the base (in parallel, on Ray), soup the top
     ``soup_k`` by ``ranking`` (rank_by, mode), write the leaderboard, export (and
-    optionally fuse) the best adapter; ``metric``: the training metric the plots show."""
+    optionally fuse) the best adapter; ``trained``: the training metric and its mode, which
+    the plots show and which break ties."""
     generations = generations or GenerationSettings()
     rank_by, mode = ranking
+    metric, metric_mode = trained
     done = [r for r in results if r["status"] == "completed"]
     shared = eval_settings(done)  # the base and the soup: what fits every trial's setting
     jobs = {r["trial_id"]: evaluate_task.submit(
@@ -157,7 +161,7 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str,
                                 str(out_dir / "base"), placement, shared)
     evals = {name: job.result() for name, job in jobs.items()}
     base_metrics = base.result()
-    top = [r["adapter"] for r in rank_trials(results, evals, rank_by, mode)
+    top = [r["adapter"] for r in rank_trials(results, evals, rank_by, mode, tie=trained)
            if r.get("rank") and r["rank"] <= soup_k]
     soup = None
     if soup_k >= 2 and len(top) >= 2:
@@ -167,7 +171,7 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str,
                                 shared),
                 "adapter": path}
     summary = aggregate_task(results, evals, base_metrics, ranking, metric, str(out_dir), title,
-                             soup)
+                             soup, metric_mode)
     if fuse and summary["best_adapter"]:
         summary["fused"] = fuse_task(model, summary["best_adapter"], str(out_dir / "best-fused"))
     get_run_logger().info("leaderboard: %s; best adapter: %s", summary["markdown"],
@@ -177,13 +181,14 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str,
 
 @flow(name="pomona-leaderboard", result_serializer="json")
 def leaderboard_flow(sweep_dir: str, model: str, data: str, metric: str = "val/loss",
-                     mode: str = "min", out: str | None = None, address: str | None = None,
+                     mode: str | None = None, out: str | None = None, address: str | None = None,
                      gpus: bool = False, resource: str | None = None,
                      generations: GenerationSettings | int | None = None, soup_k: int = 2,
                      fuse: bool = False) -> dict[str, Any]:
     """Evaluate and rank a finished sweep (``sweep_dir/results.parquet``) on its own, by
-    ``metric`` (a validation metric, or a generation score ``gen/valid/<label>``: then
-    higher is better, whatever ``mode``); ``generations``: the generation settings, or
+    ``metric`` (a validation metric, ``mode`` its direction, min by default; or a generation
+    score ``gen/valid/<label>``: higher is better, ties broken by val/loss);
+    ``generations``: the generation settings, or
     that many prompts a split under the default scorer (None: the defaults)."""
     import pyarrow.parquet as pq
 
@@ -191,10 +196,10 @@ def leaderboard_flow(sweep_dir: str, model: str, data: str, metric: str = "val/l
     out_dir = Path(out) if out else Path(sweep_dir)
     settings = GenerationSettings() if generations is None else as_settings(generations)
     check_scorers_on_data(settings, model, data)
-    ranking = (metric, rank_mode(metric, mode))
-    plotted = metric if metric.startswith("val/") else "val/loss"
+    ranking = (metric, rank_mode(metric, mode or "min"))
+    trained = (metric, mode or "min") if metric.startswith("val/") else ("val/loss", "min")
     with ray_session(address):
-        return rank_stage(results, model, data, ranking, plotted, Path(sweep_dir).name,
+        return rank_stage(results, model, data, ranking, trained, Path(sweep_dir).name,
                           out_dir, Placement(gpus=int(gpus), resource=resource), settings,
                           soup_k, fuse)
 

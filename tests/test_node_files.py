@@ -4,6 +4,7 @@ bytes changed since planning are refused, naming the file; a pull keeps other fi
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,43 @@ def test_the_same_bytes_under_two_names_are_two_copies(tmp_path: Path, cache: Pa
     b = Path(fetch(here[1], local_reader(again)))
     assert (a.name, b.name) == ("ds", "data") and a.parent == b.parent
     assert Bundle.of(a).digest == Bundle.of(b).digest == first.digest
+
+
+def _edit_keeping_stat(path: Path, data: bytes) -> None:
+    """``path``'s bytes rewritten in place, same size, its mtime put back (as
+    ``rsync --inplace -t`` does): only its ctime tells."""
+    st = path.stat()
+    assert len(data) == st.st_size
+    with path.open("r+b") as f:
+        f.write(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (path.stat().st_mtime_ns, path.stat().st_ino) == (st.st_mtime_ns, st.st_ino)
+
+
+def test_bytes_edited_with_their_mtime_restored_are_hashed_again(tmp_path: Path,
+                                                                  private_cache: Path) -> None:
+    """Issue 52, case 4: digests were cached by (size, mtime, inode), so a model edited in
+    place with its mtime restored kept its old digest (the next sweep: "2 cached, 0 to
+    run")."""
+    from engine.host.digests import file_digest, sha256_file
+
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"a" * 4096)
+    before = file_digest(weights)
+    _edit_keeping_stat(weights, b"b" * 4096)
+    assert file_digest(weights) == sha256_file(weights) != before
+
+
+def test_a_cached_copy_tampered_with_is_made_again(tmp_path: Path, cache: Path,
+                                                   private_cache: Path) -> None:
+    """Issue 52, case 4: a copy under $POMONA_CACHE/inputs/<digest>/ changed with its mtime
+    restored was handed to a trial. Each process reads a copy whole before its first use,
+    and the hash cache sees the ctime after that."""
+    source = Bundle.of(_folder(tmp_path / "driver" / "model"))
+    elsewhere = Bundle(str(tmp_path / "node" / "model"), source.files, source.digest, True)
+    got = Path(fetch(elsewhere, local_reader(source)))
+    for _ in range(2):  # once read whole (this process's first use), once from the cache
+        assert Path(fetch(elsewhere, local_reader(source))) == got
+        _edit_keeping_stat(got / "a.bin", b"z" * 1000)
+        assert Path(fetch(elsewhere, local_reader(source))) == got
+        assert (got / "a.bin").read_bytes() == b"a" * 1000, "the tampered copy was used"

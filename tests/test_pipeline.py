@@ -152,3 +152,23 @@ def test_evaluation_fits_where_the_trials_trained() -> None:
     assert eval_settings([a, b]) == EvalSettings(2, 512, "auto")
     assert eval_settings([a, b, c]) == EvalSettings(2, 256, "off")
     assert eval_settings([]) == EvalSettings() == eval_settings([{}])
+
+
+@pytest.mark.unit
+def test_a_spec_without_batch_size_evaluates_at_the_trainers_default(tmp_path) -> None:
+    """Issue 52, case 5: a trial whose spec set no batch_size trained at TrainConfig's
+    default (4) and was evaluated at 8, a batch twice as large as the one that fit. The
+    rows are a spec's points as the sweep's results table writes them (param/ columns)."""
+    from engine.settings.config import TrainConfig
+    from tasks.prefect.pipeline_tasks import eval_settings
+    from tasks.sweep.sweep_spec import load_spec
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("name: s\nmodel: m\ndata: d\nsearch: grid\n"
+                    "grid: {learning_rate: [1.0e-5, 2.0e-5]}\n")
+    rows = [{f"param/{k}": v for k, v in params.items()} for params in load_spec(spec).points()]
+    assert rows and all("param/batch_size" not in r for r in rows)
+    defaults = TrainConfig()
+    got = eval_settings(rows)
+    assert got.batch_size == defaults.batch_size == 4
+    assert (got.head_chunk, got.prefix_share) == (defaults.head_chunk, defaults.prefix_share)

@@ -115,3 +115,33 @@ def test_pomona_sweep_makes_the_reference_before_its_trials(
     path = result.output[made:].split(": ", 1)[1].split()[0]
     key = ReferenceSpec(str(tiny_model), str(data)).key()  # the workers' cache: Ray's env
     assert Path(path).is_file() and Path(path).name == f"{key}.parquet", path
+
+
+def test_edited_log_probs_are_computed_again_or_refused(tiny_model: Path, tiny_data: Path,
+                                                        tmp_path: Path, caplog) -> None:
+    """Issue 52, case 3: ref_chosen_logps shifted by -30 with the key kept was trained on
+    (DPO's first loss 0.0486, not log 2). The cache's file is computed again, saying so; a
+    file the user named is refused in one line."""
+    import logging
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    spec = ReferenceSpec(str(tiny_model), str(tiny_data))
+    target, cached = ensure_reference(spec, options=OPTIONS)
+    assert not cached
+    honest = read_reference(target, spec.key())
+    table = pq.read_table(target)
+    shifted = pa.compute.subtract(table.column("ref_chosen_logps"), 30.0)
+    edited = table.set_column(1, "ref_chosen_logps", shifted)  # the metadata kept
+    pq.write_table(edited.replace_schema_metadata(table.schema.metadata), target)
+    mine = tmp_path / "mine.parquet"
+    pq.write_table(edited.replace_schema_metadata(table.schema.metadata), mine)
+    with pytest.raises(ValueError, match=re.escape(f"{mine}: its log-probs are not the ones "
+                                                   "written with its key")):
+        read_reference(mine, spec.key())
+    with caplog.at_level(logging.WARNING, logger=reference_mod.__name__):
+        assert ensure_reference(spec, options=OPTIONS) == (target, False)
+    assert "are not the ones written with its key" in caplog.text
+    assert "computing it again" in caplog.text
+    assert read_reference(target, spec.key()) == honest

@@ -6,11 +6,20 @@ from __future__ import annotations
 import math
 import sys
 import types
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tasks.eval.intervals import estimate, paired, sign_test, wilson
-from tasks.eval.scorers import ScorerError, parse_scorer, parse_scorers, score
+from tasks.eval.scorers import (
+    ScorerError,
+    parse_scorer,
+    parse_scorers,
+    score,
+    score_rows,
+    scorer_code,
+)
 
 ROW = {"id": "r1", "prompt": "What is 2 + 2?", "chosen": " 4 ", "rejected": "5"}
 
@@ -63,12 +72,16 @@ def test_a_python_scorer_and_every_way_it_can_be_wrong() -> None:
     name = lab_module(half=lambda p, c, row: 0.5 if row["chosen"].strip() in c else 0.0,
                       boom=lambda p, c, row: 1 / 0, nan=lambda p, c, row: math.nan,
                       word=lambda p, c, row: "yes", big=lambda p, c, row: 2.0,
-                      flag=lambda p, c, row: True, const=3)
+                      flag=lambda p, c, row: True, const=3,
+                      np32=lambda p, c, row: np.float32(1.0),
+                      leave=lambda p, c, row: sys.exit(0))
     assert run(f"python:{name}:half", "it is 4") == 0.5
     assert parse_scorer(f"python:{name}:half").label == "half"
+    assert run(f"python:{name}:flag", "4") == 1.0  # a bool is 0/1
+    assert run(f"python:{name}:np32", "4") == 1.0  # numpy's numbers are numbers (issue 52)
     for fn, said in (("boom", "raised ZeroDivisionError"), ("nan", "returned nan"),
                      ("word", "returned 'yes'"), ("big", "returned 2.0"),
-                     ("flag", "returned True")):
+                     ("leave", r"called sys.exit\(0\)")):
         with pytest.raises(ScorerError, match=f"^scorer python:{name}:{fn}: row r1: {said}"):
             run(f"python:{name}:{fn}", "4")
     for bad, said in ((f"python:{name}:missing", "cannot import it"),
@@ -81,6 +94,80 @@ def test_a_python_scorer_and_every_way_it_can_be_wrong() -> None:
             parse_scorer(bad)
     with pytest.raises(ScorerError, match="two are labelled 'exact'"):
         parse_scorers(["exact", "exact"])
+
+
+@pytest.mark.unit
+def test_labels_are_the_users_and_never_the_bookkeepings() -> None:
+    """Issue 52, case 1: a scorer labelled tokens was overwritten by the token count, and
+    the board ranked on it. Reserved labels are refused; LABEL= names a scorer (two
+    regexes side by side)."""
+    name = lab_module(tokens=lambda p, c, row: 1.0, tokens_per_sec=lambda p, c, row: 1.0)
+    for reserved in (f"python:{name}:tokens", f"python:{name}:tokens_per_sec",
+                     "tokens=exact", "tokens_per_sec=regex:x"):
+        with pytest.raises(ScorerError, match=r"is reserved .*label it otherwise"):
+            parse_scorer(reserved)
+    assert parse_scorer(f"count=python:{name}:tokens").label == "count"
+    two = parse_scorers([r"digits=regex:^\d+$", r"eq=regex:a=(\d)"])
+    assert [(s.label, s.arg) for s in two] == [("digits", r"^\d+$"), ("eq", r"a=(\d)")]
+    assert run(r"digits=regex:^\d+$", "4") == 1.0
+    assert parse_scorer(r"regex:x=(\d)").label == "regex"  # a pattern holding "="
+
+
+def module_file(tmp_path: Path, monkeypatch, name: str, source: str) -> str:
+    """A lab's scorer module as a file on sys.path (its source read, its bytes digested)."""
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop(name, None)
+    return name
+
+
+@pytest.mark.unit
+def test_a_module_that_cannot_import_is_one_line(tmp_path, monkeypatch) -> None:
+    """Issue 52, cases 6 and 7: a SyntaxError, any exception or sys.exit at import was a
+    60-line traceback, or an exit 0 with nothing written."""
+    for name, source, said in (
+            ("lab_syntax", "def f(p, c, row)\n    return 1\n",
+             r"SyntaxError: expected ':' at lab_syntax.py:1\)$"),
+            ("lab_raises", "raise RuntimeError('no judge key')\n",
+             r"raised RuntimeError: no judge key\)$"),
+            ("lab_exits", "import sys\nsys.exit(0)\n", r"called sys.exit\(0\)\)$")):
+        module_file(tmp_path, monkeypatch, name, source)
+        with pytest.raises(ScorerError, match=f"^scorer python:{name}:f: cannot import it "
+                                              f"\\({said}") as err:
+            parse_scorer(f"python:{name}:f")
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.unit
+def test_a_scorer_that_never_returns_ends_in_its_time_limit() -> None:
+    """Issue 52, case 8: a scorer that never returned hung the run."""
+    import time
+
+    name = lab_module(stuck=lambda p, c, row: time.sleep(3600),
+                      ok=lambda p, c, row: 1.0)
+    rows = [(ROW["prompt"], "4", {**ROW, "id": f"r{i}"}) for i in range(3)]
+    assert score_rows(parse_scorers([f"python:{name}:ok"]), rows, 5.0) == [{"ok": 1.0}] * 3
+    start = time.monotonic()
+    with pytest.raises(ScorerError, match=f"^scorer python:{name}:stuck: row r0: no score "
+                                          "within 0.5 s \\(evaluation.score_timeout_s"):
+        score_rows(parse_scorers([f"python:{name}:ok", f"python:{name}:stuck"]), rows, 0.5)
+    assert time.monotonic() - start < 2.0
+
+
+@pytest.mark.unit
+def test_the_cache_reads_a_scorers_code(tmp_path, monkeypatch) -> None:
+    """Issue 52, case 2: the evaluation cache keyed on the spec string, so an edited
+    scorer's old scores were reused. The key holds the module's bytes."""
+    from tasks.eval.generation_eval import GenerationSettings
+    from tasks.prefect.pipeline_tasks import generation_key
+
+    name = module_file(tmp_path, monkeypatch, "lab_edited", "def f(p, c, row):\n    return 1.0\n")
+    settings = GenerationSettings(scorers=("exact", f"python:{name}:f"))
+    before = generation_key(settings)
+    assert len(scorer_code([f"python:{name}:f"])) == 1
+    (tmp_path / f"{name}.py").write_text("def f(p, c, row):\n    return 0.0\n")
+    assert generation_key(settings) != before
+    assert generation_key(GenerationSettings()) == generation_key(GenerationSettings())
 
 
 @pytest.mark.unit

@@ -3,9 +3,10 @@ fingerprint.
 
 ``file_digest``: hashing a multi-GB model on every sweep or load would cost minutes, so
 each file's SHA-256 is kept in ``$XDG_CACHE_HOME/pomona/file-hashes.json`` (default
-``~/.cache``) under its resolved path with its size, mtime and inode, and computed again
-only when one of them changes. ``sha256_file`` always reads the bytes (a download or a
-shard checked against its stored hash).
+``~/.cache``) under its resolved path with its size, mtime, inode and ctime, and computed
+again only when one of them changes: ctime because a tool that writes in place and puts
+the mtime back (``rsync --inplace -t``, ``touch -r``) cannot set it. ``sha256_file``
+always reads the bytes (a download or a shard checked against its stored hash).
 
 ``pomona data tokenize`` writes ``tokenizer_hash(model_dir)`` into a dataset's manifest
 (DESIGN.md, the data contract); the trainer, scoring and evaluation compute it again for
@@ -97,10 +98,11 @@ def file_digests(paths: list[Path]) -> list[str]:
 
 
 def file_digest(path: str | Path) -> str:
-    """SHA-256 of ``path``'s bytes, from the cache while its size, mtime and inode hold."""
+    """SHA-256 of ``path``'s bytes, from the cache while its size, mtime, inode and ctime
+    hold."""
     real = Path(path).resolve()  # a Hugging Face snapshot links to content-named blobs
     st = real.stat()
-    stat = [st.st_size, st.st_mtime_ns, st.st_ino]
+    stat = [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
     key = str(real)
     with _lock:
         if not _memory:

@@ -263,10 +263,14 @@ def ensure_reference(spec: ReferenceSpec, path: str | Path | None = None,
         read_reference(path, key)
         return Path(path), True
     target = cache_dir() / f"{key}.parquet"
-    with contextlib.suppress(FileNotFoundError, ValueError):  # no lock: a read-only cache
+    try:  # no lock: a read-only cache
         read_reference(target, key)
         log.info("reference log-probs: cached (%s)", target)
         return target, True
+    except FileNotFoundError:
+        pass
+    except ValueError as err:  # Pomona's own file, edited or damaged: made again, said
+        log.warning("reference log-probs: %s; computing it again", err)
     with _locked(target):
         with contextlib.suppress(FileNotFoundError, ValueError):
             read_reference(target, key)

@@ -1,24 +1,30 @@
 """The reference log-prob file: one Parquet file a reference (engine/train/reference.py),
 columns ``id``, ``ref_chosen_logps``, ``ref_rejected_logps`` and its content key in the schema
 metadata. Written whole, its space claimed before the pass that fills it, and read back only
-when it carries the key asked for and every row is one id and two finite log-probs <= 0 (a
-file edited by hand is refused naming the file, the column and the row).
+when it carries the key asked for, every row is one id and two finite log-probs <= 0 (a
+file edited by hand is refused naming the file, the column and the row), and its columns
+still have the digest written beside the key (values edited with the key kept would train
+against a reference nobody computed: engine/train/reference.py computes the cache's file
+again, saying so; a file the user named is refused).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import math
 import os
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from engine.host.atomic import write_atomic
 
 KEY_FIELD = b"pomona_reference_key"
+DIGEST_FIELD = b"pomona_reference_sha256"  # of the columns' values, in row order
 COLUMNS = ("id", "ref_chosen_logps", "ref_rejected_logps")
 
 
@@ -28,8 +34,32 @@ def write_reference(path: Path, key: str, refs: dict[str, tuple[float, float]]) 
     table = pa.table({"id": ids,
                       "ref_chosen_logps": pa.array([refs[i][0] for i in ids], pa.float32()),
                       "ref_rejected_logps": pa.array([refs[i][1] for i in ids], pa.float32())})
-    table = table.replace_schema_metadata({KEY_FIELD: key.encode()})
+    table = table.replace_schema_metadata({KEY_FIELD: key.encode(),
+                                            DIGEST_FIELD: values_digest(table).encode()})
     write_atomic(path, lambda tmp: pq.write_table(table, tmp))
+
+
+def values_digest(table: pa.Table) -> str:
+    """SHA-256 of the ids and of both log-prob columns as little-endian float32, row by
+    row (what a read returns, whatever the file's float width)."""
+    h = hashlib.sha256("\0".join(table.column("id").to_pylist()).encode())
+    for name in COLUMNS[1:]:
+        values = table.column(name).cast(pa.float32()).to_numpy(zero_copy_only=False)
+        h.update(np.ascontiguousarray(values, dtype="<f4").tobytes())
+    return h.hexdigest()
+
+
+def check_digest(path: Path, table: pa.Table) -> None:
+    """ValueError naming ``path`` unless its columns have the digest written with them."""
+    stored = (table.schema.metadata or {}).get(DIGEST_FIELD, b"").decode()
+    if not stored:
+        raise ValueError(f"{path}: no digest of its log-probs (written by another tool or "
+                         "an older Pomona), so nothing says they are the reference's; "
+                         "recompute the file")
+    if stored != values_digest(table):
+        raise ValueError(f"{path}: its log-probs are not the ones written with its key "
+                         f"(their digest is {values_digest(table)[:12]}…, the file says "
+                         f"{stored[:12]}…): edited since; recompute the file")
 
 
 def reserve(path: Path, size: int = 1 << 20) -> None:
@@ -86,6 +116,7 @@ def read_reference(path: str | Path, key: str) -> dict[str, tuple[float, float]]
     if bad is not None:
         raise ValueError(f"{path}: reference log-probs of pair {bad!r} are positive "
                          f"({refs[bad]}); log-probs are <= 0: recompute the file")
+    check_digest(path, table)
     return refs
 
 

@@ -29,8 +29,9 @@ import pyarrow.parquet as pq
 
 from engine.host.atomic import atomic_write_text, write_atomic
 from engine.host.outputs import RefusedOutput
-from engine.losses import shared_metrics
+from engine.losses import LOSSES, shared_metrics, validation_metrics
 from engine.model.source import source_kind
+from engine.settings.config import DEFAULT_LOSS
 from engine.settings.ranking import MODES, rank_key
 from tasks.board.ranked_metric import metric_value
 from tasks.board.results_table import write_results
@@ -44,16 +45,20 @@ EVAL_COLUMNS = ("eval/valid/logps/accuracies", "eval/test/logps/accuracies",
 
 def rank_trials(results: list[dict[str, Any]], evals: dict[str, dict[str, Any]], metric: str,
                 mode: str, base: dict[str, Any] | None = None,
-                soup: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Trials with their evaluations, ranked (1 = best); unranked ones after; then the
-    soup (no training metric of its own: read its eval columns) and the base model."""
+                soup: dict[str, Any] | None = None,
+                tie: tuple[str, str] = ("val/loss", "min")) -> list[dict[str, Any]]:
+    """Trials with their evaluations, ranked (1 = best), equal ones by the training metric
+    ``tie`` (metric, mode: a generation score of 64 prompts ties often); unranked ones
+    after; then the soup (no training metric of its own: read its eval columns) and the
+    base model."""
     rows = [_held_out_check({**r, **evals.get(r["trial_id"], {})}) for r in results]
 
     def score(r: dict[str, Any]) -> float:
         return rank_key(metric_value(r, metric), mode)
 
     done = [r for r in rows if r["status"] == "completed"]
-    ranked = sorted((r for r in done if math.isfinite(score(r))), key=score)
+    ranked = sorted((r for r in done if math.isfinite(score(r))),
+                    key=lambda r: (score(r), rank_key(metric_value(r, tie[0]), tie[1])))
     for i, r in enumerate(ranked, 1):
         r["rank"] = i
     # A completed trial without the metric (an empty valid split) has nothing to rank by.
@@ -78,7 +83,7 @@ def _held_out_check(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_leaderboard_inputs(sweep_dir: Path, model: str, data: str, metric: str,
-                            mode: str) -> None:
+                            mode: str | None) -> None:
     """Raise ValueError or FileNotFoundError (one line, naming the path or option) unless
     ``sweep_dir`` holds a finished sweep's results and ``data`` has rows to evaluate on:
     before any cluster or flow starts."""
@@ -91,19 +96,41 @@ def check_leaderboard_inputs(sweep_dir: Path, model: str, data: str, metric: str
         raise ValueError(f"--metric {metric!r}: expected a validation metric such as "
                          "val/loss or val/rewards/accuracies, or a generation score "
                          "gen/valid/<scorer label>")
-    if mode not in MODES:
+    if mode is not None and mode not in MODES:
         raise ValueError(f"--mode {mode!r}: expected min or max")
+    if mode == "min" and metric.startswith("gen/"):
+        raise ValueError(f"--mode min: {metric} is a score, ranked higher first; leave "
+                         "--mode out")
     losses = {r for r in pq.read_table(Path(sweep_dir) / "results.parquet").to_pydict()
               .get("param/loss", []) if r}
-    shared = shared_metrics(losses)
-    if len(losses) > 1 and metric.startswith("val/") and metric not in shared:  # own scales
-        raise ValueError(f"--metric {metric}: not comparable across the sweep's losses "
-                         f"{sorted(losses)}; rank on one of {', '.join(shared)}")
+    if metric.startswith("val/"):
+        check_reported(metric, losses)
     source_kind(model)  # a local path that is not there; a repo id is mlx-lm's
     if not Path(data).exists():
         raise FileNotFoundError(f"--data {data}: no such dataset")
     if (problem := held_out_problem(data)) is not None:
         raise ValueError(problem)
+
+
+def check_reported(metric: str, losses: set[str]) -> None:
+    """A validation ``metric`` the sweep's ``losses`` report, on one scale (ValueError);
+    an unknown one would rank nothing and overwrite the board."""
+    shared = shared_metrics(losses)
+    if len(losses) > 1 and metric not in shared:  # each loss's own scale
+        raise ValueError(f"--metric {metric}: not comparable across the sweep's losses "
+                         f"{sorted(losses)}; rank on one of {', '.join(shared)}")
+    for loss in sorted(losses or {DEFAULT_LOSS.kind}):
+        if loss in LOSSES and metric not in (names := validation_metrics(LOSSES[loss]())):
+            raise ValueError(f"--metric {metric}: the sweep's loss {loss} does not report "
+                             f"it; it reports {', '.join(names)}")
+
+
+def ranked_on(metric: str) -> str:
+    """The board's first words: what it ranked on."""
+    if metric.startswith("gen/"):
+        return (f"Ranked on {metric} (a generation score on the valid split, higher first; "
+                "ties by the training metric)")
+    return f"Ranked on validation ({metric}, its best in training)"
 
 
 def why_unranked(rows: list[dict[str, Any]], metric: str) -> str | None:
@@ -147,8 +174,8 @@ def markdown(rows: list[dict[str, Any]], metric: str, title: str) -> str:
              _num(r.get("peak_memory_gb"), 2), _num(r.get("tokens_per_sec"), 0),
              _num(r.get("duration_s"), 0), *(str(r.get(p, "")) for p in params)]
             for r in rows]
-    intro = (f"Ranked on validation ({metric}, its best in training); eval/test/* is the test "
-             "split, which no choice read: the number to report.")
+    intro = (f"{ranked_on(metric)}; eval/test/* is the test split, which no choice read: "
+             "the number to report.")
     return _page(title, intro, cols, body, rows)
 
 
@@ -199,7 +226,7 @@ def compact_markdown(rows: list[dict[str, Any]], metric: str, title: str) -> str
     counts = "; ".join(f"{what}{n}" for what, n in (
         ("test acc: preference (chosen beats rejected)", _n(rows, "eval/test/rows")),
         *((f"test {x}: answers scored by {x}", _n(rows, f"gen/test/{x}/n")) for x in labels)))
-    intro = (f"Ranked on validation ({metric}); the test split, which no choice read, gives "
+    intro = (f"{ranked_on(metric)}; the test split, which no choice read, gives "
              f"the numbers to report, each a mean [95 % interval] ({counts}). Every "
              "column: leaderboard.md.")
     return _page(title, intro, cols, body, rows) + versus_base(rows)

@@ -21,10 +21,10 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from tasks.eval.intervals import estimate
-from tasks.eval.scorers import parse_scorers, score
+from tasks.eval.scorers import parse_scorers, score_rows
 
 DEFAULTS = {"scorers": ("exact",), "valid_prompts": 64, "test_prompts": 64,
-            "max_tokens": 32, "batch_size": 32}
+            "max_tokens": 32, "batch_size": 32, "score_timeout_s": 300.0}
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,9 @@ class GenerationSettings:
     test_prompts: int = DEFAULTS["test_prompts"]
     max_tokens: int = DEFAULTS["max_tokens"]
     batch_size: int = DEFAULTS["batch_size"]
+    # One evaluation's scoring, all rows and scorers, in seconds: a scorer that hangs (an
+    # unreachable judge) ends the evaluation in one line instead of holding the sweep.
+    score_timeout_s: float = DEFAULTS["score_timeout_s"]
 
     def __post_init__(self) -> None:
         parse_scorers(list(self.scorers))  # importable, labels distinct
@@ -48,6 +51,11 @@ class GenerationSettings:
                 self.batch_size < 1):
             raise ValueError(f"evaluation.batch_size={self.batch_size!r}: expected an "
                              "integer >= 1")
+        limit = self.score_timeout_s
+        if isinstance(limit, bool) or not isinstance(limit, int | float) or not (
+                0 < limit < float("inf")):
+            raise ValueError(f"evaluation.score_timeout_s={limit!r}: expected a number of "
+                             "seconds > 0")
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -142,11 +150,12 @@ def generation_metrics(model, tokenizer, pairs_by_split: dict[str, list],
             continue
         done = greedy_batch(model, tokenizer, [p.prompt for p in chosen],
                             settings.max_tokens, settings.batch_size)
-        scored = []
-        for pair, completion in zip(chosen, done.texts, strict=True):
-            row = decoded_row(tokenizer, pair, split)
-            values = {s.label: score(s, row["prompt"], completion, row) for s in scorers}
-            scored.append({**row, "generated": completion, "scores": values})
+        rows_ = [decoded_row(tokenizer, pair, split) for pair in chosen]
+        values = score_rows(scorers, [(r["prompt"], c, r)
+                                      for r, c in zip(rows_, done.texts, strict=True)],
+                            settings.score_timeout_s)
+        scored = [{**row, "generated": completion, "scores": v}
+                  for row, completion, v in zip(rows_, done.texts, values, strict=True)]
         rows += scored
         metrics.update(split_columns(split, scored, scorers))
         metrics[f"gen/{split}/tokens"] = done.generated
@@ -171,10 +180,10 @@ def split_columns(split: str, scored: list[dict], scorers) -> dict[str, Any]:
 def check_scorers(settings: GenerationSettings, rows: list[dict[str, Any]]) -> None:
     """Each scorer tried on ``rows`` (decoded held-out rows) with the chosen response as
     the completion, before a sweep starts: a scorer that raises, or returns NaN or a
-    non-number, is a ScorerError naming it and the row now, not after hours of trials."""
-    for s in parse_scorers(list(settings.scorers)):
-        for row in rows:
-            score(s, row["prompt"], row["chosen"], row)
+    non-number, or hangs past ``score_timeout_s``, is a ScorerError naming it and the row
+    now, not after hours of trials."""
+    score_rows(parse_scorers(list(settings.scorers)),
+               [(row["prompt"], row["chosen"], row) for row in rows], settings.score_timeout_s)
 
 
 def check_scorers_on_data(settings: GenerationSettings, model: str, data: str,

@@ -10,7 +10,9 @@ A node uses ``bundle.path`` as it is when it holds the same bytes there (a share
 the driver's own node); otherwise the bytes come from the driver's ``FileServer`` in chunks
 of ``CHUNK`` (Ray's object store is capped at 2 GiB on macOS) into
 ``cache_root()/inputs/<digest>/``, once per digest per node (a file lock), each file checked
-against its SHA-256 and the folder renamed into place whole. A file that no longer has the
+against its SHA-256 and the folder renamed into place whole; a cached copy is read whole
+again the first time each process uses it (``copy_holds``), and made again when its bytes
+changed. A file that no longer has the
 bytes the sweep planned with is refused (``InputChanged``), naming it: a trial never trains
 on a stale or replaced copy. Dotfiles (locks, marks) are not content. Ray is imported only
 where an actor is made.
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.host.digests import file_digest
+from engine.host.digests import file_digest, sha256_file
 
 CHUNK = 16 << 20  # bytes a read returns: bounded, well under macOS's 2 GiB object store
 Reader = Callable[[str, int, int], bytes]  # (relative path, offset, length) -> bytes
@@ -153,7 +155,7 @@ def fetch(bundle: Bundle, read: Reader) -> str:
     root = cache_root() / "inputs" / bundle.digest
     target = root / Path(bundle.path).name
     with _locked(root.with_name(f".{bundle.digest}.lock")):
-        if target.exists() and Bundle.of(str(target)).digest == bundle.digest:
+        if target.exists() and copy_holds(target, bundle):
             return str(target)
         if target.exists():  # a copy that no longer checks out: Pomona's own, made again
             shutil.rmtree(target) if target.is_dir() else target.unlink()
@@ -169,6 +171,29 @@ def fetch(bundle: Bundle, read: Reader) -> str:
             with contextlib.suppress(OSError):
                 root.rmdir()  # only when empty: a fetch that failed leaves nothing
     return str(target)
+
+
+_read_here: set[tuple[str, str]] = set()  # (copy, digest) whose bytes this process read
+
+
+def copy_holds(copy: Path, bundle: Bundle) -> bool:
+    """Whether the cached ``copy`` still holds ``bundle``'s bytes: read whole the first
+    time a process uses it (an edit that kept size, mtime and inode would pass the hash
+    cache's stat check on a file system with a coarse ctime), from the hash cache after."""
+    key = (str(copy), bundle.digest)
+    if key in _read_here:
+        return Bundle.of(str(copy)).digest == bundle.digest
+    try:
+        files = [(rel, (copy / rel if bundle.folder else copy).stat().st_size,
+                  sha256_file(copy / rel if bundle.folder else copy))
+                 for rel, _, _ in bundle.files]
+    except OSError:
+        return False
+    same = tuple(files) == bundle.files and (
+        not bundle.folder or len(_listing(copy)) == len(bundle.files))
+    if same:
+        _read_here.add(key)
+    return same
 
 
 def copy_checked(read: Reader, rel: str, size: int, sha: str, dest: Path, shown: Path

@@ -23,6 +23,7 @@ from engine.host.digests import file_digest
 from engine.losses import LossSpec
 from engine.model.adapters import ADAPTER_FILE, CONFIG_FILE, trained_reference
 from engine.model.content_key import adapter_fingerprint, model_fingerprint
+from engine.settings.config import TrainConfig
 from engine.settings.reference_kind import adapter_path
 from tasks.board.leaderboard import (
     answer_samples,
@@ -40,6 +41,7 @@ from tasks.data.tokenize import tokenize_dataset
 from tasks.data.tokenize_options import TokenizeOptions
 from tasks.eval.evaluate import evaluate_on_node
 from tasks.eval.generation_eval import GenerationSettings, as_settings
+from tasks.eval.scorers import ScorerError, scorer_code
 from tasks.nodes.placement import Placement
 from tasks.nodes.trial_inputs import SweepFiles
 from tasks.sweep.run import CODE_VERSION, data_fingerprint
@@ -77,14 +79,25 @@ def preprocess_task(path: str) -> dict[str, Any]:
     return {"saved_fraction": report.saved_fraction}
 
 
+_TRAINED = TrainConfig()  # the defaults a trial trained at where its spec set nothing
+
+
 @dataclasses.dataclass(frozen=True)
 class EvalSettings:
-    """How an evaluation runs: batch size, LM-head chunk (0 = dense), prefix sharing."""
+    """How an evaluation runs: batch size, LM-head chunk (0 = dense), prefix sharing;
+    by default what a trial trains at (TrainConfig's defaults)."""
 
-    batch_size: int = 8
-    head_chunk: int = 0
-    prefix_share: str = "auto"
-    allow_tokenizer_mismatch: bool = False  # as the trials were allowed (engine/data/data_fit.py)
+    batch_size: int = _TRAINED.batch_size
+    head_chunk: int = _TRAINED.head_chunk
+    prefix_share: str = _TRAINED.prefix_share
+    allow_tokenizer_mismatch: bool = _TRAINED.allow_tokenizer_mismatch  # engine/data/data_fit.py
+
+
+def trained_setting(row: dict[str, Any], name: str) -> Any:
+    """The ``name`` a trial trained at: its ``param/`` column where the spec set it, else
+    TrainConfig's default (the column holds only what the spec set)."""
+    value = row.get(f"param/{name}")
+    return getattr(_TRAINED, name) if value is None else value
 
 
 def eval_settings(rows: list[dict[str, Any]]) -> EvalSettings:
@@ -95,19 +108,21 @@ def eval_settings(rows: list[dict[str, Any]]) -> EvalSettings:
     tokenizer mismatch allowed if any trial was allowed one."""
     if not rows:
         return EvalSettings()
-    chunks = [int(r.get("param/head_chunk") or 0) for r in rows]
-    shares = {r.get("param/prefix_share") or "auto" for r in rows}
-    return EvalSettings(batch_size=min(int(r.get("param/batch_size") or 8) for r in rows),
+    chunks = [int(trained_setting(r, "head_chunk")) for r in rows]
+    shares = {trained_setting(r, "prefix_share") for r in rows}
+    return EvalSettings(batch_size=min(int(trained_setting(r, "batch_size")) for r in rows),
                         head_chunk=min((c for c in chunks if c > 0), default=0),
                         prefix_share="off" if "off" in shares else
                         "on" if shares == {"on"} else "auto",
-                        allow_tokenizer_mismatch=any(r.get("param/allow_tokenizer_mismatch")
-                                                     for r in rows))
+                        allow_tokenizer_mismatch=any(
+                            trained_setting(r, "allow_tokenizer_mismatch") for r in rows))
 
 
-def _settings(generations: GenerationSettings | int | None) -> Any:
-    """The generation budget as the cache key reads it."""
-    return dataclasses.asdict(as_settings(generations))
+def generation_key(generations: GenerationSettings | int | None) -> Any:
+    """The generation budget as the cache key reads it, with each ``python:`` scorer's
+    module bytes (an edited scorer scores again; the spec string alone kept old scores)."""
+    settings = as_settings(generations)
+    return {**dataclasses.asdict(settings), "scorer_code": scorer_code(list(settings.scorers))}
 
 
 def evaluation_key(context: Any, inputs: dict[str, Any]) -> str:
@@ -122,12 +137,32 @@ def evaluation_key(context: Any, inputs: dict[str, Any]) -> str:
     body = json.dumps([model_fingerprint(inputs["model"]), weights, trained, reference,
                        data_fingerprint(inputs["data"]),
                        loss.to_dict() if loss else None,
-                       _settings(inputs["generations"]), inputs["out"], CODE_VERSION])
+                       generation_key(inputs["generations"]), inputs["out"], CODE_VERSION])
     return "evaluate-" + hashlib.sha256(body.encode()).hexdigest()[:24]
 
 
+def retry_evaluation(task: Any, task_run: Any, state: State) -> bool:
+    """Retry an evaluation that a node lost, never a scorer's mistake (it would fail the
+    same way again, three tracebacks later)."""
+    try:
+        state.result()
+    except ScorerError:
+        return False
+    except BaseException:  # whatever else failed (a node, a worker): worth a retry
+        return True
+    return True
+
+
+def scorers_error(err: BaseException) -> ScorerError | None:
+    """The ScorerError a Ray task raised, unwrapped (its text alone: no traceback, no ANSI
+    colour), or None when the task failed otherwise."""
+    cause = getattr(err, "cause", None)
+    return ScorerError(str(cause)) if isinstance(cause, ScorerError) else None
+
+
 @task(cache_key_fn=evaluation_key, persist_result=True, result_serializer="json", retries=2,
-      retry_delay_seconds=5, task_run_name="evaluate-{name}")
+      retry_delay_seconds=5, task_run_name="evaluate-{name}",
+      retry_condition_fn=retry_evaluation)
 def evaluate_task(name: str, model: str, adapter: str | None, data: str,
                   loss: LossSpec | None, generations: GenerationSettings | int | None,
                   out: str, placement: Placement,
@@ -143,11 +178,15 @@ def evaluate_task(name: str, model: str, adapter: str | None, data: str,
     inputs = SweepFiles().for_paths({k: v for k, v in paths.items()
                                      if v and Path(v).exists()})
     remote = placement.fresh_task(evaluate_on_node)
-    metrics = ray.get(remote.remote(inputs, model, adapter, data, loss, generations,
-                                    batch_size=settings.batch_size,
-                                    head_chunk=settings.head_chunk,
-                                    prefix_share=settings.prefix_share,
-                                    allow_tokenizer_mismatch=settings.allow_tokenizer_mismatch))
+    try:
+        metrics = ray.get(remote.remote(
+            inputs, model, adapter, data, loss, generations, batch_size=settings.batch_size,
+            head_chunk=settings.head_chunk, prefix_share=settings.prefix_share,
+            allow_tokenizer_mismatch=settings.allow_tokenizer_mismatch))
+    except ray.exceptions.RayTaskError as err:
+        if (mistake := scorers_error(err)) is not None:
+            raise mistake from None
+        raise
     if "generations_text" in metrics:  # the driver alone writes its outputs
         path = Path(out) / "generations.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -186,14 +225,16 @@ def board_artifacts(rows: list[dict[str, Any]], metric: str, title: str, figures
 @task(cache_policy=NO_CACHE, persist_result=False)
 def aggregate_task(results: list[dict[str, Any]], evals: dict[str, dict[str, Any]],
                    base: dict[str, Any], ranking: tuple[str, str], metric: str, out: str,
-                   title: str, soup: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Rank by ``ranking`` (rank_by, mode), write leaderboard.parquet/.md, export the best
-    adapter, publish the board (its compact columns and plots, then every column in a
-    second artifact) and a table of held-out answers, base beside best; the plots show
+                   title: str, soup: dict[str, Any] | None = None,
+                   metric_mode: str = "min") -> dict[str, Any]:
+    """Rank by ``ranking`` (rank_by, mode), ties by the training ``metric`` (its
+    ``metric_mode``), write leaderboard.parquet/.md (naming what it ranked on), export the
+    best adapter, publish the board (its compact columns and plots, then every column in
+    a second artifact) and a table of held-out answers, base beside best; the plots show
     the training ``metric``."""
     rank_by, mode = ranking
-    rows = rank_trials(results, evals, rank_by, mode, base, soup)
-    parquet, md = write_leaderboard(rows, Path(out), metric, title)
+    rows = rank_trials(results, evals, rank_by, mode, base, soup, tie=(metric, metric_mode))
+    parquet, md = write_leaderboard(rows, Path(out), rank_by, title)
     best = export_best(rows, Path(out))
     plots = Path(out) / "plots"
     trials = [r for r in rows if r["status"] not in ("baseline", "soup")]
