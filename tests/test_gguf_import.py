@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -103,21 +104,23 @@ def test_fetch_refuses_bad_options_before_any_download(monkeypatch, tmp_path: Pa
 
 
 def llama_gguf(path: Path, layers: int = 2, block_count: int | None = None,
-               skip: tuple[str, ...] = (), shapes: dict | None = None) -> Path:
+               skip: tuple[str, ...] = (), shapes: dict | None = None,
+               meta: dict[str, Any] | None = None, values: dict | None = None) -> Path:
     """A complete tiny llama GGUF (hidden 32, vocab 64) that imports, made broken on demand:
     ``block_count`` stated apart from ``layers``, tensors in ``skip`` left out, ``shapes``
-    overriding a tensor's shape."""
+    overriding a tensor's shape, ``meta`` a key's value (None: left out), ``values`` a
+    tensor's values."""
     import gguf
 
     hidden, ffn, vocab = 32, 64, 64
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(layers if block_count is None else block_count)
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(2)
-    w.add_head_count_kv(2)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_context_length(128)
+    keys = {"llama.block_count": layers if block_count is None else block_count,
+            "llama.embedding_length": hidden, "llama.feed_forward_length": ffn,
+            "llama.attention.head_count": 2, "llama.attention.head_count_kv": 2,
+            "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.context_length": 128}
+    for key, value in {**keys, **(meta or {})}.items():
+        if value is not None:
+            w.add_key_value(key, value, _value_type(value))
     w.add_tokenizer_model("gpt2")
     w.add_token_list([chr(97 + i % 26) * (1 + i // 26) for i in range(vocab)])
     w.add_token_types([1] * vocab)
@@ -134,14 +137,27 @@ def llama_gguf(path: Path, layers: int = 2, block_count: int | None = None,
                             ("ffn_norm", (hidden,))):
             tensors[f"blk.{i}.{stem}.weight"] = shape
     tensors.update(shapes or {})
+    tensors.update({n: np.shape(v) for n, v in (values or {}).items()})
     rng = np.random.default_rng(0)
     for name, shape in tensors.items():
         if name not in skip:
-            w.add_tensor(name, rng.normal(size=shape).astype(np.float32))
+            given = (values or {}).get(name)
+            w.add_tensor(name, rng.normal(size=shape).astype(np.float32) if given is None
+                         else np.asarray(given, np.float32))
     for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file,
                  w.close):
         step()
     return path
+
+
+def _value_type(value: Any) -> Any:
+    import gguf
+
+    if isinstance(value, str):
+        return gguf.GGUFValueType.STRING
+    if isinstance(value, float):
+        return gguf.GGUFValueType.FLOAT32
+    return gguf.GGUFValueType.UINT32 if value >= 0 else gguf.GGUFValueType.INT32
 
 
 def test_a_gguf_cut_short_is_one_line_in_every_verb(tmp_path: Path, monkeypatch) -> None:

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from engine.model.gguf_meta import Keys, check_dimensions
+
 
 @dataclass(frozen=True)
 class Arch:
@@ -45,28 +47,35 @@ ROPE_FREQS = "rope_freqs.weight"
 
 
 def _common(meta: dict[str, Any], arch: str, tensors: dict[str, Any]) -> dict[str, Any]:
-    """The config keys every decoder states, under llama.cpp's names (``arch.key``)."""
-    def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{name}", default)
-        if value is None:
-            raise ValueError(f"GGUF metadata has no {arch}.{name}")
-        return value
-
-    heads = int(key("attention.head_count"))
-    hidden = int(key("embedding_length"))
-    return {
+    """The config keys every decoder states, under llama.cpp's names (``arch.key``), each
+    checked (engine/model/gguf_meta.py) before anything is built from it."""
+    keys = Keys(meta, arch)
+    heads = keys.count("attention.head_count")
+    hidden = keys.count("embedding_length")
+    kv = keys.count("attention.head_count_kv", heads)
+    if heads % kv:
+        raise ValueError(f"{arch}.attention.head_count_kv is {kv}, which does not divide "
+                         f"{arch}.attention.head_count {heads}; the file is damaged: "
+                         "re-export it")
+    if f"{arch}.attention.key_length" not in meta and hidden < heads:
+        raise ValueError(f"{arch}.attention.head_count is {heads}, more than "
+                         f"{arch}.embedding_length {hidden} (and no attention.key_length "
+                         "states the head size); the file is damaged: re-export it")
+    config = {
         "hidden_size": hidden,
-        "num_hidden_layers": int(key("block_count")),
-        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": keys.count("block_count"),
+        "intermediate_size": keys.count("feed_forward_length"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": int(key("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
-        "max_position_embeddings": int(key("context_length")),
+        "num_key_value_heads": kv,
+        "head_dim": keys.count("attention.key_length", hidden // heads),
+        "rms_norm_eps": keys.real("attention.layer_norm_rms_epsilon"),
+        "max_position_embeddings": keys.count("context_length"),
         "vocab_size": len(meta["tokenizer.ggml.tokens"]),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "rope_theta": keys.real("rope.freq_base", 10000.0),
     }
+    check_dimensions(arch, config, tensors)
+    return config
 
 
 def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
@@ -75,7 +84,7 @@ def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
         return None
     if kind != "linear":
         raise ValueError(f"GGUF rope scaling {kind!r} is not supported (linear only)")
-    return {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+    return {"rope_type": "linear", "factor": Keys(meta, arch).real("rope.scaling.factor")}
 
 
 def llama3_factors(head_dim: int, base: float, scaling: dict[str, Any]) -> np.ndarray:
@@ -103,9 +112,12 @@ def llama3_scaling(factors: np.ndarray, head_dim: int, base: float) -> dict[str,
     ``rope_freqs``), or ValueError when they do not follow that form. The smooth band fixes
     only old/low and old/high (the wavelength bounds), so low_freq_factor is taken as 1."""
     factors = np.asarray(factors, np.float64).reshape(-1)
-    if factors.shape != (head_dim // 2,) or not np.isfinite(factors).all():
+    if factors.shape != (head_dim // 2,):
         raise ValueError(f"rope_freqs holds {factors.size} values, the rope needs "
                          f"{head_dim // 2}: not Llama 3's rope scaling")
+    if not np.isfinite(factors).all():
+        raise ValueError(f"tensor 'rope_freqs.weight' holds {(~np.isfinite(factors)).sum()} "
+                         "NaN or infinite values; the file is damaged: re-export it")
     if np.allclose(factors, 1.0):
         return None
     wavelens = 2 * math.pi * base ** (np.arange(0, head_dim, 2) / head_dim)
@@ -167,24 +179,24 @@ def _phi3_config(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any
     if "rope_factors_long.weight" in tensors:
         raise ValueError("GGUF phi3 with rope_factors_long (LongRoPE, the 128k models) is "
                          "not supported yet; import its Hugging Face checkpoint instead")
-    base = _common(meta, "phi3", tensors)
-    rope_dims = int(meta.get("phi3.rope.dimension_count", base["head_dim"]))
+    base, keys = _common(meta, "phi3", tensors), Keys(meta, "phi3")
+    rope_dims = keys.count("rope.dimension_count", base["head_dim"], high=base["head_dim"])
     return {**base, "model_type": "phi3", "partial_rotary_factor": rope_dims / base["head_dim"],
-            "original_max_position_embeddings": int(meta.get(
-                "phi3.rope.scaling.original_context_length", base["max_position_embeddings"])),
+            "original_max_position_embeddings": keys.count(
+                "rope.scaling.original_context_length", base["max_position_embeddings"]),
             "rope_scaling": None}
 
 
 def _gemma3_config(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
-    base = _common(meta, "gemma3", tensors)
+    base, keys = _common(meta, "gemma3", tensors), Keys(meta, "gemma3")
     # llama.cpp's fixed Gemma 3 facts: 5 sliding layers to 1 global, local rope base 10k,
     # and 27B (62 layers) scales queries by hidden/heads where the others use head_dim.
     big = base["num_hidden_layers"] == 62
     scalar = base["hidden_size"] // base["num_attention_heads"] if big else base["head_dim"]
     return {**base, "model_type": "gemma3_text",
-            "rope_theta": float(meta.get("gemma3.rope.freq_base", 1_000_000.0)),
+            "rope_theta": keys.real("rope.freq_base", 1_000_000.0),
             "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": scalar,
-            "sliding_window": int(meta["gemma3.attention.sliding_window"]),
+            "sliding_window": keys.count("attention.sliding_window"),
             "sliding_window_pattern": 6, "rope_scaling": _rope_scaling(meta, "gemma3")}
 
 
@@ -210,7 +222,8 @@ def hf_name(arch: Arch, name: str) -> str:
     if stem in _TOP:
         return f"{_TOP[stem]}.{kind}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in arch.names:
+    if (len(parts) == 3 and parts[0] == "blk" and parts[1].isdecimal()
+            and str(int(parts[1])) == parts[1] and parts[2] in arch.names):
         return f"model.layers.{parts[1]}.{arch.names[parts[2]]}.{kind}"
     raise ValueError(f"GGUF tensor {name!r} has no {arch.model_type} counterpart")
 

@@ -1,10 +1,12 @@
 """A GGUF's tensors checked against the config its metadata states, before any is converted.
 
-A file whose ``block_count`` says 3 but holds 2 layers, that lacks a tensor, holds one of
-the wrong shape, or states no layers at all would import and fail only at load, naming no
-file. mlx-lm's own model class, built lazily from the config (no weights are made), says
-which parameters of which shapes the model needs; every difference is refused here in one
-line naming the file and the tensor or field.
+A file whose ``block_count`` says 3 but holds 2 layers, that lacks a tensor or holds one of
+the wrong shape would import and fail only at load, naming no file. The layers the tensor
+names hold are compared with ``block_count`` first (``check_blocks``: the model is built at
+the stated depth, so 200,000 layers must be refused before it); then mlx-lm's own model
+class, built lazily from the config (no weights are made), says which parameters of which
+shapes the model needs; every difference is refused here in one line naming the file and
+the tensor or field.
 """
 
 from __future__ import annotations
@@ -31,15 +33,35 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def check_blocks(path: Path, layers: int, found: dict[str, tuple[int, ...]],
+                 gguf_name: Callable[[str], str]) -> None:
+    """ValueError, one line naming ``path``, unless ``found``'s layer tensors fill every
+    block 0 … ``layers`` − 1: read from the names alone, before any model is built (one of
+    block_count 200000 over 2 blocks took 23 GB). Blocks beyond are ``check_tensors``': the
+    model it builds is then no deeper than the file's own tensors."""
+    blocks: dict[int, list[str]] = {}
+    for name in found:
+        parts = name.split(".")
+        if parts[1:2] == ["layers"]:
+            blocks.setdefault(int(parts[2]), []).append(name)
+    if not blocks:
+        raise ValueError(f"{path}: the metadata says block_count {layers}, but the file "
+                         "holds no blk.* tensors; the file is damaged or cut: re-export it")
+    held = sum(i < layers for i in blocks)
+    if held < layers:
+        gap = next(i for i in range(layers) if i not in blocks)
+        like = blocks[min(blocks)]  # a present block's tensors, renamed to the gap's
+        first = min(f"model.layers.{gap}.{n.split('.', 3)[3]}" for n in like)
+        _missing(path, first, len(like) * (layers - held), layers, gguf_name)
+
+
 def check_tensors(path: Path, config: dict[str, Any], found: dict[str, tuple[int, ...]],
                   gguf_name: Callable[[str], str]) -> None:
     """ValueError, one line naming ``path``, unless ``found`` (mlx-lm name -> shape as
     imported) is exactly the tensors ``config`` needs. ``gguf_name``: an mlx-lm name's
     GGUF tensor name, for the message."""
     layers = config["num_hidden_layers"]
-    if layers < 1:
-        raise ValueError(f"{path}: block_count is {layers}; a model needs at least one layer. "
-                         "The file is damaged or not a decoder: re-export it")
+    check_blocks(path, layers, found, gguf_name)  # before building a model of that depth
     expected = expected_shapes(config)
     for name, shape in found.items():
         want = expected.get(name)
@@ -53,13 +75,16 @@ def check_tensors(path: Path, config: dict[str, Any], found: dict[str, tuple[int
                              "damaged: re-export it")
     missing = sorted(set(expected) - set(found), key=_layer_order)
     if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ValueError(f"{path}: tensor {gguf_name(missing[0])!r}{more} is missing: the "
-                         f"metadata says block_count {layers}; the file is damaged or cut: "
-                         "re-export it")
+        _missing(path, missing[0], len(missing), layers, gguf_name)
+
+
+def _missing(path: Path, first: str, count: int, layers: int,
+             gguf_name: Callable[[str], str]) -> None:
+    more = f" (and {count - 1} more)" if count > 1 else ""
+    raise ValueError(f"{path}: tensor {gguf_name(first)!r}{more} is missing: the metadata "
+                     f"says block_count {layers}; the file is damaged or cut: re-export it")
 
 
 def _layer_order(name: str) -> tuple[int, str]:
     parts = name.split(".")
     return (int(parts[2]) if parts[1:2] == ["layers"] else -1, name)
-
