@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from engine.host.cache import CacheRootError, check_cache_root
 from engine.host.parsers import OneLineParser, command_parser
 from engine.losses import LOSSES, OWNERS, LossSpec
 from engine.settings.config import CHOICES, TrainConfig
@@ -288,4 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         args, rest = command_parser("python -m engine", COMMANDS, USAGE).parse_known_args(argv)
     except SystemExit as done:  # --help (0) or a missing/unknown command (2): a return code
         return int(done.code or 0)
+    try:
+        check_cache_root()  # a bad $POMONA_CACHE: one line now, not a traceback mid-run
+    except CacheRootError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return {"train": run_train, "score": run_score}[args.command](rest)

@@ -33,9 +33,16 @@ app.add_typer(data_app, name="data")
 
 
 @app.callback()
-def prefect_defaults() -> None:
+def before_any_verb() -> None:
     """Before any verb (never at import: a program that imports the CLI keeps its
-    environment), Prefect's defaults for a lab: what the user set wins."""
+    environment): the cache root checked (a bad $POMONA_CACHE is one line now, not a
+    traceback once Ray runs), and Prefect's defaults for a lab: what the user set wins."""
+    from engine.host.cache import CacheRootError, check_cache_root
+
+    try:
+        check_cache_root()
+    except CacheRootError as err:
+        raise fail(str(err)) from None
     # A lab network has no route out, and the temporary server's telemetry writer raced
     # the flow for its SQLite database ("database is locked" tracebacks in the demo).
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

@@ -102,6 +102,23 @@ def test_a_board_ranked_on_a_generation_score_picks_another_trial() -> None:
 
 
 @pytest.mark.unit
+def test_a_board_ranked_on_a_score_names_it_and_breaks_ties_by_training() -> None:
+    """Issue 52, case 14: ranked by gen/valid/LABEL the board said "Ranked on validation
+    (val/loss…)", and trials tied on the score came in any order."""
+    from tasks.board.leaderboard import compact_markdown, markdown, rank_trials
+
+    results = [{"trial_id": t, "status": "completed", "adapter": t, "best/val/loss": loss}
+               for t, loss in (("a", 0.9), ("b", 0.4), ("c", 0.6))]
+    evals = {t: {"gen/valid/exact": 0.5} for t in "abc"}
+    board = rank_trials(results, evals, "gen/valid/exact", "max", tie=("val/loss", "min"))
+    assert [r["trial_id"] for r in board] == ["b", "c", "a"]
+    for page in (markdown(board, "gen/valid/exact", "t"),
+                 compact_markdown(board, "gen/valid/exact", "t")):
+        assert "Ranked on gen/valid/exact" in page and "validation (val/loss" not in page
+    assert "| gen/valid/exact |" in markdown(board, "gen/valid/exact", "t")
+
+
+@pytest.mark.unit
 def test_spec_checks_ranking_and_budget() -> None:
     from tasks.sweep.sweep_spec import SpecError, parse_spec
 

@@ -31,7 +31,7 @@ def test_a_folder_is_used_in_place_where_its_bytes_are(tmp_path: Path, cache: Pa
     assert [f[0] for f in bundle.files] == ["a.bin", "sub/b.txt"]  # dotfiles are no content
     assert holds(bundle)
     assert fetch(bundle, local_reader(bundle)) == bundle.path
-    assert not cache.exists()  # nothing copied
+    assert not (cache / "inputs").exists()  # nothing copied (the hash cache lies beside)
 
 
 def test_a_node_without_the_bytes_gets_a_checked_copy_once(tmp_path: Path,

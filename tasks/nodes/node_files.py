@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.host.cache import cache_root
 from engine.host.digests import file_digest, sha256_file
 
 CHUNK = 16 << 20  # bytes a read returns: bounded, well under macOS's 2 GiB object store
@@ -40,14 +41,6 @@ Reader = Callable[[str, int, int], bytes]  # (relative path, offset, length) -> 
 
 class InputChanged(RuntimeError):
     """A file's bytes differ from the digest a trial was planned with."""
-
-
-def cache_root() -> Path:
-    """This node's Pomona cache (``$POMONA_CACHE``, else ``$XDG_CACHE_HOME/pomona``, else
-    ``~/.cache/pomona``)."""
-    if os.environ.get("POMONA_CACHE"):
-        return Path(os.environ["POMONA_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pomona"
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from tasks.nodes.node_files import cache_root
+from engine.host.cache import cache_root
 from tasks.nodes.placement import Placement
 
 PACKAGES = ("engine", "tasks", "flows")  # Pomona's code: what a worker imports

@@ -23,10 +23,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from engine.host.cache import cache_root
 from engine.host.scratch import process_alive
 from engine.settings.config import TrainConfig
 from engine.settings.reference_kind import adapter_path
-from tasks.nodes.node_files import Bundle, cache_root, fetch, file_server, server_reader
+from tasks.nodes.node_files import Bundle, fetch, file_server, server_reader
 
 FIELDS = ("model", "data", "warm_start", "reference", "reference_logps")  # paths a trial reads
 SKIP_OUTPUTS = ("checkpoints",)  # resume state stays on the node; a retry starts afresh
