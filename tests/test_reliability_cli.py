@@ -65,6 +65,24 @@ def test_train_config_mistakes_are_one_line(tmp_path: Path) -> None:
         assert message in line, line
 
 
+def test_flags_merge_over_the_config_before_it_is_checked(tmp_path: Path) -> None:
+    """Issue 52, case 16: kto_beta in --config with --loss kto on the command line was
+    refused as "this run's loss is orpo": the file was checked before the flags, which
+    the help says override it, were merged."""
+    from engine.cli import config_from_args
+
+    config = tmp_path / "kto.yaml"
+    config.write_text("kto_beta: 0.25\nsteps: 3\n")
+    cfg = config_from_args(["--config", str(config), "--loss", "kto", "--model", "m"])
+    assert (cfg.loss.kind, cfg.loss.kto_beta, cfg.steps) == ("kto", 0.25, 3)
+    line = one_error("train", "--config", str(config), "--loss", "kto", "--model", "m",
+                     "--data", str(tmp_path / "no-data"))
+    assert "this run's loss" not in line and "no-data: no such dataset" in line, line
+    line = one_error("train", "--config", str(config), "--loss", "cpo", "--model", "m",
+                     "--data", "d")
+    assert f"{config}: kto_beta: a setting of loss kto, and this run's loss is cpo" in line
+
+
 def test_sweep_spec_mistakes_are_one_line_before_ray_starts(tmp_path: Path) -> None:
     """The issue's grid [3.0e-4, .nan, 1e-4] ran every trial and then lost them all with a
     traceback; a missing model path let every trial fail one by one. Would catch: a spec

@@ -226,8 +226,11 @@ class TrainConfig:
             raise ValueError(f"{path}: expected a mapping of config fields, got "
                              f"{type(data).__name__}")
         data = {str(k): v for k, v in data.items()}
+        # Merged first, then checked: the file's keys under the loss the run ends up with
+        # (kto_beta in the file and --loss kto on the command line is a KTO run).
+        loss = {"loss": overrides["loss"]} if "loss" in overrides else {}
         try:
-            cls().replace(**data)
+            cls().replace(**{**data, **loss})
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
         return cls().replace(**{**data, **overrides})  # one replace: the loss, then its own
