@@ -31,7 +31,12 @@ from flows.sweep_flow import sweep_stage
 from tasks.board.leaderboard import rank_trials
 from tasks.board.ranked_metric import rank_mode
 from tasks.data.tokenize_options import TokenizeOptions
-from tasks.eval.generation_eval import GenerationSettings, as_settings, check_scorers_on_data
+from tasks.eval.generation_eval import (
+    GenerationSettings,
+    as_settings,
+    check_scorers_on_data,
+    check_scorers_on_raw,
+)
 from tasks.nodes.placement import Placement
 from tasks.prefect.pipeline_tasks import (
     aggregate_task,
@@ -76,14 +81,16 @@ def check_pipeline_inputs(raw: str, model: str, spec: str, out: str | None = Non
                           generations: int | None = None) -> None:
     """Every input of ``pipeline`` (and its ``out``) checked before the flow starts, so a
     user's mistake is one line naming the file or key (SpecError, FileNotFoundError,
-    RefusedOutput, ValueError for ``generations`` below 0), not a failed flow run."""
+    RefusedOutput, ValueError for ``generations`` below 0, ScorerError for a scorer that
+    fails on the raw data's first rows), not a failed flow run."""
     if generations is not None and generations < 0:
         raise ValueError(f"--generations {generations}: expected 0 (no generation) or more "
                          "held-out prompts a split")
-    load_spec(spec)
+    settings = load_spec(spec).evaluation.with_prompts(generations)
     if not Path(raw).exists():
         raise FileNotFoundError(f"raw preference data not found: {raw}")
     source_kind(model)  # a local path that is not there; a repo id is mlx-lm's
+    check_scorers_on_raw(settings, raw)  # a ScorerError (a ValueError) before any server
     if out is not None:
         with claim_pipeline(out, raw, model, spec):
             pass  # the flow claims it again while it runs

@@ -107,6 +107,24 @@ def test_scorers_that_exit_or_hang_and_boards_that_rank_nothing_are_one_line(
     assert tree(sweep) == before
 
 
+def test_the_pipeline_checks_its_scorers_before_its_flow(sweep: Path, tiny_model: Path,
+                                                        tmp_path: Path) -> None:
+    """The scorer pre-check low item: `pomona pipeline` tried its scorers inside the flow,
+    after a Prefect server had started and a traceback had come first. Now on the raw
+    data's first rows, before anything starts: one line, no --out made."""
+    from tasks.data.synthetic import synth_rows, write_rows
+
+    raw = write_rows(list(synth_rows("sort", 20, seed=0)), tmp_path / "raw.jsonl")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("name: s\nmodel: m\ndata: d\n"
+                    "evaluation: {scorers: [python:lab_scorers52:leaves]}\n")
+    out = tmp_path / "out"
+    line = one_line(CliRunner().invoke(app, ["pipeline", str(raw), str(tiny_model),
+                                             str(spec), "--out", str(out)]))
+    assert "scorer python:lab_scorers52:leaves: row" in line and "sys.exit(0)" in line, line
+    assert not out.exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("scorer", "said"), [
     ("judge", "raised ValueError: the judge is down"),

@@ -18,6 +18,7 @@ budget of 0 prompts turns it off (no columns, nothing divided by zero).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 from tasks.eval.intervals import estimate
@@ -202,3 +203,24 @@ def check_scorers_on_data(settings: GenerationSettings, model: str, data: str,
     held_out = [decoded_row(tokenizer, p, split) for split in ("valid", "test")
                 for p in pairs.split(split)[: min(rows, settings.prompts(split))]]
     check_scorers(settings, held_out)
+
+
+def check_scorers_on_raw(settings: GenerationSettings, raw: str, rows: int = 32) -> None:
+    """``check_scorers`` on the first ``rows`` valid pairs of raw preference data, as text:
+    the pipeline's check before its flow starts (its tokenized rows exist only inside the
+    flow), so a broken scorer starts no server and no cluster."""
+    if not settings.on:
+        return
+    from tasks.data.preference_rows import Conversation, read_conversations
+
+    def text(part: Any) -> str:
+        return part if isinstance(part, str) else "\n".join(m["content"] for m in part)
+
+    held: list[dict[str, Any]] = []
+    for item in read_conversations(Path(raw)):
+        if isinstance(item, Conversation):
+            held.append({"id": item.id, "prompt": text(item.prompt),
+                         "chosen": text(item.chosen), "rejected": text(item.rejected)})
+            if len(held) == rows:
+                break
+    check_scorers(settings, held)
