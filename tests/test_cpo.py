@@ -78,8 +78,9 @@ def test_cpo_equals_trls_maths(loss_type: str, beta: float, alpha: float,
                                smoothing: float) -> None:
     lp, resp, nll = batch(sum(map(ord, loss_type)) + int(beta * 10))
     b = len(lp) // 2
+    gamma = {"cpo_simpo_gamma": 1.4} if loss_type == "simpo" else {}  # only simpo reads it
     spec = spec_of("cpo", "response", cpo_beta=beta, cpo_alpha=alpha,
-                   cpo_label_smoothing=smoothing, cpo_loss_type=loss_type, cpo_simpo_gamma=1.4)
+                   cpo_label_smoothing=smoothing, cpo_loss_type=loss_type, **gamma)
     loss, sums = pair_loss(mx.array(lp), mx.array(resp), mx.array(nll), spec,
                            Norms(float(nll.sum()), float(b)))
     want, metrics = trl_cpo(lp, resp, nll, beta, alpha, smoothing, loss_type, 1.4)
@@ -115,6 +116,22 @@ def test_bad_cpo_settings_are_refused_by_name() -> None:
                      ({"cpo_loss_type": "hinge", "cpo_label_smoothing": 0.1}, "no label")):
         with pytest.raises(ValueError, match=why):
             spec_of("cpo", **bad)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo"])
+def test_a_simpo_gamma_where_no_loss_type_reads_it_is_refused(loss_type: str) -> None:
+    """cpo_simpo_gamma set away from its default (TRL's 0.5) on a loss type that never reads
+    it, or set below 0, is one line naming it; the default passes with every loss type
+    (nothing says whether 0.5 was typed or defaulted, and it changes nothing there)."""
+    with pytest.raises(ValueError, match=f"cpo_simpo_gamma=1.0 with loss type {loss_type}"):
+        spec_of("cpo", cpo_loss_type=loss_type, cpo_simpo_gamma=1.0)
+    kept = spec_of("cpo", cpo_loss_type=loss_type, cpo_simpo_gamma=0.5)  # the default
+    assert kept.loss.fields()["cpo_simpo_gamma"] == 0.5
+    with pytest.raises(ValueError, match=r"cpo_simpo_gamma=-0\.5: must be >= 0"):
+        spec_of("cpo", cpo_loss_type="simpo", cpo_simpo_gamma=-0.5)
+    no_margin = spec_of("cpo", cpo_loss_type="simpo", cpo_simpo_gamma=0.0)  # SimPO's ablation
+    assert no_margin.loss.fields()["cpo_simpo_gamma"] == 0.0
 
 
 @pytest.mark.integration

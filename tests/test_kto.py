@@ -149,6 +149,35 @@ def test_bad_kto_settings_are_refused_by_name() -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.usefixtures("private_cache")
+def test_a_split_of_one_pair_is_said_to_be_its_own_kl_partner(
+        tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A KTO run on a train split of one pair read that pair as its own KL partner (its KL
+    point is then the pair itself, not a mismatched one) and said nothing; through training's
+    own path (reference pass, partners, one step) it is now one warning naming the split,
+    and none for the valid split of two pairs."""
+    import logging
+
+    from engine.data.pairs import write_pairs_jsonl
+    from engine.settings.config import TrainConfig
+    from engine.train.trainer import train
+    from tests.pairs import tokenized_pairs
+
+    pairs = tokenized_pairs(tiny_model, 3, seed=4, task="sort")
+    data = write_pairs_jsonl(pairs[:1], tmp_path / "one.jsonl", split="train")
+    valid = write_pairs_jsonl(pairs[1:], tmp_path / "v.jsonl", split="valid")
+    with data.open("a") as f:
+        f.write(valid.read_text())
+    cfg = TrainConfig().replace(model=str(tiny_model), data=str(data), out=str(tmp_path / "o"),
+                                loss="kto", steps=1, batch_size=1, lora_rank=4, val_every=0)
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        train(cfg)
+    said = [r.getMessage() for r in caplog.records if "KL partner" in r.getMessage()]
+    assert len(said) == 1 and "train split" in said[0] and "\n" not in said[0], said
+    assert "reads the pair itself" in said[0]
+
+
+@pytest.mark.integration
 def test_the_kl_point_spans_the_optimizer_batch(tiny_model: Path) -> None:
     """Two micro-batches of two pairs equal one of four (grad_accum): one KL point over the
     whole optimizer batch, not one per micro-batch."""

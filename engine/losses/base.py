@@ -112,6 +112,20 @@ def check_smoothing(name: str, eps: float, loss_type: str, smoothed: tuple[str, 
                          "smoothing; drop one of them")
 
 
+# β ≥ this keeps IPO's target margin 1/(2β) ≤ 5e5 nats a token, beyond any margin of mean
+# log-probs, with the loss (≤ ~2.5e11) and its gradient far inside float32, also squared in
+# the grad norm; β = 1e-30 made the first step's loss inf.
+IPO_MIN_BETA = 1e-6
+
+
+def check_ipo_beta(name: str, beta: float, loss_type: str) -> None:
+    """ValueError naming ``name`` when loss type ipo's target margin 1/(2β) is out of reach."""
+    if loss_type == "ipo" and beta < IPO_MIN_BETA:
+        raise ValueError(f"{name}={beta:g} with loss type ipo: its target margin 1/(2β) = "
+                         f"{1 / (2 * beta):.3g} cannot be trained on in float32; use "
+                         f"{name} >= {IPO_MIN_BETA:g}")
+
+
 def setting(default: Any, help: str, **rules: Any) -> Any:
     """A loss field: its default, its help (the CLI's) and its rules, checked by
     ``LossSettings``: ``minimum`` (≥), ``above`` (>), ``below`` (<), ``choices``."""

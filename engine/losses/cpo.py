@@ -4,8 +4,8 @@ chosen NLL added (weight ``cpo_alpha``; TRL's span is nll_span response).
 logits = Sw − Sr on SUMMED response log-probs (sigmoid, hinge), or ℓw − ℓr on mean ones
 (ipo, simpo: TRL's ``average_log_prob``);
 sigmoid: −(1−ε)·log σ(β·logits) − ε·log σ(−β·logits)      (CPO Eq. 3; ε label smoothing);
-simpo:   the same on logits − γ/β                          (SimPO Eq. 6, TRL's CPO-SimPO);
-hinge:   max(0, 1 − β·logits);  ipo: (logits − 1/(2β))²   (IPO Eq. 17);
+simpo:   the same on logits − γ/β, γ ≥ 0                   (SimPO Eq. 6, TRL's CPO-SimPO);
+hinge:   max(0, 1 − β·logits);  ipo: (logits − 1/(2β))²   (IPO Eq. 17; β ≥ 1e-6);
 L = mean(losses) + cpo_alpha·NLL; rewards β·logps, as TRL logs them. TRL's AlphaPO reward
 transform (``alpha``) is not offered.
 """
@@ -20,6 +20,7 @@ import engine.losses.base as base
 from engine.losses.base import LossSettings, PairLogps, PairTerms, label_smoothing, setting
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
+SIMPO_GAMMA = 0.5  # TRL's default
 
 
 @dataclass(frozen=True)
@@ -36,12 +37,19 @@ class Cpo(LossSettings):
     cpo_loss_type: str = setting("sigmoid", "CPO: sigmoid or hinge on summed log-probs, ipo "
                                             "or simpo on mean ones (TRL's loss_type).",
                                  choices=LOSS_TYPES)
-    cpo_simpo_gamma: float = setting(0.5, "CPO simpo: the target margin γ (TRL's "
-                                          "simpo_gamma).")
+    cpo_simpo_gamma: float = setting(SIMPO_GAMMA, "CPO simpo: the target margin γ >= 0 "
+                                                  "(TRL's simpo_gamma).", minimum=0)
 
     def check(self) -> None:
         base.check_smoothing("cpo_label_smoothing", self.cpo_label_smoothing, self.cpo_loss_type,
                         ("sigmoid", "simpo"))
+        base.check_ipo_beta("cpo_beta", self.cpo_beta, self.cpo_loss_type)
+        # TRL's default γ is not 0, so only a γ moved off it can be a mistake: an untouched
+        # one passes with every loss type (nothing tells a typed 0.5 from the default).
+        gamma = self.cpo_simpo_gamma
+        if self.cpo_loss_type != "simpo" and gamma != SIMPO_GAMMA:
+            raise ValueError(f"cpo_simpo_gamma={gamma} with loss type {self.cpo_loss_type}: "
+                             "only loss type simpo reads it; drop one of them")
 
     @property
     def nll_weight(self) -> float:
@@ -56,7 +64,7 @@ class Cpo(LossSettings):
         elif self.cpo_loss_type == "ipo":
             losses = (logits - 1 / (2 * beta)) ** 2
         else:
-            if self.cpo_loss_type == "simpo":
-                logits = logits - self.cpo_simpo_gamma / beta
-            losses = base.smoothed_sigmoid(beta * logits, self.cpo_label_smoothing)
+            # β·(logits − γ/β) as β·logits − γ: the same, and no γ/β to overflow float32
+            gamma = self.cpo_simpo_gamma if self.cpo_loss_type == "simpo" else 0.0
+            losses = base.smoothed_sigmoid(beta * logits - gamma, self.cpo_label_smoothing)
         return PairTerms(losses, beta * pc, beta * pr, logps=(pc, pr))

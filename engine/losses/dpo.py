@@ -4,7 +4,7 @@ log-probs, as TRL's DPOTrainer ``dpo_loss``.
 z = (Sw − Sr) − (Rw − Rr) on SUMMED response log-probs S and their reference values R
 (IPO: both length-averaged, as TRL divides them);
 sigmoid: L = mean(−(1−ε)·log σ(βz) − ε·log σ(−βz))  (Eq. 7; ε = label smoothing, cDPO);
-ipo:     L = mean((z − 1/(2β))²)                     (IPO Eq. 17);
+ipo:     L = mean((z − 1/(2β))²)                     (IPO Eq. 17; β ≥ 1e-6);
 rewards β·(S − R); the NLL term is TRL's ``rpo_alpha`` (its span: nll_span response).
 """
 
@@ -36,6 +36,7 @@ class Dpo(AgainstReference):
     def check(self) -> None:
         base.check_smoothing("dpo_label_smoothing", self.dpo_label_smoothing, self.dpo_loss_type,
                         ("sigmoid",))
+        base.check_ipo_beta("dpo_beta", self.dpo_beta, self.dpo_loss_type)
 
     @property
     def nll_weight(self) -> float:

@@ -312,5 +312,9 @@ def attach_reference(pairs: Any, spec: ReferenceSpec, path: str | Path | None = 
     for split in ("train", "valid", "test"):
         setattr(pairs, split, with_reference(getattr(pairs, split), refs, where))
         if spec.kl:
+            if len(getattr(pairs, split)) == 1:  # kl_partners has no other pair to offset to
+                log.warning("KTO: the %s split of %s holds a single pair, so it is its own KL "
+                            "partner: the KL reference point then reads the pair itself, not "
+                            "a mismatched one; give the split more pairs", split, spec.data)
             setattr(pairs, split, with_partners(getattr(pairs, split), refs, where))
     return where
