@@ -3,6 +3,7 @@ display (trials done / running / failed, best so far), print the results table."
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -144,8 +145,26 @@ def results_table(spec: SweepSpec, rows: list[dict[str, Any]], out: Path) -> Tab
                       f"{r['best_val_accuracy']:.3f}" if r.get("best_val_accuracy") else "-",
                       f"{r['tokens_per_sec']:,.0f}" if r.get("tokens_per_sec") else "-",
                       f"{r['peak_memory_gb']:.2f}" if r.get("peak_memory_gb") else "-",
-                      "cached" if r.get("skipped") else (r.get("reason") or "")[:60])
+                      trial_note(r))
     return table
+
+
+def trial_note(row: dict[str, Any], width: int = 100) -> str:
+    """A row's note: ``cached``, or its reason's first line, cut to ``width``. A refused
+    point's reason opens with its id and params' JSON (tasks/sweep/sweep_spec.py, ``plan``),
+    which the row's own columns hold: the note starts at the rule it broke."""
+    if row.get("skipped"):
+        return "cached"
+    reason = str(row.get("reason") or "")
+    head = f"trial {row.get('trial_id')} "
+    if reason.startswith(head + "{"):
+        try:
+            _, end = json.JSONDecoder().raw_decode(reason, len(head))
+            reason = reason[end:].removeprefix(": ")
+        except ValueError:
+            pass  # not the params after all: the reason whole
+    line = next(iter(reason.strip().splitlines()), "")
+    return line if len(line) <= width else line[:width - 1] + "…"
 
 
 def memory_table(rows: list[dict[str, Any]], out: Path) -> Table:

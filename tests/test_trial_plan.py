@@ -162,3 +162,31 @@ def test_optuna_choices_keep_their_values_and_a_bad_point_is_one_row(monkeypatch
     assert len(told) == 4 and all(state == "fail" for _, _, state in told)
     [row] = source.reused
     assert row["status"] == "failed" and row["param/mlp_chunk"] == 64
+
+
+@pytest.mark.unit
+def test_a_failed_trial_s_note_is_its_reason_not_its_params(tmp_path: Path) -> None:
+    """The trials table's note of a refused point was the first 60 characters of its
+    reason, all of them the trial's id and params' JSON; a crash's note ran over lines.
+    Would catch: the rule cut off behind the params, or a note of more than one line."""
+    import io
+
+    from rich.console import Console
+
+    from flows.sweep_cli import results_table
+    from tasks.sweep.sweep_spec import PlanError, trial_id
+
+    spec = parse_spec({"name": "x", "model": "m", "data": "d",
+                       "grid": {"mlp_chunk": [0, 64], "lora_dropout": [0.0, 0.1]}})
+    params = {"mlp_chunk": 64, "lora_dropout": 0.1, "lora_rank": 16}
+    with pytest.raises(PlanError) as err:  # the row tasks/sweep/run.py makes of it
+        spec.plan(params, tmp_path)
+    refused = {"trial_id": trial_id(params), "status": "failed", "reason": str(err.value)}
+    crashed = {"trial_id": "t-1", "status": "failed",
+               "reason": "RuntimeError: out of memory\nwhile allocating 3 GB"}
+    console = Console(file=io.StringIO(), width=300)
+    console.print(results_table(spec, [refused, crashed], tmp_path))
+    text = console.file.getvalue()
+    assert "mlp_chunk with lora_dropout > 0: masks would differ from the unchunked path" in text
+    assert '"lora_rank"' not in text and "RuntimeError: out of memory" in text
+    assert "while allocating" not in text, text

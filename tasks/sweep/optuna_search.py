@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tasks.sweep.sweep_spec import Dist, PlanError, SweepSpec, trial_id
+from tasks.sweep.spec_values import Dist
+from tasks.sweep.sweep_spec import PlanError, SweepSpec, trial_id
 from tasks.sweep.trial import Summary
 from tasks.sweep.trial_plan import AUTO, TrialPlan, param_columns, parse_auto
 

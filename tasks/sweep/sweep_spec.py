@@ -26,28 +26,28 @@
 Every error names the key and file that is wrong. Parameter names are TrainConfig fields
 (``loss`` too: a search over it ranks on a metric every loss shares, ACROSS_LOSSES);
 ``segment_size: auto`` is allowed with a ``memory_budget_gb`` (``AUTO`` in the plans,
-resolved per trial from a memory probe: tasks/sweep/memory_probe.py).
+resolved per trial from a memory probe: tasks/sweep/memory_probe.py). Each trial takes its
+own loss's settings and is listed once. A rule across fields that every trial breaks is
+refused when the spec is read; a grid point that alone breaks one is a failed row.
 Distributions: ``choice: [..]``, ``uniform: [lo, hi]``, ``loguniform: [lo, hi]``,
 ``int: [lo, hi]`` (inclusive).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import itertools
 import json
 import logging
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from engine.losses import OWNERS
-from engine.settings.config import TrainConfig, field_type
 from engine.settings.ranking import MODES
 from tasks.board.ranked_metric import rank_mode
 from tasks.eval.generation_eval import GenerationSettings, check_rank_by, parse_generation
@@ -58,42 +58,34 @@ from tasks.sweep.spec_rules import (
     check_ranks,
     pruning_of,
 )
-from tasks.sweep.trial_plan import AUTO, TrialPlan, parse_auto
+from tasks.sweep.spec_values import (
+    Dist,
+    check_param,
+    check_value,
+    distinct,
+    number_of,
+    space_dist,
+)
+from tasks.sweep.trial_plan import AUTO, TrialPlan, own_loss_fields
 
-KINDS = ("choice", "uniform", "loguniform", "int")
 SEARCHES = ("grid", "random", "optuna")
 HUGE_SWEEP = 1000  # trials: more is warned of at planning time
+LISTABLE = 100_000  # grid points × draws: ``size`` lists (µs each) up to this many to count
+TRIES = 10_000  # trials planned when the spec is read, for one that builds (tens of µs each)
+OPTUNA_TRIES = 32  # draws from an optuna space planned then
 TOP_KEYS = {"name", "model", "data", "fixed", "grid", "space", "search", "num_samples",
             "metric", "mode", "max_concurrent", "time_limit_s", "seed", "pruning",
             "memory_budget_gb", "retries", "retry_delay_s", "kind", "probe_batches",
             "ranks_per_trial", "evaluation", "rank_by"}
-# TrainConfig's fields and each loss's own settings (engine/losses/), by their flat names.
-CONFIG_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} | set(OWNERS)
-FIELD_TYPES = {name: field_type(name) for name in CONFIG_FIELDS}
-NOT_SWEPT = {"model", "data", "out", "resume",  # set by the sweep itself:
-             "best_metric", "best_mode"}  # a trial's best is what the sweep ranks on
 
 
 class PlanError(SpecError):
-    """A trial whose whole TrainConfig is invalid (a rule across fields), naming it."""
+    """A trial whose whole TrainConfig is invalid (a rule across fields), naming it;
+    ``cause`` is the rule alone, without the trial."""
 
-
-@dataclass(frozen=True)
-class Dist:
-    """One search-space dimension."""
-
-    kind: str
-    args: tuple
-
-    def sample(self, rng: np.random.Generator) -> Any:
-        if self.kind == "choice":
-            return self.args[int(rng.integers(0, len(self.args)))]
-        lo, hi = self.args
-        if self.kind == "uniform":
-            return float(rng.uniform(lo, hi))
-        if self.kind == "loguniform":
-            return float(math.exp(rng.uniform(math.log(lo), math.log(hi))))
-        return int(rng.integers(lo, hi + 1))
+    def __init__(self, message: str, cause: str = "") -> None:
+        super().__init__(message)
+        self.cause = cause or message
 
 
 @dataclass(frozen=True)
@@ -132,22 +124,37 @@ class SweepSpec:
 
     def points(self) -> list[dict[str, Any]]:
         """Grid points × ``num_samples`` draws from ``space`` (random search), in order: each
-        trial's params. Optuna search asks its sampler trial by trial; this lists its grid."""
+        trial's params, each trial once, as its first point lists it. Points that differ only
+        in another loss's settings are one trial (CPO's of a grid over kto_beta: each trial
+        takes its own loss's, ``own_loss_fields``); so are two draws of one choice. Optuna
+        search asks its sampler trial by trial; this lists its grid."""
+        once: dict[str, dict[str, Any]] = {}
+        for params in self.listing():
+            once.setdefault(trial_id(own_loss_fields(params)), params)
+        return list(once.values())
+
+    def listing(self) -> Iterator[dict[str, Any]]:
+        """``points`` one at a time, repeats included: a typo'd grid of a billion points is
+        looked into without being held."""
         keys = sorted(self.grid)
-        points = [dict(zip(keys, combo, strict=True))
-                  for combo in itertools.product(*(self.grid[k] for k in keys))] or [{}]
         rng = np.random.default_rng(self.seed)
         draws = self.num_samples if self.space and self.search == "random" else 1
-        space = sorted(self.space.items())
-        return [{**self.fixed, **point, **{k: d.sample(rng) for k, d in space}}
-                for point in points for _ in range(draws)]
+        for combo in itertools.product(*(self.grid[k] for k in keys)):
+            for _ in range(draws):
+                yield {**self.fixed, **dict(zip(keys, combo, strict=True)), **self.draw(rng)}
+
+    def draw(self, rng: np.random.Generator) -> dict[str, Any]:
+        """One value of each ``space`` dimension."""
+        return {k: d.sample(rng) for k, d in sorted(self.space.items())}
 
     def size(self) -> int:
-        """How many trials the spec plans (optuna: its ``num_samples``), before listing any."""
+        """How many trials the spec plans (optuna: its ``num_samples``): as many as ``points``
+        lists; past LISTABLE grid points × draws, that product (warned of as huge anyway)."""
         if self.search == "optuna":
             return self.num_samples
         draws = self.num_samples if self.space and self.search == "random" else 1
-        return math.prod(len(v) for v in self.grid.values()) * draws
+        bound = math.prod(len(v) for v in self.grid.values()) * draws
+        return len(self.points()) if bound <= LISTABLE else bound
 
     def trials(self, out: Path | None = None) -> list[TrialPlan]:
         """Every listed trial (``points``) planned into ``out`` (default: runs/<name>)."""
@@ -167,7 +174,8 @@ class SweepSpec:
         try:
             return TrialPlan.make(tid, fields, number)
         except (ValueError, TypeError) as err:
-            raise PlanError(f"trial {tid} {json.dumps(params, default=str)}: {err}") from None
+            raise PlanError(f"trial {tid} {json.dumps(params, default=str)}: {err}",
+                            str(err)) from None
 
 
 def trial_id(params: dict[str, Any]) -> str:
@@ -176,87 +184,11 @@ def trial_id(params: dict[str, Any]) -> str:
     return "t-" + hashlib.sha256(body.encode()).hexdigest()[:10]
 
 
-def _check_param(name: str, where: str) -> None:
-    if name in NOT_SWEPT:
-        raise SpecError(f"{where}.{name}: set by the sweep itself; remove it")
-    if name not in CONFIG_FIELDS:
-        raise SpecError(f"{where}.{name}: not a training parameter (see `pomona train "
-                        "--help` for the names)")
-
-
-def _check_value(name: str, value: Any, where: str) -> Any:
-    """``value`` checked as TrainConfig field ``name`` would take it (type, range, finite);
-    a string that TrainConfig reads as a number (``1e-4``: YAML 1.1 keeps it a string) is
-    returned as that number, so trials, ids and the results table hold the number."""
-    if (auto := parse_auto(name, value)) is AUTO:
-        return auto
-    try:
-        owner = OWNERS.get(name)  # a loss's own setting: checked on its loss
-        config = TrainConfig(model="m", data="d", loss=owner.kind if owner else "orpo"
-                             ).replace(**{name: value})
-        config.validate()
-    except (ValueError, TypeError) as err:
-        message = str(err)
-        raise SpecError(f"{where}.{message}" if message.startswith(f"{name}=") else
-                        f"{where}.{name}={value!r}: {message}") from None
-    checked = config.to_dict()[name]
-    return value if not isinstance(value, str) and checked == value else checked
-
-
-def _distinct(name: str, raw: list, values: list) -> list:
-    """``values`` (grid.name's ``raw`` values, checked), refused when two are one value
-    (``[8, 8.0, "8"]``): they would run one trial twice, under one id or two."""
-    for i, value in enumerate(values):
-        j = next((j for j in range(i) if values[j] == value), None)
-        if j is not None:
-            raise SpecError(f"grid.{name}: {raw[i]!r} repeats {raw[j]!r} (both are "
-                            f"{value!r}); list each value once")
-    return values
-
-
-def _dist(name: str, raw: Any) -> Dist:
-    where = f"space.{name}"
-    if not isinstance(raw, dict) or len(raw) != 1 or next(iter(raw)) not in KINDS:
-        raise SpecError(f"{where}: expected one of {{{', '.join(KINDS)}: ...}}, got {raw!r}")
-    kind, args = next(iter(raw.items()))
-    if not isinstance(args, list) or not args:
-        raise SpecError(f"{where}.{kind}: expected a non-empty list")
-    if kind == "choice":
-        return Dist(kind, tuple(_check_value(name, v, f"{where}.choice") for v in args))
-    if FIELD_TYPES[name] not in (int, float):
-        raise SpecError(f"{where}.{kind}: {name} is not numeric; use choice: [...]")
-    if kind != "int" and FIELD_TYPES[name] is int:
-        raise SpecError(f"{where}.{kind}: {name} takes integers; use int: [low, high]")
-    numbers = [_number(a) for a in args]
-    if len(args) != 2 or None in numbers:
-        raise SpecError(f"{where}.{kind}: expected [low, high] numbers, got {args!r}")
-    lo, hi = numbers
-    if kind == "int" and not all(float(a).is_integer() for a in numbers):
-        raise SpecError(f"{where}.int: bounds must be integers, got {args!r}")
-    if not lo < hi or (kind == "loguniform" and lo <= 0):
-        raise SpecError(f"{where}.{kind}: need 0 < low < high (log) or low < high")
-    bounds = (int(lo), int(hi)) if kind == "int" else (lo, hi)
-    for bound in bounds:  # the range is convex: both ends valid means every draw is
-        _check_value(name, bound, f"{where}.{kind}")
-    return Dist(kind, bounds)
-
-
-def _number(value: Any) -> float | None:
-    """A finite number from an int, float or numeric string (YAML 1.1: ``1e-4``), else None."""
-    if isinstance(value, bool):
-        return None
-    try:
-        number = float(value.strip() if isinstance(value, str) else value)
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) else None
-
-
 def _setting(data: dict[str, Any], key: str, default: float, integer: bool = False,
              minimum: float = 0) -> Any:
     """A top-level numeric setting: finite, at least ``minimum``, an integer if asked."""
     raw = data.get(key, default)
-    number = _number(raw)
+    number = number_of(raw)
     if number is None or number < minimum or (integer and not number.is_integer()):
         kind = "an integer" if integer else "a finite number"
         raise SpecError(f"{key}={raw!r}: expected {kind} >= {minimum:g}")
@@ -288,12 +220,12 @@ def _parse(data: Any) -> SweepSpec:
         if not isinstance(section, dict):
             raise SpecError(f"{where}: expected a mapping of parameter names")
         for name in section:
-            _check_param(name, where)
-    fixed = {name: _check_value(name, value, "fixed") for name, value in fixed.items()}
+            check_param(name, where)
+    fixed = {name: check_value(name, value, "fixed") for name, value in fixed.items()}
     for name, values in grid.items():
         if not isinstance(values, list) or not values:
             raise SpecError(f"grid.{name}: expected a non-empty list of values")
-    grid = {name: _distinct(name, values, [_check_value(name, v, "grid") for v in values])
+    grid = {name: distinct(name, values, [check_value(name, v, "grid") for v in values])
             for name, values in grid.items()}
     f, g, s = set(fixed), set(grid), set(space)
     overlap = sorted((f & g) | (f & s) | (g & s))
@@ -345,11 +277,42 @@ def _parse(data: Any) -> SweepSpec:
                         "sizes)")
     if counts["ranks_per_trial"] > 1:
         check_ranks(counts["ranks_per_trial"], kind, fixed, grid, space)
-    return SweepSpec(
+    spec = SweepSpec(
         name=data["name"], model=data["model"], data=data["data"], fixed=fixed, grid=grid,
-        space={k: _dist(k, v) for k, v in space.items()}, search=search, metric=metric,
+        space={k: space_dist(k, v) for k, v in space.items()}, search=search, metric=metric,
         mode=mode, pruning=pruning, kind=kind, evaluation=evaluation, rank_by=rank_by,
         **counts, **seconds)
+    _check_runnable(spec)
+    return spec
+
+
+def _check_runnable(spec: SweepSpec) -> None:
+    """SpecError unless some trial's whole TrainConfig builds: a rule that every trial
+    breaks (``fixed: {cpo_loss_type: hinge, cpo_label_smoothing: 0.1}``) is refused now,
+    not found trial by trial once the cluster is up. Stops at the first trial that builds.
+    Optuna's sampler draws later: draws from its space stand in, refused only when
+    ``fixed`` alone breaks the rule they all break (a sampler may find what they missed)."""
+    out = Path("runs") / spec.name  # any folder: the rules are the config's
+    if spec.search == "optuna":
+        rng = np.random.default_rng(spec.seed)
+        tries = ({**spec.fixed, **spec.draw(rng)} for _ in range(OPTUNA_TRIES))
+    else:
+        tries = itertools.islice(spec.listing(), TRIES)
+    first, tried = None, 0
+    for params in tries:
+        tried += 1
+        try:
+            spec.plan(params, out)
+            return
+        except PlanError as err:
+            first = first or err
+    try:
+        spec.plan(spec.fixed, out)
+    except PlanError as err:
+        if first is not None and err.cause == first.cause:  # fixed and defaults break it too
+            raise SpecError(f"fixed: {err.cause}") from None
+    if spec.search != "optuna" and tried < TRIES:  # every trial tried: none can run
+        raise SpecError(f"no trial of this sweep can run: {first}")
 
 
 def load_spec(path: str | Path) -> SweepSpec:
@@ -364,9 +327,9 @@ def load_spec(path: str | Path) -> SweepSpec:
     except ValueError as err:
         raise SpecError(str(err)) from None
     spec = parse_spec(data, str(path))
-    if spec.size() > HUGE_SWEEP:  # a typo'd grid: hours of trials, and a slow interrupt
+    if (size := spec.size()) > HUGE_SWEEP:  # a typo'd grid: hours of trials, a slow interrupt
         logging.getLogger("pomona.sweep").warning(
-            f"warning: {path}: {spec.size():,} trials planned (over {HUGE_SWEEP:,}); narrow "
+            f"warning: {path}: {size:,} trials planned (over {HUGE_SWEEP:,}); narrow "
             "the grid, or use search: random or optuna with num_samples")
     return spec
 
