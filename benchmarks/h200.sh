@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU issue's measurements on one NVIDIA GPU, Pomona and TRL in the same run.
 #
-#   bash ../shared/tools/prepare-mlx-cuda.sh      # once, here: MLX's CUDA build into .whl/
+#   bash benchmarks/cuda_wheels.sh                # once, here: MLX's CUDA build into .whl/
 #   # TRL's pure-Python wheels into .trlwhl/ (the GPU machine has torch, transformers, peft):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .trlwhl trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19  # the GPU host runs 3.12 (multiprocess is per version)
 #   bash benchmarks/h200.sh SECTION... OUT_DIR   # on the GPU machine, .whl and .trlwhl carried

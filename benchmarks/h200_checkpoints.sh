@@ -2,7 +2,7 @@
 # Real checkpoints and published shapes in their shipping dtype, through the trainer a user
 # runs (`python -m engine train`, load check on, no bypass), on one NVIDIA GPU (issue 24).
 #
-#   bash ../shared/tools/prepare-mlx-cuda.sh    # once, here: MLX's CUDA build into .whl/
+#   bash benchmarks/cuda_wheels.sh              # once, here: MLX's CUDA build into .whl/
 #   pip download --no-deps -d .devwhl gguf==0.19.0 transformers==5.24.0   # import needs
 #   bash benchmarks/h200_checkpoints.sh SECTION... OUT_DIR   # on the GPU machine
 #

@@ -275,7 +275,7 @@ USAGE = """Train or score one adapter with no Prefect and no Ray.
     python -m engine score --model DIR [--adapter DIR] --data PATH --out FILE.jsonl
 
 Each command's --help lists its options. Benchmarks: python -m benchmarks --help."""
-COMMANDS = {"train": "Train one LoRA adapter (ORPO, SimPO, DPO or SFT).",
+COMMANDS = {"train": "Train one LoRA adapter (ORPO, DPO, SimPO, KTO, CPO or SFT).",
             "score": "Score preference pairs under a model (+ adapter)."}
 
 

@@ -23,8 +23,8 @@ from flows.terminal import console, fail
 
 app = typer.Typer(
     name="pomona",
-    help="Preference fine-tuning (ORPO, SimPO, DPO, SFT) of mlx-lm models, swept with Ray, "
-         "run by Prefect.",
+    help="Preference fine-tuning (ORPO, DPO, SimPO, KTO, CPO, SFT) of mlx-lm models, swept "
+         "with Ray, run by Prefect.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )

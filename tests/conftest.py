@@ -1,6 +1,6 @@
 """Shared fixtures: tiny self-made models built once per test session.
 
-Tests run float32 on CPU (bf16 matmuls skip BLAS there and are slow: DESIGN.md).
+Tests run float32 on CPU (bf16 matmuls skip BLAS there and are slow: docs/design.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each node gets a network namespace with a veth link to a bridge in a namespace o
 (addresses of ``SUBNET`` that exist only there, no route out), and mount, UTS and PID
 namespaces: a private ``/tmp`` (tmpfs: its Ray session, ``HOME``, Pomona's cache and its
 lab folder ``/tmp/lab``), its own host name, and a PID namespace so that ending a node
-ends everything it started and nothing else (DESIGN.md, lab cluster facts). The code and
+ends everything it started and nothing else (docs/design.md, lab cluster facts). The code and
 its virtual environment are the host's, at the same path on every node, as a lab installs
 Pomona on each Mac; ``shadow`` gives one node an edited copy of a package (another
 version). ``run`` executes a command inside a node (``timeout`` inside ``nsenter``, or the

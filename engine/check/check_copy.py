@@ -3,8 +3,8 @@
 A decomposition is right or wrong whatever the dtype, so the load check
 (engine/check/load_check.py) judges it where rounding can neither hide a mistake nor fake one: on
 float32 weights (dequantized from a 4-bit base), against float32 autograd. Plain bf16
-autograd is itself 1.4 (relative) off float32 on a 34-layer Gemma 3 stack (DESIGN.md), so
-two bf16 paths cannot be asked to agree.
+autograd is itself 1.4 (relative) off float32 on a 34-layer Gemma 3 stack (docs/design.md,
+real checkpoints and precision), so two bf16 paths cannot be asked to agree.
 
 The copy is the same mlx-lm class with a smaller config, its weights taken from the real
 ones: the layers the family names (``Stack.check_layers``: one of each kind, each K/V donor

@@ -3,7 +3,7 @@
 A pair is (prompt_ids, chosen_ids, rejected_ids); responses hold response tokens only.
 Rows 0..B−1 of a batch are prompt+chosen, rows B..2B−1 prompt+rejected, right-padded:
 under a causal mask real tokens never attend to trailing pads, so ``mask="causal"`` stays
-exact and pads only need leaving out of the loss (DESIGN.md, platform facts).
+exact and pads only need leaving out of the loss (docs/design.md, fused attention and padding).
 """
 
 from __future__ import annotations

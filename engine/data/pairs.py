@@ -1,6 +1,6 @@
 """Reading tokenized pairs (pyarrow alone) and ordering them into batches.
 
-Reads the data contract of DESIGN.md — a dataset directory of Parquet/Arrow shards with a
+Reads the data contract of docs/design.md — a dataset directory of Parquet/Arrow shards with a
 ``manifest.json``, a single ``.parquet``/``.arrow`` file, or ``.jsonl`` with the same
 columns: ``prompt_ids``, ``chosen_ids``, ``rejected_ids`` (and optional ``id``, ``split``).
 Unusable rows (an empty response; a token id that is not an integer, is missing or lies

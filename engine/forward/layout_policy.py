@@ -17,7 +17,7 @@ from engine.settings.config import TrainConfig, check_choice
 
 
 def resolve_pad_multiple(pad_multiple: int) -> int:
-    """-1 = auto: 128 on CUDA (fused attention needs it: DESIGN.md), else none."""
+    """-1 = auto: 128 on CUDA (fused attention needs it: docs/design.md), else none."""
     if pad_multiple >= 0:
         return pad_multiple
     return 128 if is_cuda() else 1

@@ -1,7 +1,7 @@
 """Linux CPU: run with OpenBLAS, not the reference BLAS MLX's CPU wheel links.
 
 Preloading Debian's OpenBLAS (``libopenblas0-pthread``) was measured 20x faster on float32
-matmuls and 8x on a training step (DESIGN.md, platform facts). ``./run`` preloads it; a
+matmuls and 8x on a training step (docs/design.md, Linux CPU). ``./run`` preloads it; a
 ``pomona`` or ``python -m engine`` started straight from the venv re-executes itself once
 with the preload when the library is installed, and otherwise warns once with the fix.
 Ray workers of a private local cluster inherit the preload from the process that started

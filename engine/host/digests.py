@@ -9,7 +9,7 @@ the mtime back (``rsync --inplace -t``, ``touch -r``) cannot set it. ``sha256_fi
 always reads the bytes (a download or a shard checked against its stored hash).
 
 ``pomona data tokenize`` writes ``tokenizer_hash(model_dir)`` into a dataset's manifest
-(DESIGN.md, the data contract); the trainer, scoring and evaluation compute it again for
+(docs/design.md, the data contract); the trainer, scoring and evaluation compute it again for
 the model they load and refuse data tokenized for another vocabulary (engine/data/data_fit.py).
 Both sides must hash alike, so the one definition lives here, below both. Standard
 library only.

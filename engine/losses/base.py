@@ -9,7 +9,7 @@ its NLL weight and its maths (``terms``: per-pair losses and rewards from per-pa
 log-probs, as torchtune's DPO-family losses are written). Nothing else in the engine
 knows which losses exist but the registry (engine/losses/__init__.py).
 
-Conventions (DESIGN.md, = TRL's trainers): ℓw, ℓr are per-token MEAN response log-probs
+Conventions (docs/design.md, = TRL's trainers): ℓw, ℓr are per-token MEAN response log-probs
 (ORPO Eq. 4's length-normalised likelihood); ``*_sum`` the summed ones (DPO's, CPO's);
 reference log-probs are summed (engine/train/reference.py).
 """

@@ -21,7 +21,7 @@ from engine.settings.reference_kind import adapter_path
 from engine.train.reference import data_digest
 
 # Fields a resume may change: bookkeeping, or the memory levers whose gradients equal the
-# plain path's (DESIGN.md, "three memory levers"). Every other field shapes the updates.
+# plain path's (docs/design.md, "memory levers"). Every other field shapes the updates.
 MAY_CHANGE = frozenset({
     "out", "steps", "resume", "report_every", "val_every", "val_batches", "best_metric",
     "best_mode", "checkpoint_every", "keep_checkpoints", "verify", "memory_limit_gb",

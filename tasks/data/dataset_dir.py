@@ -1,4 +1,4 @@
-"""The tokenized dataset directory of DESIGN.md (schema version 1): shards + manifest.json.
+"""The tokenized dataset directory of docs/design.md (schema version 1): shards + manifest.json.
 
 Written atomically: everything goes into a hidden temporary directory, ``manifest.json``
 last, and the directory is renamed into place only when complete — a crash leaves no

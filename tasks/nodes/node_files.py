@@ -1,5 +1,5 @@
 """Files that cross nodes by content: a sweep's inputs sent to each node once, its results
-pulled back to the driver (DESIGN.md: a lab usually has no shared disk; never assume one).
+pulled back to the driver (docs/design.md: a lab usually has no shared disk; never assume one).
 
     bundle = Bundle.of("/lab/model")          # the driver: each file's SHA-256, one digest
     server = file_server([bundle, ...])       # a Ray actor on the driver's node serving them

@@ -35,7 +35,7 @@ class Placement:
         """Ray options of a process on this placement, started with ``env`` set (MLX reads
         some settings once, at import: engine/host/command_queue.py)."""
         # An actor that asks for a GPU or custom resource but not num_cpus would also hold
-        # a CPU for life (DESIGN.md, Ray facts): ask for none.
+        # a CPU for life (docs/design.md, Ray and Prefect): ask for none.
         if self.resource:
             held: dict[str, Any] = {"num_cpus": 0, "resources": {self.resource: 1}}
         elif self.gpus:

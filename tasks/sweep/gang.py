@@ -89,7 +89,7 @@ def has_cuda() -> bool:
 
 
 # What a rank says when a peer's process or node went away under a collective: MLX's ring
-# and NCCL speak before Ray declares the node dead (DESIGN.md, lab cluster facts).
+# and NCCL speak before Ray declares the node dead (docs/design.md, lab cluster facts).
 PEER_LOST = ("connection to a peer was lost", "[ring]", "NCCL error", "ncclRemoteError",
              "Connection reset by peer", "Broken pipe")
 
