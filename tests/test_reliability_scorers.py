@@ -40,6 +40,9 @@ def judge(p, c, row):
         raise ValueError("the judge is down")
     return 1.0
 
+def verdict(p, c, row):
+    return 1.0
+
 def slow_judge(p, c, row):
     with open(os.environ["LAB_CALLS"], "a") as f:
         f.write(f"{os.getpid()}\\n")
@@ -158,3 +161,31 @@ def test_a_scorer_failing_on_real_answers_fails_once_in_one_line(
     evaluations = set(calls.read_text().split()) - {str(proc.pid)}  # not the pre-check's
     assert len(evaluations) == 1, f"the base's evaluation ran {len(evaluations)} times"
     assert tree(sweep) == before
+
+
+@pytest.mark.slow
+def test_an_edited_scorer_scores_again(sweep: Path, tiny_model: Path, tiny_data: Path,
+                                       prefect_api, tmp_path: Path) -> None:
+    """Case 2: after a python: scorer was changed to return 0.0, `pomona leaderboard` said
+    Cached for every evaluation and kept the scores of 1.0: the cache keyed on the scorer's
+    name, not its code."""
+    import pyarrow.parquet as pq
+    from prefect.settings import PREFECT_API_URL
+
+    lab = sweep.parent / "lab" / "lab_scorers52.py"
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "RAY_ADDRESS": "",
+           "LAB_CALLS": str(tmp_path / "calls.txt"),
+           "PYTHONPATH": os.pathsep.join([str(lab.parent), str(ROOT)])}
+    scores = []
+    for _ in range(2):
+        proc = subprocess.run(
+            [sys.executable, "-m", "flows.cli", "leaderboard", str(sweep), "--model",
+             str(tiny_model), "--data", str(tiny_data), "--generations", "2", "--scorer",
+             "python:lab_scorers52:verdict"], capture_output=True, text=True, timeout=300,
+            cwd=ROOT, env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        board = pq.read_table(sweep / "leaderboard.parquet").to_pylist()
+        scores.append(next(r for r in board if r["trial_id"] == "base")["gen/valid/verdict"])
+        lab.write_text(lab.read_text().replace("    return 1.0\n\ndef slow_judge",
+                                               "    return 0.0\n\ndef slow_judge"))
+    assert scores == [1.0, 0.0], scores
