@@ -111,6 +111,27 @@ def lost_api(err: BaseException) -> BaseException | None:
     return None
 
 
+class TemporaryServerNote(logging.Filter):
+    """Prefect's notice of its temporary server, said in Pomona's words: why there is one
+    and how to keep one to watch runs in (its own text points at a page instead)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        if text.startswith("Starting temporary server on "):
+            address = text.split("\n")[0].removeprefix("Starting temporary server on ")
+            record.msg, record.args = (f"Prefect: a temporary server on {address} for this "
+                                       "run (no PREFECT_API_URL set; `pomona ui` starts one "
+                                       "that stays, to watch runs in)"), ()
+        return True
+
+
+def explain_temporary_server() -> None:
+    """Prefect's logger says why a temporary server starts (once per process)."""
+    logger = logging.getLogger("prefect")
+    if not any(isinstance(f, TemporaryServerNote) for f in logger.filters):
+        logger.addFilter(TemporaryServerNote())
+
+
 @contextmanager
 def prefect_api(out: str | os.PathLike | None = None) -> Iterator[None]:
     """Run a flow against a Prefect API known to be up; ApiGone (one line naming the URL
@@ -119,6 +140,8 @@ def prefect_api(out: str | os.PathLike | None = None) -> Iterator[None]:
 
     url = api_url()
     check_api(url)
+    if not url:
+        explain_temporary_server()
     retries = ({} if "PREFECT_CLIENT_MAX_RETRIES" in os.environ or not url
                else {PREFECT_CLIENT_MAX_RETRIES: CLIENT_RETRIES})  # a user's own setting wins
     try:

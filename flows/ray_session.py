@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
@@ -89,6 +90,19 @@ def _connect(ray: ModuleType, address: str) -> None:
                               "head running (`ray start --head`)?") from None
 
 
+class HandledNotices(logging.Filter):
+    """Ray's notices about a private local cluster that Pomona has already dealt with: token
+    auth is on (its token file is made private first: ``private_token_file``) and a local
+    instance started (this session's own, on loopback). A user's cluster keeps them."""
+
+    LOGGERS = ("ray._private.authentication.authentication_token_setup", "ray._private.worker")
+    SAID = ("Token authentication is enabled for this Ray cluster",
+            "Started a local Ray instance")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.SAID)
+
+
 def _init_loopback(ray: ModuleType) -> None:
     """Start a new local Ray (``address="local"``: never RAY_ADDRESS or a ``ray start``
     head) whose GCS, raylet, workers and agents bind 127.0.0.1.
@@ -101,11 +115,16 @@ def _init_loopback(ray: ModuleType) -> None:
 
     multi_node = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
+    quiet = HandledNotices()
+    for name in HandledNotices.LOGGERS:
+        logging.getLogger(name).addFilter(quiet)
     try:
         ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False,
                  log_to_driver=False, _node_ip_address=LOOPBACK)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = multi_node
+        for name in HandledNotices.LOGGERS:
+            logging.getLogger(name).removeFilter(quiet)
     gcs = ray.get_runtime_context().gcs_address
     if not gcs.startswith(f"{LOOPBACK}:"):
         warnings.warn(f"the private Ray's GCS is at {gcs}, not on {LOOPBACK}: this Ray "

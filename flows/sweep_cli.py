@@ -21,7 +21,7 @@ from tasks.board.ranked_metric import metric_value
 from tasks.nodes.placement import Placement
 from tasks.prefect.reference_task import make_references
 from tasks.sweep.memory_sweep import run_memory_sweep
-from tasks.sweep.run import check_inputs, check_sweep_out, run_sweep
+from tasks.sweep.run import check_inputs, check_sweep_out, plan_line, run_sweep
 from tasks.sweep.scheduler import TrialsInterrupted
 from tasks.sweep.sweep_spec import SpecError, SweepSpec, load_spec
 
@@ -47,10 +47,7 @@ class SweepProgress:
                 cached = summary.get("cached", 0)
                 self.counts["cached"] = cached
                 self.progress.advance(self.task, cached)
-                self.console.print(
-                    f"{summary['trials']} trials: {cached} cached, "
-                    f"{summary.get('to_run', summary['trials'])} to run on "
-                    f"{summary['slots']} slot(s)")
+                self.console.print(plan_line(summary))
             elif kind == "started":
                 self.counts["running"] += 1
             elif kind in ("lost", "retry"):

@@ -29,7 +29,7 @@ from tasks.nodes.placement import Placement
 from tasks.prefect.pipeline_tasks import artifact_key
 from tasks.prefect.reference_task import reference_needs, run_reference_task
 from tasks.prefect.trial_task import trial_task
-from tasks.sweep.run import run_sweep
+from tasks.sweep.run import plan_line, run_sweep
 from tasks.sweep.sweep_spec import SweepSpec, load_spec
 from tasks.sweep.trial import Summary
 from tasks.sweep.trial_plan import TrialPlan
@@ -58,7 +58,7 @@ def sweep_stage(spec: SweepSpec, out_dir: Path, address: str | None = None,
             if kind == "plan":
                 counts["total"] = summary["trials"]
                 counts["done"] = summary.get("cached", 0)
-                logger.info("sweep %s: %s", spec.name, summary)
+                logger.info("sweep %s: %s", spec.name, plan_line(summary))
             elif kind == "finished":
                 counts["done"] += 1
             elif kind == "lost":

@@ -4,6 +4,8 @@ pass one task run before them, Cached when the flow runs again."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
@@ -57,7 +59,12 @@ def test_sweep_flow_runs_each_trial_as_a_task_run(prefect_api, ray_cluster, tiny
         trial_run = next(t for t in task_runs if t.name == rows[0]["trial_id"])
         logs = client.read_logs(LogFilter(task_run_id=LogFilterTaskRunId(any_=[trial_run.id])))
         text = "\n".join(log.message for log in logs)
-        assert '"split": "valid"' in text and "completed" in text  # the worker's metrics
+        # the worker's records, each as its one line (issue 54: no dict reaches the log)
+        tid = rows[0]["trial_id"]
+        assert re.search(rf"^{tid} step 2/2 loss \S+ acc \S+ lr \S+ \S+ tok/s \S+ GB$", text,
+                         re.M), text
+        assert re.search(rf"^{tid} step 1/2 valid loss \S+ acc \S+$", text, re.M), text
+        assert "completed" in text and "{" not in text, text
         keys = ArtifactFilter(key=ArtifactFilterKey(any_=["flow-test-progress",
                                                           "flow-test-trials"]))
         arts = {a.key: a for a in client.read_artifacts(artifact_filter=keys)}

@@ -205,7 +205,7 @@ def test_python_m_engine_train_and_score(tiny_model, tiny_data, tmp_path) -> Non
          "--segment-size", "2", "--head-chunk", "32", "--report-every", "1"],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "[train step 2]" in proc.stderr
+    assert "step 2/2 loss " in proc.stderr, proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["trainable_params"] > 0
     scores = tmp_path / "scores.jsonl"

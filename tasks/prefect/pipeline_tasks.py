@@ -25,6 +25,7 @@ from engine.model.adapters import ADAPTER_FILE, CONFIG_FILE, trained_reference
 from engine.model.content_key import adapter_fingerprint, model_fingerprint
 from engine.settings.config import TrainConfig
 from engine.settings.reference_kind import adapter_path
+from tasks.board.eval_lines import evaluation_lines
 from tasks.board.leaderboard import (
     answer_samples,
     compact_markdown,
@@ -64,9 +65,9 @@ def tokenize_task(raw: str, model: str, out: str, options: TokenizeOptions | Non
         report = tokenize_dataset(raw, model, out, options)
     except (ValueError, OSError) as err:
         return Failed(message=str(err))
+    rejects = ", ".join(f"{n} {why}" for why, n in sorted(report.rejects.items())) or "none"
     get_run_logger().info("tokenized %s rows (%s tokens)%s; rejects: %s", report.rows,
-                          report.tokens, " [cache hit]" if report.cache_hit else "",
-                          report.rejects)
+                          report.tokens, " [cache hit]" if report.cache_hit else "", rejects)
     return {"path": out, "rows": report.rows, "tokens": report.tokens,
             "cache_hit": report.cache_hit}
 
@@ -193,9 +194,8 @@ def evaluate_task(name: str, model: str, adapter: str | None, data: str,
         atomic_write_text(path, metrics.pop("generations_text"))
         metrics["generations"] = str(path)
     logger = get_run_logger()
-    logger.info("%s: %s", name, {k: round(v, 4) if isinstance(v, float) else v
-                                 for k, v in metrics.items()
-                                 if not k.endswith("/missing") and not k.startswith("paired/")})
+    for line in evaluation_lines(name, metrics):  # the whole record: the task's result
+        logger.info("%s", line)
     for split in ("valid", "test"):
         if metrics.get(f"eval/{split}/missing"):
             logger.warning("%s: %s", name, metrics[f"eval/{split}/missing"])

@@ -5,6 +5,7 @@ ran and any traceback logged on it. flows/sweep_flow.py wraps every trial in one
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -12,13 +13,15 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from engine.train.progress import progress_line
 from tasks.sweep.trial import Summary
 from tasks.sweep.trial_plan import TrialPlan
 
 
 class MetricsTail:
     """Follows a trial's ``metrics.jsonl`` (written by its Ray worker) into this task run's
-    log while the trial trains, so the worker's progress is on its task run in the UI."""
+    log while the trial trains, so the worker's progress is on its task run in the UI: each
+    whole line handed to ``log``."""
 
     def __init__(self, path: Path, log: Callable[[str], None], every_s: float = 2.0):
         self.path, self.log, self.every_s = path, log, every_s
@@ -58,10 +61,18 @@ def trial_task(trial: TrialPlan, run: Callable[[], Summary]) -> Summary:
     """One trial, run in its Ray actor by ``run``; its training log and outcome logged on
     this task run."""
     logger = get_run_logger()
-    logger.info("trial %s: %s", trial.id, {k: v for k, v in trial.fields.items()
-                                            if k not in ("model", "data", "out")})
+    logger.info("trial %s: %s", trial.id, ", ".join(
+        f"{k}={v}" for k, v in trial.fields.items() if k not in ("model", "data", "out")))
     metrics = Path(trial.config.out) / "metrics.jsonl"
-    with MetricsTail(metrics, lambda line: logger.info("%s: %s", trial.id, line)):
+    steps = trial.config.steps
+
+    def said(line: str) -> None:  # a record as its one line (the whole: metrics.jsonl)
+        try:
+            logger.info("%s", progress_line(json.loads(line), steps, trial.id))
+        except (ValueError, AttributeError):  # not a record: a line written by hand
+            logger.info("%s: %s", trial.id, line)
+
+    with MetricsTail(metrics, said):
         summary = run()
     log = logger.info if summary["status"] in ("completed", "pruned") else logger.warning
     where = (f"{summary['world_size']} ranks: " + ", ".join(summary["hosts"])

@@ -49,6 +49,16 @@ NOT_PARAMS = ("model", "data", "out")
 FINISHED = ("completed", "degenerate")  # trained to the end: cached on re-runs
 
 
+def plan_line(counts: dict[str, Any]) -> str:
+    """A sweep's plan (``emit("plan", …)``'s counts) as the line the terminal and the flow's
+    log show: ``4 trials: 1 cached, 3 to run on 2 slot(s)``."""
+    trials = counts["trials"]
+    if counts.get("search") == "optuna":
+        return f"{trials} trials asked of Optuna, on {counts.get('slots', 1)} slot(s)"
+    return (f"{trials} trials: {counts.get('cached', 0)} cached, "
+            f"{counts.get('to_run', trials)} to run on {counts.get('slots', 1)} slot(s)")
+
+
 def data_fingerprint(data: str) -> str:
     """The dataset manifest's fingerprint with its split, or a hash of the data file.
     Preprocess re-splits in place keeping the fingerprint (an old dataset gains a test split
