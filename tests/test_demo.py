@@ -44,9 +44,13 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert best[acc] >= base[acc] + 0.1, board  # it really trains
     assert best["eval/test/rows"] > 100 and best["eval/valid/rows"] > 100  # ~10% of 2200 each
     # The answers are scored and the score printed with its interval, never samples alone.
-    assert "test answers scored by sort: base model" in proc.stdout, proc.stdout
-    assert best["gen/test/sort/n"] == base["gen/test/sort/n"] == 64
-    assert best["gen/test/sort/low"] <= best["gen/test/sort"] <= best["gen/test/sort/high"]
+    assert "test answers scored by parity: base model" in proc.stdout, proc.stdout
+    assert best["gen/test/parity/n"] == base["gen/test/parity/n"] == best["eval/test/rows"]
+    assert best["gen/test/parity/low"] <= best["gen/test/parity"] <= best["gen/test/parity/high"]
+    # Issue 54: the answers visibly improve, on every test prompt, by the paired test.
+    assert best["gen/test/parity/n"] >= 200
+    assert best["gen/test/parity"] > base["gen/test/parity"] + 0.3, board
+    assert best["vs_base/test/gen/parity/p"] < 0.05, board
     adapter = tmp_path / "demo" / "best-adapter"  # mlx-lm's format: it loads and it differs
     import mlx.core as mx
 

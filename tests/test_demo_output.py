@@ -32,3 +32,30 @@ def test_the_real_demo_shows_the_question_and_both_answers(tmp_path: Path) -> No
     row = next(x for x in console.export_text().splitlines() if "cbrio" in x)
     cells = [c.strip() for c in row.split("│")[1:-1]]
     assert cells == ["Reverse the letters of this word: cbrio", "oirbc", "✗ Cabrio", "✓ oirbc"]
+
+
+def test_the_table_shows_first_the_answers_the_adapter_fixed(tmp_path: Path) -> None:
+    """Issue 54, item 6: the demo ends on samples where the base is wrong and the best
+    adapter right, not on the first prompts whatever they show."""
+    import json
+
+    from rich.console import Console
+
+    from flows.demo import generations_table
+
+    cases = {"r1": ("odd", 0.0, "odd", 0.0), "r2": ("x", 0.0, "even", 1.0),
+             "r3": ("odd", 1.0, "odd", 1.0), "r4": ("y", 0.0, "odd", 1.0)}
+    for who in ("base", "best"):
+        (tmp_path / who).mkdir()
+        rows = [{"id": key, "prompt": f"Even or odd? {1000 + i}\nAnswer:", "chosen": " odd",
+                 "rejected": " even",
+                 "generated": said[0 if who == "base" else 2],
+                 "scores": {"parity": said[1 if who == "base" else 3]}}
+                for i, (key, said) in enumerate(cases.items())]
+        (tmp_path / who / "generations.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows))
+    console = Console(width=200, record=True)
+    console.print(generations_table(tmp_path / "base", tmp_path / "best", count=3))
+    shown = [x for x in console.export_text().splitlines() if "Even or odd?" in x]
+    numbers = [next(w for w in row.split() if w.isdigit()) for row in shown]
+    assert numbers == ["1001", "1003", "1000"], shown  # the two fixed first, then the rest

@@ -6,7 +6,11 @@ neighbours transposed. A model that learns the task prefers chosen, so held-out 
 accuracy rising above 50% proves a pipeline really trains. ``sort`` is the default: most
 of its near-misses break ascending order or repeat a value, which even a tiny model picks
 up in a few hundred steps (measured: validation accuracy 0.51 → 0.79 in 300 ORPO steps,
-90 s on 2 CPU cores); ``add`` and ``reverse`` need real arithmetic or copying. Prompts
+90 s on 2 CPU cores); ``add`` and ``reverse`` need real arithmetic or copying. ``parity``
+(is a four-digit number even or odd: a one-word answer read off the number's last token)
+is the one whose greedy answers a tiny model gets right within a demo (0.00 → 0.89 of 207
+test prompts in 250 steps, README); ``max`` (the larger of two numbers) needs copying a
+number out of the prompt, which the tiny model had not learned in 300 steps. Prompts
 vary in length: up to ``max_shots`` worked examples precede the query (long prompts are
 where prefix sharing pays).
 
@@ -23,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-TASKS = ("sort", "reverse", "add", "add-small", "mixed")
+TASKS = ("sort", "reverse", "add", "add-small", "max", "parity", "mixed")
 LAYOUTS = ("explicit", "conversational", "implicit")
 NEAR_MISSES = ("substitute", "drop", "duplicate", "transpose")
 
@@ -38,6 +42,8 @@ _INSTRUCTIONS = {
     "add": ("Add the two numbers:", "What is the sum?"),
     "add-small": ("Add the two numbers. Reply with the sum only:",
                   "What is the sum? Give just the number:"),
+    "max": ("Which number is larger?", "Give the larger of the two numbers:"),
+    "parity": ("Is this number even or odd?", "Even or odd?"),
 }
 
 
@@ -89,14 +95,30 @@ def _add_small_example(rng: np.random.Generator) -> Example:
     return Example(f"{a} + {b}", list(str(a + b)), [d for d in "0123456789"])
 
 
+def _max_example(rng: np.random.Generator) -> Example:
+    """Two distinct two-digit numbers (neither a prefix of the other, as a near miss must
+    not be); the near miss is the smaller one (the pool)."""
+    a, b = (int(v) + 10 for v in rng.choice(90, size=2, replace=False))
+    return Example(f"{a} {b}", [str(max(a, b))], [str(min(a, b))])
+
+
+def _parity_example(rng: np.random.Generator) -> Example:
+    """A four-digit number; the answer is one word, the near miss the other."""
+    n = int(rng.integers(1000, 10000))
+    answer, other = ("even", "odd") if n % 2 == 0 else ("odd", "even")
+    return Example(str(n), [answer], [other])
+
+
 SMALL = 40  # add-small: operands 0..40, sums SmolLM2-135M gets right about half the time
 _MAKERS: dict[str, Callable[[np.random.Generator], Example]] = {
     "sort": _sort_example,
     "reverse": _reverse_example,
     "add": _add_example,
     "add-small": _add_small_example,
+    "max": _max_example,
+    "parity": _parity_example,
 }
-_JOINERS = {"sort": " ", "reverse": "", "add": "", "add-small": ""}
+_JOINERS = {"sort": " ", "reverse": "", "add": "", "add-small": "", "max": "", "parity": ""}
 
 
 def near_miss(answer: list[str], pool: list[str], kind: str, rng: np.random.Generator) -> list[str]:
@@ -292,14 +314,14 @@ def _write_as(rows: list[dict], tmp: Path, suffix: str) -> None:
 def verify(task: str, completion: str, chosen: str) -> float:
     """1.0 when ``completion`` is a right answer to a ``task`` row whose right answer is
     ``chosen``, in any of the ways it may rightly be written, and nothing else: a number
-    with or without digit-group commas or a closing period (add); the sorted numbers
-    separated by spaces or commas, bracketed or not (sort); the reversed letters in any
-    case, spaced or quoted (reverse). An answer wrapped in other words scores 0: the
-    prompt asks for the result only."""
+    with or without digit-group commas or a closing period (add, max); the sorted numbers
+    separated by spaces or commas, bracketed or not (sort); the word in any case (parity);
+    the reversed letters in any case, spaced or quoted (reverse). An answer wrapped in other
+    words scores 0: the prompt asks for the result only."""
     if task not in _MAKERS:
         raise ValueError(f"task {task!r} has no verifier; expected one of {', '.join(_MAKERS)}")
     text = completion.strip().rstrip(".").strip()
-    if task in ("add", "add-small"):
+    if task in ("add", "add-small", "max"):
         digits = re.sub(r"(?<=\d),(?=\d{3}\b)", "", text)
         return float(bool(re.fullmatch(r"-?\d+", digits)) and int(digits) == int(chosen))
     if task == "sort":
@@ -307,6 +329,8 @@ def verify(task: str, completion: str, chosen: str) -> float:
         parts = [p for p in re.split(r"[\s,]+", inner) if p]
         return float(all(re.fullmatch(r"-?\d+", p) for p in parts) and
                      [int(p) for p in parts] == [int(v) for v in chosen.split()])
+    if task == "parity":
+        return float(text.casefold() == chosen.strip().casefold())
     letters = re.sub(r"[\s'\"`-]", "", text).casefold()
     return float(letters == chosen.strip().casefold())
 
