@@ -206,7 +206,7 @@ def evaluate_task(name: str, model: str, adapter: str | None, data: str,
 def soup_task(adapters: list[str], out: str) -> str:
     """The top adapters averaged in ΔW and re-factored to rank r (tasks/board/soup.py)."""
     path = make_soup([Path(a) for a in adapters], Path(out))
-    get_run_logger().info("soup of %s → %s", adapters, path)
+    get_run_logger().info("soup of %s → %s", ", ".join(Path(a).name for a in adapters), path)
     return str(path)
 
 
