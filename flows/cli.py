@@ -232,11 +232,9 @@ def leaderboard_cmd(
 
 def leaderboard_settings(scorers: list[str] | None, generations: int, timeout: float):
     """The leaderboard's GenerationSettings from its flags (ValueError naming the flag)."""
-    from tasks.eval.generation_eval import GenerationSettings
+    from tasks.eval.generation_eval import GenerationSettings, check_prompts_flag
 
-    if generations < 0:
-        raise ValueError(f"--generations {generations}: expected 0 (no generation) or more "
-                         "held-out prompts a split")
+    check_prompts_flag(generations)
     if not 0 < timeout < float("inf"):
         raise ValueError(f"--score-timeout {timeout:g}: expected seconds > 0")
     return GenerationSettings(**({"scorers": tuple(scorers)} if scorers else {}),

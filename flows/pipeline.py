@@ -34,6 +34,7 @@ from tasks.data.tokenize_options import TokenizeOptions
 from tasks.eval.generation_eval import (
     GenerationSettings,
     as_settings,
+    check_prompts_flag,
     check_scorers_on_data,
     check_scorers_on_raw,
 )
@@ -83,9 +84,7 @@ def check_pipeline_inputs(raw: str, model: str, spec: str, out: str | None = Non
     user's mistake is one line naming the file or key (SpecError, FileNotFoundError,
     RefusedOutput, ValueError for ``generations`` below 0, ScorerError for a scorer that
     fails on the raw data's first rows), not a failed flow run."""
-    if generations is not None and generations < 0:
-        raise ValueError(f"--generations {generations}: expected 0 (no generation) or more "
-                         "held-out prompts a split")
+    check_prompts_flag(generations)
     settings = load_spec(spec).evaluation.with_prompts(generations)
     if not Path(raw).exists():
         raise FileNotFoundError(f"raw preference data not found: {raw}")

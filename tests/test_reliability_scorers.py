@@ -105,6 +105,8 @@ def test_scorers_that_exit_or_hang_and_boards_that_rank_nothing_are_one_line(
     line = one_line(CliRunner().invoke(app, [*base, "--metric", "gen/valid/exact",
                                              "--mode", "min"]))
     assert "--mode min: gen/valid/exact is a score" in line, line
+    line = one_line(CliRunner().invoke(app, [*base[:-2], "--generations", "-1"]))
+    assert line.startswith("error: --generations -1: expected 0"), line  # the flag, named
     line = one_line(CliRunner().invoke(app, [*base, "--scorer", "tokens=exact"]))
     assert "its label 'tokens' is reserved" in line, line  # case 1: the token count's name
     assert tree(sweep) == before

@@ -11,7 +11,6 @@ has one, else the log-prob one), the learning rate, throughput and peak memory.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 
@@ -24,8 +23,8 @@ def _accuracy(record: dict[str, Any], prefix: str) -> float | None:
 
 def _short(value: float) -> str:
     """3.6e-4, not 3.6e-04; 0 as 0."""
-    return "0" if value == 0 else re.sub(r"e([+-])0*(\d)", lambda m: "e" + m[1].replace(
-        "+", "") + m[2], f"{value:.1e}")
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return "0" if value == 0 else f"{mantissa}e{int(exponent)}"
 
 
 def _rate(value: float) -> str:

@@ -10,15 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.board.leaderboard import with_interval
-
-BOOKKEEPING = ("tokens", "tokens_per_sec")  # gen/<split>/… that are no scores
-
-
-def _labels(metrics: dict[str, Any], split: str) -> list[str]:
-    """The scorer labels with a score on ``split`` (``gen/<split>/<label>``)."""
-    parts = (k.split("/") for k in metrics if k.startswith(f"gen/{split}/"))
-    return list(dict.fromkeys(p[2] for p in parts if len(p) == 3 and p[2] not in BOOKKEEPING))
+from tasks.board.leaderboard import gen_labels, with_interval
 
 
 def split_line(metrics: dict[str, Any], split: str) -> str | None:
@@ -30,7 +22,7 @@ def split_line(metrics: dict[str, Any], split: str) -> str | None:
         rows = metrics.get(f"{pref}rows")
         parts.append(f"loss {metrics[f'{pref}loss']:.3g}, acc {acc}"
                      + (f" n={rows}" if rows else ""))
-    for label in _labels(metrics, split):
+    for label in gen_labels([metrics], split):
         n = metrics.get(f"gen/{split}/{label}/n")
         parts.append(f"{label} {with_interval(metrics, f'gen/{split}/{label}')}"
                      + (f" n={n}" if n else ""))

@@ -37,6 +37,7 @@ from tasks.board.ranked_metric import metric_value
 from tasks.board.results_table import write_results
 from tasks.eval.degenerate import below_chance
 from tasks.eval.paired import against_base, board_row
+from tasks.eval.scorers import RESERVED
 
 ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
 EVAL_COLUMNS = ("eval/valid/logps/accuracies", "eval/test/logps/accuracies",
@@ -179,12 +180,11 @@ def markdown(rows: list[dict[str, Any]], metric: str, title: str) -> str:
     return _page(title, intro, cols, body, rows)
 
 
-def gen_labels(rows: list[dict[str, Any]]) -> list[str]:
-    """The scorer labels the rows carry generation scores of (``gen/test/<label>``)."""
-    parts = (k.split("/") for r in rows for k in r if k.startswith("gen/test/"))
-    names = dict.fromkeys(p[2] for p in parts
-                          if len(p) == 3 and p[2] not in ("tokens", "tokens_per_sec"))
-    return list(names)
+def gen_labels(rows: list[dict[str, Any]], split: str = "test") -> list[str]:
+    """The scorer labels the rows carry generation scores of (``gen/<split>/<label>``; the
+    token counts beside them are no scores)."""
+    parts = (k.split("/") for r in rows for k in r if k.startswith(f"gen/{split}/"))
+    return list(dict.fromkeys(p[2] for p in parts if len(p) == 3 and p[2] not in RESERVED))
 
 
 def with_interval(row: dict[str, Any], name: str, digits: int = 2) -> str:

@@ -17,6 +17,8 @@ budget of 0 prompts turns it off (no columns, nothing divided by zero).
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -74,6 +76,15 @@ class GenerationSettings:
         """Both splits' budgets set to ``prompts`` (None: unchanged)."""
         return self if prompts is None else replace(self, valid_prompts=prompts,
                                                     test_prompts=prompts)
+
+
+def check_prompts_flag(prompts: int | None) -> None:
+    """``--generations``: None (the spec's budget), 0 (no generation) or more; ValueError
+    naming the flag (the field behind it, ``evaluation.valid_prompts``, means nothing to a
+    user of the flag)."""
+    if prompts is not None and prompts < 0:
+        raise ValueError(f"--generations {prompts}: expected 0 (no generation) or more "
+                         "held-out prompts a split")
 
 
 def as_settings(generation: GenerationSettings | int | None) -> GenerationSettings:
@@ -208,19 +219,28 @@ def check_scorers_on_data(settings: GenerationSettings, model: str, data: str,
 def check_scorers_on_raw(settings: GenerationSettings, raw: str, rows: int = 32) -> None:
     """``check_scorers`` on the first ``rows`` valid pairs of raw preference data, as text:
     the pipeline's check before its flow starts (its tokenized rows exist only inside the
-    flow), so a broken scorer starts no server and no cluster."""
+    flow), so a broken scorer starts no server and no cluster. Rows are parsed only until
+    ``rows`` are found: tokenize reads the whole data later."""
     if not settings.on:
         return
-    from tasks.data.preference_rows import Conversation, read_conversations
+    check_scorers(settings, list(itertools.islice(raw_rows(Path(raw)), rows)))
+
+
+def raw_rows(path: Path) -> Iterator[dict[str, Any]]:
+    """The valid rows of raw preference data, as the decoded rows scorers read (id, prompt,
+    chosen, rejected as text), one at a time; a bad row is tokenize's to count."""
+    from tasks.data.preference_rows import BadRow, detect_layout, list_files, read_raw, validate
 
     def text(part: Any) -> str:
         return part if isinstance(part, str) else "\n".join(m["content"] for m in part)
 
-    held: list[dict[str, Any]] = []
-    for item in read_conversations(Path(raw)):
-        if isinstance(item, Conversation):
-            held.append({"id": item.id, "prompt": text(item.prompt),
-                         "chosen": text(item.chosen), "rejected": text(item.rejected)})
-            if len(held) == rows:
-                break
-    check_scorers(settings, held)
+    for file in list_files(path):
+        for line, raw, problem in read_raw(file):
+            layout = None if problem else detect_layout(raw)
+            try:
+                row = validate(raw, layout, str(file), line) if layout else None
+            except BadRow:
+                continue
+            if row is not None:
+                yield {"id": row.id, "prompt": text(row.prompt), "chosen": text(row.chosen),
+                       "rejected": text(row.rejected)}
