@@ -223,7 +223,8 @@ def leaderboard_cmd(
         with claim_sweep_dir(sweep_dir, model, str(data)), prefect_api(sweep_dir):
             summary = leaderboard_flow(str(sweep_dir), model, str(data), metric, mode,
                                        address=address, gpus=gpus, resource=resource,
-                                       generations=settings, fuse=fuse)
+                                       generations=settings, fuse=fuse,
+                                       scorers_checked=True)
     except (RefusedOutput, ValueError, FileNotFoundError, ApiGone) as err:
         raise fail(str(err)) from None  # ScorerError is a ValueError
     console.print(f"leaderboard: {summary['markdown']}; best adapter: "

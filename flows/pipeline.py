@@ -190,18 +190,20 @@ def leaderboard_flow(sweep_dir: str, model: str, data: str, metric: str = "val/l
                      mode: str | None = None, out: str | None = None, address: str | None = None,
                      gpus: bool = False, resource: str | None = None,
                      generations: GenerationSettings | int | None = None, soup_k: int = 2,
-                     fuse: bool = False) -> dict[str, Any]:
+                     fuse: bool = False, scorers_checked: bool = False) -> dict[str, Any]:
     """Evaluate and rank a finished sweep (``sweep_dir/results.parquet``) on its own, by
     ``metric`` (a validation metric, ``mode`` its direction, min by default; or a generation
     score ``gen/valid/<label>``: higher is better, ties broken by val/loss);
-    ``generations``: the generation settings, or
-    that many prompts a split under the default scorer (None: the defaults)."""
+    ``generations``: the generation settings, or that many prompts a split under the
+    default scorer (None: the defaults); ``scorers_checked``: the caller tried them on the
+    data already (`pomona leaderboard` does, before the flow starts)."""
     import pyarrow.parquet as pq
 
     results = pq.read_table(Path(sweep_dir) / "results.parquet").to_pylist()
     out_dir = Path(out) if out else Path(sweep_dir)
     settings = GenerationSettings() if generations is None else as_settings(generations)
-    check_scorers_on_data(settings, model, data)
+    if not scorers_checked:
+        check_scorers_on_data(settings, model, data)
     ranking = (metric, rank_mode(metric, mode or "min"))
     trained = (metric, mode or "min") if metric.startswith("val/") else ("val/loss", "min")
     with ray_session(address):
