@@ -42,7 +42,7 @@ from tasks.nodes.placement import Placement
 from tasks.prefect.pipeline_tasks import (
     aggregate_task,
     eval_settings,
-    evaluate_task,
+    evaluation_for,
     fuse_task,
     preprocess_task,
     soup_task,
@@ -157,14 +157,15 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str,
     metric, metric_mode = trained
     done = [r for r in results if r["status"] == "completed"]
     shared = eval_settings(done)  # the base and the soup: what fits every trial's setting
-    jobs = {r["trial_id"]: evaluate_task.submit(
+    jobs = {r["trial_id"]: evaluation_for(r["adapter"], generations).submit(
                 r["trial_id"], model, r["adapter"], data, None, generations,
                 str(Path(r["adapter"])), placement, eval_settings([r]))
             for r in done}
     # The base under the first trial's loss: its loss column then reads beside theirs.
     base_loss = next(filter(None, (trained_loss(r["adapter"]) for r in done)), LossSpec())
-    base = evaluate_task.submit("base", model, None, data, base_loss, generations,
-                                str(out_dir / "base"), placement, shared)
+    base = evaluation_for(str(out_dir / "base"), generations).submit(
+        "base", model, None, data, base_loss, generations, str(out_dir / "base"), placement,
+        shared)
     evals = {name: job.result() for name, job in jobs.items()}
     base_metrics = base.result()
     top = [r["adapter"] for r in rank_trials(results, evals, rank_by, mode, tie=trained)
@@ -173,8 +174,8 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str,
     if soup_k >= 2 and len(top) >= 2:
         path = soup_task(top, str(out_dir / "soup"))
         loss = next(filter(None, map(trained_loss, top)), base_loss)  # its best member's
-        soup = {**evaluate_task("soup", model, path, data, loss, generations, path, placement,
-                                shared),
+        soup = {**evaluation_for(path, generations)("soup", model, path, data, loss,
+                                                    generations, path, placement, shared),
                 "adapter": path}
     summary = aggregate_task(results, evals, base_metrics, ranking, metric, str(out_dir), title,
                              soup, metric_mode)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -178,8 +179,7 @@ def test_an_edited_scorer_scores_again(sweep: Path, tiny_model: Path, tiny_data:
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "RAY_ADDRESS": "",
            "LAB_CALLS": str(tmp_path / "calls.txt"),
            "PYTHONPATH": os.pathsep.join([str(lab.parent), str(ROOT)])}
-    scores = []
-    for _ in range(2):
+    def leaderboard() -> float:
         proc = subprocess.run(
             [sys.executable, "-m", "flows.cli", "leaderboard", str(sweep), "--model",
              str(tiny_model), "--data", str(tiny_data), "--generations", "2", "--scorer",
@@ -187,7 +187,15 @@ def test_an_edited_scorer_scores_again(sweep: Path, tiny_model: Path, tiny_data:
             cwd=ROOT, env=env)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         board = pq.read_table(sweep / "leaderboard.parquet").to_pylist()
-        scores.append(next(r for r in board if r["trial_id"] == "base")["gen/valid/verdict"])
-        lab.write_text(lab.read_text().replace("    return 1.0\n\ndef slow_judge",
-                                               "    return 0.0\n\ndef slow_judge"))
+        return next(r for r in board if r["trial_id"] == "base")["gen/valid/verdict"]
+
+    scores = [leaderboard()]
+    lab.write_text(lab.read_text().replace("    return 1.0\n\ndef slow_judge",
+                                           "    return 0.0\n\ndef slow_judge"))
+    scores.append(leaderboard())
     assert scores == [1.0, 0.0], scores
+    # The same evaluation again, its out folder deleted: the cached result named a
+    # generations file that was gone, and the demo's table of answers came out empty.
+    shutil.rmtree(sweep / "base")
+    assert leaderboard() == 0.0
+    assert (sweep / "base" / "generations.jsonl").is_file()

@@ -103,10 +103,12 @@ def _max_example(rng: np.random.Generator) -> Example:
 
 
 def _parity_example(rng: np.random.Generator) -> Example:
-    """A four-digit number; the answer is one word, the near miss the other."""
+    """A four-digit number written digit by digit ("8 3 1 9": each digit its own token, so
+    the answer is a rule over 10 last tokens, not 82 two-digit ones to memorise); the
+    answer is one word, the near miss the other."""
     n = int(rng.integers(1000, 10000))
     answer, other = ("even", "odd") if n % 2 == 0 else ("odd", "even")
-    return Example(str(n), [answer], [other])
+    return Example(" ".join(str(n)), [answer], [other])
 
 
 SMALL = 40  # add-small: operands 0..40, sums SmolLM2-135M gets right about half the time

@@ -202,6 +202,16 @@ def evaluate_task(name: str, model: str, adapter: str | None, data: str,
     return metrics
 
 
+def evaluation_for(out: str, generations: GenerationSettings | int | None) -> Any:
+    """``evaluate_task``, told to evaluate again where the generations it would write to
+    ``out`` are gone (an out folder deleted since): its cached result names that file."""
+    settings = as_settings(generations)
+    wanted = settings.valid_prompts + settings.test_prompts > 0
+    if wanted and not (Path(out) / "generations.jsonl").is_file():
+        return evaluate_task.with_options(refresh_cache=True)
+    return evaluate_task
+
+
 @task(cache_policy=NO_CACHE, persist_result=False)
 def soup_task(adapters: list[str], out: str) -> str:
     """The top adapters averaged in ΔW and re-factored to rank r (tasks/board/soup.py)."""
