@@ -269,14 +269,45 @@ def run_score(argv: list[str]) -> int:
     return 0
 
 
-USAGE = """Train or score one adapter with no Prefect and no Ray.
+def export_parser() -> argparse.ArgumentParser:
+    from engine.model.gguf_export import TYPES
+
+    p = OneLineParser(prog="python -m engine export",
+                      description="Fuse an adapter into its base model and write a GGUF "
+                                  "(llama.cpp, Ollama, LM Studio).")
+    p.add_argument("target", help="A training run, an adapter, or a sweep's folder "
+                                  "(its best-adapter/).")
+    p.add_argument("--gguf", required=True, help="The GGUF file to write (never over one).")
+    p.add_argument("--model", default=None, help="The base model (default: the one the "
+                                                 "adapter names); a folder or a .gguf file.")
+    p.add_argument("--type", default="f32", choices=TYPES, help="Tensor type (default f32).")
+    return p
+
+
+def run_export(argv: list[str]) -> int:
+    from engine.model.export import export
+
+    a = export_parser().parse_args(argv)
+    try:
+        out = export(a.target, a.gguf, a.model, a.type)
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"exported {a.target} → {out} ({a.type}, {out.stat().st_size / 2**20:.1f} MiB)",
+          file=sys.stderr)
+    return 0
+
+
+USAGE = """Train, score or export one adapter with no Prefect and no Ray.
 
     python -m engine train --model DIR --data PATH --out DIR [--config YAML] [--steps N ...]
     python -m engine score --model DIR [--adapter DIR] --data PATH --out FILE.jsonl
+    python -m engine export RUN_OR_ADAPTER --gguf OUT.gguf [--model M] [--type q8_0]
 
 Each command's --help lists its options. Benchmarks: python -m benchmarks --help."""
 COMMANDS = {"train": "Train one LoRA adapter (ORPO, DPO, SimPO, KTO, CPO or SFT).",
-            "score": "Score preference pairs under a model (+ adapter)."}
+            "score": "Score preference pairs under a model (+ adapter).",
+            "export": "Fuse an adapter into its base and write a GGUF."}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,4 +325,4 @@ def main(argv: list[str] | None = None) -> int:
     except CacheRootError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return {"train": run_train, "score": run_score}[args.command](rest)
+    return {"train": run_train, "score": run_score, "export": run_export}[args.command](rest)

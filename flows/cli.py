@@ -5,6 +5,7 @@
     pomona demo --out runs/demo                  # the whole pipeline on self-made fixtures
     pomona pipeline RAW MODEL SPEC --out DIR     # tokenize → … → leaderboard, as a flow
     pomona sweep SPEC --out DIR                  # a sweep alone (docs/sweep.md)
+    pomona export RUN --gguf OUT.gguf            # the best adapter fused, for llama.cpp
 
 Heavy imports (mlx, mlx-lm, tokenizers) happen inside commands so ``--help`` stays fast.
 """
@@ -101,6 +102,14 @@ def score_cmd(ctx: typer.Context) -> None:
     from engine.cli import run_score
 
     raise typer.Exit(code=run_score(list(ctx.args)))
+
+
+@app.command("export", context_settings=_PASSTHROUGH, add_help_option=False)
+def export_cmd(ctx: typer.Context) -> None:
+    """A GGUF for llama.cpp, Ollama, LM Studio: `pomona export RUN --gguf OUT.gguf`."""
+    from engine.cli import run_export
+
+    raise typer.Exit(code=run_export(list(ctx.args)))
 
 
 @app.command("bench", context_settings=_PASSTHROUGH, add_help_option=False)

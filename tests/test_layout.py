@@ -285,6 +285,7 @@ SETUP_ELSEWHERE = {
     "benchmarks/bench_model.py": {"attach_lora"},  # random-init shapes
     "benchmarks/row_runner.py": {"chunk_mlps"},
     "benchmarks/layer_memory.py": {"chunk_mlps"},
+    "engine/model/gguf_export.py": {"load_model"},  # fused for export: no stack, no levers
 }
 
 

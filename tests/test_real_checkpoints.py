@@ -221,3 +221,14 @@ def test_orpo_raises_smollm2s_held_out_preference_accuracy(real, tmp_path) -> No
     assert after["val/rewards/accuracies"] >= before["val/rewards/accuracies"] + 0.05, (
         before, after)
     assert margin[16] > margin[0], margin
+    # Issue 55: the trained adapter fused and exported as a GGUF imports back to the fused
+    # model's logits (f32: 1e-5 of the largest; tests/test_gguf_export.py for the families).
+    from engine.model.export import export
+    from engine.model.gguf_import import import_gguf
+
+    gguf_file = export(tmp_path / "run", tmp_path / "smollm2-tuned.gguf")
+    fused, _ = mlx_lm.load(str(real["smollm2"]), adapter_path=str(tmp_path / "run"))
+    back, _ = mlx_lm.load(str(import_gguf(gguf_file, tmp_path / "back", dtype="float32")))
+    tokens = mx.array([[1, 504, 3458, 314, 253, 1789, 2, 30, 4446, 17, 288, 9]])
+    want = fused(tokens)
+    assert float(mx.abs(back(tokens) - want).max() / mx.abs(want).max()) < 1e-5

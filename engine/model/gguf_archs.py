@@ -239,6 +239,13 @@ def gguf_name(arch: Arch, hf: str) -> str:
     return f"{top[stem]}.{kind}" if stem in top else hf
 
 
+def permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute`` of q/k rows: each head's rows from halves
+    [2, d/2] (HF's rope layout) to pairs [d/2, 2] (llama.cpp's); ``unpermute_qk`` undoes it."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
 def unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's ``permute`` of q/k rows, which took each head's rows from rope
     pairs [d/2, 2] to halves [2, d/2]: read them as [d/2, 2] and swap back."""

@@ -34,6 +34,7 @@ from engine.model.gguf_archs import ARCHS, Arch, gguf_name, hf_name, unpermute_q
 from engine.model.gguf_check import check_tensors
 from engine.model.gguf_meta import HeaderError, check_header
 from engine.model.gguf_tokenizer import build_tokenizer, fix_tokenizer_class
+from engine.model.gguf_vocab import SAVED, source_fields
 
 MARK = "pomona_model.json"  # what Pomona writes beside every model directory it makes
 IMPORTER_VERSION = 2  # part of the cache key: a fix here re-imports cached files
@@ -246,6 +247,8 @@ def import_gguf(path: str | Path, out: str | Path, dtype: str | None = None,
         save_config(model.config, config_path=stage / "config.json")
         model.tokenizer.save_pretrained(str(stage))
         fix_tokenizer_class(stage)
+        # The source's own tokenizer fields: an export copies them back (gguf_vocab.py).
+        (stage / SAVED).write_text(json.dumps(source_fields(model.meta)) + "\n")
         mark = {"source": "gguf", "file": path.name, "sha256": sha256_file(path),
                 "architecture": model.meta["general.architecture"],
                 "name": model.meta.get("general.name"), "dtype": dtype, "quantize": quantize,

@@ -1,0 +1,70 @@
+"""The export verb's request: which adapter, on which base, to which file, in which type,
+every refusal made before any weight is read (engine/model/gguf_export.py writes it).
+
+The adapter is the folder given (``adapters.safetensors`` in it: a training run or an
+adapter) or a sweep's or pipeline's ``best-adapter/`` in it. The base is ``--model``, else
+the model the adapter's config names; an adapter Pomona trained records its base's content
+key, and a base with other bytes is refused (the fused model would be neither).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from engine.host.outputs import check_file
+from engine.model.adapters import ADAPTER_FILE, CONFIG_FILE
+from engine.model.gguf_export import TYPES, check_expressible, fuse, gguf_arch, write_gguf
+from engine.model.source import model_dir, read_config, source_kind
+
+BEST = "best-adapter"  # where a sweep or a pipeline puts the adapter it ranked first
+
+
+def adapter_of(target: Path) -> Path:
+    """The adapter folder ``target`` names: itself, or its ``best-adapter/``."""
+    for folder in (target, target / BEST):
+        if (folder / ADAPTER_FILE).is_file() and (folder / CONFIG_FILE).is_file():
+            return folder
+    if not target.exists():
+        raise ValueError(f"{target}: no such file or folder")
+    raise ValueError(f"{target}: no adapter in it ({ADAPTER_FILE} and {CONFIG_FILE}, there "
+                     f"or in {BEST}/): give a training run, an adapter or a sweep's folder")
+
+
+def base_of(adapter: Path, model: str | None) -> str:
+    """The base model to fuse ``adapter`` into: ``model``, else the one its config names;
+    ValueError where the adapter records a base with other bytes."""
+    from engine.model.content_key import model_fingerprint
+
+    config = json.loads((adapter / CONFIG_FILE).read_text())
+    model = model or config.get("model")
+    if not model:
+        raise ValueError(f"{adapter / CONFIG_FILE}: names no base model; pass --model")
+    if not Path(model).exists():
+        raise ValueError(f"{model}: the base model is not here; pass --model")
+    recorded = (config.get("pomona") or {}).get("model_key")
+    if recorded and model_fingerprint(model) != recorded:
+        raise ValueError(f"{adapter} was trained on another model than {model} (its "
+                         "bytes differ from the base it recorded); pass that base as --model")
+    return model
+
+
+def export(target: str | Path, out: str | Path, model: str | None = None,
+           kind: str = "f32") -> Path:
+    """``target``'s adapter fused into its base and written to the new file ``out`` as a
+    GGUF of type ``kind``; return ``out``."""
+    if kind not in TYPES:
+        raise ValueError(f"--type {kind}: expected one of {', '.join(TYPES)}")
+    adapter = adapter_of(Path(target))
+    base = base_of(adapter, model)
+    check_file(out, lambda _: False, "a file", inputs=[target, base], flag="--gguf")
+    config = read_config(model_dir(base))  # a family or setting it cannot write: no load
+    check_expressible(config, gguf_arch(config))
+    fused = fuse(base, adapter)
+    return write_gguf(Path(out), fused, kind, tokenizer_source(base))
+
+
+def tokenizer_source(base: str) -> Path:
+    """Where the export's tokenizer comes from: the GGUF file the base is, or its folder
+    (an import's ``gguf_tokenizer.json``, else ``tokenizer.json``)."""
+    return Path(base) if source_kind(base) == "gguf" else model_dir(base)
