@@ -3,8 +3,10 @@ adapter, exported as a GGUF, loaded by llama.cpp (llama-cpp-python, built from P
 source), against MLX's fused model on the same 8 chat prompts:
 
 - the prompt's tokens as llama.cpp tokenizes the text (the exported tokenizer);
-- the first 16 greedy tokens;
-- the next-token logits at the prompt's end, relative to the largest.
+- the first 16 greedy tokens (all equal in f32; counted, not required, for a quantized
+  type, whose rounding MLX's float32 model does not share);
+- the next-token logits at the prompt's end, relative to the largest, within the type's
+  error (``TOL``).
 
 Two halves, one per interpreter (benchmarks/llama_cpp_check.sh runs both):
 
@@ -73,7 +75,7 @@ def mlx_half(out: Path, kind: str) -> None:
             nxt = int(mx.argmax(fused(mx.array([seq]))[0, -1]))
             tokens.append(nxt)
             seq.append(nxt)
-        rows.append({"text": text, "ids": ids, "greedy": tokens,
+        rows.append({"prompt": f"reverse {word}", "text": text, "ids": ids, "greedy": tokens,
                      "answer": tokenizer.decode(tokens), "logits": logits.tolist()})
     (out / "mlx.json").write_text(json.dumps({"gguf": str(gguf_file), "type": kind,
                                              "export_s": seconds, "rows": rows}))
@@ -102,16 +104,20 @@ def llama_half(out: Path) -> int:
             greedy.append(nxt)
             llm.eval([nxt])
         same = sum(a == b for a, b in zip(greedy, row["greedy"], strict=True))
-        ok = ids == row["ids"] and same == GREEDY and err < TOL[want["type"]]
+        # Greedy tokens must all agree in f32. A quantized export is compared with MLX's
+        # float32 model, so its answers drift once two candidates are closer than its
+        # rounding: reported, not failed; its logits are held to the type's error.
+        exact = want["type"] == "f32"
+        ok = ids == row["ids"] and (same == GREEDY or not exact) and err < TOL[want["type"]]
         failed |= not ok
-        report.append({"prompt": row["text"].splitlines()[-2] if "\n" in row["text"] else
-                       row["text"], "tokens_equal": ids == row["ids"], "greedy_equal": same,
+        report.append({"prompt": row["prompt"], "tokens_equal": ids == row["ids"],
+                       "greedy_equal": same,
                        "logits_rel_err": err, "mlx": row["answer"],
                        "llama_cpp": llm.detokenize(greedy).decode(errors="replace")})
     (out / "llama_cpp.json").write_text(json.dumps({"type": want["type"], "rows": report},
                                                    indent=2) + "\n")
     for r in report:
-        print(f"{r['prompt'][:48]:48} tokens {'=' if r['tokens_equal'] else '≠'}  greedy "
+        print(f"{r['prompt']:18} tokens {'=' if r['tokens_equal'] else '≠'}  greedy "
               f"{r['greedy_equal']}/{GREEDY}  logits {r['logits_rel_err']:.1e}  "
               f"{r['llama_cpp']!r}")
     print("llama.cpp agrees with MLX" if not failed else "llama.cpp DISAGREES with MLX")
