@@ -30,20 +30,15 @@ from engine.model.load import LoraSpec, resolve_lora_keys
 from tasks.models.model_factory import init_model
 from tests.conftest import TINY
 from tests.parity import with_lora
+from tests.test_gguf_families import CASES as FAMILY_CASES
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = mx.array([[1, 17, 3, 250, 99, 4, 42, 7, 300, 12, 8, 511, 64, 5, 2, 77] * 2])
-CASES = {
-    "llama": replace(TINY, arch="llama"),
-    "mistral": replace(TINY, arch="mistral"),
-    "qwen2": replace(TINY, arch="qwen2"),
-    "qwen3": replace(TINY, arch="qwen3"),
-    "phi3": replace(TINY, arch="phi3"),
-    "gemma3": replace(TINY, arch="gemma3_text", layers=6, window_pattern=6),
-    "llama3-rope": replace(TINY, arch="llama", hidden=128, rope_scaling="llama3",
-                           max_position=1024),
-}
+# The import's families (tests/test_gguf_families.py) and Gemma 3, which a GGUF holds only
+# in llama.cpp's fixed 1-in-6 window pattern.
+CASES = {**{k: v for k, v in FAMILY_CASES.items() if k != "llama3-rope-one-in-band"},
+         "gemma3": replace(TINY, arch="gemma3_text", layers=6, window_pattern=6)}
 TOL = {"f32": 1e-5, "f16": 5e-3, "bf16": 3e-2, "q8_0": 3e-2}
 
 

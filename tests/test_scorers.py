@@ -177,6 +177,10 @@ def test_wilson_interval_by_hand() -> None:
     assert (round(low, 4), round(high, 4)) == (0.3968, 0.8922)
     assert wilson(0, 20)[0] == 0.0 and round(wilson(0, 20)[1], 4) == 0.1611
     assert wilson(0, 0) == (0.0, 1.0)
+    # All right (or all wrong): the bound is the estimate itself. Rounding left it at
+    # 0.9999999999999999 for 207 of 207, below the mean the demo test compared it with.
+    for n in range(1, 400):
+        assert wilson(n, n)[1] == 1.0 and wilson(0, n)[0] == 0.0, n
     est = estimate([1.0] * 7 + [0.0] * 3)
     assert (est.mean, est.n, round(est.low, 4)) == (0.7, 10, 0.3968)
     # Scores in between: the normal interval on the sample sd (0.25, 0.75: sd 0.2887).

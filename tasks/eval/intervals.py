@@ -41,7 +41,9 @@ def wilson(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
     p = successes / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # At p = 0 or 1 a bound equals p exactly, and rounding put it past p (1 - 1e-16 for
+    # 207 right of 207): the interval always holds its estimate.
+    return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))
 
 
 def estimate(scores: Sequence[float]) -> Estimate | None:
