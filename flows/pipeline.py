@@ -85,12 +85,16 @@ def check_pipeline_inputs(raw: str, model: str, spec: str, out: str | None = Non
     """Every input of ``pipeline`` (and its ``out``) checked before the flow starts, so a
     user's mistake is one line naming the file or key (SpecError, FileNotFoundError,
     RefusedOutput, ValueError for ``generations`` below 0, ScorerError for a scorer that
-    fails on the raw data's first rows), not a failed flow run."""
+    fails on the raw data's first rows, or a spec's ``export`` of a family no GGUF holds),
+    not a failed flow run."""
     check_prompts_flag(generations)
-    settings = load_spec(spec).evaluation.with_prompts(generations)
+    parsed = load_spec(spec)
+    settings = parsed.evaluation.with_prompts(generations)
     if not Path(raw).exists():
         raise FileNotFoundError(f"raw preference data not found: {raw}")
     source_kind(model)  # a local path that is not there; a repo id is mlx-lm's
+    if parsed.export.gguf:
+        exportable(model)  # a family no GGUF holds, before any server or trial
     check_scorers_on_raw(settings, raw)  # a ScorerError (a ValueError) before any server
     if out is not None:
         with claim_pipeline(out, raw, model, spec):

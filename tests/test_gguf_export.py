@@ -155,3 +155,59 @@ def test_a_model_from_a_gguf_gets_its_tokenizer_back(tmp_path: Path, tiny_model:
         return {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
 
     assert fields(first) and fields(second) == fields(first) == fields(third)
+
+
+@pytest.mark.parametrize("base", ["4-bit", "bfloat16"])
+def test_a_base_as_it_ships_exports_to_the_fused_logits(base: str, tmp_path: Path,
+                                                        tiny_model_q4: Path) -> None:
+    """Bases as checkpoints ship: 4-bit (dequantized in the fuse, as `mlx_lm fuse
+    --dequantize`) and bf16. The 4-bit model's own forward runs on the same dequantized
+    values, so f32 holds within 1e-5 (measured 2026-12-06: 3.5e-7); the bf16 model computes in
+    bf16 beside the export's float32, so within bf16's rounding, 2e-2 (measured 6.3e-3)."""
+    model = tiny_model_q4 if base == "4-bit" else init_model(
+        replace(TINY, dtype="bfloat16"), tmp_path / "bf16")
+    adapter = trained(model, tmp_path / "adapter")
+    out = export(adapter, tmp_path / "out.gguf")
+    back, _ = load(str(import_gguf(out, tmp_path / "back", dtype="float32")))
+    err = relative(fused_logits(model, adapter).astype(mx.float32), back(TOKENS))
+    assert err < (1e-5 if base == "4-bit" else 2e-2), err
+
+
+def test_a_pipeline_replaces_its_own_export_and_never_a_users_file(tmp_path: Path,
+                                                                    tiny_model: Path) -> None:
+    """The pipeline's `export:` writes best-adapter.gguf again on a re-run (the file carries
+    the export's mark); a file of that name the user put there, even a GGUF, stays."""
+    from engine.model.gguf_export import exported_here
+    from tests.gguf_writer import write_gguf_of
+
+    adapter = trained(tiny_model, tmp_path / "adapter")
+    ours = export(adapter, tmp_path / "ours.gguf", kind="q8_0")
+    assert exported_here(ours)
+    assert export(adapter, ours, kind="f16", ours=exported_here) == ours  # replaced
+    assert exported_here(ours) and ours.stat().st_size < 600_000  # the f16 one now
+    users = [write_gguf_of(tiny_model, tmp_path / "users.gguf"), tmp_path / "notes.gguf"]
+    users[1].write_text("my notes\n")
+    for path in users:
+        before = path.read_bytes()
+        with pytest.raises(ValueError, match="exists"):
+            export(adapter, path, ours=exported_here)
+        assert path.read_bytes() == before and not exported_here(path)
+
+
+def test_a_spec_export_is_checked_before_anything_runs(tmp_path: Path) -> None:
+    """`export:` in a spec: a type it cannot write, or a family no GGUF holds, is one line
+    before the pipeline's flow starts."""
+    from flows.pipeline import check_pipeline_inputs
+    from tasks.sweep.sweep_spec import SpecError, load_spec
+
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n')
+    spec = tmp_path / "spec.yaml"
+    for value in ("{gguf: q4}", "q8_0", "{gguf: null}", "{gguf: f16, x: 1}"):
+        spec.write_text(f"name: s\nmodel: m\ndata: d\nexport: {value}\n")
+        with pytest.raises(SpecError, match="export"):
+            load_spec(spec)
+    spec.write_text("name: s\nmodel: m\ndata: d\nexport: {gguf: q8_0}\n")
+    gemma4 = init_model(replace(TINY, arch="gemma4_text", layers=3), tmp_path / "g4")
+    with pytest.raises(ValueError, match="gemma4_text"):
+        check_pipeline_inputs(str(raw), str(gemma4), str(spec))

@@ -39,8 +39,9 @@ class ExportSettings:
         """A spec's ``export:`` value: absent, or a mapping with ``gguf``."""
         if value is None:
             return cls()
-        if not isinstance(value, dict) or set(value) - {"gguf"}:
-            raise ValueError(f"export={value!r}: expected a mapping such as {{gguf: q8_0}}")
+        if not isinstance(value, dict) or set(value) != {"gguf"} or not value["gguf"]:
+            raise ValueError(f"export={value!r}: expected a mapping such as {{gguf: q8_0}} "
+                             f"(types: {', '.join(TYPES)})")
         return cls(**value)
 
 
@@ -60,7 +61,12 @@ def base_of(adapter: Path, model: str | None) -> str:
     ValueError where the adapter records a base with other bytes."""
     from engine.model.content_key import model_fingerprint
 
-    config = json.loads((adapter / CONFIG_FILE).read_text())
+    try:
+        config = json.loads((adapter / CONFIG_FILE).read_text())
+    except ValueError as err:
+        raise ValueError(f"{adapter / CONFIG_FILE}: not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{adapter / CONFIG_FILE}: not the JSON object mlx-lm writes")
     model = model or config.get("model")
     if not model:
         raise ValueError(f"{adapter / CONFIG_FILE}: names no base model; pass --model")

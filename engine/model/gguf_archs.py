@@ -189,15 +189,21 @@ def _phi3_config(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any
 
 def _gemma3_config(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
     base, keys = _common(meta, "gemma3", tensors), Keys(meta, "gemma3")
-    # llama.cpp's fixed Gemma 3 facts: 5 sliding layers to 1 global, local rope base 10k,
-    # and 27B (62 layers) scales queries by hidden/heads where the others use head_dim.
-    big = base["num_hidden_layers"] == 62
-    scalar = base["hidden_size"] // base["num_attention_heads"] if big else base["head_dim"]
     return {**base, "model_type": "gemma3_text",
             "rope_theta": keys.real("rope.freq_base", 1_000_000.0),
-            "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": scalar,
-            "sliding_window": keys.count("attention.sliding_window"),
-            "sliding_window_pattern": 6, "rope_scaling": _rope_scaling(meta, "gemma3")}
+            **gemma3_fixed(base), "sliding_window": keys.count("attention.sliding_window"),
+            "rope_scaling": _rope_scaling(meta, "gemma3")}
+
+
+def gemma3_fixed(config: dict[str, Any]) -> dict[str, Any]:
+    """What llama.cpp fixes for Gemma 3 rather than reading from the file: 5 sliding layers
+    to 1 global, a local rope base of 10k, and queries scaled by head_dim, except 27B (62
+    layers), which scales by hidden/heads. The import sets them; the export refuses others."""
+    big = config["num_hidden_layers"] == 62
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return {"sliding_window_pattern": 6, "rope_local_base_freq": 10_000.0,
+            "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"]
+            if big else head}
 
 
 ARCHS: dict[str, Arch] = {

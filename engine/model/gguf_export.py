@@ -27,10 +27,18 @@ from typing import Any
 import numpy as np
 
 from engine.host.atomic import write_atomic
-from engine.model.gguf_archs import ARCHS, ROPE_FREQS, gguf_name, llama3_factors, permute_qk
+from engine.model.gguf_archs import (
+    ARCHS,
+    ROPE_FREQS,
+    gemma3_fixed,
+    gguf_name,
+    llama3_factors,
+    permute_qk,
+)
 from engine.model.gguf_vocab import saved_fields, write_bpe, write_fields
 
 TYPES = ("f32", "f16", "bf16", "q8_0")
+MARK = "pomona.export"  # a key every export writes (llama.cpp ignores keys it does not know)
 # mlx-lm model_type -> the GGUF architecture llama.cpp knows it as (Mistral is llama there)
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
              "phi3": "phi3", "gemma3_text": "gemma3"}
@@ -95,10 +103,7 @@ def check_expressible(config: dict[str, Any], arch: str) -> None:
         raise ValueError(f"sliding_window {config.get('sliding_window')}: a {arch} GGUF "
                          "has no sliding layers")
     if arch == "gemma3":
-        fixed = {"sliding_window_pattern": 6, "rope_local_base_freq": 10_000.0,
-                 "query_pre_attn_scalar": head_dim(config) if config["num_hidden_layers"] != 62
-                 else config["hidden_size"] // config["num_attention_heads"]}
-        for key, value in fixed.items():
+        for key, value in gemma3_fixed(config).items():
             if config.get(key, value) != value:
                 raise ValueError(f"{key} {config[key]}: llama.cpp's gemma3 fixes it at {value}")
         for key in ("final_logit_softcapping", "attn_logit_softcapping"):
@@ -186,6 +191,7 @@ def write_gguf(out: Path, fused: Fused, kind: str, tokenizer_from: Path) -> Path
     def write(tmp: Path) -> None:
         writer = gguf.GGUFWriter(str(tmp), arch)
         writer.add_name(fused.config.get("_name_or_path") or tokenizer_from.name)
+        writer.add_string(MARK, kind)  # what ``exported_here`` recognises
         writer.add_file_type(gguf.LlamaFileType[FILE_TYPES[kind]])
         write_hparams(writer, fused.config, arch)
         if copied:
@@ -201,3 +207,17 @@ def write_gguf(out: Path, fused: Fused, kind: str, tokenizer_from: Path) -> Path
         writer.close()
 
     return write_atomic(out, write, suffix=".gguf")
+
+
+def exported_here(path: Path) -> bool:
+    """Whether ``path`` is a GGUF an export wrote (it carries ``MARK``): the only file a
+    pipeline's export replaces. A user's own file of that name is never written over."""
+    import gguf
+
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                return False
+        return MARK in gguf.GGUFReader(str(path)).fields
+    except (OSError, ValueError, IndexError):  # unreadable, or not a GGUF after all
+        return False

@@ -24,6 +24,7 @@ from engine.losses import LossSpec
 from engine.model.adapters import ADAPTER_FILE, CONFIG_FILE, trained_reference
 from engine.model.content_key import adapter_fingerprint, model_fingerprint
 from engine.model.export import export
+from engine.model.gguf_export import exported_here
 from engine.settings.config import TrainConfig
 from engine.settings.reference_kind import adapter_path
 from tasks.board.eval_lines import evaluation_lines
@@ -273,9 +274,10 @@ GGUF_NAME = "best-adapter.gguf"  # beside best-adapter/: the pipeline's export
 @task(cache_policy=NO_CACHE, persist_result=False)
 def export_task(adapter: str, model: str, out_dir: str, kind: str) -> str:
     """The best adapter fused into ``model`` and written as a GGUF of type ``kind`` beside
-    it (engine/model/export.py), replacing the file an earlier run of this pipeline left."""
+    it (engine/model/export.py), replacing only a file an export wrote (an earlier run's),
+    never a user's file of that name."""
     path = Path(out_dir) / GGUF_NAME
-    written = export(adapter, path, model, kind, ours=lambda p: p == path)
+    written = export(adapter, path, model, kind, ours=exported_here)
     size = written.stat().st_size / 2**20
     line = f"GGUF ({kind}, {size:.1f} MiB) of the best adapter fused into its base: {written}"
     get_run_logger().info("%s", line)
