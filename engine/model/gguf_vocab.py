@@ -12,6 +12,7 @@ to the embedding's rows, merges, special ids and the template through the gguf p
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -83,4 +84,16 @@ def write_bpe(writer: Any, model: Path, rows: int) -> None:
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    gguf.SpecialVocab(model, load_merges=True, n_vocab=rows).add_to_gguf(writer, quiet=True)
+    notices = logging.getLogger("gguf.vocab")
+    notices.addFilter(_no_pair_notice)  # llama.cpp never encodes a pair: noise on the CLI
+    try:
+        special = gguf.SpecialVocab(model, load_merges=True, n_vocab=rows)
+    finally:
+        notices.removeFilter(_no_pair_notice)
+    special.add_to_gguf(writer, quiet=True)
+
+
+def _no_pair_notice(record: logging.LogRecord) -> bool:
+    """Drop the gguf package's notice about a ``TemplateProcessing<pair>`` it cannot map
+    (Llama's own "<s> $A <s> $B" draws it)."""
+    return "TemplateProcessing<pair>" not in record.getMessage()
