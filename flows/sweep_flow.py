@@ -24,6 +24,7 @@ from prefect.artifacts import (
 )
 
 from flows.ray_session import ray_session
+from tasks.board.leaderboard import swept_params
 from tasks.board.ranked_metric import metric_value
 from tasks.nodes.placement import Placement
 from tasks.prefect.pipeline_tasks import artifact_key
@@ -39,9 +40,11 @@ TABLE_COLUMNS = ("trial_id", "status", "reason", "node", "attempts", "duration_s
 
 
 def table_rows(rows: list[Summary], metric: str) -> list[dict[str, Any]]:
-    """The trials table artifact: a few columns, the metric, every param."""
+    """The trials table artifact: a few columns, the metric, the params that differ
+    between trials (results.parquet holds every setting: the leaderboard's choice)."""
+    params = swept_params(rows)
     return [{**{k: r.get(k) for k in TABLE_COLUMNS}, metric: metric_value(r, metric),
-             **{k: r[k] for k in r if k.startswith("param/")}} for r in rows]
+             **{k: r.get(k) for k in params}} for r in rows]
 
 
 def sweep_stage(spec: SweepSpec, out_dir: Path, address: str | None = None,

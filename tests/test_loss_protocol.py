@@ -80,10 +80,11 @@ def test_a_sweep_over_losses_gives_each_trial_its_own_settings(tmp_path) -> None
     spec = parse_spec({"name": "s", "model": "m", "data": "d", "metric": "val/logps/accuracies",
                        "fixed": {"orpo_lambda": 1.0, "rpo_alpha": 1.0, "steps": 2},
                        "grid": {"loss": ["orpo", "dpo"]}})
-    plans = {p.fields["loss"]: p for p in spec.trials(tmp_path)}
+    plans = {p.params()["loss"]: p for p in spec.trials(tmp_path)}
     assert plans["orpo"].config.loss == LOSSES["orpo"](orpo_lambda=1.0)
     assert plans["dpo"].config.loss == LOSSES["dpo"](rpo_alpha=1.0)
-    assert plans["orpo"].fields["rpo_alpha"] == 1.0  # the trial's id and param columns
+    # Each trial's param columns are its own loss's settings: the ORPO trial had no rpo_alpha.
+    assert "rpo_alpha" not in plans["orpo"].params() and plans["dpo"].params()["rpo_alpha"] == 1.0
 
 
 @pytest.mark.unit

@@ -167,20 +167,35 @@ def test_evaluation_fits_where_the_trials_trained() -> None:
 
 
 @pytest.mark.unit
-def test_a_spec_without_batch_size_evaluates_at_the_trainers_default(tmp_path) -> None:
+def test_a_spec_without_batch_size_evaluates_at_the_trainers_default(
+        tiny_model, tiny_data, tmp_path) -> None:
     """Issue 52, case 5: a trial whose spec set no batch_size trained at TrainConfig's
     default (4) and was evaluated at 8, a batch twice as large as the one that fit. The
-    rows are a spec's points as the sweep's results table writes them (param/ columns)."""
+    rows are those the sweep writes (``SweepRun.finish`` of its plans): a column for every
+    effective setting, the spec's or a default, so evaluation reads what trained. Would
+    catch: a param/ column only for what the spec set, or evaluation guessing one."""
+    from engine.losses import OWNERS
     from engine.settings.config import TrainConfig
+    from tasks.nodes.placement import Placement
     from tasks.prefect.pipeline_tasks import eval_settings
+    from tasks.sweep.run import SweepRun
     from tasks.sweep.sweep_spec import load_spec
+    from tasks.sweep.trial_plan import PATHS
 
     spec = tmp_path / "spec.yaml"
-    spec.write_text("name: s\nmodel: m\ndata: d\nsearch: grid\n"
+    spec.write_text(f"name: s\nmodel: {tiny_model}\ndata: {tiny_data}\nsearch: grid\n"
                     "grid: {learning_rate: [1.0e-5, 2.0e-5]}\n")
-    rows = [{f"param/{k}": v for k, v in params.items()} for params in load_spec(spec).points()]
-    assert rows and all("param/batch_size" not in r for r in rows)
-    defaults = TrainConfig()
+    sweep = SweepRun(load_spec(spec), tmp_path / "out", Placement(), None)
+    source, _ = sweep.list_source()
+    sweep.configs.update({p.id: p.params() for p in source.trials})
+    rows = sweep.finish([{"trial_id": p.id, "status": "completed"} for p in source.trials], None)
+    defaults = TrainConfig.defaults()
+    settings = {f"param/{k}" for k in defaults if k not in PATHS
+                and (k not in OWNERS or OWNERS[k].kind == "orpo")}
+    assert len(rows) == 2 and all(settings <= set(r) for r in rows), settings - set(rows[0])
+    assert [r["param/batch_size"] for r in rows] == [defaults["batch_size"]] * 2 == [4, 4]
+    assert [r["param/learning_rate"] for r in rows] == [1.0e-5, 2.0e-5]
     got = eval_settings(rows)
-    assert got.batch_size == defaults.batch_size == 4
-    assert (got.head_chunk, got.prefix_share) == (defaults.head_chunk, defaults.prefix_share)
+    assert got.batch_size == defaults["batch_size"] == 4
+    assert (got.head_chunk, got.prefix_share) == (defaults["head_chunk"],
+                                                   defaults["prefix_share"])

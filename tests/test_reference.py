@@ -328,10 +328,10 @@ def test_review_fixes_probe_keys_paths_and_identical_rows(tiny_model: Path, tiny
     assert all("error" not in r and r["peak_gb"] > 0 for r in rows), rows
 
     moved = shutil.copytree(orpo_adapter, tmp_path / "ref")
-    key = cache_key({"loss": "dpo", "reference": str(moved)}, "data", "model")
+    key = cache_key(TrainConfig(loss="dpo", reference=str(moved)), "data", "model")
     trained_adapter(tiny_model, tiny_data, tmp_path / "again", 1, 1e-2)
     shutil.copy(tmp_path / "again" / "adapters.safetensors", moved / "adapters.safetensors")
-    assert cache_key({"loss": "dpo", "reference": str(moved)}, "data", "model") != key
+    assert cache_key(TrainConfig(loss="dpo", reference=str(moved)), "data", "model") != key
 
     monkeypatch.chdir(tmp_path)
     train(cfg(tiny_model, tiny_data, tmp_path / "rel", loss="dpo", reference="ref"))

@@ -133,11 +133,11 @@ def test_yaml_numbers_are_numbers_and_bad_settings_name_their_key(tmp_path: Path
     spec.write_text("name: s\nmodel: m\ndata: d\nfixed: {steps: 1e3}\n"
                     "grid: {learning_rate: [3.0e-4, 1e-4]}\n")
     trials = load_spec(spec).trials()
-    assert [t.fields["learning_rate"] for t in trials] == [3.0e-4, 1e-4]
-    assert all(t.fields["steps"] == 1000 for t in trials)
+    assert [t.params()["learning_rate"] for t in trials] == [3.0e-4, 1e-4]
+    assert all(t.params()["steps"] == 1000 for t in trials)
     spec.write_text("name: s\nmodel: m\ndata: d\nsearch: random\n"
                     "space: {learning_rate: {loguniform: [1e-5, 1e-3]}}\n")
-    assert 1e-5 <= load_spec(spec).trials()[0].fields["learning_rate"] <= 1e-3
+    assert 1e-5 <= load_spec(spec).trials()[0].params()["learning_rate"] <= 1e-3
     for text, message in [("grid: {learning_rate: [3.0e-4, .nan, 1e-4]}",
                            "grid.learning_rate=nan: must be a finite number"),
                           ("fixed: {grad_clip: -1}", "fixed.grad_clip=-1.0: must be >= 0"),
@@ -278,7 +278,7 @@ def test_a_warm_start_is_keyed_on_its_bytes_not_its_path(tmp_path: Path, monkeyp
         tmp = warm / ".new"
         tmp.write_bytes(weights)
         os.replace(tmp, warm / "adapters.safetensors")  # as the trainer writes it
-        return cache_key({"learning_rate": 1e-4, "warm_start": str(warm)}, "data", "model")
+        return cache_key(TrainConfig(learning_rate=1e-4, warm_start=str(warm)), "data", "model")
 
     first = retrain(b"first weights")
     assert retrain(b"other weights") != first

@@ -36,7 +36,7 @@ def test_random_draws_of_one_trial_are_one_trial() -> None:
     of 12 printed for a sweep of two."""
     spec = parse_spec({**BASE, "search": "random", "num_samples": 12,
                        "space": {"lora_rank": {"choice": [4, 8]}}})
-    assert sorted(t.fields["lora_rank"] for t in spec.trials()) == [4, 8]
+    assert sorted(t.params()["lora_rank"] for t in spec.trials()) == [4, 8]
     assert spec.size() == 2
 
 

@@ -34,6 +34,10 @@ def test_sweep_flow_runs_each_trial_as_a_task_run(prefect_api, ray_cluster, tiny
     results = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()
     assert sorted(r["param/loss"] for r in results) == ["dpo", "orpo", "simpo"]
     assert all(r["best/val/nll_loss"] > 0 for r in results)  # ranked on a metric all share
+    # Every effective setting is a column, a default the spec left out too (learning_rate).
+    assert {r["param/learning_rate"] for r in results} == {1e-5}
+    assert {r["param/batch_size"] for r in results} == {2}
+    assert all(r["param/head_chunk"] == 0 and r["param/reference"] == "base" for r in results)
     trained = {p: p.stat().st_mtime_ns for p in (tmp_path / "out").rglob("adapters.safetensors")}
     assert len(trained) == 3, trained
     again = sweep_flow(str(spec), str(tmp_path / "out"), return_state=True)  # trials cached

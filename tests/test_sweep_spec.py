@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from tasks.sweep.sweep_spec import SpecError, load_spec, parse_spec, trial_id
-from tasks.sweep.trial_plan import AUTO
 
 pytestmark = pytest.mark.unit
 BASE = {"name": "s", "model": "m", "data": "d"}
@@ -18,9 +17,9 @@ def test_grid_expands_to_the_cartesian_product_with_fixed_params() -> None:
                        "grid": {"segment_size": [1, 2], "lora_rank": [4, 8, 16]}})
     trials = spec.trials()
     assert len(trials) == 6 and spec.search == "grid"
-    assert {(t.fields["segment_size"], t.fields["lora_rank"]) for t in trials} == {
+    assert {(t.params()["segment_size"], t.params()["lora_rank"]) for t in trials} == {
         (s, r) for s in (1, 2) for r in (4, 8, 16)}
-    assert all(t.fields["steps"] == 5 for t in trials)
+    assert all(t.params()["steps"] == 5 for t in trials)
     assert len({t.id for t in trials}) == 6
 
 
@@ -30,12 +29,12 @@ def test_random_search_is_seeded_and_within_bounds() -> None:
                      "lora_rank": {"choice": [4, 8]}, "warmup_steps": {"int": [0, 3]},
                      "orpo_lambda": {"uniform": [0.05, 0.5]}}}
     a, b = parse_spec(raw).trials(), parse_spec(raw).trials()
-    assert [t.fields for t in a] == [t.fields for t in b]
+    assert [t.params() for t in a] == [t.params() for t in b]
     assert a != parse_spec({**raw, "seed": 4}).trials()
     for t in a:
-        assert 1e-5 <= t.fields["learning_rate"] <= 1e-3
-        assert t.fields["lora_rank"] in (4, 8) and t.fields["warmup_steps"] in range(4)
-        assert 0.05 <= t.fields["orpo_lambda"] <= 0.5
+        assert 1e-5 <= t.params()["learning_rate"] <= 1e-3
+        assert t.params()["lora_rank"] in (4, 8) and t.params()["warmup_steps"] in range(4)
+        assert 0.05 <= t.params()["orpo_lambda"] <= 0.5
 
 
 def test_trial_ids_are_stable_and_order_free() -> None:
@@ -77,7 +76,7 @@ def test_segment_size_auto_is_allowed(tmp_path: Path) -> None:
     path.write_text("name: s\nmodel: m\ndata: d\nmemory_budget_gb: 8\n"
                     "grid:\n  segment_size: [auto, 2]\n")
     plans = load_spec(path).trials()
-    assert [t.fields["segment_size"] for t in plans] == [AUTO, 2]
+    assert [t.config.segment_size for t in plans] == [0, 2]  # auto: the default, probed from
     assert [t.auto for t in plans] == [{"segment_size"}, set()]
     path.write_text("name: [unclosed\n")
     with pytest.raises(SpecError, match=r"s\.yaml: not valid YAML"):
@@ -96,10 +95,10 @@ def test_loss_is_searched_like_any_key_and_ranked_on_a_shared_metric() -> None:
     own scale) cannot rank them, val/rewards/accuracies can (sft's rewards are ℓ)."""
     grid = {**BASE, "grid": {"loss": ["orpo", "simpo"]}, "metric": "val/rewards/accuracies",
             "mode": "max"}
-    assert [t.fields["loss"] for t in parse_spec(grid).trials()] == ["orpo", "simpo"]
+    assert [t.params()["loss"] for t in parse_spec(grid).trials()] == ["orpo", "simpo"]
     space = {**BASE, "search": "random", "num_samples": 6, "metric": "val/nll_loss",
              "space": {"loss": {"choice": ["orpo", "simpo", "sft"]}}}
-    assert {t.fields["loss"] for t in parse_spec(space).trials()} <= {"orpo", "simpo", "sft"}
+    assert {t.params()["loss"] for t in parse_spec(space).trials()} <= {"orpo", "simpo", "sft"}
     with pytest.raises(SpecError, match="not comparable across losses"):
         parse_spec({**grid, "metric": "val/loss"})
     assert len(parse_spec({**grid, "grid": {"loss": ["orpo", "sft"]}}).trials()) == 2

@@ -15,24 +15,35 @@ from tasks.sweep.trial_plan import AUTO, TrialPlan
 
 
 @pytest.mark.unit
-def test_cache_keys_and_ids_are_those_of_the_dict_plans(tmp_path: Path) -> None:
-    """Keys printed by the code before plans were typed (a trial's TrainConfig fields as a
-    dict, ``"auto"`` a string), ``segment_size: auto`` resolved to 3. Would catch: a plan
-    whose fields drift from what was hashed (a coerced 8.0, a tuple, a dropped default),
-    which would re-train every cached trial of every earlier sweep."""
+def test_cache_keys_come_from_the_plan_s_config_and_ids_from_the_spec(tmp_path: Path) -> None:
+    """Ids are those printed before plans were typed (a hash of the spec's point); keys
+    are a hash of every effective setting of the plan's one TrainConfig, defaults
+    included. Would catch: a key that misses a default the spec left out (a changed default
+    would reuse results trained at the old one), a key that tells ``lora_rank: 8`` from
+    ``lora_rank: 8.0`` or a value the spec wrote from the same default left out, or an
+    ``auto`` resolved to 3 keyed apart from a plain 3."""
     spec = parse_spec({"name": "a", "model": "m", "data": "d", "memory_budget_gb": 8,
                        "fixed": {"steps": 5, "learning_rate": "1e-4",
                                  "lora_keys": ["self_attn.q_proj"]},
-                       "grid": {"segment_size": ["auto", 2, 4.0], "lora_rank": [4, 8.0]}})
+                       "grid": {"segment_size": ["auto", 2, 3.0], "lora_rank": [4, 8.0]}})
     plans = [p.resolve({"segment_size": 3}) if p.auto else p
              for p in spec.trials(Path("/tmp/sweepout"))]
-    assert [(p.id, cache_key(p.fields, "fp", "mk")) for p in plans] == [
-        ("t-b513ce53df", "0f3b13fbe73a5dc2"), ("t-7799dcf59a", "c7448729a823be95"),
-        ("t-9fac87eaed", "b869d27a6228a542"), ("t-14f06ac7e2", "206060a901968ea8"),
-        ("t-24bd16bde4", "bea9ac9ee2b21739"), ("t-db576096ac", "0bcbac999873dd30")]
+    keys = [cache_key(p.config, "fp", "mk") for p in plans]
+    assert [p.id for p in plans] == [  # [0, 1, 3, 4] as before plans were typed
+        "t-b513ce53df", "t-7799dcf59a", "t-c8b0470868", "t-14f06ac7e2", "t-24bd16bde4",
+        "t-bd695cdf12"]
+    assert keys == [  # lora_rank 4 then 8.0; auto -> 3 keyed as segment_size 3.0
+        "631678913ad86c15", "29bfdd0a8e701159", "631678913ad86c15", "f6299424d3a69ad5",
+        "bd82da4738a5e042", "f6299424d3a69ad5"]
+    default = parse_spec({"name": "a", "model": "m", "data": "d",
+                          "fixed": {"steps": 5, "lora_rank": 8, "lora_scale": 20.0}})
+    left_out = parse_spec({"name": "a", "model": "m", "data": "d", "fixed": {"steps": 5}})
+    [a], [b] = default.trials(tmp_path), left_out.trials(tmp_path)
+    assert a.id != b.id and cache_key(a.config, "f", "m") == cache_key(b.config, "f", "m")
+    assert cache_key(a.config, "f", "m") != cache_key(a.config.replace(seed=1), "f", "m")
     sent = TrialPlan.from_dict(pickle.loads(pickle.dumps(plans[0].to_dict())))
     assert sent.config.segment_size == 3 and sent.config.lora_keys == ("self_attn.q_proj",)
-    assert sent.config == TrainConfig().replace(**plans[0].fields)  # the dict path's config
+    assert sent.config == plans[0].config and sent.params() == plans[0].params()
     with pytest.raises(ValueError, match="segment_size still auto"):
         spec.trials(tmp_path)[0].to_dict()
 
@@ -44,11 +55,12 @@ def test_train_config_is_built_once_per_trial_from_spec_to_actor(
     """A grid of three trials, one ``segment_size: auto``, planned as a sweep plans them:
     listed, resolved by the real memory probe on the tiny model (its Ray task run in this
     process), keyed for the cache, sent as ``to_dict`` (pickled, as Ray would) and rebuilt
-    in the actor. TrainConfig is constructed three times on the driver (once per trial)
-    and three times in the actors, and validated exactly as often (by its construction:
-    ``check_values`` runs nowhere else). Would catch: a config rebuilt to validate a value,
-    to probe, or to resolve ``auto``, a second validation of one config, or a plan that
-    reaches the actor still auto."""
+    in the actor. TrainConfig is constructed once per trial on the driver, and once more
+    for the auto one, whose probed size makes a new frozen config (the plan's one truth
+    holds what trains); three times in the actors; validated exactly as often (by its
+    construction: ``check_values`` runs nowhere else). Would catch: a config rebuilt to
+    validate a value, to key it, to list its params or to probe, a second validation of
+    one config, or a plan that reaches the actor still auto."""
     import ray
 
     from tasks.nodes.placement import Placement
@@ -91,13 +103,12 @@ def test_train_config_is_built_once_per_trial_from_spec_to_actor(
     sweep = SweepRun(spec, tmp_path / "sweep", Placement(), None)
     source, _ = sweep.list_source()
     sent = [pickle.dumps(p.to_dict()) for p in source.trials]
-    assert built["driver"] == 3 and built["probe"] >= 1  # the probe's rebuild, its sizes
+    assert built["driver"] == 3 + 1 and built["probe"] >= 1  # the probe's rebuild, its sizes
     where.append("actor")
     actors = [TrialPlan.from_dict(pickle.loads(s)) for s in sent]
-    assert (built["driver"], built["actor"]) == (3, 3)
+    assert (built["driver"], built["actor"]) == (4, 3)
     [auto] = [a for a in actors if a.id in sweep.notes]  # the probe's pick, sent
-    assert auto.fields["segment_size"] is not AUTO
-    assert auto.config.segment_size == auto.fields["segment_size"] in (0, 1, 2)
+    assert auto.config.segment_size in (0, 1, 2) and not auto.auto
     assert [a.config.segment_size for a in actors][1:] == [1, 2]
     assert set(sweep.keys) == {a.id for a in actors}  # each keyed for the cache
     assert checked == built  # validated once a build, the actor's three included

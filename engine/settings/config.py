@@ -242,6 +242,13 @@ class TrainConfig:
         return {**plain, "loss": self.loss.kind, **self.loss.fields(),
                 "reference": str(self.reference)}
 
+    @staticmethod
+    def defaults() -> dict[str, Any]:
+        """The defaults as ``to_dict`` writes them, read off the fields (no config built)."""
+        plain = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+        return {**plain, "loss": DEFAULT_LOSS.kind, **DEFAULT_LOSS.fields(),
+                "reference": str(BASE)}
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         """The config ``to_dict`` gave (or any flat mapping of fields): built once."""

@@ -82,7 +82,7 @@ def preprocess_task(path: str) -> dict[str, Any]:
     return {"saved_fraction": report.saved_fraction}
 
 
-_TRAINED = TrainConfig()  # the defaults a trial trained at where its spec set nothing
+_TRAINED = TrainConfig.defaults()  # a results table of before 0.5.0 held only what was set
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,17 +90,17 @@ class EvalSettings:
     """How an evaluation runs: batch size, LM-head chunk (0 = dense), prefix sharing;
     by default what a trial trains at (TrainConfig's defaults)."""
 
-    batch_size: int = _TRAINED.batch_size
-    head_chunk: int = _TRAINED.head_chunk
-    prefix_share: str = _TRAINED.prefix_share
-    allow_tokenizer_mismatch: bool = _TRAINED.allow_tokenizer_mismatch  # engine/data/data_fit.py
+    batch_size: int = _TRAINED["batch_size"]
+    head_chunk: int = _TRAINED["head_chunk"]
+    prefix_share: str = _TRAINED["prefix_share"]
+    allow_tokenizer_mismatch: bool = _TRAINED["allow_tokenizer_mismatch"]  # engine/data/data_fit.py
 
 
 def trained_setting(row: dict[str, Any], name: str) -> Any:
-    """The ``name`` a trial trained at: its ``param/`` column where the spec set it, else
-    TrainConfig's default (the column holds only what the spec set)."""
+    """The ``name`` a trial trained at: its ``param/`` column (a sweep writes every
+    effective setting: tasks/sweep/run.py), else, in a table of before then, the default."""
     value = row.get(f"param/{name}")
-    return getattr(_TRAINED, name) if value is None else value
+    return _TRAINED[name] if value is None else value
 
 
 def eval_settings(rows: list[dict[str, Any]]) -> EvalSettings:

@@ -62,7 +62,7 @@ def trial_task(trial: TrialPlan, run: Callable[[], Summary]) -> Summary:
     this task run."""
     logger = get_run_logger()
     logger.info("trial %s: %s", trial.id, ", ".join(
-        f"{k}={v}" for k, v in trial.fields.items() if k not in ("model", "data", "out")))
+        f"{k}={v}" for k, v in trial.changed().items()))
     metrics = Path(trial.config.out) / "metrics.jsonl"
     steps = trial.config.steps
 

@@ -40,7 +40,8 @@ def candidate_sizes(model: str) -> list[int]:
 
 
 def probe_key(fields: dict[str, Any], fingerprint: str) -> str:
-    """The probe cache's key of a trial's ``fields`` (those one rank trains: ``per_rank``)."""
+    """The probe cache's key of a trial's settings (its config's values that one rank
+    trains: ``per_rank``)."""
     body = {k: fields.get(k) for k in MEMORY_FIELDS}
     body.update(model=fields["model"], data=fingerprint)
     queue = queue_env(fields.get("memory_limit_gb") or 0.0).get(QUEUE_MB)
@@ -63,10 +64,9 @@ def _run_probe(config: dict[str, Any], sizes: list[int], inputs: dict[str, Any] 
 
 
 def per_rank(plan: TrialPlan, ranks: int) -> dict[str, Any]:
-    """The fields one rank of a ``ranks`` gang trains: its share of every batch."""
-    if ranks == 1:
-        return plan.fields
-    return {**plan.fields, "batch_size": plan.config.batch_size // ranks}
+    """The settings one rank of a ``ranks`` gang trains (the plan's config, plain): its
+    share of every batch."""
+    return {**plan.config.to_dict(), "batch_size": plan.config.batch_size // ranks}
 
 
 def resolve_auto(plans: list[TrialPlan], budget_gb: float, placement: Placement,
@@ -85,7 +85,7 @@ def resolve_auto(plans: list[TrialPlan], budget_gb: float, placement: Placement,
     if todo:
         files = SweepFiles()
         refs = {key: placement.fresh_task(_run_probe, queue_env(p.config.memory_limit_gb))
-                .remote({**p.config.to_dict(), "batch_size": p.config.batch_size // ranks},
+                .remote(per_rank(p, ranks),
                         candidate_sizes(p.config.model), files.for_config(p.config))
                 for key, p in todo.items()}
         for key, ref in refs.items():

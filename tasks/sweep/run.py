@@ -29,7 +29,8 @@ from engine.host.digests import file_digest
 from engine.host.outputs import claim, mark_kind, reading
 from engine.model.content_key import adapter_fingerprint, model_fingerprint
 from engine.model.source import source_kind
-from engine.settings.reference_kind import adapter_path, parse_reference
+from engine.settings.config import TrainConfig
+from engine.settings.reference_kind import adapter_path
 from tasks.board.ranked_metric import metric_value
 from tasks.board.results_table import write_results
 from tasks.nodes.placement import Placement
@@ -39,13 +40,13 @@ from tasks.sweep.memory_probe import resolve_auto
 from tasks.sweep.scheduler import ListSource, TrialsInterrupted, Wrap, run_trials
 from tasks.sweep.sweep_spec import PlanError, SpecError, SweepSpec, trial_id
 from tasks.sweep.trial import Summary
-from tasks.sweep.trial_plan import TrialPlan, param_columns
+from tasks.sweep.trial_plan import PATHS, TrialPlan, param_columns
 
 # Bump when training semantics change: invalidates cached trials. 0.3.0: the test split
 # comes out of train, so a .jsonl without a split column trains on fewer rows. 0.4.0:
-# every validation reports logps/accuracies and logps/margin (what boards rank on).
-CODE_VERSION = "0.4.0"
-NOT_PARAMS = ("model", "data", "out")
+# every validation reports logps/accuracies and logps/margin (what boards rank on). 0.5.0:
+# keyed on every effective setting (TrialPlan.params), defaults included, not the spec's.
+CODE_VERSION = "0.5.0"
 FINISHED = ("completed", "degenerate")  # trained to the end: cached on re-runs
 
 
@@ -116,23 +117,22 @@ def check_sweep_out(spec: SweepSpec, out: Path) -> None:
         pass
 
 
-def cache_key(config: dict[str, Any], fingerprint: str, model_key: str) -> str:
-    """What a trial's result depends on: its resolved fields (``TrialPlan.fields``: what the
-    spec and the sweep set, as the spec wrote them), the model's bytes
-    (``model_key``: engine/model/content_key.py, not its path), a warm start's and a DPO
-    reference adapter's bytes (not their paths: re-trained in place, each is another
-    start), a given reference file's bytes, the data, the code."""
-    body = json.dumps({k: v for k, v in config.items() if k not in ("out", "model",
-                                                                    "warm_start",
-                                                                    "reference_logps")},
+def cache_key(config: TrainConfig, fingerprint: str, model_key: str) -> str:
+    """What a trial's result depends on: every effective setting of its config
+    (``TrialPlan.params``: defaults the spec left out included, so a changed default
+    re-trains), the model's bytes (``model_key``: engine/model/content_key.py, not its
+    path), a warm start's and a DPO reference adapter's bytes (not their paths:
+    re-trained in place, each is another start), a given reference file's bytes, the
+    data, the code."""
+    body = json.dumps({k: v for k, v in config.to_dict().items() if k not in PATHS},
                       sort_keys=True, default=str)
     text = f"{body}|{model_key}|{fingerprint}|{CODE_VERSION}"
-    if config.get("warm_start"):
-        text += f"|{adapter_fingerprint(config['warm_start'])}"
-    if folder := adapter_path(parse_reference(config.get("reference"))):
+    if config.warm_start:
+        text += f"|{adapter_fingerprint(config.warm_start)}"
+    if folder := adapter_path(config.reference):
         text += f"|reference:{adapter_fingerprint(folder)}"
-    if config.get("reference_logps"):
-        text += f"|reference_logps:{file_digest(config['reference_logps'])}"
+    if config.reference_logps:
+        text += f"|reference_logps:{file_digest(config.reference_logps)}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -219,7 +219,7 @@ class SweepRun:
         self.before = previous_results(out)
         self.keys: dict[str, str] = {}  # trial id -> cache key of its resolved config
         self.notes: dict[str, str] = {}  # trial id -> probed peaks behind segment_size: auto
-        self.configs: dict[str, dict[str, Any]] = {}  # trial id -> its plan's fields
+        self.configs: dict[str, dict[str, Any]] = {}  # trial id -> its plan's params()
         self.done: list[Summary] = []  # completed in an earlier run: not run again
         self.rank: dict[str, int] = {}  # grid/random: the spec's order
         self.plan_counts: dict[str, Any] = {}
@@ -252,7 +252,7 @@ class SweepRun:
     def cached(self, plan: TrialPlan) -> Summary | None:
         """The earlier finished result of exactly this trial (completed, or degenerate: the
         same inputs collapse again), if its adapter is on disk."""
-        self.keys[plan.id] = cache_key(plan.fields, self.fingerprint, self.model_key)
+        self.keys[plan.id] = cache_key(plan.config, self.fingerprint, self.model_key)
         old = self.before.get(plan.id)
         ok = (old and old.get("status") in FINISHED
               and old.get("cache_key") == self.keys[plan.id]
@@ -323,7 +323,7 @@ class SweepRun:
             config = self.configs.get(r["trial_id"]) or {}
             r.setdefault("cache_key", self.keys.get(r["trial_id"]))
             r.setdefault("skipped", False)
-            r.update({f"param/{k}": v for k, v in config.items() if k not in NOT_PARAMS})
+            r.update({f"param/{k}": v for k, v in config.items()})
             if r["trial_id"] in self.notes:
                 r["segment_size_probe_gb"] = self.notes[r["trial_id"]]
         return ordered
@@ -338,7 +338,7 @@ class _Recording:
     def ask(self) -> TrialPlan | None:
         trial = self.source.ask()
         if trial is not None:
-            self.configs[trial.id] = trial.fields
+            self.configs[trial.id] = trial.params()
         return trial
 
     def tell(self, trial: TrialPlan, summary: Summary) -> None:

@@ -2,6 +2,7 @@
 
     plan = spec.plan(params, out)          # tasks/sweep/sweep_spec.py: its one TrainConfig
     plan = plan.resolve({"segment_size": 4})   # tasks/sweep/memory_probe.py: auto -> int
+    plan.params()                          # tasks/sweep/run.py: cache key, param/ columns
     actor.run.remote(plan.to_dict())       # tasks/sweep/attempts.py, tasks/sweep/gang.py
     TrialPlan.from_dict(data).config       # tasks/sweep/trial.py: rebuilt once, in the actor
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.losses import OWNERS
-from engine.settings.config import DEFAULT_LOSS, TrainConfig, coerce
+from engine.settings.config import DEFAULT_LOSS, TrainConfig
 
 AUTO_KEYS = ("segment_size",)  # TrainConfig fields a spec may leave to the memory probe
 
@@ -49,17 +50,18 @@ def parse_auto(name: str, value: Any) -> Any:
 
 @dataclass(frozen=True)
 class TrialPlan:
-    """One trial: its id, the fields the spec and the sweep set, the whole TrainConfig
-    (validated once, when the plan is made), the keys still ``auto`` and its Optuna number.
+    """One trial: its id, its whole TrainConfig (built and validated once, when the plan
+    is made; the one truth of what it trains), the keys still ``auto`` and its Optuna
+    number.
 
-    ``fields`` is what identifies the trial (its cache key, its results' ``param/``
-    columns), values as the spec wrote them. In ``config`` a key the spec left auto holds
-    its default (what the memory probe measures from); ``resolve`` puts the probe's pick in
-    ``fields`` and ``to_dict`` sends it, so the trial's process trains with it.
+    Everything a trial's settings decide is read from ``config``: its cache key and probe
+    key, its results' ``param/`` columns (every effective value, defaults the spec left
+    out included), what evaluation runs at. A key left auto holds its default in
+    ``config`` (what the memory probe measures from) until ``resolve`` puts the probe's
+    pick there.
     """
 
     id: str
-    fields: dict[str, Any]
     config: TrainConfig
     auto: frozenset[str] = frozenset()
     number: int | None = None
@@ -73,15 +75,26 @@ class TrialPlan:
         config = TrainConfig.from_dict(
             {k: v for k, v in own_loss_fields(fields).items() if k not in auto})
         config.validate()
-        return cls(trial_id, dict(fields), config, auto, number)
+        return cls(trial_id, config, auto, number)
 
     def resolve(self, picks: dict[str, int]) -> TrialPlan:
-        """The plan with ``picks`` for keys that were auto (no other key may change)."""
+        """The plan with ``picks`` for keys that were auto (no other key may change): its
+        config rebuilt with them, the one other build a plan has on the driver."""
         wrong = sorted(set(picks) - self.auto)
         if wrong:
             raise ValueError(f"trial {self.id}: {', '.join(wrong)} was not auto")
-        return dataclasses.replace(self, fields={**self.fields, **picks},
+        return dataclasses.replace(self, config=self.config.replace(**picks),
                                    auto=self.auto - set(picks))
+
+    def params(self) -> dict[str, Any]:
+        """Every effective setting by name (its results' ``param/`` columns, its cache key's
+        body): the config's plain values less its paths, which are keyed by content."""
+        return {k: v for k, v in self.config.to_dict().items() if k not in PATHS}
+
+    def changed(self) -> dict[str, Any]:
+        """The settings that differ from TrainConfig's defaults (a trial's log line)."""
+        return {k: v for k, v in self.params().items()
+                if k not in DEFAULTS or DEFAULTS[k] != v}
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values for Ray (``from_dict`` rebuilds the plan); refused while a key is
@@ -89,16 +102,20 @@ class TrialPlan:
         if self.auto:
             raise ValueError(f"trial {self.id}: {', '.join(sorted(self.auto))} still auto; "
                              "resolve it first (tasks/sweep/memory_probe.py)")
-        picked = {k: coerce(k, self.fields[k]) for k in AUTO_KEYS if k in self.fields}
-        return {"id": self.id, "fields": dict(self.fields), "number": self.number,
-                "config": {**self.config.to_dict(), **picked}}
+        return {"id": self.id, "number": self.number, "config": self.config.to_dict()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrialPlan:
         """The plan ``to_dict`` sent, in the trial's process: its one TrainConfig there."""
         config = TrainConfig.from_dict(data["config"])
         config.validate()
-        return cls(data["id"], dict(data["fields"]), config, frozenset(), data["number"])
+        return cls(data["id"], config, frozenset(), data["number"])
+
+
+# A config's paths: never a setting's column or key (the model, data, warm start and
+# reference file are keyed by their bytes: tasks/sweep/run.py cache_key).
+PATHS = ("model", "data", "out", "warm_start", "reference_logps")
+DEFAULTS = TrainConfig.defaults()
 
 
 def own_loss_fields(fields: dict[str, Any]) -> dict[str, Any]:
