@@ -90,7 +90,7 @@ for section in "${@:1:$#-1}"; do
                   "gemma3-270m gemma-3-270m-q4_k_m.gguf bfloat16 4"; do
         set -- $spec
         local_dir="$M/$1-$3${4:+-q$4}"
-        [ -f "$local_dir/config.json" ] || py -m flows.cli model import "$GGUF_DIR/$2" \
+        [ -f "$local_dir/config.json" ] || py -m cli.main model import "$GGUF_DIR/$2" \
           --out "$local_dir" --dtype "$3" ${4:+--quantize $4} 2>&1 | tee -a "$out/import.log"
         train "$(basename "$local_dir")" --model "$local_dir" --data "$DATA_DIR/$1-reverse" \
           --steps 20 --batch-size 8 --learning-rate 5e-4 --segment-size 4 --head-chunk 256 \

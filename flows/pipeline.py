@@ -27,7 +27,6 @@ from engine.losses import LossSpec
 from engine.model.adapters import trained_loss
 from engine.model.export import ExportSettings, exportable
 from engine.model.source import source_kind
-from flows.ray_session import ray_session
 from flows.sweep_flow import sweep_stage
 from tasks.board.leaderboard import rank_trials
 from tasks.board.ranked_metric import rank_mode
@@ -40,6 +39,7 @@ from tasks.eval.generation_eval import (
     check_scorers_on_raw,
 )
 from tasks.nodes.placement import Placement
+from tasks.nodes.ray_session import ray_session
 from tasks.prefect.pipeline_tasks import (
     aggregate_task,
     eval_settings,

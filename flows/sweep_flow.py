@@ -23,10 +23,10 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from flows.ray_session import ray_session
 from tasks.board.leaderboard import swept_params
 from tasks.board.ranked_metric import metric_value
 from tasks.nodes.placement import Placement
+from tasks.nodes.ray_session import ray_session
 from tasks.prefect.pipeline_tasks import artifact_key
 from tasks.prefect.reference_task import reference_needs, run_reference_task
 from tasks.prefect.trial_task import trial_task

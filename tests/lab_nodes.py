@@ -338,5 +338,5 @@ def stocked_lab(root: Path, model: Path, data: Path):
 
 def pomona(lab: Lab, node: str, *args: str, timeout: int = 400, check: bool = True):
     """The ``pomona`` CLI inside ``node``."""
-    return lab.run(node, [f"{BIN}/python", "-m", "flows.cli", *args], timeout=timeout,
+    return lab.run(node, [f"{BIN}/python", "-m", "cli.main", *args], timeout=timeout,
                    check=check)

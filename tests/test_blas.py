@@ -35,7 +35,7 @@ def test_python_m_engine_reexecutes_with_openblas(tmp_path: Path) -> None:
     assert check.stdout.strip() == "openblas True", check.stderr
     for cmd, own in (([sys.executable, "-m", "engine", "--help"],
                       "usage: python -m engine"),
-                     ([sys.executable, "-c", "from flows.cli import main; main()", "--help"],
+                     ([sys.executable, "-c", "from cli.main import main; main()", "--help"],
                       "Preference fine-tuning")):
         # The dynamic loader's own log shows the preloaded library being initialised.
         run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120,

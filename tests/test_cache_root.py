@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from cli.main import app
 from engine.cli import main as engine_main
 from engine.host.cache import cache_root
-from flows.cli import app
 
 pytestmark = pytest.mark.unit
 

@@ -13,7 +13,7 @@ import mlx_lm
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
+from cli.main import app
 
 pytestmark = pytest.mark.integration
 runner = CliRunner()
@@ -32,10 +32,10 @@ def test_the_cli_waits_for_a_fresh_temporary_prefect_server() -> None:
     code = textwrap.dedent("""
         import os
         before = dict(os.environ)
-        import flows.cli
+        import cli.main
         assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())
         try:
-            flows.cli.app(["data", "stats", "/nonexistent"], standalone_mode=False)
+            cli.main.app(["data", "stats", "/nonexistent"], standalone_mode=False)
         except (Exception, SystemExit):
             pass  # the verb refuses the path; the defaults were set before it ran
         from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as S

@@ -34,7 +34,7 @@ with open(os.environ["QUEUE_LOG"], "a") as f:
 """
 
 
-@pytest.mark.parametrize(("cli", "config"), [("engine", None), ("flows.cli", None),
+@pytest.mark.parametrize(("cli", "config"), [("engine", None), ("cli.main", None),
                                            ("engine", "pipe")])
 def test_the_cli_reruns_itself_capped_under_a_limit(cli: str, config: str | None,
                                                     tiny_model: Path, tiny_data: Path,

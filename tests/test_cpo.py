@@ -142,7 +142,7 @@ def test_pomona_train_trains_cpo_with_every_lever(tiny_model: Path, tiny_data: P
     settings, and the validation loss falls, its NLL term most (12 steps move the tiny
     model's preference margin by less than its noise: tests/test_demo.py ranks on that)."""
     out = tmp_path / "cpo"
-    cmd = [sys.executable, "-m", "flows.cli", "train", "--model", str(tiny_model), "--data",
+    cmd = [sys.executable, "-m", "cli.main", "train", "--model", str(tiny_model), "--data",
            str(tiny_data), "--out", str(out), "--loss", "cpo", "--cpo-loss-type", "simpo",
            "--cpo-beta", "2.0", "--nll-span", "response", "--steps", "12", "--batch-size", "8",
            "--learning-rate", "2e-3", "--lora-rank", "8", "--segment-size", "2",

@@ -284,7 +284,7 @@ def test_compiled_template_matches_apply_chat_template(tiny_model, tiny_qwen2) -
 def test_data_cli_tokenize_and_stats(tiny_model, tmp_path) -> None:
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from cli.main import app
 
     out = tmp_path / "cli"
     args = ["data", "tokenize", "--input", str(SAMPLES / "explicit.jsonl"), "--model",

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
+from cli.main import app
 from tasks.data.dataset_dir import read_manifest, read_table
 from tasks.data.preference_rows import content_id
 

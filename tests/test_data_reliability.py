@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
+from cli.main import app
 from tasks.data.dataset_dir import read_manifest, read_table
 
 pytestmark = pytest.mark.integration

@@ -29,7 +29,7 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     env.pop("RAY_AUTH_MODE", None)  # Ray's default (token auth on), as a user gets it
     env.pop("PREFECT_API_URL", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "demo", "--out", str(tmp_path / "demo")],
+        [sys.executable, "-m", "cli.main", "demo", "--out", str(tmp_path / "demo")],
         capture_output=True, text=True, timeout=900, env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

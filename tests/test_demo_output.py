@@ -17,7 +17,7 @@ def test_the_real_demo_shows_the_question_and_both_answers(tmp_path: Path) -> No
 
     from rich.console import Console
 
-    from flows.demo import generations_table
+    from cli.demo import generations_table
 
     prompt = ("<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\nReverse the "
               "letters of this word: cbrio\nAnswer:<|im_end|>\n<|im_start|>assistant\n")
@@ -41,7 +41,7 @@ def test_the_table_shows_first_the_answers_the_adapter_fixed(tmp_path: Path) -> 
 
     from rich.console import Console
 
-    from flows.demo import generations_table
+    from cli.demo import generations_table
 
     cases = {"r1": ("odd", 0.0, "odd", 0.0), "r2": ("x", 0.0, "even", 1.0),
              "r3": ("odd", 1.0, "odd", 1.0), "r4": ("y", 0.0, "odd", 1.0)}

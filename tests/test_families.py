@@ -11,8 +11,8 @@ import mlx_lm
 import pytest
 from typer.testing import CliRunner
 
+from cli.main import app
 from engine.data.pairs import write_pairs_jsonl
-from flows.cli import app
 from tests.family_specs import MOE, SPECS, family_pairs
 
 pytestmark = pytest.mark.integration

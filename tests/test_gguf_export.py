@@ -122,7 +122,7 @@ def test_bad_requests_are_one_line_and_write_nothing(tmp_path: Path, tiny_model:
 def test_pomona_export_writes_a_sweeps_best_adapter(tmp_path: Path, tiny_model: Path) -> None:
     sweep = tmp_path / "sweep"
     trained(tiny_model, sweep / "best-adapter")
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "export", str(sweep), "--gguf",
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "export", str(sweep), "--gguf",
                            str(tmp_path / "best.gguf"), "--type", "q8_0"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
+from cli.main import app
 from tests.test_gguf_import import llama_gguf, one_error
 
 pytestmark = pytest.mark.unit
@@ -49,7 +49,7 @@ CHILD = """
 import sys, time
 import gguf, mlx.core, numpy  # loaded first: the time measured is the refusal's
 from typer.testing import CliRunner
-from flows.cli import app
+from cli.main import app
 start = time.perf_counter()
 result = CliRunner().invoke(app, sys.argv[1:])
 seconds = time.perf_counter() - start

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from cli.main import app
 from engine.model.gguf_archs import unpermute_qk
-from flows.cli import app
 
 pytestmark = pytest.mark.unit
 

@@ -207,7 +207,7 @@ def test_pomona_train_trains_kto_with_every_lever(tiny_model: Path, tiny_data: P
     its loss, and the validation loss falls."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     out = tmp_path / "kto"
-    cmd = [sys.executable, "-m", "flows.cli", "train", "--model", str(tiny_model), "--data",
+    cmd = [sys.executable, "-m", "cli.main", "train", "--model", str(tiny_model), "--data",
            str(tiny_data), "--out", str(out), "--loss", "kto", "--kto-beta", "0.5",
            "--steps", "12", "--batch-size", "8", "--learning-rate", "2e-3", "--lora-rank", "8",
            "--segment-size", "2", "--head-chunk", "16", "--prefix-share", "on",

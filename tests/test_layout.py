@@ -1,6 +1,7 @@
-"""The design card's layering: flows -> tasks -> engine, engine pure MLX, datasets data-only;
-benchmarks (one home, python -m benchmarks) sit beside flows, above tasks, with no Prefect or
-Ray so that a GPU machine with MLX alone runs them."""
+"""The design card's layering: cli -> flows -> tasks -> engine, engine pure MLX, datasets
+data-only; flows/ holds Prefect flows only and the ``pomona`` command line is cli/, its own
+package; benchmarks (one home, python -m benchmarks) sit beside flows, above tasks, with no
+Prefect or Ray so that a GPU machine with MLX alone runs them."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.unit
 
 FORBIDDEN = {
-    "engine": {"prefect", "ray", "rich", "typer", "tqdm", "tasks", "flows", "benchmarks"},
-    "tasks": {"flows", "typer", "benchmarks"},
-    "benchmarks": {"flows", "typer", "prefect", "ray"},
+    "engine": {"prefect", "ray", "rich", "typer", "tqdm", "tasks", "flows", "cli",
+               "benchmarks"},
+    "tasks": {"flows", "cli", "typer", "benchmarks"},
+    "flows": {"cli", "typer", "benchmarks"},
+    "benchmarks": {"flows", "cli", "typer", "prefect", "ray"},
 }
+PACKAGES = ("engine", "tasks", "flows", "cli", "benchmarks")
 
 
 def imported_roots(path: Path) -> set[str]:
@@ -43,8 +47,30 @@ def test_datasets_is_not_a_package() -> None:
 
 
 def test_packages_exist() -> None:
-    for package in ("engine", "tasks", "flows", "benchmarks"):
+    for package in PACKAGES:
         assert (ROOT / package / "__init__.py").is_file()
+
+
+def defines_a_flow(path: Path) -> bool:
+    """Whether ``path`` defines a function decorated ``@flow`` or ``@flow(...)``."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef):
+            for dec in node.decorator_list:
+                target = dec.func if isinstance(dec, ast.Call) else dec
+                if getattr(target, "id", None) == "flow" or getattr(target, "attr", "") == "flow":
+                    return True
+    return False
+
+
+def test_flows_holds_flows_and_the_cli_is_its_own_package() -> None:
+    """Every flows/ module defines a Prefect flow (issue 53: 9 of its 13 files were the
+    command line); the ``pomona`` entry point is cli/'s."""
+    loose = [p.name for p in sorted((ROOT / "flows").glob("*.py"))
+             if p.name != "__init__.py" and not defines_a_flow(p)]
+    assert not loose, f"flows/ modules without a flow: {loose}"
+    assert 'pomona = "cli.main:main"' in (ROOT / "pyproject.toml").read_text()
+    assert defines_a_flow(ROOT / "flows" / "pipeline.py")
+    assert not defines_a_flow(ROOT / "cli" / "main.py")
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -114,7 +140,7 @@ def test_circle_detector_sees_function_level_and_relative_imports(tmp_path: Path
     assert find_circle(import_graph("pkg", tmp_path)) == []
 
 
-@pytest.mark.parametrize("package", ["engine", "tasks", "flows", "benchmarks"])
+@pytest.mark.parametrize("package", PACKAGES)
 def test_no_import_circle_inside_a_package(package: str) -> None:
     """A circle (a -> b -> a, however long, function-level imports included) means two
     modules are one concept split in two, or one reads the other's insides (issue 26)."""
@@ -200,7 +226,7 @@ def test_wings_point_down(package: str) -> None:
 def private_imports(path: Path) -> list[str]:
     """``from our_module import _name`` in ``path``: another module's private name."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    ours = {"engine", "tasks", "flows", "benchmarks", "tests"}
+    ours = {*PACKAGES, "tests"}
     return [f"line {node.lineno}: from {node.module} import {a.name}"
             for node in ast.walk(tree)
             if isinstance(node, ast.ImportFrom) and node.module and not node.level
@@ -208,7 +234,7 @@ def private_imports(path: Path) -> list[str]:
             for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
 
 
-@pytest.mark.parametrize("package", ["engine", "tasks", "flows", "benchmarks", "tests"])
+@pytest.mark.parametrize("package", [*PACKAGES, "tests"])
 def test_no_module_imports_another_modules_private_names(package: str) -> None:
     """A ``_name`` is its module's inside: make it public or move it (issue 26)."""
     found = [f"{p.relative_to(ROOT)} {line}" for p in sorted((ROOT / package).rglob("*.py"))
@@ -261,7 +287,7 @@ def test_resolver_leak_detector() -> None:
                           'n = text.count("a") + name.startswith("_")\n') == []
 
 
-@pytest.mark.parametrize("package", ["engine", "tasks", "flows"])
+@pytest.mark.parametrize("package", ["engine", "tasks", "flows", "cli"])
 def test_one_model_resolver(package: str) -> None:
     """Whether ``--model`` is a directory, a .gguf or a repo id, and its config.json, are
     engine/model/source.py's alone (issue 26: four rules had drifted apart)."""
@@ -305,7 +331,7 @@ def test_setup_call_detector() -> None:
                        "def load_model(x): pass\n") == [(1, "load_model"), (2, "checked_stack")]
 
 
-@pytest.mark.parametrize("package", ["engine", "tasks", "flows", "benchmarks"])
+@pytest.mark.parametrize("package", PACKAGES)
 def test_one_model_setup(package: str) -> None:
     """Loading, LoRA, the load check and the levers are engine/train/prepared.py's alone: five
     copies had drifted apart, and the probe measured a path training did not take (its
@@ -323,7 +349,7 @@ def test_one_model_setup(package: str) -> None:
 MAX_LINES = 400  # a file longer than this holds more than one concept (issue 38)
 
 
-@pytest.mark.parametrize("package", ["engine", "tasks", "flows", "benchmarks", "tests"])
+@pytest.mark.parametrize("package", [*PACKAGES, "tests"])
 def test_no_file_over_400_lines(package: str) -> None:
     long = [f"{p.relative_to(ROOT)}: {n} lines" for p in sorted((ROOT / package).rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > MAX_LINES]

@@ -136,7 +136,7 @@ def test_init_writes_through_a_symlink_to_an_empty_folder(tmp_path: Path) -> Non
     points to, and the link, the folder and its parent stay."""
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from cli.main import app
     from tests.test_gguf_import import llama_gguf
 
     for verb in ("init", "import"):

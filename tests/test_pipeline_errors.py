@@ -20,7 +20,7 @@ SPEC = ROOT / "flows" / "configs" / "tiny.yaml"
 def _pipeline_error(raw: Path, model: Path, spec: Path, out: Path, api: str) -> str:
     """``pomona pipeline``'s one error line: exit 2 and no traceback asserted."""
     env = {**os.environ, "PREFECT_API_URL": api, "RAY_ADDRESS": ""}
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "pipeline", str(raw), str(model),
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "pipeline", str(raw), str(model),
                            str(spec), "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     text = proc.stdout + proc.stderr

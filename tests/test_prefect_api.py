@@ -49,7 +49,7 @@ def test_a_prefect_api_that_is_down_is_one_line_before_any_work(tiny_model: Path
     spec.write_text("name: p\nmodel: unused\ndata: unused\nfixed: {steps: 2}\n"
                     "grid: {orpo_lambda: [0.1]}\n")
     url = f"http://127.0.0.1:{free_port()}/api"
-    code, lines, seconds = run(["-m", "flows.cli", "pipeline", str(raw), str(tiny_model),
+    code, lines, seconds = run(["-m", "cli.main", "pipeline", str(raw), str(tiny_model),
                                 str(spec), "--out", str(tmp_path / "out")],
                                {"PREFECT_API_URL": url, "PREFECT_HOME": str(tmp_path / "ph")})
     assert code == 2 and len(lines) == 1 and url in lines[0], lines
@@ -60,7 +60,7 @@ def test_a_prefect_api_that_is_down_is_one_line_before_any_work(tiny_model: Path
 FLOW = """
 import os, signal, sys, time
 from prefect import flow, task
-from flows.prefect_ui import ApiGone, prefect_api
+from cli.prefect_ui import ApiGone, prefect_api
 
 @task
 def first(pgid: int) -> int:

@@ -28,7 +28,7 @@ import json, stat
 from pathlib import Path
 import ray
 import psutil  # Ray's own copy (ray/thirdparty_files, on sys.path once ray is imported)
-from flows.ray_session import ray_session
+from tasks.nodes.ray_session import ray_session
 
 @ray.remote
 def one():
@@ -76,7 +76,7 @@ def test_private_ray_listens_on_loopback_and_keeps_its_token_private(tmp_path) -
 @pytest.mark.unit
 def test_token_file_is_created_private_and_tightened(tmp_path, monkeypatch) -> None:
     """Catches a token written with the umask's mode, or an existing 0644 one left as is."""
-    from flows.ray_session import private_token_file
+    from tasks.nodes.ray_session import private_token_file
 
     # Only the environment of private_token_file changes: no Ray starts in this test.
     for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):

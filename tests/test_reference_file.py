@@ -97,7 +97,7 @@ def test_pomona_sweep_makes_the_reference_before_its_trials(
     through one function (tasks/prefect/reference_task.py: reference_on_ray)."""
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from cli.main import app
     from tests.pairs import uncached_copy
 
     data = uncached_copy(tiny_data, tmp_path / "pairs.jsonl")

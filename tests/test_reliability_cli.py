@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
+from cli.main import app
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +26,7 @@ def pomona(*args: str, process: bool = False) -> tuple[int, list[str]]:
     typer's CliRunner (~1 s less a case), or, with ``process``, as a user runs it."""
     env = {"RAY_ADDRESS": "", "PREFECT_API_URL": ""}
     if process:
-        proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True,
                               text=True, timeout=180, cwd=ROOT, env={**os.environ, **env})
         code, out = proc.returncode, proc.stdout + proc.stderr
     else:
@@ -181,7 +181,7 @@ def test_an_address_that_is_no_ray_address_is_one_line(tmp_path: Path) -> None:
                  ["leaderboard", str(tmp_path), "--model", "m", "--data", "d"]):
         line = one_error(*args, "--address", "garbage")
         assert "--address 'garbage': expected auto or a Ray head's HOST:PORT" in line, line
-    from flows.ray_session import check_address
+    from tasks.nodes.ray_session import check_address
 
     for fine in (None, "auto", "10.0.0.5:6379", "ray://head:10001", "[::1]:6379"):
         check_address(fine)

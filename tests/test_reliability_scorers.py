@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
+from cli.main import app
 from tasks.board.results_table import write_results
 
 pytestmark = pytest.mark.integration
@@ -150,7 +150,7 @@ def test_a_scorer_failing_on_real_answers_fails_once_in_one_line(
            "PYTHONPATH": os.pathsep.join([str(sweep.parent / "lab"), str(ROOT)])}
     before = tree(sweep)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "leaderboard", str(sweep), "--model",
+        [sys.executable, "-m", "cli.main", "leaderboard", str(sweep), "--model",
          str(tiny_model), "--data", str(tiny_data), "--generations", "2", "--scorer",
          f"python:lab_scorers52:{scorer}", "--score-timeout", "5"], stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
@@ -181,7 +181,7 @@ def test_an_edited_scorer_scores_again(sweep: Path, tiny_model: Path, tiny_data:
            "PYTHONPATH": os.pathsep.join([str(lab.parent), str(ROOT)])}
     def leaderboard() -> float:
         proc = subprocess.run(
-            [sys.executable, "-m", "flows.cli", "leaderboard", str(sweep), "--model",
+            [sys.executable, "-m", "cli.main", "leaderboard", str(sweep), "--model",
              str(tiny_model), "--data", str(tiny_data), "--generations", "2", "--scorer",
              "python:lab_scorers52:verdict"], capture_output=True, text=True, timeout=300,
             cwd=ROOT, env=env)

@@ -291,8 +291,8 @@ def _sweep_cli(tmp_path: Path, monkeypatch, rows: list[dict]) -> tuple[int, str]
 
     from typer.testing import CliRunner
 
-    import flows.sweep_cli as sweep_cli
-    from flows.cli import app
+    import cli.sweep_display as sweep_cli
+    from cli.main import app
 
     (tmp_path / "model").mkdir(exist_ok=True)
     data = tmp_path / "pairs.jsonl"
@@ -327,7 +327,7 @@ def test_a_cancelled_trial_is_not_counted_failed(tmp_path: Path) -> None:
 
     from rich.console import Console
 
-    from flows.sweep_cli import SweepProgress
+    from cli.sweep_display import SweepProgress
 
     display = SweepProgress(Console(file=io.StringIO()), parse_spec(SPEC))
     display("plan", {"trials": 2, "cached": 0, "slots": 2})

@@ -20,8 +20,8 @@ import pytest
 from safetensors.numpy import save_file
 from typer.testing import CliRunner
 
+from cli.main import app
 from engine.host.outputs import RefusedOutput, lock_file, reading, replacing
-from flows.cli import app
 
 pytestmark = pytest.mark.integration
 USER_FILES = {"README.md": b"# my notes\n", "tokenizer.json": b'{"mine": true}\n',

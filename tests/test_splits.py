@@ -104,7 +104,7 @@ def test_the_board_ranks_on_valid_and_reports_test_in_its_own_column() -> None:
 @pytest.mark.unit
 def test_no_test_rows_show_as_missing_on_the_board_and_in_the_demo() -> None:
     """Catches validation numbers printed as test when a dataset has no test rows."""
-    from flows.demo import before_after
+    from cli.demo import before_after
 
     reason = "d.jsonl: no test rows (...)"
     missing = {"eval/test/logps/accuracies": None, "eval/test/rows": 0,
@@ -167,7 +167,7 @@ def test_the_test_fraction_is_a_dial_of_tokenize_and_preprocess(tiny_model, tmp_
     """Catches --test-fraction not reaching the split (CLI → options → manifest → rows)."""
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from cli.main import app
 
     out = tmp_path / "tok"
     samples = Path(__file__).resolve().parents[1] / "datasets" / "sample" / "explicit.jsonl"
@@ -253,7 +253,7 @@ def test_score_cli_scores_the_test_split(tiny_model, mirrored, tiny_data, tmp_pa
 def _tokenize(*args: str) -> tuple[int, list[str]]:
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from cli.main import app
 
     result = CliRunner().invoke(app, ["data", "tokenize", *args])
     assert "Traceback" not in result.output, result.output
@@ -316,7 +316,7 @@ def test_leaderboard_with_nothing_held_out_is_one_line(tmp_path) -> None:
     traceback per evaluation). Would catch: the flow started on such data."""
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from cli.main import app
     from tasks.board.results_table import write_results
 
     sweep = tmp_path / "sweep"

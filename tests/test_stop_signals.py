@@ -50,7 +50,7 @@ def test_a_huge_sweep_stops_within_seconds_of_a_signal(sig: signal.Signals, tiny
     out = tmp_path / "out"
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_AUTH_MODE": "disabled"}
     # What a shell script's `pomona sweep … &` does: the child starts with SIGINT ignored.
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "sweep", str(spec), "--out",
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "sweep", str(spec), "--out",
                              str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))

@@ -184,7 +184,7 @@ def test_a_failed_trial_s_note_is_its_reason_not_its_params(tmp_path: Path) -> N
 
     from rich.console import Console
 
-    from flows.sweep_cli import results_table
+    from cli.sweep_display import results_table
     from tasks.sweep.sweep_spec import PlanError, trial_id
 
     spec = parse_spec({"name": "x", "model": "m", "data": "d",

@@ -143,14 +143,14 @@ def test_pomona_sweep_cli(tiny_model, tiny_data, tmp_path) -> None:
 
     ray_tmp = tempfile.mkdtemp(prefix="pr", dir="/tmp")  # AF_UNIX paths: 107 bytes at most
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "sweep", str(spec), "--out",
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "sweep", str(spec), "--out",
                            str(tmp_path / "out")], capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 trials: 0 cached, 2 to run" in proc.stdout
     rows = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()
     assert [r["status"] for r in rows] == ["completed", "completed"]
-    bad = subprocess.run([sys.executable, "-m", "flows.cli", "sweep", str(tmp_path / "no.yaml")],
+    bad = subprocess.run([sys.executable, "-m", "cli.main", "sweep", str(tmp_path / "no.yaml")],
                          capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 2 and "no.yaml" in bad.stdout
 

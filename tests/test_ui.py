@@ -42,7 +42,7 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 ])
 def test_browser_url_follows_host_port_and_public_url(host, port, public, url) -> None:
     """Catches a UI API URL that ignores --port/--host, or keeps a trailing slash."""
-    from flows.prefect_ui import browser_url
+    from cli.prefect_ui import browser_url
 
     assert browser_url(host, port, public) == url
 
@@ -52,7 +52,7 @@ def test_browser_url_follows_host_port_and_public_url(host, port, public, url) -
                                   ["--public-url", "head-mac.lab:4200"]])
 def test_ui_refuses_an_address_no_browser_can_open(args: list[str], monkeypatch) -> None:
     """Catches a lab-network bind that hands browsers http://0.0.0.0:4200/api."""
-    from flows.cli import app
+    from cli.main import app
 
     def execv(path, argv):  # the server would replace this test process
         raise AssertionError(f"started {argv}")
@@ -236,7 +236,7 @@ def test_artifact_page_shows_the_leaderboard_on_a_non_default_port(tmp_path) -> 
     env.update(PREFECT_HOME=str(tmp_path / "prefect"), PYTHONPATH=str(ROOT))
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(
-        [sys.executable, "-c", "from flows.cli import main; main()", "ui", "--port", str(port)],
+        [sys.executable, "-c", "from cli.main import main; main()", "ui", "--port", str(port)],
         env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
         start_new_session=True)  # its own process group: stopped as one below
     try:

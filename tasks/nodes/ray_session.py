@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
-from flows.stop_signals import hear_stop_signals
+from tasks.nodes.stop_signals import hear_stop_signals
 
 LOOPBACK = "127.0.0.1"
 

@@ -1,5 +1,5 @@
 """``pomona data …``: synthetic preference rows, tokenize, preprocess, stats (the work in
-flows/data_cli.py)."""
+cli/data_display.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from flows.options import fills
-from flows.terminal import console, fail
+from cli.options import fills
+from cli.terminal import console, fail
 from tasks.data.tokenize_options import TokenizeOptions
 
 data_app = typer.Typer(help="Make and prepare preference data.", no_args_is_help=True)
@@ -50,7 +50,7 @@ def data_tokenize(
     preprocess: Annotated[bool, typer.Option(help="Run preprocess after.")] = True,
 ) -> None:
     """Tokenize preference files into an Arrow dataset (cached by content fingerprint)."""
-    from flows.data_cli import run_tokenize
+    from cli.data_display import run_tokenize
 
     run_tokenize(console, input, model, out, options, preprocess)
 
@@ -66,7 +66,7 @@ def data_preprocess(
              "0.1 for one tokenized before the test split).")] = None,
 ) -> None:
     """split_prefix, de-duplication and the stable train/valid/test split."""
-    from flows.data_cli import run_preprocess
+    from cli.data_display import run_preprocess
 
     run_preprocess(console, path, out, valid_fraction, test_fraction)
 
@@ -75,6 +75,6 @@ def data_preprocess(
 def data_stats(path: Annotated[Path, typer.Argument(help="A tokenized dataset directory.")]
                ) -> None:
     """A table: rows, rejects by reason, length percentiles, prefix share rate."""
-    from flows.data_cli import run_stats
+    from cli.data_display import run_stats
 
     run_stats(console, path)

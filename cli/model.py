@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from flows.options import fills
-from flows.terminal import console, fail
+from cli.options import fills
+from cli.terminal import console, fail
 from tasks.models.model_families import ModelSpec
 
 model_app = typer.Typer(help="Make and inspect models.", no_args_is_help=True)

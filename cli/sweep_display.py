@@ -15,10 +15,10 @@ from rich.table import Table
 
 from engine.host.outputs import RefusedOutput
 from engine.settings.ranking import beats
-from flows.ray_session import RayAddressError, ray_session
 from tasks.board.leaderboard import why_unranked
 from tasks.board.ranked_metric import metric_value
 from tasks.nodes.placement import Placement
+from tasks.nodes.ray_session import RayAddressError, ray_session
 from tasks.prefect.reference_task import make_references
 from tasks.sweep.memory_sweep import run_memory_sweep
 from tasks.sweep.run import check_inputs, check_sweep_out, plan_line, run_sweep
@@ -97,7 +97,7 @@ def run_sweep_cli(console: Console, spec_path: Path, out: Path | None, address: 
             console.print(memory_table(rows, out))
             return
         if use_prefect:
-            from flows.prefect_ui import prefect_api  # ApiGone: a RuntimeError, one line
+            from cli.prefect_ui import prefect_api  # ApiGone: a RuntimeError, one line
             from flows.sweep_flow import sweep_flow
 
             with prefect_api(out):

