@@ -24,7 +24,7 @@ from typing import Any
 
 from benchmarks import train_bench, trainer_timing
 from engine.backward import step
-from engine.train import trainer
+from engine.train import steps, trainer
 
 
 def labelled(name: str, fn):
@@ -40,10 +40,10 @@ def trace_trainer(prof: Any, a: argparse.Namespace, model: Path, data: Path, wor
                   ) -> None:
     """Train; the profiler starts after the warm-up steps; each step opens ``step``."""
     make_update = trainer.make_update
-    trainer.dispatch_grads = labelled("dispatch", trainer.dispatch_grads)
+    steps.dispatch_grads = labelled("dispatch", steps.dispatch_grads)
     trainer.make_update = lambda *x, **k: labelled("update", make_update(*x, **k))
     step.StepGrads.read = labelled("read", step.StepGrads.read)
-    trainer.Prefetch.next = labelled("step", trainer.Prefetch.next)
+    steps.Prefetch.next = labelled("step", steps.Prefetch.next)
 
     class StartAfterWarmup:
         def on_metrics(self, record: dict) -> None:

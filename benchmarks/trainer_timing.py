@@ -32,7 +32,7 @@ def timed_phases() -> Iterator[dict[str, list[float]]]:
     per name: waiting for the prefetched batches, dispatching the forward + backward
     (``step_grads``: it returns with the last stage still queued) and the clip + AdamW
     update. What a step spends beyond them is the wait for the device (``wait``)."""
-    from engine.train import trainer
+    from engine.train import steps, trainer
 
     phases: dict[str, list[float]] = {"batches": [], "step_grads": [], "update": []}
 
@@ -44,14 +44,14 @@ def timed_phases() -> Iterator[dict[str, list[float]]]:
             return out
         return run
 
-    saved = trainer.dispatch_grads, trainer.make_update, trainer.Prefetch.next
-    trainer.dispatch_grads = timed("step_grads", saved[0])
+    saved = steps.dispatch_grads, trainer.make_update, steps.Prefetch.next
+    steps.dispatch_grads = timed("step_grads", saved[0])
     trainer.make_update = lambda *args, **kw: timed("update", saved[1](*args, **kw))
-    trainer.Prefetch.next = timed("batches", saved[2])
+    steps.Prefetch.next = timed("batches", saved[2])
     try:
         yield phases
     finally:
-        trainer.dispatch_grads, trainer.make_update, trainer.Prefetch.next = saved
+        steps.dispatch_grads, trainer.make_update, steps.Prefetch.next = saved
 
 
 def phase_medians(phases: dict[str, list[float]], steps: list[float], warmup: int

@@ -38,7 +38,7 @@ from tasks.data.tokenize_options import TokenizeOptions
 from tasks.eval.paired import read_paired
 from tasks.models.model_factory import ModelSpec, init_model
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "flows" / "configs"  # the shipped specs
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,8 @@ def log_to_stderr() -> None:
 def run_train(argv: list[str]) -> int:
     from engine.check.load_check import VerifyFailed
     from engine.host.command_queue import ensure_queue
-    from engine.train.trainer import NonFiniteLoss, train
+    from engine.train.steps import NonFiniteLoss
+    from engine.train.trainer import train
 
     log_to_stderr()
     cfg = None

@@ -212,9 +212,10 @@ def test_training_that_goes_non_finite_is_one_line(monkeypatch) -> None:
     """Item 11: a run ending in NonFiniteLoss printed its traceback with exit 1. Would
     catch: the CLI letting it through."""
     import engine.train.trainer as trainer
+    from engine.train.steps import NonFiniteLoss
 
     def diverges(cfg: object, callbacks: object = ()) -> None:
-        raise trainer.NonFiniteLoss("step 3: loss nan on pairs ['a', 'b']")
+        raise NonFiniteLoss("step 3: loss nan on pairs ['a', 'b']")
 
     monkeypatch.setattr(trainer, "train", diverges)
     line = one_error("train", "--model", "m", "--data", "d")

@@ -49,7 +49,7 @@ def test_optuna_prunes_a_hopeless_trial(ray_cluster, tiny_model, tiny_data, tmp_
 def test_segment_size_auto_fits_the_budget(ray_cluster, tiny_model, tiny_data, tmp_path) -> None:
     """Two budgets from the probe's own measurements: the smaller picks a smaller size, and
     re-running the same sweep under it re-trains (the resolved size is part of the key)."""
-    from tasks.sweep.memory_probe import AUTO_HEADROOM, probe_key
+    from tasks.sweep.memory_probe import AUTO_HEADROOM, per_rank, probe_key
     from tasks.sweep.run import data_fingerprint
 
     raw = _spec(tiny_model, tiny_data, fixed={"segment_size": "auto", "head_chunk": 16,
@@ -73,8 +73,9 @@ def test_segment_size_auto_fits_the_budget(ray_cluster, tiny_model, tiny_data, t
     assert peaks[small["param/segment_size"]] * AUTO_HEADROOM <= budget
     assert small["param/memory_limit_gb"] == pytest.approx(budget)
     assert json.loads(small["segment_size_probe_gb"]).keys() == {"0", "1", "2"}
-    config = {"model": str(tiny_model), **raw["fixed"], "memory_limit_gb": budget}
-    assert probe_key(config, data_fingerprint(str(tiny_data))) in probes
+    [plan] = parse_spec(raw).trials(tmp_path)  # its config, as the probe was keyed on
+    assert plan.config.memory_limit_gb == pytest.approx(budget)
+    assert probe_key(per_rank(plan, 1), data_fingerprint(str(tiny_data))) in probes
     raw["memory_budget_gb"] = peaks[smallest] / 2  # nothing fits: said, with the numbers
     with pytest.raises(Exception, match="no segment size fits memory_budget_gb"):
         run_sweep(parse_spec(raw), tmp_path)

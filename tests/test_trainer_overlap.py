@@ -13,7 +13,7 @@ import pytest
 
 from engine.backward.segmented import grads_to_tree
 from engine.settings.config import TrainConfig
-from engine.train import trainer
+from engine.train import steps, trainer
 
 pytestmark = pytest.mark.integration
 TIMING = {"tokens_per_sec", "peak_memory_gb"}
@@ -65,7 +65,7 @@ def test_overlapped_loop_equals_the_synchronous_one(tiny_model: Path, tiny_data:
                       grad_accum=2, segment_size=2, head_chunk=16, report_every=2,
                       val_every=3, learning_rate=1e-3, grad_clip=clip, lora_dropout=0.1)
     fast = run(cfg.replace(out=str(tmp_path / "fast")))
-    monkeypatch.setattr(trainer, "Prefetch", SyncPrefetch)
+    monkeypatch.setattr(steps, "Prefetch", SyncPrefetch)
     monkeypatch.setattr(trainer, "make_update", sync_update)
     slow = run(cfg.replace(out=str(tmp_path / "slow")))
     assert fast[0] == slow[0] and len(fast[0]) > 4

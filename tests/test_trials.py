@@ -99,7 +99,7 @@ def test_a_malformed_summary_costs_its_trial_not_the_results(ray_cluster, tiny_m
     class OlderNode(TrialActor):  # defined here: Ray ships it by value to the worker
         def run(self, plan, *args, **kwargs):
             summary = super().run(plan, *args, **kwargs)
-            if plan["fields"]["seed"] == 1:
+            if plan["config"]["seed"] == 1:
                 return {**summary, "trial_id": {"id": plan["id"]}}
             return summary
 

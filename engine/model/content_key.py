@@ -14,6 +14,7 @@ from pathlib import Path
 from engine.host.digests import file_digest
 from engine.model.gguf_import import IMPORTER_VERSION
 from engine.model.source import GGUF_DTYPE, model_dir, source_kind
+from engine.settings.reference_kind import Reference, adapter_path
 
 MODEL_FILES = ("config.json", "*.safetensors", "tokenizer.json", "tokenizer_config.json")
 ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")  # mlx-lm's adapter folder
@@ -49,3 +50,11 @@ def adapter_fingerprint(path: str | Path) -> str:
         return f"missing:{folder.resolve()}"
     body = json.dumps(digests, sort_keys=True)
     return "adapter-" + hashlib.sha256(body.encode()).hexdigest()[:24]
+
+
+def reference_key(reference: Reference) -> str:
+    """A DPO reference by content: ``base``, or its adapter's bytes (``adapter_fingerprint``,
+    never its path). The one key every cache of a reference reads: the reference
+    log-probs, a checkpoint's settings, an evaluation, a trial's cache key."""
+    folder = adapter_path(reference)
+    return "base" if folder is None else adapter_fingerprint(folder)

@@ -69,20 +69,27 @@ def _measure(prepared: Any, chosen: list, c: TrainConfig, repeats: int) -> dict[
 
 def _measured(model, stack, chosen: list, c: TrainConfig, pad_id: int,
               repeats: int) -> dict[str, Any]:
-    from engine.backward.step import step_grads
+    """The trainer's own steps (engine/train/steps.py: gradients, the clip + AdamW update
+    and its optimizer state, the finite check) over ``chosen``, after one warm-up step
+    (kernels, allocator, the update's compile) that the peak and the time leave out."""
+    from engine.backward.distributed import SINGLE
+    from engine.backward.update import make_optimizer, make_update
     from engine.forward.layout_policy import choose_layout, resolve_pad_multiple
     from engine.forward.prefix import PrefixBatch, pair_batch
+    from engine.train.steps import Stepper
 
     pad = resolve_pad_multiple(c.pad_multiple)
     layouts = [choose_layout(pairs, c, pad, pad_id) for pairs in chosen]
-    loss_spec = c.loss_spec()
-    step_grads(model, stack, layouts[:1], loss_spec, c, 0)  # warm-up: kernels, allocator
+    stepper = Stepper(model, stack, c.loss_spec(), c, SINGLE,
+                      make_update(model, make_optimizer(c), c.grad_clip))
+    order = iter([layouts[0], *layouts * repeats])
+    steps = stepper.steps(lambda: [next(order)], 0, len(layouts) * repeats)
+    next(steps)  # the warm-up
     mx.clear_cache()
     mx.reset_peak_memory()
     t0 = time.perf_counter()
-    for _ in range(repeats):
-        for i, layout in enumerate(layouts):
-            step_grads(model, stack, [layout], loss_spec, c, i)
+    for _ in steps:
+        pass
     seconds = (time.perf_counter() - t0) / repeats
     tokens = sum(pair_batch(b).tokens for b in layouts)
     return {"peak_gb": mx.get_peak_memory() / 2**30, "step_s": seconds / len(layouts),

@@ -39,13 +39,12 @@ from engine.forward.scoring import forward_groups
 from engine.host.cache import cache_root
 from engine.host.digests import file_digest
 from engine.model.adapters import load_adapter_weights
-from engine.model.content_key import adapter_fingerprint, model_fingerprint
+from engine.model.content_key import model_fingerprint, reference_key
 from engine.model.load import use_input_dtype_lora
 from engine.settings.reference_kind import (
     BASE,
     AdapterRef,
     Reference,
-    adapter_path,
     parse_reference,
 )
 from engine.train.prepared import Prepared, prepare_scoring
@@ -76,8 +75,7 @@ class ReferenceSpec:
 
     def key(self) -> str:
         """The content key (engine/model/content_key.py digests, cached by file stat)."""
-        folder = adapter_path(self.reference)
-        adapter = "base" if folder is None else adapter_fingerprint(folder)
+        adapter = reference_key(self.reference)
         partners = {"kl_partners": KL_PARTNERS} if self.kl else {}  # DPO's keys unchanged
         body = json.dumps({"model": model_fingerprint(self.model),
                            "data": data_digest(self.data), "reference": adapter,

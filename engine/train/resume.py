@@ -15,9 +15,8 @@ from typing import Any
 
 from engine.losses import OWNERS
 from engine.model.adapters import latest_checkpoint
-from engine.model.content_key import adapter_fingerprint, model_fingerprint
+from engine.model.content_key import adapter_fingerprint, model_fingerprint, reference_key
 from engine.settings.config import TrainConfig
-from engine.settings.reference_kind import adapter_path
 from engine.train.reference import data_digest
 
 # Fields a resume may change: bookkeeping, or the memory levers whose gradients equal the
@@ -39,8 +38,7 @@ def run_settings(cfg: TrainConfig) -> dict[str, Any]:
     settings["model"] = model_fingerprint(cfg.model)
     settings["data"] = data_digest(cfg.data)
     settings["warm_start"] = adapter_fingerprint(cfg.warm_start) if cfg.warm_start else None
-    folder = adapter_path(cfg.reference)
-    settings["reference"] = "base" if folder is None else adapter_fingerprint(folder)
+    settings["reference"] = reference_key(cfg.reference)
     return json.loads(json.dumps(settings))  # as state.json gives it back
 
 

@@ -2,23 +2,25 @@
 
     python -m engine train --model DIR --data DIR --out DIR [--loss orpo|simpo|sft|dpo]
 
-``train(cfg)`` reads top to bottom: claim the output folder, DPO's reference, the model
-set up as every path sets it up (engine/train/prepared.py: LoRA, load check, levers), the data
-and its refusals,
-then per step: the prefetched micro-batches (engine/host/prefetch.py), their gradients
-(engine/backward/step.py), the compiled update (engine/backward/update.py), the metrics window
-(engine/train/report_window.py), validation and checkpoints; the adapter and summary last.
+``train(cfg)`` reads top to bottom, in the shape of mlx-lm's tuner:
+
+    run = set_up(cfg, held)       # claim the output folder, DPO's reference, the model set
+                                  # up (engine/train/prepared.py), the data, a resume
+    loop(run, loss, batches, cb)  # the steps (engine/train/steps.py: the one step the probe
+                                  # and the benchmarks run too), reports, validation, checkpoints
+    finish(run)                   # the adapter and summary.json
+
 Progress leaves through callbacks (``on_metrics``) and ``metrics.jsonl``; nothing here
 prints UI.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,13 +28,13 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from engine.backward.distributed import init_ranks
-from engine.backward.step import Idle, dispatch_grads
+from engine.backward.distributed import Ranks, init_ranks
+from engine.backward.step import Idle
 from engine.backward.update import make_optimizer, make_update
 from engine.check.load_check import verify_paths
 from engine.data.batch import PairBatch
 from engine.data.data_fit import load_pairs_for
-from engine.data.pairs import check_train_split, micro_batches, pair_length
+from engine.data.pairs import PairSet, check_train_split, micro_batches, pair_length
 from engine.forward.layout_policy import (
     choose_layout,
     resolve_pad_multiple,
@@ -42,8 +44,8 @@ from engine.forward.prefix import PrefixBatch
 from engine.forward.scoring import evaluate
 from engine.host.command_queue import queue_note
 from engine.host.outputs import claim
-from engine.host.prefetch import Prefetch
 from engine.losses import validation_metrics
+from engine.losses.spec import LossSpec
 from engine.model.adapters import (
     is_run_dir,
     load_adapter_weights,
@@ -54,11 +56,11 @@ from engine.model.adapters import (
     save_adapters,
     save_checkpoint,
 )
-from engine.model.content_key import adapter_fingerprint, model_fingerprint
+from engine.model.content_key import model_fingerprint, reference_key
 from engine.settings.config import TrainConfig
 from engine.settings.ranking import beats
 from engine.settings.reference_kind import BASE, adapter_path
-from engine.train.prepared import prepare_training
+from engine.train.prepared import Prepared, prepare_training
 from engine.train.reference import (
     ReferenceSpec,
     attach_reference,
@@ -67,6 +69,7 @@ from engine.train.reference import (
 )
 from engine.train.report_window import Window
 from engine.train.resume import check_resume, read_state, resume_checkpoint, run_settings
+from engine.train.steps import Stepper
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +78,6 @@ class Callback(Protocol):
     """Receives each metrics record (``split`` = "train" or "valid") as it is written."""
 
     def on_metrics(self, record: dict[str, Any]) -> None: ...
-
-
-class NonFiniteLoss(RuntimeError):
-    """The loss or gradient norm became NaN/inf; names the step and the pairs."""
 
 
 @dataclass
@@ -188,8 +187,8 @@ def content_keys(cfg: TrainConfig) -> dict[str, str]:
     """The base's content key (a reference adapter is refused on another base) and, for
     DPO with an adapter reference, that adapter's (retrained in place: said at score)."""
     keys = {"model_key": model_fingerprint(cfg.model)}
-    if cfg.loss_spec().needs_reference and (folder := adapter_path(cfg.reference)):
-        keys["reference_key"] = adapter_fingerprint(folder)
+    if cfg.loss_spec().needs_reference and cfg.reference != BASE:
+        keys["reference_key"] = reference_key(cfg.reference)
     return keys
 
 
@@ -205,20 +204,58 @@ def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
     """Train one adapter as ``cfg`` says; write it to ``cfg.out``; return a summary."""
     cfg.validate()
     with memory_limit(cfg.memory_limit_gb), ExitStack() as held:
-        return _train(cfg, callbacks, held)
+        run = set_up(cfg, held)
+        loop(run, run.stepper.loss, train_batches(run), callbacks)
+        return finish(run)
 
 
-def _train(cfg: TrainConfig, callbacks: Sequence[Callback], held: ExitStack) -> TrainResult:
+@dataclass
+class Run:
+    """A run set up (``set_up``): its config, ranks, model set up, data, optimizer and
+    step, and the result its loop fills in."""
+
+    cfg: TrainConfig
+    ranks: Ranks
+    prepared: Prepared
+    data: PairSet
+    optimizer: Any
+    stepper: Stepper
+    pad_multiple: int
+    start: int  # the step it resumes after (0: a fresh run)
+    result: TrainResult
+    started: float
+    trained: int = 0  # this rank's pairs
+    tokens: int = 0  # every rank's, over the timed steps
+    seconds: float = 0.0
+
+    @property
+    def out(self) -> Path:
+        return Path(self.cfg.out)
+
+    def batch_of(self, pairs: list) -> PairBatch | PrefixBatch:
+        """``pairs`` in the layout the config and the batch call for."""
+        return choose_layout(pairs, self.cfg, self.pad_multiple, self.prepared.pad_id)
+
+    def shard_of(self, pairs: list) -> PairBatch | PrefixBatch | Idle:
+        """This rank's share of a micro-batch; none (the last micro-batch of an epoch,
+        fewer pairs than ranks): an idle step on the first pair's shape."""
+        mine = self.ranks.shard(pairs)
+        return self.batch_of(mine) if mine else Idle(self.batch_of(pairs[:1]))
+
+
+def set_up(cfg: TrainConfig, held: ExitStack) -> Run:
+    """Everything before the first step, each refusal before any work: the ranks, the
+    output folder claimed, DPO's reference (made before the policy loads: one model at a
+    time), the model set up as every path sets it up, the data, a checkpoint to resume."""
     started = time.perf_counter()
     ranks = init_ranks()
     if cfg.batch_size % ranks.size:
         raise ValueError(f"batch_size={cfg.batch_size} does not split over {ranks.size} "
                          "ranks: make it a multiple of the number of ranks")
-    out = Path(cfg.out)
     if ranks.main:  # the one writer holds its folder until training ends
         held.enter_context(claim_run(cfg))
-    out.mkdir(parents=True, exist_ok=True)
-    if cfg.loss_spec().needs_reference:  # made before the policy loads: one model at a time
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    if cfg.loss_spec().needs_reference:
         if cfg.warm_start and cfg.reference == BASE:
             log.warning("warm_start %s with reference base: the policy starts away from its "
                         "reference (SFT, then DPO: give --reference %s)", cfg.warm_start,
@@ -226,115 +263,132 @@ def _train(cfg: TrainConfig, callbacks: Sequence[Callback], held: ExitStack) -> 
         ensure_reference(*reference_of(cfg, ranks.size))
     prepared = prepare_training(cfg)
     say_unread_settings(cfg)
-    model, stack, spec = prepared.model, prepared.stack, prepared.lora
-    num_layers = len(stack.layers) if cfg.lora_layers < 0 else cfg.lora_layers
     if cfg.warm_start:
-        load_adapter_weights(model, Path(cfg.warm_start))
-    data = load_pairs_for(cfg.data, cfg.model, stack, cfg.allow_tokenizer_mismatch)
+        load_adapter_weights(prepared.model, Path(cfg.warm_start))
+    data = training_data(cfg, prepared, ranks)
+    pad_multiple = resolve_pad_multiple(cfg.pad_multiple)
+    resolve_prefix_attention(cfg.prefix_attention, pad_multiple)  # refuse unsafe, before work
+    optimizer = make_optimizer(cfg)
+    resumed = resumed_step(cfg, prepared.model, optimizer)
+    if ranks.main:
+        prepare_out(Path(cfg.out), resumed)
+    start = resumed or 0
+    stepper = Stepper(prepared.model, prepared.stack, cfg.loss_spec(), cfg, ranks,
+                      make_update(prepared.model, optimizer, cfg.grad_clip))
+    result = TrainResult(out=str(Path(cfg.out)), steps=start, trainable_params=prepared.trainable,
+                         rejected_rows=dict(data.rejected), load_check=prepared.check)
+    run = Run(cfg, ranks, prepared, data, optimizer, stepper, pad_multiple, start, result,
+              started)
+    if cfg.verify:
+        result.verified = verify_paths(prepared.model, prepared.stack,
+                                       run.batch_of(data.train[: cfg.batch_size]),
+                                       stepper.loss, cfg)
+    return run
+
+
+def training_data(cfg: TrainConfig, prepared: Prepared, ranks: Ranks) -> PairSet:
+    """The run's pairs for its model, DPO's reference log-probs attached; refused (naming
+    the file, the pair or the metric) without a train split, with a pair past the model's
+    context, or with a ``best_metric`` its loss never reports."""
+    data = load_pairs_for(cfg.data, cfg.model, prepared.stack, cfg.allow_tokenizer_mismatch)
     if cfg.loss_spec().needs_reference:
         attach_reference(data, *reference_of(cfg, ranks.size))
     check_train_split(data, cfg.data)
-    refuse_beyond_context([*data.train, *data.valid, *data.test], stack.context)
-    loss_spec = cfg.loss_spec()
-    if cfg.best_metric not in validation_metrics(loss_spec):  # refused before any step
+    refuse_beyond_context([*data.train, *data.valid, *data.test], prepared.stack.context)
+    reported = validation_metrics(cfg.loss_spec())
+    if cfg.best_metric not in reported:  # refused before any step
         raise ValueError(f"best_metric={cfg.best_metric!r}: loss {cfg.loss.kind} reports "
-                         f"{validation_metrics(loss_spec)}")
-    pad_multiple = resolve_pad_multiple(cfg.pad_multiple)
-    resolve_prefix_attention(cfg.prefix_attention, pad_multiple)  # refuse unsafe, before work
-    pad_id = prepared.pad_id
-    optimizer = make_optimizer(cfg)
+                         f"{reported}")
+    return data
 
-    start = 0
-    ckpt = resume_checkpoint(cfg, out)
-    if ckpt is not None:  # refused before any weight is touched
-        check_resume(cfg, ckpt, read_state(ckpt))
-        start = int(load_checkpoint(model, optimizer, ckpt)["step"])
-        log.info("resumed from %s (step %d)", ckpt, start)
-    settings = run_settings(cfg) if cfg.checkpoint_every else {}
-    if ranks.main:
-        prepare_out(out, start if ckpt is not None else None)
 
-    def batch_of(pairs: list) -> PairBatch | PrefixBatch:
-        return choose_layout(pairs, cfg, pad_multiple, pad_id)
+def resumed_step(cfg: TrainConfig, model: Any, optimizer: Any) -> int | None:
+    """The step of the checkpoint this run resumes from, its weights and optimizer state
+    loaded (refused before any weight is touched when it does not match); None: none."""
+    ckpt = resume_checkpoint(cfg, Path(cfg.out))
+    if ckpt is None:
+        return None
+    check_resume(cfg, ckpt, read_state(ckpt))
+    start = int(load_checkpoint(model, optimizer, ckpt)["step"])
+    log.info("resumed from %s (step %d)", ckpt, start)
+    return start
 
-    batches = micro_batches(data.train, cfg.batch_size, cfg.seed, start * cfg.grad_accum)
-    verified = verify_paths(model, stack, batch_of(data.train[: cfg.batch_size]), loss_spec,
-                            cfg) if cfg.verify else {}
 
-    def validate(step: int) -> dict[str, Any]:
-        metrics = evaluate(model, stack, data.valid, loss_spec, cfg.batch_size, pad_multiple,
-                           cfg.head_chunk, cfg.val_batches, layout=batch_of)
-        rec = {"step": step, "split": "valid",
-               **{f"val/{k}": v for k, v in metrics.items()},
-               "val/rows_skipped": sum(data.rejected.values())}
-        if ranks.main:
-            _emit(rec, out, callbacks)
-        return rec
+def train_batches(run: Run) -> Callable[[], list]:
+    """The run's training order from where it resumes: each call, one step's
+    ``grad_accum`` micro-batches, this rank's share of each."""
+    cfg = run.cfg
+    pairs = micro_batches(run.data.train, cfg.batch_size, cfg.seed, run.start * cfg.grad_accum)
+    return lambda: [run.shard_of(next(pairs)) for _ in range(cfg.grad_accum)]
 
-    model.train()
-    if not data.valid:  # said once every refusal is past: the run goes ahead without
+
+def validate(run: Run, step: int, callbacks: Sequence[Callback]) -> dict[str, Any]:
+    """The valid split scored at ``step``: its record, written by the main rank."""
+    cfg = run.cfg
+    metrics = evaluate(run.prepared.model, run.prepared.stack, run.data.valid,
+                       run.stepper.loss, cfg.batch_size, run.pad_multiple, cfg.head_chunk,
+                       cfg.val_batches, layout=run.batch_of)
+    rec = {"step": step, "split": "valid", **{f"val/{k}": v for k, v in metrics.items()},
+           "val/rows_skipped": sum(run.data.rejected.values())}
+    if run.ranks.main:
+        _emit(rec, run.out, callbacks)
+    return rec
+
+
+def loop(run: Run, loss: LossSpec, batches: Callable[[], list],
+         callbacks: Sequence[Callback]) -> None:
+    """The steps after ``run.start`` on ``batches`` under ``loss``: a metrics window every
+    ``report_every`` steps, validation (the "before" numbers first, every ``val_every``
+    and at the end, the best kept) and checkpoints."""
+    cfg, result = run.cfg, run.result
+    run.prepared.model.train()
+    if not run.data.valid:  # said once every refusal is past: the run goes ahead without
         log.warning("%s: the valid split is empty: no validation metrics, and no best "
                     "evaluation to rank this run by", cfg.data)
-    elif cfg.val_every and start == 0:
-        validate(0)  # the "before" numbers every later evaluation is read against
-    window = Window()
-    result = TrainResult(out=str(out), steps=start, trainable_params=prepared.trainable,
-                         rejected_rows=dict(data.rejected), load_check=prepared.check,
-                         verified=verified)
-    total_tokens, total_seconds = 0, 0.0
-    update = make_update(model, optimizer, cfg.grad_clip)
-    def shard_of(pairs: list) -> PairBatch | PrefixBatch | Idle:
-        mine = ranks.shard(pairs)  # none: the last micro-batch of an epoch, fewer than ranks
-        return batch_of(mine) if mine else Idle(batch_of(pairs[:1]))
-
-    prefetch = Prefetch(lambda: [shard_of(next(batches)) for _ in range(cfg.grad_accum)],
-                        cfg.steps - start)
-    trained = 0  # this rank's pairs
-    for step in range(start + 1, cfg.steps + 1):
-        t0 = time.perf_counter()
-        micro = prefetch.next()  # built on a thread while the last step ran
-        pending = dispatch_grads(model, stack, micro, loss_spec, cfg, step, ranks)
-        # The update is queued before the host waits: one barrier a step. A non-finite
-        # step still stops the run before anything is saved.
-        norm = update(pending.grads)
-        loss, sums = pending.read(ranks)
-        grad_norm = float(norm)
-        trained += sum(len(b.ids) for b in micro)
-        if not math.isfinite(loss):
-            raise NonFiniteLoss(f"step {step}: loss {loss} on pairs "
-                                f"{[i for b in micro for i in b.ids][:8]}")
-        if not math.isfinite(grad_norm):  # the run stops: this update is never saved
-            raise NonFiniteLoss(f"step {step}: grad norm {grad_norm} on pairs "
-                                f"{[i for b in micro for i in b.ids][:8]}")
-        lr = float(optimizer.learning_rate)  # the rate this update used
-        seconds = time.perf_counter() - t0
-        tokens = int(sums.pop("tokens"))  # every rank's
-        window.add(loss, sums, grad_norm, tokens, seconds)
-        total_tokens, total_seconds = total_tokens + tokens, total_seconds + seconds
-        result.steps = step
+    elif cfg.val_every and run.start == 0:
+        validate(run, 0, callbacks)  # what every later evaluation is read against
+    window, settings = Window(), run_settings(cfg) if cfg.checkpoint_every else {}
+    stepper = dataclasses.replace(run.stepper, loss=loss)
+    for done in stepper.steps(batches, run.start + 1, cfg.steps):
+        step, lr = done.step, float(run.optimizer.learning_rate)  # the rate this update used
+        window.add(done.loss, done.sums, done.grad_norm, done.tokens, done.seconds)
+        result.steps, run.trained = step, run.trained + done.pairs
+        run.tokens, run.seconds = run.tokens + done.tokens, run.seconds + done.seconds
         if step % cfg.report_every == 0 or step == cfg.steps:
             result.final = window.record(step, lr)
             result.peak_memory_gb = max(result.peak_memory_gb, result.final["peak_memory_gb"])
-            if ranks.main:
-                _emit(result.final, out, callbacks)
+            if run.ranks.main:
+                _emit(result.final, run.out, callbacks)
             window.reset()
-        if data.valid and ((cfg.val_every and step % cfg.val_every == 0) or step == cfg.steps):
-            rec = validate(step)
+        if run.data.valid and ((cfg.val_every and step % cfg.val_every == 0)
+                               or step == cfg.steps):
+            rec = validate(run, step, callbacks)
             if better(rec, result.best_val, cfg.best_metric, cfg.best_mode):
                 result.best_val = rec
-        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and ranks.main:
-            save_checkpoint(model, optimizer, out, step,
-                            {"seed": cfg.seed, "settings": settings}, spec, num_layers)
-            prune_checkpoints(out, cfg.keep_checkpoints)
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and run.ranks.main:
+            save_checkpoint(run.prepared.model, run.optimizer, run.out, step,
+                            {"seed": cfg.seed, "settings": settings}, run.prepared.lora,
+                            lora_blocks(run))
+            prune_checkpoints(run.out, cfg.keep_checkpoints)
 
-    result.world_size, result.rank_pairs = ranks.size, ranks.gather_counts(trained)
-    result.tokens_per_sec = total_tokens / max(total_seconds, 1e-9)
-    result.seconds = time.perf_counter() - started
-    if ranks.main:
-        weights = loss_weights(cfg)
+
+def lora_blocks(run: Run) -> int:
+    """How many of the last blocks carry LoRA (``lora_layers``; -1: all of them)."""
+    return len(run.prepared.stack.layers) if run.cfg.lora_layers < 0 else run.cfg.lora_layers
+
+
+def finish(run: Run) -> TrainResult:
+    """The result's totals; the main rank writes the adapter (with what trained it:
+    loss, its settings, content keys) and summary.json."""
+    cfg, result = run.cfg, run.result
+    result.world_size = run.ranks.size
+    result.rank_pairs = run.ranks.gather_counts(run.trained)
+    result.tokens_per_sec = run.tokens / max(run.seconds, 1e-9)
+    result.seconds = time.perf_counter() - run.started
+    if run.ranks.main:
         extra = {"model": cfg.model, "pomona": {"steps": result.steps, "loss": cfg.loss.kind,
-                                                **weights, **content_keys(cfg),
-                                                "seed": cfg.seed, "world_size": ranks.size}}
-        save_adapters(model, out, spec, num_layers, extra)
-        run_write_text(out / "summary.json", json.dumps(result.__dict__, indent=2) + "\n")
+                                                **loss_weights(cfg), **content_keys(cfg),
+                                                "seed": cfg.seed, "world_size": run.ranks.size}}
+        save_adapters(run.prepared.model, run.out, run.prepared.lora, lora_blocks(run), extra)
+        run_write_text(run.out / "summary.json", json.dumps(result.__dict__, indent=2) + "\n")
     return result

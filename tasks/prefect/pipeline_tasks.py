@@ -22,7 +22,7 @@ from engine.host.atomic import atomic_write_text
 from engine.host.digests import file_digest
 from engine.losses import LossSpec
 from engine.model.adapters import ADAPTER_FILE, CONFIG_FILE, trained_reference
-from engine.model.content_key import adapter_fingerprint, model_fingerprint
+from engine.model.content_key import model_fingerprint, reference_key
 from engine.model.export import export
 from engine.model.gguf_export import exported_here
 from engine.settings.config import TrainConfig
@@ -135,8 +135,7 @@ def evaluation_key(context: Any, inputs: dict[str, Any]) -> str:
     adapter, loss = inputs["adapter"], inputs["loss"]
     weights = file_digest(Path(adapter) / ADAPTER_FILE) if adapter else "base"
     trained = file_digest(Path(adapter) / CONFIG_FILE) if adapter else None  # its own loss
-    folder = adapter_path(trained_reference(adapter))  # its bytes, not the path it names
-    reference = "base" if folder is None else adapter_fingerprint(folder)
+    reference = reference_key(trained_reference(adapter))  # its bytes, not its path
     body = json.dumps([model_fingerprint(inputs["model"]), weights, trained, reference,
                        data_fingerprint(inputs["data"]),
                        loss.to_dict() if loss else None,

@@ -27,10 +27,10 @@ import pyarrow.parquet as pq
 
 from engine.host.digests import file_digest
 from engine.host.outputs import claim, mark_kind, reading
-from engine.model.content_key import adapter_fingerprint, model_fingerprint
+from engine.model.content_key import adapter_fingerprint, model_fingerprint, reference_key
 from engine.model.source import source_kind
 from engine.settings.config import TrainConfig
-from engine.settings.reference_kind import adapter_path
+from engine.settings.reference_kind import BASE
 from tasks.board.ranked_metric import metric_value
 from tasks.board.results_table import write_results
 from tasks.nodes.placement import Placement
@@ -129,8 +129,8 @@ def cache_key(config: TrainConfig, fingerprint: str, model_key: str) -> str:
     text = f"{body}|{model_key}|{fingerprint}|{CODE_VERSION}"
     if config.warm_start:
         text += f"|{adapter_fingerprint(config.warm_start)}"
-    if folder := adapter_path(config.reference):
-        text += f"|reference:{adapter_fingerprint(folder)}"
+    if config.reference != BASE:
+        text += f"|reference:{reference_key(config.reference)}"
     if config.reference_logps:
         text += f"|reference_logps:{file_digest(config.reference_logps)}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]

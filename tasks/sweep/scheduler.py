@@ -114,6 +114,29 @@ def contained(trial: TrialPlan, run: Callable[[], Summary]) -> Summary:
                        started, 1)
 
 
+def run_workers(worker: Callable[[], None], count: int, live: LiveTrials) -> bool:
+    """``count`` threads running ``worker`` in copies of the caller's context (so task runs
+    nest in its flow run) until it returns; whether Ctrl-C (or SIGTERM, as Ray's driver
+    handler has it) stopped them, every running trial killed."""
+    interrupted = False
+    pool = ThreadPoolExecutor(max_workers=count, thread_name_prefix="trial")
+    context = contextvars.copy_context()
+    futures = [pool.submit(context.copy().run, worker) for _ in range(count)]
+    try:
+        while not all(f.done() for f in futures):
+            time.sleep(0.2)  # the main thread stays free to take Ctrl-C
+        for f in futures:
+            f.result()  # a bug in the scheduler itself surfaces here
+    except (KeyboardInterrupt, SystemExit):
+        interrupted = True
+        while not all(f.done() for f in futures):  # kills what started meanwhile, too
+            live.cancel_all()
+            time.sleep(0.5)
+    finally:
+        pool.shutdown(wait=True)
+    return interrupted
+
+
 def run_trials(source: TrialSource | list[TrialPlan] | list[tuple[str, dict[str, Any]]],
                placement: Placement, max_concurrent: int, results: Path | None = None,
                time_limit_s: float = 0.0, retries: int = 2, retry_delay_s: float = 5.0,
@@ -156,22 +179,7 @@ def run_trials(source: TrialSource | list[TrialPlan] | list[tuple[str, dict[str,
             source.tell(trial, summary)
             live.event("finished", summary)
 
-    interrupted = False
-    pool = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="trial")
-    context = contextvars.copy_context()
-    futures = [pool.submit(context.copy().run, worker) for _ in range(max_concurrent)]
-    try:
-        while not all(f.done() for f in futures):
-            time.sleep(0.2)  # the main thread stays free to take Ctrl-C
-        for f in futures:
-            f.result()  # a bug in the scheduler itself surfaces here
-    except (KeyboardInterrupt, SystemExit):  # Ctrl-C; SIGTERM as Ray's driver handler has it
-        interrupted = True
-        while not all(f.done() for f in futures):  # kills what started meanwhile, too
-            live.cancel_all()
-            time.sleep(0.5)
-    finally:
-        pool.shutdown(wait=True)
+    interrupted = run_workers(worker, max_concurrent, live)
     rows = [summaries[t] for t in order if t in summaries]
     if results is not None:
         write_results(rows, results)

@@ -205,7 +205,8 @@ def parse_spec(data: dict[str, Any], source: str = "spec") -> SweepSpec:
         raise SpecError(f"{source}: {err}") from None
 
 
-def _parse(data: Any) -> SweepSpec:
+def _check_top(data: Any) -> None:
+    """A mapping of known keys that names its run, model and data."""
     if not isinstance(data, dict):
         raise SpecError(f"expected a mapping, got {type(data).__name__}")
     unknown = sorted(set(data) - TOP_KEYS)
@@ -217,6 +218,11 @@ def _parse(data: Any) -> SweepSpec:
     if not re.fullmatch(r"\w[\w.-]*", data["name"]):  # \w: letters of any script too
         raise SpecError(f"name={data['name']!r}: letters, digits, '.', '_' and '-' only (it "
                         "names the run directory, which must stay inside runs/)")
+
+
+def _parameters(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list], dict]:
+    """``fixed``, ``grid`` and ``space``, each name a TrainConfig field, each value checked
+    (``space`` still raw: ``space_dist`` reads it), no name in two of them."""
     fixed, grid, space = data.get("fixed") or {}, data.get("grid") or {}, data.get("space") or {}
     for where, section in (("fixed", fixed), ("grid", grid), ("space", space)):
         if not isinstance(section, dict):
@@ -233,6 +239,12 @@ def _parse(data: Any) -> SweepSpec:
     overlap = sorted((f & g) | (f & s) | (g & s))
     if overlap:
         raise SpecError(f"{', '.join(overlap)}: given in more than one of fixed/grid/space")
+    return fixed, grid, space
+
+
+def _parse(data: Any) -> SweepSpec:
+    _check_top(data)
+    fixed, grid, space = _parameters(data)
     search = data.get("search", "grid" if not space else "random")
     if search not in SEARCHES:
         raise SpecError(f"search={search!r}: expected one of {', '.join(SEARCHES)}")

@@ -103,7 +103,8 @@ def run_trial(trial_id: str, config: TrainConfig, study: Any = None,
     A run that finishes but has collapsed (``degenerate_reason``) is ``degenerate``, with
     its reason: it keeps its adapter and metrics but is never ranked.
     """
-    from engine.train.trainer import NonFiniteLoss, train
+    from engine.train.steps import NonFiniteLoss
+    from engine.train.trainer import train
 
     started = time.time()
     base = {"trial_id": trial_id, **where(), "started": started}
