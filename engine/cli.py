@@ -228,6 +228,7 @@ def run_score(argv: list[str]) -> int:
     from engine.host.atomic import atomic_write_text
     from engine.host.outputs import check_file
     from engine.model.adapters import trained_loss, trained_reference
+    from engine.settings.forward_options import ForwardOptions
     from engine.settings.reference_kind import parse_reference
     from engine.train.prepared import prepare_scoring
     from engine.train.reference import ReferenceSpec, attach_reference, ensure_reference
@@ -239,14 +240,13 @@ def run_score(argv: list[str]) -> int:
         spec = score_loss(a, trained_loss(a.adapter) or LossSpec())
         reference = ReferenceSpec(a.model, a.data, parse_reference(a.reference) if a.reference
                                   else trained_reference(a.adapter), spec.needs_kl)
-        options = {"batch_size": a.batch_size, "head_chunk": a.head_chunk,
-                   "prefix_share": a.prefix_share,
-                   "allow_tokenizer_mismatch": a.allow_tokenizer_mismatch}
+        options = ForwardOptions(a.batch_size, a.head_chunk, a.prefix_share,
+                                 a.allow_tokenizer_mismatch)
         if spec.needs_reference:  # made (or read) before the scored model loads
             ensure_reference(reference, None, options)
         prepared = prepare_scoring(a.model, a.adapter)
         model, stack = prepared.model, prepared.stack
-        data = load_pairs_for(a.data, a.model, stack, a.allow_tokenizer_mismatch)
+        data = load_pairs_for(a.data, a.model, stack, options.allow_tokenizer_mismatch)
         if spec.needs_reference:
             attach_reference(data, reference, None, options)
     except (ValueError, OSError) as err:  # OSError: a cache that cannot be written
@@ -256,8 +256,8 @@ def run_score(argv: list[str]) -> int:
     if not pairs:
         print(f"error: {a.data}: no {a.split} pairs to score", file=sys.stderr)
         return 2
-    rows = score_pairs(model, stack, pairs, spec, a.batch_size,
-                       a.head_chunk, scoring_layout(a.prefix_share, prepared.pad_id))
+    rows = score_pairs(model, stack, pairs, spec, options.batch_size, options.head_chunk,
+                       scoring_layout(options.prefix_share, prepared.pad_id))
     out = Path(a.out)
     try:
         atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in rows))

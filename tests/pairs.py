@@ -6,10 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.data.batch import Pair
+from engine.settings.forward_options import ForwardOptions
 from tasks.data.synthetic import synth_rows
 
 # The reference pass's options in the reference tests: small batches, a bounded head.
-REFERENCE_OPTIONS = {"batch_size": 4, "head_chunk": 16, "prefix_share": "auto"}
+REFERENCE_OPTIONS = ForwardOptions(batch_size=4, head_chunk=16, prefix_share="auto")
 
 
 def tokenized_pairs(model_dir: Path, n: int, seed: int = 0, task: str = "mixed",

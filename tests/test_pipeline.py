@@ -154,7 +154,8 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
 def test_evaluation_fits_where_the_trials_trained() -> None:
     """Each trial is evaluated at its own batch size, head chunk and prefix sharing; the
     base and the soup at what suits all of them."""
-    from tasks.prefect.pipeline_tasks import EvalSettings, eval_settings
+    from engine.settings.forward_options import ForwardOptions as EvalSettings
+    from tasks.prefect.pipeline_tasks import eval_settings
 
     a = {"param/batch_size": 8, "param/head_chunk": 0}
     b = {"param/batch_size": 2, "param/head_chunk": 512, "param/prefix_share": "on"}

@@ -25,6 +25,7 @@ import pytest
 
 from engine.data.pairs import load_pairs
 from engine.settings.config import TrainConfig
+from engine.settings.forward_options import ForwardOptions
 from engine.train import reference as reference_mod
 from engine.train.reference import (
     ReferenceSpec,
@@ -80,7 +81,7 @@ def test_cache_equals_a_fresh_forward_bit_for_bit(tiny_model: Path, tiny_data: P
     assert not cached and path == cache_dir() / f"{spec.key()}.parquet"
     assert path.is_file() and path.is_relative_to(private_cache)
     got = read_reference(path, spec.key())
-    fresh = compute_reference(spec, **OPTIONS)
+    fresh = compute_reference(spec, OPTIONS)
     assert got == fresh  # exact: float32 written, float32 computed
     data = load_pairs(tiny_data)
     pairs = [*data.train, *data.valid, *data.test]
@@ -170,7 +171,7 @@ def test_an_adapter_for_another_base_is_refused_before_any_forward(
                         lambda *a, **k: forwards.append(1) or real(*a, **k))
     spec = ReferenceSpec(str(tiny_model), str(tiny_data), str(foreign))
     for call in (lambda: prepare_reference(spec),
-                 lambda: compute_reference(spec, **OPTIONS),
+                 lambda: compute_reference(spec, OPTIONS),
                  lambda: ensure_reference(spec, options=OPTIONS)):
         with pytest.raises(ValueError) as err:
             call()
@@ -294,8 +295,8 @@ def test_score_and_evaluation_report_dpo_under_its_own_reference(tiny_model: Pat
     train(cfg(tiny_model, tiny_data, out, loss="dpo", steps=2, val_every=2,
               reference=str(orpo_adapter), warm_start=str(orpo_adapter), dpo_beta=0.5))
     last = [r for r in records(out) if r["split"] == "valid"][-1]
-    metrics = evaluate_adapter(str(tiny_model), str(out), str(tiny_data), batch_size=4,
-                               head_chunk=16)
+    metrics = evaluate_adapter(str(tiny_model), str(out), str(tiny_data),
+                               options=ForwardOptions(batch_size=4, head_chunk=16))
     for name in ("loss", "rewards/chosen", "rewards/margins", "logps/accuracies"):
         assert metrics[f"eval/valid/{name}"] == pytest.approx(last[f"val/{name}"], rel=1e-4,
                                                               abs=1e-6), name

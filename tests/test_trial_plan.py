@@ -201,3 +201,24 @@ def test_a_failed_trial_s_note_is_its_reason_not_its_params(tmp_path: Path) -> N
     assert "mlp_chunk with lora_dropout > 0: masks would differ from the unchunked path" in text
     assert '"lora_rank"' not in text and "RuntimeError: out of memory" in text
     assert "while allocating" not in text, text
+
+
+@pytest.mark.unit
+def test_forward_options_are_one_value_with_the_trainer_s_defaults() -> None:
+    """The forward-only passes (reference, score, evaluation) take one ForwardOptions; its
+    defaults are TrainConfig's and a run's is its config's, a rank's share of the batch.
+    Would catch: a default drifting from the trainer's (evaluation at a batch it never
+    trained at), or a rank's reference pass over the whole batch."""
+    import dataclasses
+
+    from engine.settings.forward_options import ForwardOptions
+
+    defaults = TrainConfig.defaults()
+    assert {f.name: getattr(ForwardOptions(), f.name)
+            for f in dataclasses.fields(ForwardOptions)} == {
+        f.name: defaults[f.name] for f in dataclasses.fields(ForwardOptions)}
+    cfg = TrainConfig(batch_size=8, head_chunk=64, prefix_share="off",
+                      allow_tokenizer_mismatch=True)
+    assert cfg.forward() == ForwardOptions(8, 64, "off", True)
+    assert cfg.forward(ranks=4) == ForwardOptions(2, 64, "off", True)
+    assert TrainConfig(batch_size=2).forward(ranks=4).batch_size == 1

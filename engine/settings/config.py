@@ -25,6 +25,7 @@ from engine.losses import (
     foreign_message,
     loss_named,
 )
+from engine.settings.forward_options import ForwardOptions
 from engine.settings.ranking import MODES
 from engine.settings.reference_kind import BASE, AdapterRef, Base, Reference, parse_reference
 
@@ -204,6 +205,12 @@ class TrainConfig:
         if isinstance(self.reference, str):  # TrainConfig(reference=DIR), as written
             object.__setattr__(self, "reference", parse_reference(self.reference))
         self.check_values()
+
+    def forward(self, ranks: int = 1) -> ForwardOptions:
+        """How this run's forward-only passes run (its reference pass, its evaluation): its
+        batch (a rank's share of it: one device runs the pass), head chunk, sharing."""
+        return ForwardOptions(max(1, self.batch_size // ranks), self.head_chunk,
+                              self.prefix_share, self.allow_tokenizer_mismatch)
 
     def loss_spec(self) -> LossSpec:
         """The loss this run trains, validates and scores with."""

@@ -41,6 +41,7 @@ from engine.host.digests import file_digest
 from engine.model.adapters import load_adapter_weights
 from engine.model.content_key import model_fingerprint, reference_key
 from engine.model.load import use_input_dtype_lora
+from engine.settings.forward_options import ForwardOptions
 from engine.settings.reference_kind import (
     BASE,
     AdapterRef,
@@ -57,6 +58,8 @@ KL_PARTNERS = "~kl"  # a KL partner's id is its pair's and this (and keys a file
 REFERENCE_HEAD_CHUNK = 256
 log = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]  # (pairs done, pairs in all)
+# The pass's options where a caller gives none: 8 pairs a forward, the bounded head.
+PASS = ForwardOptions(batch_size=8, head_chunk=REFERENCE_HEAD_CHUNK)
 
 
 @dataclass(frozen=True)
@@ -184,15 +187,14 @@ def _attach_reference_adapter(model: Any, folder: Path, config: dict[str, Any],
     model.eval()
 
 
-def compute_reference(spec: ReferenceSpec, batch_size: int = 8, head_chunk: int = 256,
-                      prefix_share: str = "auto", allow_tokenizer_mismatch: bool = False,
+def compute_reference(spec: ReferenceSpec, options: ForwardOptions = PASS,
                       progress: Progress | None = None) -> dict[str, tuple[float, float]]:
     """Summed response log-probs of the reference for every pair of ``spec.data``: one
     forward-only pass (no gradient, the bounded head, the scoring layout), by length."""
     started = time.perf_counter()
     prepared = prepare_reference(spec)
     model, stack = prepared.model, prepared.stack
-    data = load_pairs_for(spec.data, spec.model, stack, allow_tokenizer_mismatch)
+    data = load_pairs_for(spec.data, spec.model, stack, options.allow_tokenizer_mismatch)
     pairs = [*data.train, *data.valid, *data.test]
     seen: dict[str, Pair] = {}
     for p in pairs:  # the file keys pairs by id: two different pairs under one would share
@@ -202,10 +204,10 @@ def compute_reference(spec: ReferenceSpec, batch_size: int = 8, head_chunk: int 
                              "DPO's reference log-probs are kept by id: give each its own")
     if spec.kl:  # the partners of each split, in the order training and scoring read them
         pairs += [q for split in (data.train, data.valid, data.test) for q in kl_partners(split)]
-    layout = scoring_layout(prefix_share, prepared.pad_id, "full")
+    layout = scoring_layout(options.prefix_share, prepared.pad_id, "full")
     loaded = time.perf_counter()
-    refs = reference_logps(model, stack, pairs, layout, batch_size,
-                           head_chunk or REFERENCE_HEAD_CHUNK, progress)
+    refs = reference_logps(model, stack, pairs, layout, options.batch_size,
+                           options.head_chunk or REFERENCE_HEAD_CHUNK, progress)
     seconds = time.perf_counter() - loaded
     log.info("reference log-probs: %d pairs in %.1f s (%.3f s a pair; load and check %.1f s)",
              len(pairs), seconds, seconds / max(len(pairs), 1), loaded - started)
@@ -252,7 +254,8 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def ensure_reference(spec: ReferenceSpec, path: str | Path | None = None,
-                     options: dict[str, Any] | None = None) -> tuple[Path, bool]:
+                     options: ForwardOptions = PASS, progress: Progress | None = None
+                     ) -> tuple[Path, bool]:
     """The reference file for ``spec`` and whether it was cached: ``path`` when given
     (read, never written: it must carry the key), else the cache's file, computed now
     (``compute_reference``'s ``options``) when missing or unreadable."""
@@ -278,7 +281,7 @@ def ensure_reference(spec: ReferenceSpec, path: str | Path | None = None,
                  "the base model" if spec.reference == BASE else spec.reference,
                  spec.model, spec.data)
         reserve(target)  # a full disk is said now, not after the whole pass
-        write_reference(target, key, compute_reference(spec, **(options or {})))
+        write_reference(target, key, compute_reference(spec, options, progress))
     return target, False
 
 
@@ -295,7 +298,7 @@ def with_reference(pairs: Sequence[Pair], refs: dict[str, tuple[float, float]],
 
 
 def attach_reference(pairs: Any, spec: ReferenceSpec, path: str | Path | None = None,
-                     options: dict[str, Any] | None = None) -> Path:
+                     options: ForwardOptions = PASS) -> Path:
     """Give every pair of a PairSet (engine/data/pairs.py) its reference log-probs, made or
     read through ``ensure_reference``; returns the file they came from."""
     key = spec.key()

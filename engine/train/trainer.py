@@ -58,6 +58,7 @@ from engine.model.adapters import (
 )
 from engine.model.content_key import model_fingerprint, reference_key
 from engine.settings.config import TrainConfig
+from engine.settings.forward_options import ForwardOptions
 from engine.settings.ranking import beats
 from engine.settings.reference_kind import BASE, adapter_path
 from engine.train.prepared import Prepared, prepare_training
@@ -151,16 +152,12 @@ def memory_limit(gib: float) -> Iterator[None]:
 
 
 def reference_of(cfg: TrainConfig, ranks: int = 1
-                 ) -> tuple[ReferenceSpec, str | None, dict[str, Any]]:
+                 ) -> tuple[ReferenceSpec, str | None, ForwardOptions]:
     """DPO's reference as ``ensure_reference`` takes it: whose log-probs, the file to
     read (None: Pomona's cache, computed once when missing) and the forward's options (a
     rank's share of the batch: one device runs the pass)."""
     return (ReferenceSpec(cfg.model, cfg.data, resolved_reference(cfg.reference),
-                          cfg.loss.needs_kl),
-            cfg.reference_logps,
-            {"batch_size": max(1, cfg.batch_size // ranks), "head_chunk": cfg.head_chunk,
-             "prefix_share": cfg.prefix_share,
-             "allow_tokenizer_mismatch": cfg.allow_tokenizer_mismatch})
+                          cfg.loss.needs_kl), cfg.reference_logps, cfg.forward(ranks))
 
 
 def loss_weights(cfg: TrainConfig) -> dict[str, Any]:

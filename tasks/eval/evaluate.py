@@ -29,11 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from engine.losses import LossSpec
+from engine.settings.forward_options import ForwardOptions
 from tasks.eval.generation_eval import GenerationSettings, as_settings, generation_metrics
 from tasks.eval.intervals import estimate
 from tasks.nodes.trial_inputs import fetched, remove_scratch, scratch_dir
 
 EVAL_SPLITS = ("valid", "test")
+EVALUATE = ForwardOptions(batch_size=8)  # where a caller gives none (a pipeline gives its own)
 # Every split has these (None without rows); the loss's extras come on top.
 METRICS = ("loss", "nll_loss", "rewards/accuracies", "logps/accuracies", "rewards/margins",
            "logps/chosen", "logps/rejected", "logps/margin")
@@ -41,15 +43,14 @@ log = logging.getLogger(__name__)
 
 
 def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec | None = None,
-                     batch_size: int = 8, head_chunk: int = 0,
+                     options: ForwardOptions = EVALUATE,
                      generation: GenerationSettings | int | None = None,
-                     out: str | None = None, prefix_share: str = "auto",
-                     allow_tokenizer_mismatch: bool = False,
-                     reference: str | None = None) -> dict[str, Any]:
+                     out: str | None = None, reference: str | None = None) -> dict[str, Any]:
     """The valid and test metrics of ``adapter`` (None: the base model) on ``data``, under
-    ``loss`` (None: the adapter's own, else ORPO's defaults); ``prefix_share`` as in
-    training (one forward per pair where it pays). Data tokenized for another tokenizer
-    is refused unless ``allow_tokenizer_mismatch`` (engine/data/data_fit.py). ``reference``: where
+    ``loss`` (None: the adapter's own, else ORPO's defaults); ``options``: its batch, head
+    chunk and prefix sharing, as in training (one forward per pair where it pays). Data
+    tokenized for another tokenizer is refused unless ``options`` allow it
+    (engine/data/data_fit.py). ``reference``: where
     a DPO adapter's reference adapter lies on this node (None: where its config says).
     ``generation``: the generation budget and scorers (an int: that many prompts a split
     under the default scorers; None or 0: no generation); the completions are written to
@@ -66,24 +67,22 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec 
     spec = loss or trained_loss(adapter) or LossSpec()
     reference = ReferenceSpec(model, data, parse_reference(reference) if reference
                               else trained_reference(adapter), spec.needs_kl)
-    options = {"batch_size": batch_size, "head_chunk": head_chunk,
-               "prefix_share": prefix_share,
-               "allow_tokenizer_mismatch": allow_tokenizer_mismatch}
     if spec.needs_reference:  # made (or read) before the adapter's model loads: one at a time
         ensure_reference(reference, None, options)
     prepared = prepare_scoring(model, adapter)
     loaded, tokenizer, stack = prepared.model, prepared.tokenizer, prepared.stack
-    pairs = load_pairs_for(data, model, stack, allow_tokenizer_mismatch)  # ids fit its vocab
+    pairs = load_pairs_for(data, model, stack, options.allow_tokenizer_mismatch)  # ids fit
     if spec.needs_reference:  # DPO's figures read the reference it trained against
         attach_reference(pairs, reference, None, options)
     if not pairs.valid and not pairs.test:
         raise ValueError(f"{data}: no validation or test split to evaluate on")
-    layout = scoring_layout(prefix_share, prepared.pad_id, spec.nll_span)
+    layout = scoring_layout(options.prefix_share, prepared.pad_id, spec.nll_span)
     metrics: dict[str, Any] = {}
     for split in EVAL_SPLITS:
         held_out, wins = pairs.split(split), {}
-        values = evaluate(loaded, stack, held_out, spec, batch_size, head_chunk=head_chunk,
-                          layout=layout, per_pair=wins) if held_out else {}
+        values = evaluate(loaded, stack, held_out, spec, options.batch_size,
+                          head_chunk=options.head_chunk, layout=layout,
+                          per_pair=wins) if held_out else {}
         metrics.update(split_metrics(split, values))
         if wins:  # the accuracy's interval, and each pair's win for the paired test
             est = estimate(list(wins.values()))
@@ -111,8 +110,8 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec 
 
 def evaluate_on_node(inputs: dict[str, Any], model: str, adapter: str | None, data: str,
                      loss: LossSpec | None = None,
-                     generation: GenerationSettings | int | None = None, **options: Any
-                     ) -> dict[str, Any]:
+                     generation: GenerationSettings | int | None = None,
+                     options: ForwardOptions = EVALUATE) -> dict[str, Any]:
     """``evaluate_adapter`` where it runs (a Ray task on a GPU or slot), on this node's
     copies of ``inputs`` (tasks/nodes/trial_inputs.py: the model, adapter, data and reference
     by content); generated samples come back as ``generations_text`` for the driver to
@@ -121,9 +120,8 @@ def evaluate_on_node(inputs: dict[str, Any], model: str, adapter: str | None, da
     scratch = scratch_dir("evaluate")
     try:
         metrics = evaluate_adapter(local.get("model", model), local.get("adapter", adapter),
-                                   local.get("data", data), loss, generation=generation,
-                                   out=str(scratch), reference=local.get("reference"),
-                                   **options)
+                                   local.get("data", data), loss, options, generation,
+                                   out=str(scratch), reference=local.get("reference"))
         if metrics.get("generations"):
             metrics["generations_text"] = Path(metrics.pop("generations")).read_text()
         return metrics

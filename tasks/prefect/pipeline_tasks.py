@@ -26,6 +26,7 @@ from engine.model.content_key import model_fingerprint, reference_key
 from engine.model.export import export
 from engine.model.gguf_export import exported_here
 from engine.settings.config import TrainConfig
+from engine.settings.forward_options import ForwardOptions
 from engine.settings.reference_kind import adapter_path
 from tasks.board.eval_lines import evaluation_lines
 from tasks.board.leaderboard import (
@@ -85,17 +86,6 @@ def preprocess_task(path: str) -> dict[str, Any]:
 _TRAINED = TrainConfig.defaults()  # a results table of before 0.5.0 held only what was set
 
 
-@dataclasses.dataclass(frozen=True)
-class EvalSettings:
-    """How an evaluation runs: batch size, LM-head chunk (0 = dense), prefix sharing;
-    by default what a trial trains at (TrainConfig's defaults)."""
-
-    batch_size: int = _TRAINED["batch_size"]
-    head_chunk: int = _TRAINED["head_chunk"]
-    prefix_share: str = _TRAINED["prefix_share"]
-    allow_tokenizer_mismatch: bool = _TRAINED["allow_tokenizer_mismatch"]  # engine/data/data_fit.py
-
-
 def trained_setting(row: dict[str, Any], name: str) -> Any:
     """The ``name`` a trial trained at: its ``param/`` column (a sweep writes every
     effective setting: tasks/sweep/run.py), else, in a table of before then, the default."""
@@ -103,22 +93,22 @@ def trained_setting(row: dict[str, Any], name: str) -> Any:
     return _TRAINED[name] if value is None else value
 
 
-def eval_settings(rows: list[dict[str, Any]]) -> EvalSettings:
+def eval_settings(rows: list[dict[str, Any]]) -> ForwardOptions:
     """Settings that work where ``rows``' trials trained: their smallest batch; if any
     bounded its head, the smallest chunk (dense [2B, T, vocab] logits at batch 8 would
     outgrow a 16 GB Mac mini that trained a large-vocabulary model with head_chunk); and
     prefix sharing off if any trial turned it off (an architecture it cannot wrap); a
     tokenizer mismatch allowed if any trial was allowed one."""
     if not rows:
-        return EvalSettings()
+        return ForwardOptions()  # TrainConfig's
     chunks = [int(trained_setting(r, "head_chunk")) for r in rows]
     shares = {trained_setting(r, "prefix_share") for r in rows}
-    return EvalSettings(batch_size=min(int(trained_setting(r, "batch_size")) for r in rows),
-                        head_chunk=min((c for c in chunks if c > 0), default=0),
-                        prefix_share="off" if "off" in shares else
-                        "on" if shares == {"on"} else "auto",
-                        allow_tokenizer_mismatch=any(
-                            trained_setting(r, "allow_tokenizer_mismatch") for r in rows))
+    return ForwardOptions(batch_size=min(int(trained_setting(r, "batch_size")) for r in rows),
+                          head_chunk=min((c for c in chunks if c > 0), default=0),
+                          prefix_share="off" if "off" in shares else
+                          "on" if shares == {"on"} else "auto",
+                          allow_tokenizer_mismatch=any(
+                              trained_setting(r, "allow_tokenizer_mismatch") for r in rows))
 
 
 def generation_key(generations: GenerationSettings | int | None) -> Any:
@@ -168,23 +158,21 @@ def scorers_error(err: BaseException) -> ScorerError | None:
 def evaluate_task(name: str, model: str, adapter: str | None, data: str,
                   loss: LossSpec | None, generations: GenerationSettings | int | None,
                   out: str, placement: Placement,
-                  settings: EvalSettings | None = None) -> dict[str, Any]:
+                  options: ForwardOptions | None = None) -> dict[str, Any]:
     """Valid and test metrics of one adapter (or the base), in a Ray task on a GPU/slot,
     under ``loss`` (None: the adapter's own), with scored generations as ``generations``
     says (an int: that many prompts a split)."""
     import ray
 
-    settings = settings or EvalSettings()
+    options = options or ForwardOptions()
     paths = {"model": model, "data": data, "adapter": adapter,
              "reference": adapter_path(trained_reference(adapter))}
     inputs = SweepFiles().for_paths({k: v for k, v in paths.items()
                                      if v and Path(v).exists()})
     remote = placement.fresh_task(evaluate_on_node)
     try:
-        metrics = ray.get(remote.remote(
-            inputs, model, adapter, data, loss, generations, batch_size=settings.batch_size,
-            head_chunk=settings.head_chunk, prefix_share=settings.prefix_share,
-            allow_tokenizer_mismatch=settings.allow_tokenizer_mismatch))
+        metrics = ray.get(remote.remote(inputs, model, adapter, data, loss, generations,
+                                        options))
     except ray.exceptions.RayTaskError as err:
         if (mistake := scorers_error(err)) is not None:
             raise mistake from None

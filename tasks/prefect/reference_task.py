@@ -23,7 +23,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from engine.losses import LOSSES
-from engine.settings.config import TrainConfig
+from engine.settings.forward_options import ForwardOptions
 from engine.settings.reference_kind import adapter_path
 from engine.train.reference import ReferenceSpec, cache_dir, ensure_reference, resolved_reference
 from tasks.nodes.placement import Placement
@@ -31,10 +31,8 @@ from tasks.nodes.trial_inputs import SweepFiles, fetched
 from tasks.prefect.pipeline_tasks import artifact_key
 from tasks.sweep.sweep_spec import SweepSpec
 
-OPTIONS = ("batch_size", "head_chunk", "prefix_share", "allow_tokenizer_mismatch")
 
-
-def reference_needs(spec: SweepSpec) -> list[tuple[ReferenceSpec, dict[str, Any]]]:
+def reference_needs(spec: SweepSpec) -> list[tuple[ReferenceSpec, ForwardOptions]]:
     """One (reference, forward options) per distinct reference the spec's trials of a loss
     that reads one (DPO, KTO: with its KL partners) train against; none when no trial
     does or the spec names its own file."""
@@ -50,10 +48,10 @@ def reference_needs(spec: SweepSpec) -> list[tuple[ReferenceSpec, dict[str, Any]
     drawn = spec.space.get("reference")
     if drawn is not None and drawn.kind == "choice":  # every reference a search may draw
         references = [*references, *drawn.args]
-    defaults = TrainConfig()
-    options = {k: (spec.grid[k][0] if spec.grid.get(k) else spec.fixed.get(k,
-                                                                          getattr(defaults, k)))
-               for k in OPTIONS}
+    defaults = ForwardOptions()  # TrainConfig's
+    options = ForwardOptions(**{
+        f.name: spec.grid[f.name][0] if spec.grid.get(f.name) else spec.fixed.get(
+            f.name, getattr(defaults, f.name)) for f in dataclasses.fields(ForwardOptions)})
     return [(ReferenceSpec(spec.model, spec.data, resolved_reference(r), kl), options)
             for r in dict.fromkeys(references) for kl in sorted(kinds)]
 
@@ -71,15 +69,15 @@ class ProgressBox:
         return self.value
 
 
-def make_reference(spec: ReferenceSpec, options: dict[str, Any], box: Any,
+def make_reference(spec: ReferenceSpec, options: ForwardOptions, box: Any,
                    inputs: dict[str, Any] | None = None) -> tuple[str, bool, float]:
     """``ensure_reference`` where Ray placed it, on this node's copies of ``inputs``
     (tasks/nodes/trial_inputs.py): (file, was cached, seconds). The file stays in that node's
     cache; a trial elsewhere makes its own copy once (the same content key)."""
     started = time.perf_counter()
     spec = dataclasses.replace(spec, **fetched(inputs))
-    path, cached = ensure_reference(spec, None, {
-        **options, "progress": lambda done, total: box.set.remote(done, total)})
+    path, cached = ensure_reference(spec, None, options,
+                                    lambda done, total: box.set.remote(done, total))
     return str(path), cached, time.perf_counter() - started
 
 
@@ -87,7 +85,7 @@ def reference_cache_key(context: Any, inputs: dict[str, Any]) -> str:
     return f"reference-{inputs['spec'].key()}"
 
 
-def run_reference_task(spec: ReferenceSpec, options: dict[str, Any], placement: Placement,
+def run_reference_task(spec: ReferenceSpec, options: ForwardOptions, placement: Placement,
                        label: str) -> dict[str, Any]:
     """``reference_task``, Cached by Prefect on the reference's content key while its file
     is in the cache, run afresh (and the file made) when it is not."""
@@ -98,7 +96,7 @@ def run_reference_task(spec: ReferenceSpec, options: dict[str, Any], placement: 
 
 @task(cache_key_fn=reference_cache_key, persist_result=True, result_serializer="json",
       task_run_name="reference-{label}")
-def reference_task(spec: ReferenceSpec, options: dict[str, Any], placement: Placement,
+def reference_task(spec: ReferenceSpec, options: ForwardOptions, placement: Placement,
                    label: str) -> dict[str, Any]:
     """DPO's reference log-probs for ``spec``, made once in a Ray task on ``placement``."""
     logger = get_run_logger()
@@ -112,7 +110,7 @@ def reference_task(spec: ReferenceSpec, options: dict[str, Any], placement: Plac
     return made
 
 
-def reference_on_ray(spec: ReferenceSpec, options: dict[str, Any], placement: Placement,
+def reference_on_ray(spec: ReferenceSpec, options: ForwardOptions, placement: Placement,
                      progress: Callable[[float], Any] | None = None) -> dict[str, Any]:
     """DPO's reference log-probs for ``spec``, made in a Ray task on ``placement`` before
     any trial starts (the Prefect flow and ``pomona sweep`` alike): ``progress`` hears the
