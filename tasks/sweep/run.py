@@ -40,7 +40,7 @@ from tasks.sweep.memory_probe import resolve_auto
 from tasks.sweep.scheduler import ListSource, TrialsInterrupted, Wrap, run_trials
 from tasks.sweep.sweep_spec import PlanError, SpecError, SweepSpec, trial_id
 from tasks.sweep.trial import Summary
-from tasks.sweep.trial_plan import PATHS, TrialPlan, param_columns
+from tasks.sweep.trial_plan import TrialPlan, param_columns, settings_of
 
 # Bump when training semantics change: invalidates cached trials. 0.3.0: the test split
 # comes out of train, so a .jsonl without a split column trains on fewer rows. 0.4.0:
@@ -124,8 +124,7 @@ def cache_key(config: TrainConfig, fingerprint: str, model_key: str) -> str:
     path), a warm start's and a DPO reference adapter's bytes (not their paths:
     re-trained in place, each is another start), a given reference file's bytes, the
     data, the code."""
-    body = json.dumps({k: v for k, v in config.to_dict().items() if k not in PATHS},
-                      sort_keys=True, default=str)
+    body = json.dumps(settings_of(config), sort_keys=True, default=str)
     text = f"{body}|{model_key}|{fingerprint}|{CODE_VERSION}"
     if config.warm_start:
         text += f"|{adapter_fingerprint(config.warm_start)}"

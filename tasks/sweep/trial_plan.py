@@ -88,8 +88,8 @@ class TrialPlan:
 
     def params(self) -> dict[str, Any]:
         """Every effective setting by name (its results' ``param/`` columns, its cache key's
-        body): the config's plain values less its paths, which are keyed by content."""
-        return {k: v for k, v in self.config.to_dict().items() if k not in PATHS}
+        body: ``settings_of``)."""
+        return settings_of(self.config)
 
     def changed(self) -> dict[str, Any]:
         """The settings that differ from TrainConfig's defaults (a trial's log line)."""
@@ -116,6 +116,11 @@ class TrialPlan:
 # reference file are keyed by their bytes: tasks/sweep/run.py cache_key).
 PATHS = ("model", "data", "out", "warm_start", "reference_logps")
 DEFAULTS = TrainConfig.defaults()
+
+
+def settings_of(config: TrainConfig) -> dict[str, Any]:
+    """``config``'s plain values less its paths, which are keyed by content."""
+    return {k: v for k, v in config.to_dict().items() if k not in PATHS}
 
 
 def own_loss_fields(fields: dict[str, Any]) -> dict[str, Any]:
