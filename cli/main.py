@@ -243,11 +243,12 @@ def leaderboard_cmd(
 def leaderboard_settings(scorers: list[str] | None, generations: int, timeout: float):
     """The leaderboard's GenerationSettings from its flags (ValueError naming the flag)."""
     from tasks.eval.generation_eval import GenerationSettings, check_prompts_flag
+    from tasks.eval.scorers import parse_scorers
 
     check_prompts_flag(generations)
     if not 0 < timeout < float("inf"):
         raise ValueError(f"--score-timeout {timeout:g}: expected seconds > 0")
-    return GenerationSettings(**({"scorers": tuple(scorers)} if scorers else {}),
+    return GenerationSettings(**({"scorers": parse_scorers(scorers)} if scorers else {}),
                               score_timeout_s=timeout).with_prompts(generations)
 
 

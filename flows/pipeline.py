@@ -33,7 +33,6 @@ from tasks.board.ranked_metric import rank_mode
 from tasks.data.tokenize_options import TokenizeOptions
 from tasks.eval.generation_eval import (
     GenerationSettings,
-    as_settings,
     check_prompts_flag,
     check_scorers_on_data,
     check_scorers_on_raw,
@@ -202,19 +201,18 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str,
 def leaderboard_flow(sweep_dir: str, model: str, data: str, metric: str = "val/loss",
                      mode: str | None = None, out: str | None = None, address: str | None = None,
                      gpus: bool = False, resource: str | None = None,
-                     generations: GenerationSettings | int | None = None, soup_k: int = 2,
+                     generations: GenerationSettings | None = None, soup_k: int = 2,
                      fuse: bool = False, scorers_checked: bool = False) -> dict[str, Any]:
     """Evaluate and rank a finished sweep (``sweep_dir/results.parquet``) on its own, by
     ``metric`` (a validation metric, ``mode`` its direction, min by default; or a generation
     score ``gen/valid/<label>``: higher is better, ties broken by val/loss);
-    ``generations``: the generation settings, or that many prompts a split under the
-    default scorer (None: the defaults); ``scorers_checked``: the caller tried them on the
-    data already (`pomona leaderboard` does, before the flow starts)."""
+    ``generations``: the generation settings (None: the defaults); ``scorers_checked``: the
+    caller tried them on the data already (`pomona leaderboard` does, before the flow starts)."""
     import pyarrow.parquet as pq
 
     results = pq.read_table(Path(sweep_dir) / "results.parquet").to_pylist()
     out_dir = Path(out) if out else Path(sweep_dir)
-    settings = GenerationSettings() if generations is None else as_settings(generations)
+    settings = generations or GenerationSettings()
     if not scorers_checked:
         check_scorers_on_data(settings, model, data)
     ranking = (metric, rank_mode(metric, mode or "min"))

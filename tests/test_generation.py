@@ -53,12 +53,13 @@ def test_batched_generation_equals_one_at_a_time_on_the_real_smollm2() -> None:
 def test_evaluation_scores_generations_and_a_zero_budget_turns_them_off(
         tiny_model, tiny_data, tmp_path) -> None:
     from tasks.eval.evaluate import evaluate_adapter
-    from tasks.eval.generation_eval import GenerationSettings
+    from tasks.eval.generation_eval import NO_GENERATION, GenerationSettings
+    from tasks.eval.scorers import parse_scorers
 
-    settings = GenerationSettings(scorers=("exact", "contains"), valid_prompts=5,
-                                  test_prompts=3, max_tokens=4)
-    m = evaluate_adapter(str(tiny_model), None, str(tiny_data), generation=settings,
-                         out=str(tmp_path))
+    settings = GenerationSettings(scorers=parse_scorers(["exact", "contains"]),
+                                  valid_prompts=5, test_prompts=3, max_tokens=4)
+    result = evaluate_adapter(str(tiny_model), None, str(tiny_data), generation=settings)
+    m = result.metrics
     assert m["gen/valid/exact/n"] == 5 and m["gen/valid/tokens"] > 0
     assert 0 <= m["gen/valid/exact/low"] <= m["gen/valid/exact"] <= m["gen/valid/exact/high"]
     assert len(m["paired/valid/gen/contains"]) == 5
@@ -66,15 +67,15 @@ def test_evaluation_scores_generations_and_a_zero_budget_turns_them_off(
     assert sum(wins.values()) / len(wins) == pytest.approx(m["eval/valid/logps/accuracies"])
     assert m["eval/valid/logps/accuracies/low"] <= m["eval/valid/logps/accuracies"]
     assert "gen/test/exact" not in m  # tiny_data has no test rows: nothing generated there
-    rows = [json.loads(x) for x in (tmp_path / "generations.jsonl").read_text().splitlines()]
-    assert [r["split"] for r in rows] == ["valid"] * 5
+    rows = result.generations  # returned, not written: the driver writes them once
+    assert [r["split"] for r in rows] == ["valid"] * 5 and not list(tmp_path.iterdir())
     assert set(rows[0]["scores"]) == {"exact", "contains"} and "generated" in rows[0]
-    off = evaluate_adapter(str(tiny_model), None, str(tiny_data), generation=0,
-                           out=str(tmp_path / "off"))
-    assert not any(k.startswith("gen/") for k in off) and "generations" not in off
+    json.dumps(rows)  # JSON as they are: the driver's generations.jsonl
+    off = evaluate_adapter(str(tiny_model), None, str(tiny_data), generation=NO_GENERATION)
+    assert not any(k.startswith("gen/") for k in off.metrics) and not off.generations
     zero_tokens = evaluate_adapter(str(tiny_model), None, str(tiny_data),
                                    generation=GenerationSettings(max_tokens=0))
-    assert not any(k.startswith("gen/") for k in zero_tokens)
+    assert not any(k.startswith("gen/") for k in zero_tokens.metrics)
 
 
 @pytest.mark.unit
@@ -147,7 +148,7 @@ def test_a_broken_scorer_is_named_with_its_row_before_any_trial(tiny_model, tiny
     import types
 
     from tasks.eval.generation_eval import GenerationSettings, check_scorers_on_data
-    from tasks.eval.scorers import ScorerError
+    from tasks.eval.scorers import ScorerError, parse_scorers
 
     module = types.ModuleType("lab_scorers_preflight")
     module.nan = lambda prompt, completion, row: math.nan
@@ -156,10 +157,9 @@ def test_a_broken_scorer_is_named_with_its_row_before_any_trial(tiny_model, tiny
     first = load_pairs(tiny_data).valid[0].id
     with pytest.raises(ScorerError, match=f"^scorer python:lab_scorers_preflight:nan: row "
                                           f"{first}: returned nan"):
-        check_scorers_on_data(GenerationSettings(scorers=("exact", f"python:{module.__name__}"
-                                                          ":nan")), str(tiny_model),
-                              str(tiny_data))
-    check_scorers_on_data(GenerationSettings(scorers=(f"python:{module.__name__}:fine",)),
-                          str(tiny_model), str(tiny_data))
-    check_scorers_on_data(GenerationSettings(max_tokens=0, scorers=(
-        f"python:{module.__name__}:nan",)), str(tiny_model), str(tiny_data))  # off: not run
+        check_scorers_on_data(GenerationSettings(scorers=parse_scorers(
+            ["exact", f"python:{module.__name__}:nan"])), str(tiny_model), str(tiny_data))
+    check_scorers_on_data(GenerationSettings(scorers=parse_scorers(
+        [f"python:{module.__name__}:fine"])), str(tiny_model), str(tiny_data))
+    check_scorers_on_data(GenerationSettings(max_tokens=0, scorers=parse_scorers(
+        [f"python:{module.__name__}:nan"])), str(tiny_model), str(tiny_data))  # off: not run

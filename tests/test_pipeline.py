@@ -140,9 +140,11 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
 
     # The aggregate stages alone, on the finished sweep.
     from flows.pipeline import leaderboard_flow
+    from tasks.eval.generation_eval import NO_GENERATION
 
     alone = leaderboard_flow(str(out / "sweep"), str(tiny_model), str(out / "data"),
-                             metric="val/loss", out=str(tmp_path / "alone"), generations=0,
+                             metric="val/loss", out=str(tmp_path / "alone"),
+                             generations=NO_GENERATION,
                              soup_k=0)
     board2 = pq.read_table(tmp_path / "alone" / "leaderboard.parquet").to_pylist()
     assert sorted(r["trial_id"] for r in board2) == sorted([*(r["trial_id"] for r in trials),

@@ -296,7 +296,7 @@ def test_score_and_evaluation_report_dpo_under_its_own_reference(tiny_model: Pat
               reference=str(orpo_adapter), warm_start=str(orpo_adapter), dpo_beta=0.5))
     last = [r for r in records(out) if r["split"] == "valid"][-1]
     metrics = evaluate_adapter(str(tiny_model), str(out), str(tiny_data),
-                               options=ForwardOptions(batch_size=4, head_chunk=16))
+                               options=ForwardOptions(batch_size=4, head_chunk=16)).metrics
     for name in ("loss", "rewards/chosen", "rewards/margins", "logps/accuracies"):
         assert metrics[f"eval/valid/{name}"] == pytest.approx(last[f"val/{name}"], rel=1e-4,
                                                               abs=1e-6), name

@@ -162,9 +162,9 @@ def test_the_cache_reads_a_scorers_code(tmp_path, monkeypatch) -> None:
     from tasks.prefect.pipeline_tasks import generation_key
 
     name = module_file(tmp_path, monkeypatch, "lab_edited", "def f(p, c, row):\n    return 1.0\n")
-    settings = GenerationSettings(scorers=("exact", f"python:{name}:f"))
+    settings = GenerationSettings(scorers=parse_scorers(["exact", f"python:{name}:f"]))
     before = generation_key(settings)
-    assert len(scorer_code([f"python:{name}:f"])) == 1
+    assert len(scorer_code(settings.scorers)) == 1
     (tmp_path / f"{name}.py").write_text("def f(p, c, row):\n    return 0.0\n")
     assert generation_key(settings) != before
     assert generation_key(GenerationSettings()) == generation_key(GenerationSettings())

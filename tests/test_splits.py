@@ -208,16 +208,17 @@ def test_valid_and_test_metrics_come_from_disjoint_rows(tiny_model, mirrored, tm
     from tasks.eval.evaluate import evaluate_adapter
     from tasks.eval.generation_eval import GenerationSettings
 
-    m = evaluate_adapter(str(tiny_model), None, str(mirrored), out=str(tmp_path),
-                         generation=GenerationSettings(valid_prompts=0, test_prompts=2,
-                                                       max_tokens=2))
+    result = evaluate_adapter(str(tiny_model), None, str(mirrored),
+                              generation=GenerationSettings(valid_prompts=0, test_prompts=2,
+                                                            max_tokens=2))
+    m = result.metrics
     assert m["eval/valid/rows"] == m["eval/test/rows"] == 15
     assert abs(m["eval/valid/logps/margin"]) > 1e-4
     assert m["eval/test/logps/margin"] == pytest.approx(-m["eval/valid/logps/margin"], abs=1e-4)
     accs = m["eval/test/logps/accuracies"], m["eval/valid/logps/accuracies"]
     assert accs[0] == pytest.approx(1 - accs[1])
     assert "eval/test/missing" not in m
-    samples = [json.loads(x) for x in (tmp_path / "generations.jsonl").read_text().splitlines()]
+    samples = result.generations
     assert [(s["id"], s["split"]) for s in samples] == [("t0", "test"), ("t1", "test")]
 
 
@@ -228,7 +229,7 @@ def test_evaluation_without_test_rows_says_so(tiny_model, tiny_data, caplog) -> 
     from tasks.eval.evaluate import evaluate_adapter
 
     with caplog.at_level(logging.WARNING, logger="tasks.eval.evaluate"):
-        m = evaluate_adapter(str(tiny_model), None, str(tiny_data))
+        m = evaluate_adapter(str(tiny_model), None, str(tiny_data)).metrics
     assert m["eval/test/rows"] == 0
     assert m["eval/test/logps/accuracies"] is None and m["eval/test/logps/margin"] is None
     assert m["eval/valid/rows"] == 16 and 0 <= m["eval/valid/logps/accuracies"] <= 1

@@ -58,11 +58,17 @@ def test_train_config_is_built_once_per_trial_from_spec_to_actor(
     in the actor. TrainConfig is constructed once per trial on the driver, and once more
     for the auto one, whose probed size makes a new frozen config (the plan's one truth
     holds what trains); three times in the actors; validated exactly as often (by its
-    construction: ``check_values`` runs nowhere else). Would catch: a config rebuilt to
-    validate a value, to key it, to list its params or to probe, a second validation of
-    one config, or a plan that reaches the actor still auto."""
+    construction: ``check_values`` runs nowhere else). The spec's ``reference`` string (as
+    the spec keeps it: plain, for ids and Optuna) is parsed once per trial on the driver,
+    by its config, and once in its actor, where ``to_dict``'s string is read back. Would
+    catch: a config rebuilt to validate a value, to key it, to list its params or to
+    probe, a second validation of one config, a reference parsed again on its way, or a
+    plan that reaches the actor still auto."""
+    import sys
+
     import ray
 
+    from engine.settings import reference_kind
     from tasks.nodes.placement import Placement
     from tasks.sweep.run import SweepRun
 
@@ -92,10 +98,21 @@ def test_train_config_is_built_once_per_trial_from_spec_to_actor(
             finally:
                 where.pop()
 
+    parsed = dict.fromkeys(built, 0)
+    parse = reference_kind.parse_reference
+
+    def counted_parse(value: Any) -> Any:
+        parsed[where[-1]] += isinstance(value, str)  # a Reference passes through as it is
+        return parse(value)
+
     spec = parse_spec({"name": "s", "model": str(tiny_model), "data": str(tiny_data),
                        "memory_budget_gb": 1000.0,
-                       "fixed": {"steps": 2, "batch_size": 4, "lora_rank": 4},
+                       "fixed": {"steps": 2, "batch_size": 4, "lora_rank": 4,
+                                 "reference": "base"},
                        "grid": {"segment_size": ["auto", 1, 2]}})
+    for module in list(sys.modules.values()):  # each module that imported it by name
+        if getattr(module, "parse_reference", None) is parse:
+            monkeypatch.setattr(module, "parse_reference", counted_parse)
     monkeypatch.setattr(TrainConfig, "__init__", counted)
     monkeypatch.setattr(TrainConfig, "check_values", counted_check)
     monkeypatch.setattr(Placement, "fresh_task", lambda self, fn, env=None: InProcess(fn))
@@ -112,6 +129,8 @@ def test_train_config_is_built_once_per_trial_from_spec_to_actor(
     assert [a.config.segment_size for a in actors][1:] == [1, 2]
     assert set(sweep.keys) == {a.id for a in actors}  # each keyed for the cache
     assert checked == built  # validated once a build, the actor's three included
+    assert (parsed["driver"], parsed["actor"]) == (3, 3)  # once a trial in each process
+    assert parsed["probe"] <= built["probe"]  # at most once a build there too
 
 
 @pytest.mark.integration

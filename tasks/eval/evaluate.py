@@ -14,25 +14,27 @@ anything, so it is the number a leaderboard reports. A dataset with no test rows
 rows) gets ``eval/test/*`` = None, 0 rows, and its reason in ``eval/test/missing``: never
 the validation numbers under the test name. With a generation budget
 (tasks/eval/generation_eval.py), the first prompts of each split are also completed greedily
-in batches and scored: ``gen/<split>/<scorer>`` with its 95 % interval, the completions
-in ``generations.jsonl``. Per pair, ``paired/<split>/…`` keeps each row's score by id
-(preference: 1 where ℓw > ℓr) for the board's paired test against the base
-(tasks/eval/paired.py). Runs where it is called: the sweep runs it in a Ray task on a
-trial's placement, so models load on GPUs, not on the driver.
+in batches and scored: ``gen/<split>/<scorer>`` with its 95 % interval, and the scored
+completions are the evaluation's ``generations`` rows (the driver writes them, once, as
+``generations.jsonl``: tasks/prefect/pipeline_tasks.py). Per pair, ``paired/<split>/…``
+keeps each row's score by id (preference: 1 where ℓw > ℓr) for the board's paired test
+against the base (tasks/eval/paired.py). Runs where it is called: the sweep runs it in a
+Ray task on a trial's placement, so models load on GPUs, not on the driver.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine.losses import LossSpec
 from engine.settings.forward_options import ForwardOptions
-from tasks.eval.generation_eval import GenerationSettings, as_settings, generation_metrics
+from tasks.eval.generation_eval import NO_GENERATION, GenerationSettings, generation_metrics
 from tasks.eval.intervals import estimate
-from tasks.nodes.trial_inputs import fetched, remove_scratch, scratch_dir
+from tasks.nodes.trial_inputs import fetched
 
 EVAL_SPLITS = ("valid", "test")
 EVALUATE = ForwardOptions(batch_size=8)  # where a caller gives none (a pipeline gives its own)
@@ -42,23 +44,30 @@ METRICS = ("loss", "nll_loss", "rewards/accuracies", "logps/accuracies", "reward
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """One evaluation's result: its metrics (the board's columns, JSON) and its scored
+    completions, one row each (generations.jsonl's rows), for the caller to keep."""
+
+    metrics: dict[str, Any]
+    generations: list[dict[str, Any]] = field(default_factory=list)
+
+
 def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec | None = None,
                      options: ForwardOptions = EVALUATE,
-                     generation: GenerationSettings | int | None = None,
-                     out: str | None = None, reference: str | None = None) -> dict[str, Any]:
+                     generation: GenerationSettings = NO_GENERATION,
+                     reference: str | None = None) -> Evaluation:
     """The valid and test metrics of ``adapter`` (None: the base model) on ``data``, under
     ``loss`` (None: the adapter's own, else ORPO's defaults); ``options``: its batch, head
     chunk and prefix sharing, as in training (one forward per pair where it pays). Data
     tokenized for another tokenizer is refused unless ``options`` allow it
     (engine/data/data_fit.py). ``reference``: where
     a DPO adapter's reference adapter lies on this node (None: where its config says).
-    ``generation``: the generation budget and scorers (an int: that many prompts a split
-    under the default scorers; None or 0: no generation); the completions are written to
-    ``out/generations.jsonl`` when ``out`` is given."""
+    ``generation``: the generation budget and scorers (NO_GENERATION: none). Writes no
+    file: the scored completions come back in the result."""
     from engine.data.data_fit import load_pairs_for
     from engine.forward.layout_policy import scoring_layout
     from engine.forward.scoring import evaluate
-    from engine.host.atomic import atomic_write_text
     from engine.model.adapters import trained_loss, trained_reference
     from engine.settings.reference_kind import parse_reference
     from engine.train.prepared import prepare_scoring
@@ -95,38 +104,25 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec 
     if not pairs.valid:
         metrics["eval/valid/missing"] = missing_valid_reason(data)
         log.warning("%s", metrics["eval/valid/missing"])
-    settings = as_settings(generation)
-    if settings.on:
+    rows: list[dict[str, Any]] = []
+    if generation.on:
         values, rows = generation_metrics(loaded, tokenizer, {
-            split: pairs.split(split) for split in EVAL_SPLITS}, settings)
+            split: pairs.split(split) for split in EVAL_SPLITS}, generation)
         metrics.update(values)
-        if out:
-            path = Path(out) / "generations.jsonl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
-            metrics["generations"] = str(path)
-    return metrics
+    return Evaluation(metrics, rows)
 
 
 def evaluate_on_node(inputs: dict[str, Any], model: str, adapter: str | None, data: str,
                      loss: LossSpec | None = None,
-                     generation: GenerationSettings | int | None = None,
-                     options: ForwardOptions = EVALUATE) -> dict[str, Any]:
+                     generation: GenerationSettings = NO_GENERATION,
+                     options: ForwardOptions = EVALUATE) -> Evaluation:
     """``evaluate_adapter`` where it runs (a Ray task on a GPU or slot), on this node's
     copies of ``inputs`` (tasks/nodes/trial_inputs.py: the model, adapter, data and reference
-    by content); generated samples come back as ``generations_text`` for the driver to
-    write, not as a file on this node."""
+    by content); its rows go back to the driver, which writes them."""
     local = fetched(inputs)
-    scratch = scratch_dir("evaluate")
-    try:
-        metrics = evaluate_adapter(local.get("model", model), local.get("adapter", adapter),
-                                   local.get("data", data), loss, options, generation,
-                                   out=str(scratch), reference=local.get("reference"))
-        if metrics.get("generations"):
-            metrics["generations_text"] = Path(metrics.pop("generations")).read_text()
-        return metrics
-    finally:
-        remove_scratch(str(scratch))
+    return evaluate_adapter(local.get("model", model), local.get("adapter", adapter),
+                            local.get("data", data), loss, options, generation,
+                            reference=local.get("reference"))
 
 
 def split_metrics(split: str, values: dict[str, Any]) -> dict[str, Any]:

@@ -24,18 +24,20 @@ from pathlib import Path
 from typing import Any
 
 from tasks.eval.intervals import estimate
-from tasks.eval.scorers import parse_scorers, score_rows
+from tasks.eval.scorers import Scorer, distinct, parse_scorers, score_rows
 
-DEFAULTS = {"scorers": ("exact",), "valid_prompts": 64, "test_prompts": 64,
+DEFAULTS = {"scorers": (Scorer("exact", "exact"),), "valid_prompts": 64, "test_prompts": 64,
             "max_tokens": 32, "batch_size": 32, "score_timeout_s": 300.0}
 
 
 @dataclass(frozen=True)
 class GenerationSettings:
     """How much each evaluation generates and how it is scored (``evaluation:`` in a
-    spec). The defaults keep it a small share of a sweep: 64 prompts a split, 32 tokens."""
+    spec). The defaults keep it a small share of a sweep: 64 prompts a split, 32 tokens.
+    ``scorers`` are parsed once, where the spec or the flags are read (``parse_generation``,
+    ``parse_scorers``): what crosses Prefect and Ray is the parsed value."""
 
-    scorers: tuple[str, ...] = DEFAULTS["scorers"]
+    scorers: tuple[Scorer, ...] = DEFAULTS["scorers"]
     valid_prompts: int = DEFAULTS["valid_prompts"]
     test_prompts: int = DEFAULTS["test_prompts"]
     max_tokens: int = DEFAULTS["max_tokens"]
@@ -45,7 +47,7 @@ class GenerationSettings:
     score_timeout_s: float = DEFAULTS["score_timeout_s"]
 
     def __post_init__(self) -> None:
-        parse_scorers(list(self.scorers))  # importable, labels distinct
+        distinct(self.scorers)  # parsed (importable, checked) where read; labels distinct
         for name in ("valid_prompts", "test_prompts", "max_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -62,7 +64,7 @@ class GenerationSettings:
 
     @property
     def labels(self) -> tuple[str, ...]:
-        return tuple(s.label for s in parse_scorers(list(self.scorers)))
+        return tuple(s.label for s in self.scorers)
 
     def prompts(self, split: str) -> int:
         """The budget of ``split``: 0 when generation is off (no tokens either)."""
@@ -87,12 +89,7 @@ def check_prompts_flag(prompts: int | None) -> None:
                          "held-out prompts a split")
 
 
-def as_settings(generation: GenerationSettings | int | None) -> GenerationSettings:
-    """A generation budget as settings: an int is that many prompts a split under the
-    default scorer (None: none)."""
-    if isinstance(generation, GenerationSettings):
-        return generation
-    return GenerationSettings().with_prompts(int(generation or 0))
+NO_GENERATION = GenerationSettings(valid_prompts=0, test_prompts=0)  # loss figures only
 
 
 def parse_generation(raw: Any) -> GenerationSettings:
@@ -109,9 +106,8 @@ def parse_generation(raw: Any) -> GenerationSettings:
     if "prompts" in values:
         both = values.pop("prompts")
         values = {"valid_prompts": both, "test_prompts": both, **values}
-    if "scorers" in values:
-        scorers = values["scorers"]
-        values["scorers"] = tuple([scorers] if isinstance(scorers, str) else scorers or ())
+    if "scorers" in values:  # the one parse of a spec's scorers
+        values["scorers"] = parse_scorers(values["scorers"])
     try:
         return GenerationSettings(**values)
     except TypeError as err:
@@ -153,7 +149,7 @@ def generation_metrics(model, tokenizer, pairs_by_split: dict[str, list],
     prompts, and the scored completions (generations.jsonl's rows)."""
     from engine.forward.generation import greedy_batch
 
-    scorers = parse_scorers(list(settings.scorers))
+    scorers = settings.scorers
     metrics: dict[str, Any] = {}
     rows: list[dict] = []
     for split, pairs in pairs_by_split.items():
@@ -194,7 +190,7 @@ def check_scorers(settings: GenerationSettings, rows: list[dict[str, Any]]) -> N
     the completion, before a sweep starts: a scorer that raises, or returns NaN or a
     non-number, or hangs past ``score_timeout_s``, is a ScorerError naming it and the row
     now, not after hours of trials."""
-    score_rows(parse_scorers(list(settings.scorers)),
+    score_rows(settings.scorers,
                [(row["prompt"], row["chosen"], row) for row in rows], settings.score_timeout_s)
 
 

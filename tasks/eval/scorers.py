@@ -64,6 +64,13 @@ class Scorer:
     def spec(self) -> str:
         return self.kind + (f":{self.arg}" if self.arg else "")
 
+    @property
+    def name(self) -> str:
+        """As a spec writes it: ``parse_scorer(s.name) == s`` (``LABEL=`` only where the
+        label is not the kind's own)."""
+        own = _with_label(self.kind, self.arg).label
+        return self.spec if self.label == own else f"{self.label}={self.spec}"
+
 
 def normalise(text: str) -> str:
     """Whitespace collapsed, case folded, ends stripped."""
@@ -146,12 +153,12 @@ def raised(err: BaseException) -> str:
     return " ".join(f"raised {type(err).__name__}: {err}".split())
 
 
-def scorer_code(names: Any) -> list[str]:
+def scorer_code(scorers: tuple[Scorer, ...]) -> list[str]:
     """The digest of each ``python:`` scorer's module file, for a cache key: an edited
     scorer is not the one that scored before. (The others' code is Pomona's own: its code
     version keys it.)"""
     digests = []
-    for s in parse_scorers(names):
+    for s in scorers:
         if s.kind == "python":
             module = sys.modules.get(s.arg.partition(":")[0])
             path = getattr(module, "__file__", None)
@@ -166,7 +173,13 @@ def parse_scorers(names: Any) -> tuple[Scorer, ...]:
         names = [names]
     if not isinstance(names, list | tuple) or not names:
         raise ScorerError(f"scorers: expected a list of scorer names, got {names!r}")
-    scorers = tuple(parse_scorer(n) for n in names)
+    return distinct(tuple(parse_scorer(n) for n in names))
+
+
+def distinct(scorers: tuple[Scorer, ...]) -> tuple[Scorer, ...]:
+    """``scorers``, parsed already, whose labels differ (each is a metric's name)."""
+    if not scorers or not all(isinstance(s, Scorer) for s in scorers):
+        raise ScorerError(f"scorers: expected parsed scorers (parse_scorers), got {scorers!r}")
     labels = [s.label for s in scorers]
     if dup := next((x for i, x in enumerate(labels) if x in labels[:i]), None):
         raise ScorerError(f"scorers: two are labelled {dup!r} (metric gen/<split>/{dup}); "

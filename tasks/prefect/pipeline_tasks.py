@@ -44,7 +44,7 @@ from tasks.data.preprocess import preprocess_dataset
 from tasks.data.tokenize import tokenize_dataset
 from tasks.data.tokenize_options import TokenizeOptions
 from tasks.eval.evaluate import evaluate_on_node
-from tasks.eval.generation_eval import GenerationSettings, as_settings
+from tasks.eval.generation_eval import GenerationSettings
 from tasks.eval.scorers import ScorerError, scorer_code
 from tasks.nodes.placement import Placement
 from tasks.nodes.trial_inputs import SweepFiles
@@ -111,11 +111,12 @@ def eval_settings(rows: list[dict[str, Any]]) -> ForwardOptions:
                               trained_setting(r, "allow_tokenizer_mismatch") for r in rows))
 
 
-def generation_key(generations: GenerationSettings | int | None) -> Any:
-    """The generation budget as the cache key reads it, with each ``python:`` scorer's
-    module bytes (an edited scorer scores again; the spec string alone kept old scores)."""
-    settings = as_settings(generations)
-    return {**dataclasses.asdict(settings), "scorer_code": scorer_code(list(settings.scorers))}
+def generation_key(settings: GenerationSettings) -> Any:
+    """The generation settings as the cache key reads them, scorers as a spec names them,
+    with each ``python:`` scorer's module bytes (an edited scorer scores again; the spec
+    string alone kept old scores)."""
+    return {**dataclasses.asdict(settings), "scorers": [s.name for s in settings.scorers],
+            "scorer_code": scorer_code(settings.scorers)}
 
 
 def evaluation_key(context: Any, inputs: dict[str, Any]) -> str:
@@ -156,12 +157,12 @@ def scorers_error(err: BaseException) -> ScorerError | None:
       retry_delay_seconds=5, task_run_name="evaluate-{name}",
       retry_condition_fn=retry_evaluation)
 def evaluate_task(name: str, model: str, adapter: str | None, data: str,
-                  loss: LossSpec | None, generations: GenerationSettings | int | None,
+                  loss: LossSpec | None, generations: GenerationSettings,
                   out: str, placement: Placement,
                   options: ForwardOptions | None = None) -> dict[str, Any]:
     """Valid and test metrics of one adapter (or the base), in a Ray task on a GPU/slot,
     under ``loss`` (None: the adapter's own), with scored generations as ``generations``
-    says (an int: that many prompts a split)."""
+    says, written here, once, to ``out/generations.jsonl``."""
     import ray
 
     options = options or ForwardOptions()
@@ -171,16 +172,17 @@ def evaluate_task(name: str, model: str, adapter: str | None, data: str,
                                      if v and Path(v).exists()})
     remote = placement.fresh_task(evaluate_on_node)
     try:
-        metrics = ray.get(remote.remote(inputs, model, adapter, data, loss, generations,
-                                        options))
+        result = ray.get(remote.remote(inputs, model, adapter, data, loss, generations,
+                                       options))
     except ray.exceptions.RayTaskError as err:
         if (mistake := scorers_error(err)) is not None:
             raise mistake from None
         raise
-    if "generations_text" in metrics:  # the driver alone writes its outputs
+    metrics = result.metrics
+    if generations.on:  # the driver alone writes its outputs (none generated: empty)
         path = Path(out) / "generations.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, metrics.pop("generations_text"))
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in result.generations))
         metrics["generations"] = str(path)
     logger = get_run_logger()
     for line in evaluation_lines(name, metrics):  # the whole record: the task's result
@@ -191,12 +193,10 @@ def evaluate_task(name: str, model: str, adapter: str | None, data: str,
     return metrics
 
 
-def evaluation_for(out: str, generations: GenerationSettings | int | None) -> Any:
+def evaluation_for(out: str, generations: GenerationSettings) -> Any:
     """``evaluate_task``, told to evaluate again where the generations it would write to
     ``out`` are gone (an out folder deleted since): its cached result names that file."""
-    settings = as_settings(generations)
-    wanted = settings.valid_prompts + settings.test_prompts > 0
-    if wanted and not (Path(out) / "generations.jsonl").is_file():
+    if generations.on and not (Path(out) / "generations.jsonl").is_file():
         return evaluate_task.with_options(refresh_cache=True)
     return evaluate_task
 
