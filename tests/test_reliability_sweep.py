@@ -70,6 +70,7 @@ def test_caches_key_on_the_model_bytes_not_its_path(tmp_path: Path, monkeypatch)
     cached" and the old adapters were reused; the pipeline's evaluation cache did the same.
     Would catch: a cache key built from the model path string."""
     from engine.host.digests import file_digest
+    from tasks.eval.generation_eval import NO_GENERATION
     from tasks.models.model_factory import init_model
     from tasks.prefect.pipeline_tasks import evaluation_key
     from tests.conftest import TINY
@@ -79,7 +80,7 @@ def test_caches_key_on_the_model_bytes_not_its_path(tmp_path: Path, monkeypatch)
     data = tmp_path / "pairs.jsonl"
     data.write_text('{"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3]}\n')
     inputs = {"model": str(model), "adapter": None, "data": str(data), "loss": None,
-              "generations": 0, "out": "o"}
+              "generations": NO_GENERATION, "out": "o"}
     before, eval_before = _keys(model, data, tmp_path), evaluation_key(None, inputs)
     init_model(replace(TINY, seed=1), model, overwrite=True)  # same path, new weights
     assert _keys(model, data, tmp_path) != before
