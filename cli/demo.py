@@ -37,6 +37,7 @@ from tasks.data.synthetic import synth_rows, write_rows
 from tasks.data.tokenize_options import TokenizeOptions
 from tasks.eval.paired import read_paired
 from tasks.models.model_factory import ModelSpec, init_model
+from tasks.nodes.cluster import Cluster
 
 CONFIGS = Path(__file__).resolve().parents[1] / "flows" / "configs"  # the shipped specs
 
@@ -90,7 +91,7 @@ def demo_model(name: str, out: Path) -> Path:
     return fetch_model(name, dtype="bfloat16" if mx.default_device() == mx.gpu else "float32")
 
 
-def run_demo(out: Path, console: Console, address: str | None = None,
+def run_demo(out: Path, console: Console, cluster: Cluster | None = None,
              model: str = "tiny") -> dict[str, Any]:
     """Run demo ``model`` (a key of DEMOS) into ``out``; print the leaderboard and the
     generations; return what it measured."""
@@ -106,7 +107,7 @@ def run_demo(out: Path, console: Console, address: str | None = None,
     console.print(f"[green]✓[/] data: {demo.rows} {demo.task} pairs (chosen right, rejected "
                   f"a near miss) in {raw}")
     valid, test = demo.fractions
-    summary = pipeline(str(raw), str(model_dir), str(demo.spec), str(out), address=address,
+    summary = pipeline(str(raw), str(model_dir), str(demo.spec), str(out), cluster,
                        tokenize=TokenizeOptions(valid_fraction=valid, test_fraction=test))
     board = pq.read_table(out / "leaderboard.parquet").to_pylist()
     console.print(leaderboard_table(board))

@@ -12,6 +12,7 @@ Heavy imports (mlx, mlx-lm, tokenizers) happen inside commands so ``--help`` sta
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Annotated
@@ -52,12 +53,15 @@ def before_any_verb() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
-def check_address(address: str | None) -> None:
-    """Refuse an ``--address`` that is no Ray address before anything starts."""
-    from tasks.nodes.ray_session import RayAddressError, check_address
+def cluster_of(address: str | None, gpus: bool = False, resource: str | None = None):
+    """The run's Ray cluster and placement, built once from the flags (tasks/nodes/
+    cluster.py); an ``--address`` that is no Ray address is refused before anything
+    starts."""
+    from tasks.nodes.cluster import Cluster
+    from tasks.nodes.ray_session import RayAddressError
 
     try:
-        check_address(address)
+        return Cluster.of(address, gpus, resource)
     except RayAddressError as err:
         raise fail(str(err)) from None
 
@@ -79,9 +83,9 @@ def sweep(
 
     from cli.sweep_display import run_sweep_cli
 
-    check_address(address)
+    cluster = cluster_of(address, gpus, resource)
     use_prefect = bool(os.environ.get("PREFECT_API_URL")) if prefect is None else prefect
-    run_sweep_cli(console, spec, out, address, gpus, resource, use_prefect)
+    run_sweep_cli(console, spec, out, cluster, use_prefect)
 
 
 _PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
@@ -137,13 +141,13 @@ def demo(
     from engine.host.outputs import RefusedOutput
     from flows.pipeline import claim_pipeline
 
-    check_address(address)
+    cluster = cluster_of(address)
     if model not in DEMOS:
         raise fail(f"--model {model}: the demos are {', '.join(DEMOS)}")
     out = out or Path("runs/demo" if model == "tiny" else f"runs/demo-{model}")
     try:
         with claim_pipeline(out), prefect_api(out):
-            run_demo(out, console, address, model)
+            run_demo(out, console, cluster, model)
     except (RefusedOutput, ApiGone) as err:  # --out not Pomona's to replace; a dead server
         raise fail(str(err)) from None
     except OSError as err:  # a real model's fetch from PyPI failed
@@ -167,7 +171,7 @@ def pipeline_cmd(
     """The Prefect pipeline: tokenize → preprocess → sweep → evaluate → leaderboard."""
     from flows.pipeline import check_pipeline_inputs, pipeline
 
-    check_address(address)
+    cluster = cluster_of(address, gpus, resource)
     try:
         check_pipeline_inputs(str(raw), model, str(spec), str(out), generations)
     except (ValueError, FileNotFoundError) as err:  # SpecError is a ValueError
@@ -179,8 +183,7 @@ def pipeline_cmd(
 
     try:
         with prefect_api(out):
-            summary = pipeline(str(raw), model, str(spec), str(out), address, gpus, resource,
-                               generations)
+            summary = pipeline(str(raw), model, str(spec), str(out), cluster, generations)
     except (FailedRun, ApiGone, ScorerError) as err:  # the data's or a scorer's mistake
         raise fail(str(err)) from None
     console.print(f"leaderboard: {summary['markdown']}; best adapter: "
@@ -222,7 +225,7 @@ def leaderboard_cmd(
     from tasks.board.leaderboard import check_leaderboard_inputs
     from tasks.eval.generation_eval import check_rank_by, check_scorers_on_data
 
-    check_address(address)
+    cluster = cluster_of(address, gpus, resource)
     try:
         settings = leaderboard_settings(scorer, generations, score_timeout)
         if metric.startswith("gen/"):
@@ -231,8 +234,7 @@ def leaderboard_cmd(
         check_scorers_on_data(settings, model, str(data))  # before anything starts or is written
         with claim_sweep_dir(sweep_dir, model, str(data)), prefect_api(sweep_dir):
             summary = leaderboard_flow(str(sweep_dir), model, str(data), metric, mode,
-                                       address=address, gpus=gpus, resource=resource,
-                                       generations=settings, fuse=fuse,
+                                       cluster=cluster, generations=settings, fuse=fuse,
                                        scorers_checked=True)
     except (RefusedOutput, ValueError, FileNotFoundError, ApiGone) as err:
         raise fail(str(err)) from None  # ScorerError is a ValueError
@@ -276,9 +278,9 @@ def serve(
         check_api()
     except ApiGone as err:
         raise fail(str(err)) from None
+    cluster = cluster_of(address, gpus, resource)  # a mapping: the deployment's JSON
     params = {"raw": str(raw.resolve()), "model": model, "spec": str(spec.resolve()),
-              "out": str(out.resolve()), "address": address, "gpus": gpus,
-              "resource": resource}
+              "out": str(out.resolve()), "cluster": dataclasses.asdict(cluster)}
     console.print(f"serving pomona-pipeline/{name}: '{cron}' ({timezone}), one run at a time")
     prefect_serve(pipeline_deployment(name, cron, timezone, params))
 

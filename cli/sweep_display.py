@@ -17,8 +17,8 @@ from engine.host.outputs import RefusedOutput
 from engine.settings.ranking import beats
 from tasks.board.leaderboard import why_unranked
 from tasks.board.ranked_metric import metric_value
-from tasks.nodes.placement import Placement
-from tasks.nodes.ray_session import RayAddressError, ray_session
+from tasks.nodes.cluster import Cluster
+from tasks.nodes.ray_session import RayAddressError
 from tasks.prefect.reference_task import make_references
 from tasks.sweep.memory_sweep import run_memory_sweep
 from tasks.sweep.run import check_inputs, check_sweep_out, plan_line, run_sweep
@@ -79,20 +79,20 @@ class SweepProgress:
                 f"failed {c['failed']}{extra}{best}")
 
 
-def run_sweep_cli(console: Console, spec_path: Path, out: Path | None, address: str | None,
-                  gpus: bool, resource: str | None, use_prefect: bool = False) -> None:
+def run_sweep_cli(console: Console, spec_path: Path, out: Path | None, cluster: Cluster,
+                  use_prefect: bool = False) -> None:
     try:
         spec = load_spec(spec_path)
     except (SpecError, FileNotFoundError) as err:
         console.print(f"[bold red]error:[/] {err}")
         raise typer.Exit(code=2) from err
     out = out or Path("runs") / spec.name
-    placement = Placement(gpus=int(gpus), resource=resource)
+    placement = cluster.placement
     try:
         check_inputs(spec)  # before Ray starts: a mistyped path costs no cluster start-up
         check_sweep_out(spec, out)  # and an --out not ours, busy or read-only none either
         if spec.kind == "memory":
-            with ray_session(address):
+            with cluster.session():
                 rows = run_memory_sweep(spec, out, placement)
             console.print(memory_table(rows, out))
             return
@@ -101,11 +101,11 @@ def run_sweep_cli(console: Console, spec_path: Path, out: Path | None, address: 
             from flows.sweep_flow import sweep_flow
 
             with prefect_api(out):
-                sweep_flow(str(spec_path), str(out), address, gpus, resource)
+                sweep_flow(str(spec_path), str(out), cluster)
             rows = run_results(out)
         else:
             display = SweepProgress(console, spec)
-            with ray_session(address), display.progress:
+            with cluster.session(), display.progress:
                 made = make_references(spec, placement)  # once, before any trial waits on it
                 for ref in made:
                     how = "were cached" if ref["cached"] else "computed"

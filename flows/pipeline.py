@@ -25,11 +25,11 @@ from prefect.states import Failed, State
 from engine.host.outputs import claim
 from engine.losses import LossSpec
 from engine.model.adapters import trained_loss
-from engine.model.export import ExportSettings, exportable
+from engine.model.export import exportable
 from engine.model.source import source_kind
 from flows.sweep_flow import sweep_stage
+from tasks.board.board_settings import BoardOptions, Ranking
 from tasks.board.leaderboard import rank_trials
-from tasks.board.ranked_metric import rank_mode
 from tasks.data.tokenize_options import TokenizeOptions
 from tasks.eval.generation_eval import (
     GenerationSettings,
@@ -37,8 +37,8 @@ from tasks.eval.generation_eval import (
     check_scorers_on_data,
     check_scorers_on_raw,
 )
+from tasks.nodes.cluster import Cluster
 from tasks.nodes.placement import Placement
-from tasks.nodes.ray_session import ray_session
 from tasks.prefect.pipeline_tasks import (
     aggregate_task,
     eval_settings,
@@ -101,43 +101,35 @@ def check_pipeline_inputs(raw: str, model: str, spec: str, out: str | None = Non
 
 
 @flow(name="pomona-pipeline", result_serializer="json")
-def pipeline(raw: str, model: str, spec: str, out: str, address: str | None = None,
-             gpus: bool = False, resource: str | None = None, generations: int | None = None,
-             soup_k: int = 2, fuse: bool = False, tokenize: TokenizeOptions | None = None
-             ) -> dict[str, Any]:
-    """Raw preference data and a model → a sweep → a leaderboard and the best adapter
-    (and, with ``soup_k`` ≥ 2 completed trials, their soup, evaluated like a trial; with
-    ``fuse``, the best adapter fused into the base as a standalone model). Evaluations
-    generate and score as the spec's ``evaluation`` says; ``generations`` overrides its
-    prompts a split (0: no generation). ``tokenize``: how the raw data is tokenized and
-    split (None: the defaults)."""
+def pipeline(raw: str, model: str, spec: str, out: str, cluster: Cluster | None = None,
+             generations: int | None = None, soup_k: int = 2, fuse: bool = False,
+             tokenize: TokenizeOptions | None = None) -> dict[str, Any]:
+    """Raw preference data and a model → a sweep on ``cluster`` (None: a private local
+    Ray) → a leaderboard and the best adapter (and, with ``soup_k`` ≥ 2 completed trials,
+    their soup, evaluated like a trial; with ``fuse``, the best adapter fused into the base
+    as a standalone model). Evaluations generate and score as the spec's ``evaluation``
+    says; ``generations`` overrides its prompts a split (0: no generation). ``tokenize``:
+    how the raw data is tokenized and split (None: the defaults)."""
+    out_dir, cluster = Path(out), cluster or Cluster()
     with claim_pipeline(out, raw, model, spec):
-        return _pipeline(raw, model, spec, out, address, gpus, resource, generations, soup_k,
-                         fuse, tokenize)
-
-
-def _pipeline(raw: str, model: str, spec: str, out: str, address: str | None, gpus: bool,
-              resource: str | None, generations: int | None, soup_k: int, fuse: bool,
-              tokenize: TokenizeOptions | None = None) -> dict[str, Any]:
-    out_dir = Path(out)
-    tokenized = tokenize_task(raw, model, str(out_dir / "data"), tokenize, return_state=True)
-    if tokenized.is_failed():
-        return tokenized  # the flow run fails with the data's message
-    data = tokenized.result()
-    preprocess_task(data["path"])
-    sweep = dataclasses.replace(load_spec(spec), model=model, data=data["path"])
-    settings = sweep.evaluation.with_prompts(generations)
-    check_scorers_on_data(settings, model, data["path"])  # a broken scorer: before any trial
-    if sweep.export.gguf:
-        exportable(model)  # a family no GGUF holds: said now, not after the sweep
-    placement = Placement(gpus=int(gpus), resource=resource)
-    with ray_session(address):
-        results = sweep_stage(sweep, out_dir / "sweep", address, gpus, resource)
-        if not any(r["status"] == "completed" for r in results):  # nothing to rank: stop here
-            return no_trial_completed(results)
-        summary = rank_stage(results, model, data["path"], sweep.ranking,
-                             (sweep.metric, sweep.mode), sweep.name, out_dir, placement,
-                             settings, soup_k, fuse, sweep.export)
+        tokenized = tokenize_task(raw, model, str(out_dir / "data"), tokenize,
+                                  return_state=True)
+        if tokenized.is_failed():
+            return tokenized  # the flow run fails with the data's message
+        data = tokenized.result()
+        preprocess_task(data["path"])
+        sweep = dataclasses.replace(load_spec(spec), model=model, data=data["path"])
+        settings = sweep.evaluation.with_prompts(generations)
+        check_scorers_on_data(settings, model, data["path"])  # a broken scorer: no trial ran
+        if sweep.export.gguf:
+            exportable(model)  # a family no GGUF holds: said now, not after the sweep
+        with cluster.session():  # opened once, for the sweep and the board
+            results = sweep_stage(sweep, out_dir / "sweep", cluster.placement)
+            if not any(r["status"] == "completed" for r in results):  # nothing to rank
+                return no_trial_completed(results)
+            summary = rank_stage(results, model, data["path"], sweep.ranking, out_dir,
+                                 cluster.placement, settings,
+                                 BoardOptions(soup_k, fuse, sweep.export))
     return {**summary, "rows": data["rows"], "tokenize_cache_hit": data["cache_hit"],
             "trials": len(results)}
 
@@ -150,19 +142,15 @@ def no_trial_completed(results: list[dict[str, Any]]) -> State:
                   "to evaluate or rank")
 
 
-def rank_stage(results: list[dict[str, Any]], model: str, data: str,
-               ranking: tuple[str, str], trained: tuple[str, str], title: str,
-               out_dir: Path, placement: Placement,
-               generations: GenerationSettings | None = None, soup_k: int = 2,
-               fuse: bool = False, export: ExportSettings | None = None) -> dict[str, Any]:
+def rank_stage(results: list[dict[str, Any]], model: str, data: str, ranking: Ranking,
+               out_dir: Path, placement: Placement, generations: GenerationSettings,
+               board: BoardOptions) -> dict[str, Any]:
     """Evaluate every completed trial and the base (in parallel, on Ray), soup the top
-    ``soup_k`` by ``ranking`` (rank_by, mode), write the leaderboard, export (and
-    optionally fuse) the best adapter, and with ``export.gguf`` write it as a GGUF beside
-    it; ``trained``: the training metric and its mode, which
-    the plots show and which break ties."""
-    generations = generations or GenerationSettings()
-    rank_by, mode = ranking
-    metric, metric_mode = trained
+    ``board.soup_k`` by ``ranking``, write the leaderboard, export (and with
+    ``board.fuse``, fuse) the best adapter, and with ``board.export.gguf`` write it as a
+    GGUF beside it; ``ranking.metric``: the training metric, which the plots show and
+    which breaks ties."""
+    rank_by, mode, soup_k = ranking.by, ranking.mode, board.soup_k
     done = [r for r in results if r["status"] == "completed"]
     shared = eval_settings(done)  # the base and the soup: what fits every trial's setting
     jobs = {r["trial_id"]: evaluation_for(r["adapter"], generations).submit(
@@ -176,6 +164,7 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str,
         shared)
     evals = {name: job.result() for name, job in jobs.items()}
     base_metrics = base.result()
+    trained = (ranking.metric, ranking.metric_mode)
     top = [r["adapter"] for r in rank_trials(results, evals, rank_by, mode, tie=trained)
            if r.get("rank") and r["rank"] <= soup_k]
     soup = None
@@ -185,13 +174,13 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str,
         soup = {**evaluation_for(path, generations)("soup", model, path, data, loss,
                                                     generations, path, placement, shared),
                 "adapter": path}
-    summary = aggregate_task(results, evals, base_metrics, ranking, metric, str(out_dir), title,
-                             soup, metric_mode)
-    if fuse and summary["best_adapter"]:
+    summary = aggregate_task(results, evals, base_metrics, (rank_by, mode), ranking.metric,
+                             str(out_dir), ranking.title, soup, ranking.metric_mode)
+    if board.fuse and summary["best_adapter"]:
         summary["fused"] = fuse_task(model, summary["best_adapter"], str(out_dir / "best-fused"))
-    if export and export.gguf and summary["best_adapter"]:
+    if board.export and board.export.gguf and summary["best_adapter"]:
         summary["gguf"] = export_task(summary["best_adapter"], model, str(out_dir),
-                                      export.gguf)
+                                      board.export.gguf)
     get_run_logger().info("leaderboard: %s; best adapter: %s", summary["markdown"],
                           summary["best_adapter"])
     return summary
@@ -199,8 +188,8 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str,
 
 @flow(name="pomona-leaderboard", result_serializer="json")
 def leaderboard_flow(sweep_dir: str, model: str, data: str, metric: str = "val/loss",
-                     mode: str | None = None, out: str | None = None, address: str | None = None,
-                     gpus: bool = False, resource: str | None = None,
+                     mode: str | None = None, out: str | None = None,
+                     cluster: Cluster | None = None,
                      generations: GenerationSettings | None = None, soup_k: int = 2,
                      fuse: bool = False, scorers_checked: bool = False) -> dict[str, Any]:
     """Evaluate and rank a finished sweep (``sweep_dir/results.parquet``) on its own, by
@@ -215,12 +204,10 @@ def leaderboard_flow(sweep_dir: str, model: str, data: str, metric: str = "val/l
     settings = generations or GenerationSettings()
     if not scorers_checked:
         check_scorers_on_data(settings, model, data)
-    ranking = (metric, rank_mode(metric, mode or "min"))
-    trained = (metric, mode or "min") if metric.startswith("val/") else ("val/loss", "min")
-    with ray_session(address):
-        return rank_stage(results, model, data, ranking, trained, Path(sweep_dir).name,
-                          out_dir, Placement(gpus=int(gpus), resource=resource), settings,
-                          soup_k, fuse)
+    cluster = cluster or Cluster()
+    with cluster.session():
+        return rank_stage(results, model, data, Ranking.of(Path(sweep_dir).name, metric, mode),
+                          out_dir, cluster.placement, settings, BoardOptions(soup_k, fuse))
 
 
 def pipeline_deployment(name: str, cron: str, timezone: str, parameters: dict[str, Any]):

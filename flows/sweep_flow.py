@@ -25,8 +25,8 @@ from prefect.artifacts import (
 
 from tasks.board.leaderboard import swept_params
 from tasks.board.ranked_metric import metric_value
+from tasks.nodes.cluster import Cluster
 from tasks.nodes.placement import Placement
-from tasks.nodes.ray_session import ray_session
 from tasks.prefect.pipeline_tasks import artifact_key
 from tasks.prefect.reference_task import reference_needs, run_reference_task
 from tasks.prefect.trial_task import trial_task
@@ -47,10 +47,10 @@ def table_rows(rows: list[Summary], metric: str) -> list[dict[str, Any]]:
              **{k: r.get(k) for k in params}} for r in rows]
 
 
-def sweep_stage(spec: SweepSpec, out_dir: Path, address: str | None = None,
-                gpus: bool = False, resource: str | None = None) -> list[Summary]:
-    """Run ``spec`` inside the current flow run: each trial a task run, with a progress
-    artifact that moves as trials finish and a table artifact of every trial at the end."""
+def sweep_stage(spec: SweepSpec, out_dir: Path, placement: Placement) -> list[Summary]:
+    """Run ``spec`` inside the current flow run, on the Ray session its caller opened, each
+    trial on ``placement``: each trial a task run, with a progress artifact that moves as
+    trials finish and a table artifact of every trial at the end."""
     logger = get_run_logger()
     progress_id = create_progress_artifact(0.0, key=artifact_key(spec.name, "progress"),
                                            description=f"sweep {spec.name}: trials finished")
@@ -75,11 +75,9 @@ def sweep_stage(spec: SweepSpec, out_dir: Path, address: str | None = None,
     def wrap(trial: TrialPlan, run: Callable[[], Summary]) -> Summary:
         return trial_task(trial, run)
 
-    placement = Placement(gpus=int(gpus), resource=resource)
-    with ray_session(address):
-        for i, (reference, options) in enumerate(reference_needs(spec)):  # once, for all
-            run_reference_task(reference, options, placement, f"{spec.name}-{i}")
-        rows = run_sweep(spec, out_dir, placement, progress=on_event, wrap=wrap)
+    for i, (reference, options) in enumerate(reference_needs(spec)):  # once, for all
+        run_reference_task(reference, options, placement, f"{spec.name}-{i}")
+    rows = run_sweep(spec, out_dir, placement, progress=on_event, wrap=wrap)
     update_progress_artifact(progress_id, 100.0)
     create_table_artifact(table_rows(rows, spec.metric), key=artifact_key(spec.name, "trials"),
                           description=f"sweep {spec.name}: {out_dir / 'results.parquet'}")
@@ -87,10 +85,13 @@ def sweep_stage(spec: SweepSpec, out_dir: Path, address: str | None = None,
 
 
 @flow(name="pomona-sweep", result_serializer="json")
-def sweep_flow(spec_path: str, out: str | None = None, address: str | None = None,
-               gpus: bool = False, resource: str | None = None) -> list[dict[str, Any]]:
-    """Run a sweep spec on Ray; each trial a task run of this flow run."""
+def sweep_flow(spec_path: str, out: str | None = None, cluster: Cluster | None = None
+               ) -> list[dict[str, Any]]:
+    """Run a sweep spec on Ray (``cluster``; None: a private local one); each trial a task
+    run of this flow run."""
     spec = load_spec(spec_path)
     out_dir = Path(out) if out else Path("runs") / spec.name
-    rows = sweep_stage(spec, out_dir, address, gpus, resource)
+    cluster = cluster or Cluster()
+    with cluster.session():
+        rows = sweep_stage(spec, out_dir, cluster.placement)
     return [{k: r.get(k) for k in TABLE_COLUMNS} for r in rows]

@@ -13,6 +13,7 @@ import pytest
 from tasks.nodes.placement import Placement
 from tasks.sweep.scheduler import run_trials
 from tasks.sweep.trial_plan import TrialPlan
+from tasks.sweep.trial_rules import TrialRules
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 
@@ -66,7 +67,8 @@ def test_node_removed_mid_trial_is_retried_on_the_other(two_nodes, tiny_model, t
                 threading.Timer(3.0, cluster.remove_node, (victim,),
                                 {"allow_graceful": False}).start()
 
-    rows = run_trials(trials, Placement(), max_concurrent=2, retries=3, retry_delay_s=1.0,
+    rows = run_trials(trials, Placement(),
+                      TrialRules(max_concurrent=2, retries=3, retry_delay_s=1.0),
                       on_event=on_event)
     assert [r["status"] for r in rows] == ["completed", "completed"], rows
     first_nodes = {r["node_id"] for r in running[:2]}

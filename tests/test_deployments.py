@@ -23,6 +23,8 @@ def test_prefect_yaml_deploys_the_pipeline_nightly() -> None:
     flow = getattr(module, name)
     assert flow.name == "pomona-pipeline"
     assert set(dep["parameters"]) <= set(flow.parameters.properties)
+    cluster = flow.validate_parameters(dep["parameters"])["cluster"]  # as a run reads it
+    assert (cluster.address, cluster.placement.gpus) == ("auto", 1)
     assert {"raw", "model", "spec", "out"} <= set(dep["parameters"])
     [sched] = dep["schedules"]
     assert sched["timezone"] and Cron(sched["cron"], timezone=sched["timezone"])

@@ -18,6 +18,7 @@ import pytest
 from engine.host.command_queue import bounded_mb
 from tasks.nodes.placement import Placement
 from tasks.sweep.scheduler import run_trials
+from tasks.sweep.trial_rules import TrialRules
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 
@@ -38,11 +39,9 @@ def test_a_gang_of_two_trains_one_adapter_as_one_process_would(ray_cluster, tiny
     # Under a memory limit (50 GiB: no number changes) every rank starts with MLX's queue
     # capped, as a one-actor trial does (engine/host/command_queue.py).
     gang = run_trials([_trial(tiny_model, tiny_data, tmp_path, "gang", memory_limit_gb=50.0)],
-                      Placement(),
-                      max_concurrent=1, ranks_per_trial=2,
+                      Placement(), TrialRules(ranks_per_trial=2),
                       on_event=lambda kind, s: events.append((kind, s)))
-    one = run_trials([_trial(tiny_model, tiny_data, tmp_path, "one")], Placement(),
-                     max_concurrent=1)
+    one = run_trials([_trial(tiny_model, tiny_data, tmp_path, "one")], Placement())
     assert gang[0]["status"] == one[0]["status"] == "completed", gang[0].get("reason")
     assert gang[0]["world_size"] == 2 and gang[0]["rank"] == 0 and len(gang[0]["hosts"]) == 2
     running = [s for k, s in events if k == "running"]
@@ -78,7 +77,7 @@ def test_a_rank_killed_mid_trial_retries_the_gang(ray_cluster, tiny_model, tiny_
 
     events: list[str] = []
     rows = run_trials([_trial(tiny_model, tiny_data, tmp_path, "t", steps=60)], Placement(),
-                      max_concurrent=1, ranks_per_trial=2, retry_delay_s=0.5,
+                      TrialRules(ranks_per_trial=2, retry_delay_s=0.5),
                       on_event=lambda k, s: (events.append(k), on_event(k, s)))
     assert killed and rows[0]["status"] == "completed", rows[0].get("reason")
     assert rows[0]["attempts"] == 2 and "lost" in events and "retry" in events

@@ -126,8 +126,9 @@ def test_spec_checks_ranking_and_budget() -> None:
     base = {"name": "x", "model": "m", "data": "d"}
     spec = parse_spec({**base, "evaluation": {"scorers": ["task:add"], "prompts": 9},
                        "rank_by": "gen/valid/add"})
-    assert spec.ranking == ("gen/valid/add", "max") and spec.evaluation.test_prompts == 9
-    assert parse_spec(base).ranking == ("val/loss", "min")
+    assert (spec.ranking.by, spec.ranking.mode) == ("gen/valid/add", "max")
+    assert spec.evaluation.test_prompts == 9
+    assert (parse_spec(base).ranking.by, parse_spec(base).ranking.mode) == ("val/loss", "min")
     for bad, said in (({"rank_by": "gen/valid/zzz"}, "no scorer labelled 'zzz'"),
                       ({"rank_by": "gen/test/exact"}, "expected a validation metric"),
                       ({"rank_by": "gen/valid/exact", "evaluation": {"valid_prompts": 0}},

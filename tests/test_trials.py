@@ -10,6 +10,7 @@ import pytest
 
 from tasks.nodes.placement import Placement
 from tasks.sweep.scheduler import run_trials
+from tasks.sweep.trial_rules import TrialRules
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 
@@ -31,7 +32,7 @@ def _max_overlap(rows: list[dict]) -> int:
 
 def test_four_trials_on_two_slots(ray_cluster, tiny_model, tiny_data, tmp_path) -> None:
     rows = run_trials(_trials(tiny_model, tiny_data, tmp_path, 4), Placement(),
-                      max_concurrent=4, results=tmp_path / "results.parquet")
+                      TrialRules(max_concurrent=4), results=tmp_path / "results.parquet")
     assert [r["status"] for r in rows] == ["completed"] * 4, [r.get("reason") for r in rows]
     assert _max_overlap(rows) <= 2  # 2 CPU slots, even with 4 allowed by the sweep
     assert len({r["pid"] for r in rows}) == 4  # a fresh process per trial
@@ -43,7 +44,7 @@ def test_four_trials_on_two_slots(ray_cluster, tiny_model, tiny_data, tmp_path) 
 def test_gpu_placement_pins_one_device_each(ray_cluster, tiny_model, tiny_data,
                                             tmp_path) -> None:
     rows = run_trials(_trials(tiny_model, tiny_data, tmp_path, 2), Placement(gpus=1),
-                      max_concurrent=2)
+                      TrialRules(max_concurrent=2))
     assert all(r["status"] == "completed" for r in rows)
     assert all(r["cuda_visible_devices"] in ("0", "1") for r in rows)
 
@@ -53,7 +54,7 @@ def test_a_failing_trial_is_reported_and_the_rest_complete(ray_cluster, tiny_mod
     trials = _trials(tiny_model, tiny_data, tmp_path, 2)
     trials.append(("bad", {**trials[0][1], "data": str(tmp_path / "missing.jsonl"),
                            "out": str(tmp_path / "bad")}))
-    rows = run_trials(trials, Placement(), max_concurrent=2)
+    rows = run_trials(trials, Placement(), TrialRules(max_concurrent=2))
     assert [r["status"] for r in rows] == ["completed", "completed", "failed"]
     assert "missing.jsonl" in rows[2]["reason"]
 
@@ -163,8 +164,8 @@ def test_non_finite_and_time_limited_trials_are_reported(ray_cluster, tiny_model
                        "steps": 4, "grad_clip": 0.0}),
               ("slow", {**base, "out": str(tmp_path / "slow"), "steps": 100000})]
     # The limit in a run of its own: under CI's load the "ok" trial alone took over 10 s.
-    rows = run_trials(trials[:2], Placement(), max_concurrent=2)
-    rows += run_trials(trials[2:], Placement(), max_concurrent=1, time_limit_s=5)
+    rows = run_trials(trials[:2], Placement(), TrialRules(max_concurrent=2))
+    rows += run_trials(trials[2:], Placement(), TrialRules(max_concurrent=1, time_limit_s=5))
     by = {r["trial_id"]: r for r in rows}
     assert by["ok"]["status"] == "completed"
     assert by["nan"]["status"] == "failed" and by["nan"]["reason"].startswith("non_finite")

@@ -14,6 +14,7 @@ one (tasks/sweep/optuna_search.py). ``segment_size: auto`` is resolved by a cach
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import threading
@@ -196,11 +197,9 @@ def _run_sweep(spec: SweepSpec, out: Path, placement: Placement, progress: Event
     sweep.emit("plan", {**sweep.plan_counts, "slots": concurrent})
     sweep.source = source
     try:
-        rows = run_trials(_Recording(source, sweep.configs), sweep.placement, concurrent,
-                          time_limit_s=spec.time_limit_s, retries=spec.retries,
-                          retry_delay_s=spec.retry_delay_s, study=study, metric=spec.metric,
-                          on_event=sweep.on_event, wrap=wrap,
-                          ranks_per_trial=spec.ranks_per_trial)
+        rows = run_trials(_Recording(source, sweep.configs), sweep.placement,
+                          dataclasses.replace(spec.rules, max_concurrent=concurrent),
+                          study=study, on_event=sweep.on_event, wrap=wrap)
     except TrialsInterrupted as stop:
         sweep.write(stop.rows)
         raise

@@ -31,6 +31,7 @@ from tasks.sweep.attempts import Attempts, EventHook, LiveTrials, OneActor, Stra
 from tasks.sweep.gang import Gang
 from tasks.sweep.trial import Summary, outcome
 from tasks.sweep.trial_plan import TrialPlan
+from tasks.sweep.trial_rules import TrialRules
 
 log = logging.getLogger(__name__)
 
@@ -138,12 +139,11 @@ def run_workers(worker: Callable[[], None], count: int, live: LiveTrials) -> boo
 
 
 def run_trials(source: TrialSource | list[TrialPlan] | list[tuple[str, dict[str, Any]]],
-               placement: Placement, max_concurrent: int, results: Path | None = None,
-               time_limit_s: float = 0.0, retries: int = 2, retry_delay_s: float = 5.0,
-               study: Any = None, metric: str = "val/loss",
-               on_event: EventHook | None = None, wrap: Wrap | None = None,
-               ranks_per_trial: int = 1) -> list[Summary]:
-    """Run the source's trials on the connected Ray cluster, ``max_concurrent`` at a time.
+               placement: Placement, rules: TrialRules | None = None,
+               results: Path | None = None, study: Any = None,
+               on_event: EventHook | None = None, wrap: Wrap | None = None) -> list[Summary]:
+    """Run the source's trials on the connected Ray cluster as ``rules`` say (tasks/sweep/
+    trial_rules.py): ``max_concurrent`` at a time, each retried when its process is lost.
 
     Returns the summaries in the order trials were asked (written to ``results`` if
     given). Ctrl-C: running trials are killed and reported ``cancelled``, the rest of the
@@ -151,16 +151,18 @@ def run_trials(source: TrialSource | list[TrialPlan] | list[tuple[str, dict[str,
     KeyboardInterrupt carrying the summaries so far) is raised. ``wrap(trial, run)``
     runs each trial's ``run()`` (the flow makes it a Prefect task run); worker threads
     run in a copy of the caller's context, so such task runs nest in the caller's flow run.
-    ``ranks_per_trial`` > 1 runs each trial as a gang of that many ranks (tasks/sweep/gang.py).
     A list may hold (id, TrainConfig fields) pairs: each becomes its plan (``TrialPlan.make``).
     """
     if isinstance(source, list):
         source = ListSource([t if isinstance(t, TrialPlan) else TrialPlan.make(*t)
                              for t in source])
+    rules = rules or TrialRules()
     live = LiveTrials(on_event)
-    shared = Attempts(placement, live, time_limit_s, study, metric, box=metrics_box())
-    strategy: Strategy = Gang(shared, ranks_per_trial) if ranks_per_trial > 1 else OneActor(shared)
-    runner = Retrying(strategy, live, retries, retry_delay_s)
+    shared = Attempts(placement, live, rules.time_limit_s, study, rules.metric,
+                      box=metrics_box())
+    ranks = rules.ranks_per_trial
+    strategy: Strategy = Gang(shared, ranks) if ranks > 1 else OneActor(shared)
+    runner = Retrying(strategy, live, rules.retries, rules.retry_delay_s)
     summaries: dict[str, Summary] = {}
     order: list[str] = []
     order_lock = threading.Lock()
@@ -179,7 +181,7 @@ def run_trials(source: TrialSource | list[TrialPlan] | list[tuple[str, dict[str,
             source.tell(trial, summary)
             live.event("finished", summary)
 
-    interrupted = run_workers(worker, max_concurrent, live)
+    interrupted = run_workers(worker, rules.max_concurrent, live)
     rows = [summaries[t] for t in order if t in summaries]
     if results is not None:
         write_results(rows, results)

@@ -50,6 +50,7 @@ import numpy as np
 
 from engine.model.export import ExportSettings
 from engine.settings.ranking import MODES
+from tasks.board.board_settings import Ranking
 from tasks.board.ranked_metric import rank_mode
 from tasks.eval.generation_eval import GenerationSettings, check_rank_by, parse_generation
 from tasks.sweep.spec_rules import (
@@ -68,6 +69,7 @@ from tasks.sweep.spec_values import (
     space_dist,
 )
 from tasks.sweep.trial_plan import AUTO, TrialPlan, own_loss_fields
+from tasks.sweep.trial_rules import TrialRules
 
 SEARCHES = ("grid", "random", "optuna")
 HUGE_SWEEP = 1000  # trials: more is warned of at planning time
@@ -118,11 +120,19 @@ class SweepSpec:
     export: ExportSettings = field(default_factory=ExportSettings)  # the pipeline's GGUF
 
     @property
-    def ranking(self) -> tuple[str, str]:
-        """What the leaderboard ranks on, and which way: a generation score is better
-        higher; a validation metric goes the spec's ``mode``."""
+    def rules(self) -> TrialRules:
+        """How its trials run: at once, time limit, retries, ranks, the metric reported."""
+        return TrialRules(self.max_concurrent, self.time_limit_s, self.retries,
+                          self.retry_delay_s, self.ranks_per_trial, self.metric)
+
+    @property
+    def ranking(self) -> Ranking:
+        """Its leaderboard: titled by the sweep, ranked on ``rank_by`` (a generation score
+        is better higher; a validation metric goes the spec's ``mode``), ties broken by the
+        metric it trained on."""
         rank_by = self.rank_by or self.metric
-        return rank_by, rank_mode(rank_by, self.mode)
+        return Ranking(self.name, rank_by, rank_mode(rank_by, self.mode), self.metric,
+                       self.mode)
 
     def points(self) -> list[dict[str, Any]]:
         """Grid points × ``num_samples`` draws from ``space`` (random search), in order: each
