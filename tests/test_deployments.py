@@ -43,3 +43,17 @@ def test_serve_builds_a_scheduled_one_at_a_time_deployment() -> None:
     assert schedule.schedule.timezone == "America/New_York"
     assert dep.concurrency_limit == 1
     assert dep.parameters["spec"] == "s"
+
+
+def test_serve_s_cluster_parameter_is_read_back_by_a_run() -> None:
+    """`pomona serve` sends the cluster as a mapping (a deployment's parameters are JSON);
+    a run validates it back into the value the CLI built."""
+    import dataclasses
+
+    from flows.pipeline import pipeline
+    from tasks.nodes.cluster import Cluster
+
+    built = Cluster.of("10.0.0.5:6379", gpus=True, resource="mlx_gpu")
+    sent = {"raw": "r", "model": "m", "spec": "s", "out": "o",
+            "cluster": dataclasses.asdict(built)}
+    assert pipeline.validate_parameters(sent)["cluster"] == built

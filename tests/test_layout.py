@@ -377,4 +377,3 @@ def test_no_long_function_in_the_loop_or_the_sweep(floor: str) -> None:
     found = [f"{p.relative_to(ROOT)}: {f}" for p in sorted((ROOT / floor).rglob("*.py"))
              for f in long_functions(p)]
     assert not found, f"over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(found)
-

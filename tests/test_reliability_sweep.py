@@ -294,13 +294,14 @@ def _sweep_cli(tmp_path: Path, monkeypatch, rows: list[dict]) -> tuple[int, str]
 
     import cli.sweep_display as sweep_cli
     from cli.main import app
+    from tasks.nodes.cluster import Cluster
 
     (tmp_path / "model").mkdir(exist_ok=True)
     data = tmp_path / "pairs.jsonl"
     data.write_text('{"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3]}\n')
     spec = tmp_path / "s.yaml"
     spec.write_text(f"name: s\nmodel: {tmp_path / 'model'}\ndata: {data}\n")
-    monkeypatch.setattr(sweep_cli, "ray_session", lambda address: contextlib.nullcontext())
+    monkeypatch.setattr(Cluster, "session", lambda self: contextlib.nullcontext())
     monkeypatch.setattr(sweep_cli, "run_sweep", lambda *args, **kwargs: rows)
     result = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(tmp_path / "out"),
                                       "--no-prefect"])
