@@ -97,7 +97,7 @@ def train_cmd(ctx: typer.Context) -> None:
     """Train one adapter: `pomona train --model DIR --data PATH --out DIR` (--help: all)."""
     from engine.cli import run_train
 
-    raise typer.Exit(code=run_train(list(ctx.args)))
+    raise typer.Exit(code=run_train(list(ctx.args), prog="pomona train"))
 
 
 @app.command("score", context_settings=_PASSTHROUGH, add_help_option=False)
@@ -105,7 +105,7 @@ def score_cmd(ctx: typer.Context) -> None:
     """Score pairs: `pomona score --model DIR [--adapter DIR] --data PATH --out FILE.jsonl`."""
     from engine.cli import run_score
 
-    raise typer.Exit(code=run_score(list(ctx.args)))
+    raise typer.Exit(code=run_score(list(ctx.args), prog="pomona score"))
 
 
 @app.command("export", context_settings=_PASSTHROUGH, add_help_option=False)
@@ -113,7 +113,7 @@ def export_cmd(ctx: typer.Context) -> None:
     """A GGUF for llama.cpp, Ollama, LM Studio: `pomona export RUN --gguf OUT.gguf`."""
     from engine.cli import run_export
 
-    raise typer.Exit(code=run_export(list(ctx.args)))
+    raise typer.Exit(code=run_export(list(ctx.args), prog="pomona export"))
 
 
 @app.command("bench", context_settings=_PASSTHROUGH, add_help_option=False)

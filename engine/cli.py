@@ -34,8 +34,10 @@ def _arg_type(hint: Any) -> tuple[Any, dict[str, Any]]:
     return None, {"type": hint}
 
 
-def train_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m engine train",
+def train_parser(prog: str = "python -m engine train") -> argparse.ArgumentParser:
+    """``prog``'s options: one per TrainConfig field (and loss setting), from the dataclass;
+    ``prog`` is the command as the user typed it (``pomona train``)."""
+    p = OneLineParser(prog=prog,
                       description="Train one LoRA adapter with a preference loss (--loss: "
                                   + ", ".join(LOSSES) + ").")
     p.add_argument("--config", help="YAML file of TrainConfig fields (CLI flags override).")
@@ -68,8 +70,8 @@ def add_loss_options(p: argparse.ArgumentParser, tail: Callable[[Any], str]) -> 
                        help=f"{f.metadata['help']} {tail(f)}".replace("%", "%%"), **kwargs)
 
 
-def config_from_args(argv: list[str]) -> TrainConfig:
-    args = vars(train_parser().parse_args(argv))
+def config_from_args(argv: list[str], prog: str = "python -m engine train") -> TrainConfig:
+    args = vars(train_parser(prog).parse_args(argv))
     yaml_path = args.pop("config")
     overrides = {k: v for k, v in args.items() if v is not None}
     if yaml_path:
@@ -129,7 +131,7 @@ def log_to_stderr() -> None:
     logger.propagate = False  # once, not again through a root handler someone configured
 
 
-def run_train(argv: list[str]) -> int:
+def run_train(argv: list[str], prog: str = "python -m engine train") -> int:
     from engine.check.load_check import VerifyFailed
     from engine.host.command_queue import ensure_queue
     from engine.train.steps import NonFiniteLoss
@@ -138,7 +140,7 @@ def run_train(argv: list[str]) -> int:
     log_to_stderr()
     cfg = None
     try:
-        cfg = config_from_args(argv)
+        cfg = config_from_args(argv, prog)
         if replayable(argv):  # a CLI under a limit: re-run with MLX's queue capped
             ensure_queue(cfg.memory_limit_gb, ["-m", "engine", "train", *argv])
         result = train(cfg, [PrintMetrics(cfg.steps)])
@@ -170,8 +172,8 @@ def resume_hint(cfg: Any) -> str:
     return f"resume from step {step} ({ckpt}) with the same options and --resume auto"
 
 
-def score_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m engine score",
+def score_parser(prog: str = "python -m engine score") -> argparse.ArgumentParser:
+    p = OneLineParser(prog=prog,
                       description="Score preference pairs under a model (+ adapter).")
     p.add_argument("--model", required=True, help="Model directory, .gguf file or repo id.")
     p.add_argument("--adapter", help="Adapter directory (mlx-lm format).")
@@ -221,7 +223,7 @@ def score_loss(a: argparse.Namespace, own: LossSpec) -> LossSpec:
     return cfg.loss_spec()
 
 
-def run_score(argv: list[str]) -> int:
+def run_score(argv: list[str], prog: str = "python -m engine score") -> int:
     from engine.data.data_fit import load_pairs_for
     from engine.forward.layout_policy import scoring_layout
     from engine.forward.scoring import is_score_file, preference_accuracy, score_pairs
@@ -234,7 +236,7 @@ def run_score(argv: list[str]) -> int:
     from engine.train.reference import ReferenceSpec, attach_reference, ensure_reference
 
     log_to_stderr()
-    a = score_parser().parse_args(argv)
+    a = score_parser(prog).parse_args(argv)
     try:  # the output first: a refused --out costs no model load nor scoring
         check_file(a.out, is_score_file, "a score file", inputs=[a.data, a.model, a.adapter])
         spec = score_loss(a, trained_loss(a.adapter) or LossSpec())
@@ -270,10 +272,10 @@ def run_score(argv: list[str]) -> int:
     return 0
 
 
-def export_parser() -> argparse.ArgumentParser:
+def export_parser(prog: str = "python -m engine export") -> argparse.ArgumentParser:
     from engine.model.gguf_export import TYPES
 
-    p = OneLineParser(prog="python -m engine export",
+    p = OneLineParser(prog=prog,
                       description="Fuse an adapter into its base model and write a GGUF "
                                   "(llama.cpp, Ollama, LM Studio).")
     p.add_argument("target", help="A training run, an adapter, or a sweep's folder "
@@ -285,10 +287,10 @@ def export_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_export(argv: list[str]) -> int:
+def run_export(argv: list[str], prog: str = "python -m engine export") -> int:
     from engine.model.export import export
 
-    a = export_parser().parse_args(argv)
+    a = export_parser(prog).parse_args(argv)
     try:
         out = export(a.target, a.gguf, a.model, a.type)
     except (ValueError, OSError) as err:

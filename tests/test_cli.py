@@ -73,7 +73,16 @@ def test_every_help_page_prints() -> None:
         result = runner.invoke(app, args)
         assert result.exit_code == 0, (args, result.output, result.exception)
         assert "usage" in result.output.lower(), (args, result.output)
-    assert "--segment-size" in runner.invoke(app, ["train", "--help"]).output
+    import dataclasses
+
+    from engine.settings.config import TrainConfig
+
+    train_help = runner.invoke(app, ["train", "--help"]).output
+    assert train_help.startswith("usage: pomona train")  # the command as the user typed it
+    flags = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(TrainConfig)]
+    assert [f for f in flags if f not in train_help] == []  # every field, from the dataclass
+    for verb in ("score", "export"):
+        assert runner.invoke(app, [verb, "--help"]).output.startswith(f"usage: pomona {verb}")
     assert engine_main(["--help"]) == 0 and engine_main([]) == 2
     assert engine_main(["bench", "memory"]) == 2  # benchmarks: python -m benchmarks
     assert benchmarks_main(["--help"]) == 0 and benchmarks_main(["nope"]) == 2
