@@ -21,8 +21,6 @@ MAX_PARAMETERS = 8  # more: they travel together, so a settings value carries th
 # parameters and what its cache key reads, one by one; a typer command's are its flags.
 ONE_BY_ONE = ("flow", "task", "command")
 MANY_PARAMETERS: dict[str, str] = {  # "path:function" -> why it keeps them
-    "engine/forward/scoring.py:evaluate": "the validation pass's knobs, each a TrainConfig "
-    "field the trainer passes; next: take ForwardOptions (engine/settings/)",
     "engine/model/attention.py:blockwise_attention": "a kernel: the tensors, the mask's "
     "shape and the block sizes, as mx.fast.scaled_dot_product_attention takes them",
 }

@@ -127,21 +127,19 @@ def forward_groups(model: nn.Module, stack: Stack, pairs: Sequence[Pair], batch_
 
 
 def evaluate(model: nn.Module, stack: Stack, pairs: Sequence[Pair], spec: LossSpec,
-             batch_size: int, pad_multiple: int = 0, head_chunk: int = 0,
-             max_batches: int = 0, layout: Layout | None = None,
+             batch_size: int, head_chunk: int = 0, layout: Layout | None = None,
              per_pair: dict[str, float] | None = None) -> dict[str, float]:
     """Loss and TRL-named metrics over ``pairs`` (means over the pairs/tokens used).
 
-    ``max_batches`` > 0 keeps the first ``max_batches × batch_size`` pairs (then sorts).
-    ``per_pair``, when given, is filled with each pair's id → 1.0 where its chosen mean
-    log-prob beats the rejected one, else 0.0 (``logps/accuracies`` is their mean): what
-    a paired test against another model reads.
+    ``layout``: how a group of pairs becomes a batch (the trainer's, with its padding and
+    prefix sharing; None: two plain rows a pair, unpadded). ``per_pair``, when given, is
+    filled with each pair's id → 1.0 where its chosen mean log-prob beats the rejected
+    one, else 0.0 (``logps/accuracies`` is their mean): what a paired test against another
+    model reads.
     """
-    if max_batches > 0:
-        pairs = pairs[: max_batches * batch_size]
     if not pairs:
         return {"rows": 0}
-    layout = layout or (lambda g: make_batch(g, spec.nll_span, pad_multiple))
+    layout = layout or (lambda g: make_batch(g, spec.nll_span))
     norms = batch_norms([make_batch([pairs[i] for i in g], spec.nll_span)
                          for g in length_groups(pairs, batch_size)])
     total_loss, sums = 0.0, {}

@@ -321,10 +321,11 @@ def train_batches(run: Run) -> Callable[[], list]:
 
 def validate(run: Run, step: int, callbacks: Sequence[Callback]) -> dict[str, Any]:
     """The valid split scored at ``step``: its record, written by the main rank."""
-    cfg = run.cfg
-    metrics = evaluate(run.prepared.model, run.prepared.stack, run.data.valid,
-                       run.stepper.loss, cfg.batch_size, run.pad_multiple, cfg.head_chunk,
-                       cfg.val_batches, layout=run.batch_of)
+    cfg, valid = run.cfg, run.data.valid
+    if cfg.val_batches > 0:  # the first val_batches × batch_size pairs
+        valid = valid[: cfg.val_batches * cfg.batch_size]
+    metrics = evaluate(run.prepared.model, run.prepared.stack, valid, run.stepper.loss,
+                       cfg.batch_size, cfg.head_chunk, layout=run.batch_of)
     rec = {"step": step, "split": "valid", **{f"val/{k}": v for k, v in metrics.items()},
            "val/rows_skipped": sum(run.data.rejected.values())}
     if run.ranks.main:
