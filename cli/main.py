@@ -92,28 +92,30 @@ _PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
                 "help_option_names": []}
 
 
-@app.command("train", context_settings=_PASSTHROUGH, add_help_option=False)
-def train_cmd(ctx: typer.Context) -> None:
-    """Train one adapter: `pomona train --model DIR --data PATH --out DIR` (--help: all)."""
-    from engine.cli import run_train
-
-    raise typer.Exit(code=run_train(list(ctx.args), prog="pomona train"))
-
-
-@app.command("score", context_settings=_PASSTHROUGH, add_help_option=False)
-def score_cmd(ctx: typer.Context) -> None:
-    """Score pairs: `pomona score --model DIR [--adapter DIR] --data PATH --out FILE.jsonl`."""
-    from engine.cli import run_score
-
-    raise typer.Exit(code=run_score(list(ctx.args), prog="pomona score"))
+# The engine's verbs, parsed by the engine itself (engine/cli.py: flags from TrainConfig);
+# imported when run, so `pomona --help` loads no MLX.
+ENGINE_VERBS = {
+    "train": "Train one adapter: `pomona train --model DIR --data PATH --out DIR` (--help: all).",
+    "score": "Score pairs: `pomona score --model DIR [--adapter DIR] --data PATH --out "
+             "FILE.jsonl`.",
+    "export": "A GGUF for llama.cpp, Ollama, LM Studio: `pomona export RUN --gguf OUT.gguf`.",
+}
 
 
-@app.command("export", context_settings=_PASSTHROUGH, add_help_option=False)
-def export_cmd(ctx: typer.Context) -> None:
-    """A GGUF for llama.cpp, Ollama, LM Studio: `pomona export RUN --gguf OUT.gguf`."""
-    from engine.cli import run_export
+def engine_verb(verb: str, about: str) -> None:
+    """``pomona VERB ...`` as ``python -m engine VERB ...``, named ``pomona VERB``."""
+    def run(ctx: typer.Context) -> None:
+        from engine import cli as engine_cli
 
-    raise typer.Exit(code=run_export(list(ctx.args), prog="pomona export"))
+        runner = getattr(engine_cli, f"run_{verb}")
+        raise typer.Exit(code=runner(list(ctx.args), prog=f"pomona {verb}"))
+
+    run.__doc__ = about
+    app.command(verb, context_settings=_PASSTHROUGH, add_help_option=False)(run)
+
+
+for _verb, _about in ENGINE_VERBS.items():
+    engine_verb(_verb, _about)
 
 
 @app.command("bench", context_settings=_PASSTHROUGH, add_help_option=False)
