@@ -174,8 +174,7 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str, ranking: Ra
         soup = {**evaluation_for(path, generations)("soup", model, path, data, loss,
                                                     generations, path, placement, shared),
                 "adapter": path}
-    summary = aggregate_task(results, evals, base_metrics, (rank_by, mode), ranking.metric,
-                             str(out_dir), ranking.title, soup, ranking.metric_mode)
+    summary = aggregate_task(results, evals, base_metrics, ranking, str(out_dir), soup)
     if board.fuse and summary["best_adapter"]:
         summary["fused"] = fuse_task(model, summary["best_adapter"], str(out_dir / "best-fused"))
     if board.export and board.export.gguf and summary["best_adapter"]:

@@ -28,6 +28,7 @@ from engine.model.gguf_export import exported_here
 from engine.settings.config import TrainConfig
 from engine.settings.forward_options import ForwardOptions
 from engine.settings.reference_kind import adapter_path
+from tasks.board.board_settings import Ranking
 from tasks.board.eval_lines import evaluation_lines
 from tasks.board.leaderboard import (
     answer_samples,
@@ -223,16 +224,15 @@ def board_artifacts(rows: list[dict[str, Any]], metric: str, title: str, figures
 
 @task(cache_policy=NO_CACHE, persist_result=False)
 def aggregate_task(results: list[dict[str, Any]], evals: dict[str, dict[str, Any]],
-                   base: dict[str, Any], ranking: tuple[str, str], metric: str, out: str,
-                   title: str, soup: dict[str, Any] | None = None,
-                   metric_mode: str = "min") -> dict[str, Any]:
-    """Rank by ``ranking`` (rank_by, mode), ties by the training ``metric`` (its
-    ``metric_mode``), write leaderboard.parquet/.md (naming what it ranked on), export the
-    best adapter, publish the board (its compact columns and plots, then every column in
-    a second artifact) and a table of held-out answers, base beside best; the plots show
-    the training ``metric``."""
-    rank_by, mode = ranking
-    rows = rank_trials(results, evals, rank_by, mode, base, soup, tie=(metric, metric_mode))
+                   base: dict[str, Any], ranking: Ranking, out: str,
+                   soup: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Rank by ``ranking`` (by, mode; ties by its training metric), write
+    leaderboard.parquet/.md (naming what it ranked on), export the best adapter, publish
+    the board (its compact columns and plots, then every column in a second artifact) and
+    a table of held-out answers, base beside best; the plots show the training metric."""
+    rank_by, metric, title = ranking.by, ranking.metric, ranking.title
+    rows = rank_trials(results, evals, rank_by, ranking.mode, base, soup,
+                       tie=(metric, ranking.metric_mode))
     parquet, md = write_leaderboard(rows, Path(out), rank_by, title)
     best = export_best(rows, Path(out))
     plots = Path(out) / "plots"
