@@ -9,10 +9,11 @@ from typing import Annotated
 import typer
 
 from cli.options import fills
-from cli.terminal import console, fail
+from cli.terminal import OneLineGroup, console, fail
 from tasks.data.tokenize_options import TokenizeOptions
 
-data_app = typer.Typer(help="Make and prepare preference data.", no_args_is_help=True)
+data_app = typer.Typer(help="Make and prepare preference data.", no_args_is_help=True,
+                       cls=OneLineGroup)
 
 
 @data_app.command("synth")

@@ -20,8 +20,9 @@ from typing import Annotated
 import typer
 
 from cli.data import data_app
+from cli.engine_verbs import add_engine_verbs
 from cli.model import model_app
-from cli.terminal import console, fail
+from cli.terminal import OneLineGroup, console, fail
 
 app = typer.Typer(
     name="pomona",
@@ -29,6 +30,8 @@ app = typer.Typer(
          "with Ray, run by Prefect.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    cls=OneLineGroup,  # a usage mistake in any verb: one line (cli/terminal.py)
+    rich_markup_mode=None,  # plain help: rich's boxes cut train's 90 options' help to "…"
 )
 app.add_typer(model_app, name="model")
 app.add_typer(data_app, name="data")
@@ -92,30 +95,7 @@ _PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
                 "help_option_names": []}
 
 
-# The engine's verbs, parsed by the engine itself (engine/cli.py: flags from TrainConfig);
-# imported when run, so `pomona --help` loads no MLX.
-ENGINE_VERBS = {
-    "train": "Train one adapter: `pomona train --model DIR --data PATH --out DIR` (--help: all).",
-    "score": "Score pairs: `pomona score --model DIR [--adapter DIR] --data PATH --out "
-             "FILE.jsonl`.",
-    "export": "A GGUF for llama.cpp, Ollama, LM Studio: `pomona export RUN --gguf OUT.gguf`.",
-}
-
-
-def engine_verb(verb: str, about: str) -> None:
-    """``pomona VERB ...`` as ``python -m engine VERB ...``, named ``pomona VERB``."""
-    def run(ctx: typer.Context) -> None:
-        from engine import cli as engine_cli
-
-        runner = getattr(engine_cli, f"run_{verb}")
-        raise typer.Exit(code=runner(list(ctx.args), prog=f"pomona {verb}"))
-
-    run.__doc__ = about
-    app.command(verb, context_settings=_PASSTHROUGH, add_help_option=False)(run)
-
-
-for _verb, _about in ENGINE_VERBS.items():
-    engine_verb(_verb, _about)
+add_engine_verbs(app)  # train, score, export: flags from engine/cli.py
 
 
 @app.command("bench", context_settings=_PASSTHROUGH, add_help_option=False)

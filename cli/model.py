@@ -9,10 +9,11 @@ from typing import Annotated
 import typer
 
 from cli.options import fills
-from cli.terminal import console, fail
+from cli.terminal import OneLineGroup, console, fail
 from tasks.models.model_families import ModelSpec
 
-model_app = typer.Typer(help="Make and inspect models.", no_args_is_help=True)
+model_app = typer.Typer(help="Make and inspect models.", no_args_is_help=True,
+                        cls=OneLineGroup)
 
 
 @model_app.command("init")

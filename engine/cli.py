@@ -1,90 +1,105 @@
-"""Argument parsing for ``python -m engine`` (and ``pomona train``/``pomona score``): argparse
-subparsers pick the command, and each command parses its own arguments.
-
-Options are generated from TrainConfig's fields, so the CLI, YAML and the dataclass can
-never disagree. Precedence: CLI > YAML (--config) > defaults.
+"""The engine's verbs (train, score, export) with no Prefect and no Ray: each verb's flags,
+declared once from the dataclass it fills (engine/host/flags.py: TrainConfig, ScoreRequest,
+ExportRequest, and the losses' settings), and the function that runs it from the parsed
+values. ``python -m engine`` parses them with argparse (``main``); ``pomona`` with typer
+(cli/engine_verbs.py), from the same flags. Precedence: CLI > YAML (--config) > defaults.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
 import sys
-import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, get_type_hints
 
+from engine.forward.score_request import ScoreRequest
 from engine.host.cache import CacheRootError, check_cache_root
+from engine.host.flags import (
+    Flag,
+    add_flags,
+    choices_metavar,
+    command_line,
+    field_flags,
+    flag_kind,
+    given,
+)
 from engine.host.parsers import OneLineParser, command_parser
 from engine.losses import LOSSES, OWNERS, LossSpec
-from engine.settings.config import CHOICES, TrainConfig
+from engine.model.export import ExportRequest
+from engine.settings.config import DEFAULT_LOSS, TrainConfig
 from engine.train.progress import progress_line
 
-
-def _arg_type(hint: Any) -> tuple[Any, dict[str, Any]]:
-    if get_origin(hint) in (Union, types.UnionType):
-        hint = next(a for a in get_args(hint) if a is not type(None))
-    if hint is bool:
-        return None, {"action": argparse.BooleanOptionalAction}
-    if get_origin(hint) is tuple:
-        return None, {"nargs": "+"}
-    return None, {"type": hint}
+CONFIG = Flag("config", str, "YAML file of TrainConfig fields (CLI flags override).")
 
 
-def train_parser(prog: str = "python -m engine train") -> argparse.ArgumentParser:
-    """``prog``'s options: one per TrainConfig field (and loss setting), from the dataclass;
-    ``prog`` is the command as the user typed it (``pomona train``)."""
-    p = OneLineParser(prog=prog,
-                      description="Train one LoRA adapter with a preference loss (--loss: "
-                                  + ", ".join(LOSSES) + ").")
-    p.add_argument("--config", help="YAML file of TrainConfig fields (CLI flags override).")
-    hints = get_type_hints(TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
-        if f.name == "loss":
-            p.add_argument("--loss", choices=tuple(LOSSES), default=None,
-                           help=f"{f.metadata['help']} (default: {f.default.kind})")
-            continue
-        if f.name == "reference":  # a word or a path, read by TrainConfig (parse_reference)
-            p.add_argument("--reference", default=None, metavar="base|DIR",
-                           help=f"{f.metadata['help']} (default: {f.default})")
-            continue
-        _, kwargs = _arg_type(hints[f.name])
-        p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None,
-                       help=f"{f.metadata['help']} (default: {f.default})".replace("%", "%%"),
-                       **kwargs)  # argparse %-formats help: "25%" crashed --help
-    add_loss_options(p, lambda f: f"(default: {f.default}; loss {OWNERS[f.name].kind} only)")
-    return p
+def train_flags() -> list[Flag]:
+    """``train``'s flags: --config, one per TrainConfig field (the loss by name, the
+    reference as base or a folder), then one per loss setting."""
+    shown = {"loss": {"default": DEFAULT_LOSS.kind, "metavar": choices_metavar(tuple(LOSSES))},
+             "reference": {"metavar": "base|DIR"}}
+    fields = [dataclasses.replace(f, **shown.get(f.name, {})) for f in field_flags(TrainConfig)]
+    return [CONFIG, *fields,
+            *loss_flags(lambda f: f"(default: {f.default}; loss {OWNERS[f.name].kind} only)")]
 
 
-def add_loss_options(p: argparse.ArgumentParser, tail: Callable[[Any], str]) -> None:
-    """One option per loss setting (engine/losses/), its help from the loss's field."""
+def loss_flags(tail: Callable[[Any], str]) -> list[Flag]:
+    """One flag per loss setting (engine/losses/), its help from the loss's field."""
+    flags = []
     for name, owner in OWNERS.items():
         f = owner.field(name)
-        hint = get_type_hints(owner)[name]
-        kwargs = ({"choices": f.metadata["choices"]} if "choices" in f.metadata else
-                  {"type": hint})
-        p.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None,
-                       help=f"{f.metadata['help']} {tail(f)}".replace("%", "%%"), **kwargs)
+        flags.append(Flag(name, flag_kind(get_type_hints(owner)[name]),
+                          f"{f.metadata['help']} {tail(f)}",
+                          metavar=choices_metavar(f.metadata.get("choices"))))
+    return flags
 
 
-def config_from_args(argv: list[str], prog: str = "python -m engine train") -> TrainConfig:
-    args = vars(train_parser(prog).parse_args(argv))
-    yaml_path = args.pop("config")
-    overrides = {k: v for k, v in args.items() if v is not None}
+def score_flags() -> list[Flag]:
+    return [*field_flags(ScoreRequest),
+            *loss_flags(lambda f: f"Default: the adapter's, else {f.default}.")]
+
+
+# Each verb: its flags and what it does, as `python -m engine --help` and `pomona --help` say.
+VERBS: dict[str, tuple[Callable[[], list[Flag]], str]] = {
+    "train": (train_flags, "Train one LoRA adapter with a preference loss (--loss: "
+                           + ", ".join(LOSSES) + ")."),
+    "score": (score_flags, "Score preference pairs under a model (+ adapter)."),
+    "export": (lambda: field_flags(ExportRequest),
+               "Fuse an adapter into its base model and write a GGUF (llama.cpp, Ollama, "
+               "LM Studio)."),
+}
+
+
+def verb_parser(verb: str, prog: str | None = None) -> OneLineParser:
+    """``verb``'s argparse parser, named as the user typed it."""
+    flags, about = VERBS[verb]
+    parser = OneLineParser(prog=prog or f"python -m engine {verb}", description=about)
+    add_flags(parser, flags())
+    return parser
+
+
+def train_config(values: dict[str, Any]) -> TrainConfig:
+    """The run's config from parsed ``train`` flags (None: not given): the flags over the
+    ``--config`` file over TrainConfig's defaults, checked once."""
+    changes = dict(given(values))
+    yaml_path = changes.pop("config", None)
     if yaml_path:
-        return TrainConfig.from_yaml(yaml_path, **overrides)
-    return TrainConfig().replace(**overrides)
+        return TrainConfig.from_yaml(yaml_path, **changes)
+    return TrainConfig().replace(**changes)
 
 
-def replayable(argv: list[str]) -> bool:
-    """Whether a new process given ``argv`` reads the same config: its ``--config`` is a
-    regular file by name (a pipe, ``<(...)`` or ``/dev/stdin`` is read to its end here)."""
-    path = train_parser().parse_args(argv).config
-    return path is None or (Path(path).is_file()
-                            and not str(Path(path).absolute()).startswith(("/dev/", "/proc/")))
+def config_from_args(argv: list[str]) -> TrainConfig:
+    """``python -m engine train ARGV``'s config."""
+    return train_config(vars(verb_parser("train").parse_args(argv)))
+
+
+def replayable(config: str | None) -> bool:
+    """Whether a new process given the same flags reads the same config: its ``--config``
+    is a regular file by name (a pipe, ``<(...)`` or ``/dev/stdin`` is read to its end here)."""
+    return config is None or (Path(config).is_file()
+                              and not str(Path(config).absolute()).startswith(("/dev/", "/proc/")))
 
 
 class PrintMetrics:
@@ -131,7 +146,9 @@ def log_to_stderr() -> None:
     logger.propagate = False  # once, not again through a root handler someone configured
 
 
-def run_train(argv: list[str], prog: str = "python -m engine train") -> int:
+def run_train(values: dict[str, Any]) -> int:
+    """``train`` with the parsed ``values`` (None: a flag not given); a run under a memory
+    limit started by a CLI re-runs as ``python -m engine train`` with MLX's queue capped."""
     from engine.check.load_check import VerifyFailed
     from engine.host.command_queue import ensure_queue
     from engine.train.steps import NonFiniteLoss
@@ -140,9 +157,10 @@ def run_train(argv: list[str], prog: str = "python -m engine train") -> int:
     log_to_stderr()
     cfg = None
     try:
-        cfg = config_from_args(argv, prog)
-        if replayable(argv):  # a CLI under a limit: re-run with MLX's queue capped
-            ensure_queue(cfg.memory_limit_gb, ["-m", "engine", "train", *argv])
+        cfg = train_config(values)
+        if replayable(values.get("config")):  # the same flags read the same config again
+            ensure_queue(cfg.memory_limit_gb,
+                         ["-m", "engine", "train", *command_line(train_flags(), values)])
         result = train(cfg, [PrintMetrics(cfg.steps)])
     except KeyboardInterrupt:  # Ctrl-C: how to go on, not a traceback
         print(f"interrupted; {resume_hint(cfg)}", file=sys.stderr)
@@ -172,78 +190,38 @@ def resume_hint(cfg: Any) -> str:
     return f"resume from step {step} ({ckpt}) with the same options and --resume auto"
 
 
-def score_parser(prog: str = "python -m engine score") -> argparse.ArgumentParser:
-    p = OneLineParser(prog=prog,
-                      description="Score preference pairs under a model (+ adapter).")
-    p.add_argument("--model", required=True, help="Model directory, .gguf file or repo id.")
-    p.add_argument("--adapter", help="Adapter directory (mlx-lm format).")
-    p.add_argument("--data", required=True, help="Tokenized pairs (dataset dir/.parquet/.jsonl).")
-    p.add_argument("--out", required=True, help="Output JSONL, one object per pair.")
-    p.add_argument("--loss", choices=tuple(LOSSES),
-                   help="The loss column's loss (default: the adapter's own, else orpo).")
-    add_loss_options(p, lambda f: f"Default: the adapter's, else {f.default}.")
-    p.add_argument("--reference", help="DPO's reference: base or an adapter directory. "
-                                       "Default: the one the adapter trained against.")
-    p.add_argument("--split", default="all", choices=["all", "train", "valid", "test"],
-                   help="Which pairs to score: train, valid (ranked on), test (reported).")
-    p.add_argument("--batch-size", type=at_least(1), default=8, help="Pairs per forward.")
-    p.add_argument("--head-chunk", type=at_least(0), default=0,
-                   help="Bounded head chunk (0 = dense).")
-    p.add_argument("--allow-tokenizer-mismatch", action="store_true",
-                   help=_field_help("allow_tokenizer_mismatch"))
-    p.add_argument("--prefix-share", default="auto", choices=CHOICES["prefix_share"],
-                   help="One forward per pair over [prompt | chosen | rejected], as in "
-                        "training (auto: where it saves enough tokens).")
-    return p
-
-
-def at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``minimum`` (a batch of 0 pairs scores
-    nothing, forever)."""
-    def integer(text: str) -> int:
-        value = int(text)  # argparse reports a ValueError as "invalid integer value"
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value}: must be at least {minimum}")
-        return value
-
-    return integer
-
-
-def _field_help(name: str) -> str:
-    return next(f.metadata["help"] for f in dataclasses.fields(TrainConfig) if f.name == name)
-
-
-def score_loss(a: argparse.Namespace, own: LossSpec) -> LossSpec:
-    """The score's loss: the adapter's own (``own``), each flag given replacing its value,
-    checked as a run's is (a negative β, a NaN or another loss's setting refused by name)."""
-    kind = a.loss or own.kind
-    given = {k: getattr(a, k) for k in OWNERS if getattr(a, k) is not None}
+def score_loss(kind: str | None, changes: dict[str, Any], own: LossSpec) -> LossSpec:
+    """The score's loss: the adapter's own (``own``) unless ``kind`` names another, each
+    loss flag given (``changes``) replacing its value, checked as a run's is (a negative β,
+    a NaN or another loss's setting refused by name)."""
+    kind = kind or own.kind
     kept = own.loss.fields() if kind == own.kind else {}
-    cfg = TrainConfig().replace(loss=kind, nll_span=own.nll_span, **{**kept, **given})
+    cfg = TrainConfig().replace(loss=kind, nll_span=own.nll_span, **{**kept, **changes})
     return cfg.loss_spec()
 
 
-def run_score(argv: list[str], prog: str = "python -m engine score") -> int:
+def run_score(values: dict[str, Any]) -> int:
+    """``score`` with the parsed ``values`` (None: a flag not given)."""
     from engine.data.data_fit import load_pairs_for
     from engine.forward.layout_policy import scoring_layout
     from engine.forward.scoring import is_score_file, preference_accuracy, score_pairs
     from engine.host.atomic import atomic_write_text
     from engine.host.outputs import check_file
     from engine.model.adapters import trained_loss, trained_reference
-    from engine.settings.forward_options import ForwardOptions
     from engine.settings.reference_kind import parse_reference
     from engine.train.prepared import prepare_scoring
     from engine.train.reference import ReferenceSpec, attach_reference, ensure_reference
 
     log_to_stderr()
-    a = score_parser(prog).parse_args(argv)
+    changes = dict(given(values))
     try:  # the output first: a refused --out costs no model load nor scoring
+        a = ScoreRequest(**{k: v for k, v in changes.items() if k not in OWNERS})
         check_file(a.out, is_score_file, "a score file", inputs=[a.data, a.model, a.adapter])
-        spec = score_loss(a, trained_loss(a.adapter) or LossSpec())
+        spec = score_loss(a.loss, {k: v for k, v in changes.items() if k in OWNERS},
+                          trained_loss(a.adapter) or LossSpec())
         reference = ReferenceSpec(a.model, a.data, parse_reference(a.reference) if a.reference
                                   else trained_reference(a.adapter), spec.needs_kl)
-        options = ForwardOptions(a.batch_size, a.head_chunk, a.prefix_share,
-                                 a.allow_tokenizer_mismatch)
+        options = a.forward
         if spec.needs_reference:  # made (or read) before the scored model loads
             ensure_reference(reference, None, options)
         prepared = prepare_scoring(a.model, a.adapter)
@@ -272,26 +250,12 @@ def run_score(argv: list[str], prog: str = "python -m engine score") -> int:
     return 0
 
 
-def export_parser(prog: str = "python -m engine export") -> argparse.ArgumentParser:
-    from engine.model.gguf_export import TYPES
-
-    p = OneLineParser(prog=prog,
-                      description="Fuse an adapter into its base model and write a GGUF "
-                                  "(llama.cpp, Ollama, LM Studio).")
-    p.add_argument("target", help="A training run, an adapter, or a sweep's folder "
-                                  "(its best-adapter/).")
-    p.add_argument("--gguf", required=True, help="The GGUF file to write (never over one).")
-    p.add_argument("--model", default=None, help="The base model (default: the one the "
-                                                 "adapter names); a folder or a .gguf file.")
-    p.add_argument("--type", default="f32", choices=TYPES, help="Tensor type (default f32).")
-    return p
-
-
-def run_export(argv: list[str], prog: str = "python -m engine export") -> int:
+def run_export(values: dict[str, Any]) -> int:
+    """``export`` with the parsed ``values`` (None: a flag not given)."""
     from engine.model.export import export
 
-    a = export_parser(prog).parse_args(argv)
     try:
+        a = ExportRequest(**dict(given(values)))
         out = export(a.target, a.gguf, a.model, a.type)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -301,6 +265,10 @@ def run_export(argv: list[str], prog: str = "python -m engine export") -> int:
     return 0
 
 
+RUNNERS: dict[str, Callable[[dict[str, Any]], int]] = {
+    "train": run_train, "score": run_score, "export": run_export}
+
+
 USAGE = """Train, score or export one adapter with no Prefect and no Ray.
 
     python -m engine train --model DIR --data PATH --out DIR [--config YAML] [--steps N ...]
@@ -308,9 +276,6 @@ USAGE = """Train, score or export one adapter with no Prefect and no Ray.
     python -m engine export RUN_OR_ADAPTER --gguf OUT.gguf [--model M] [--type q8_0]
 
 Each command's --help lists its options. Benchmarks: python -m benchmarks --help."""
-COMMANDS = {"train": "Train one LoRA adapter (ORPO, DPO, SimPO, KTO, CPO or SFT).",
-            "score": "Score preference pairs under a model (+ adapter).",
-            "export": "Fuse an adapter into its base and write a GGUF."}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,12 +285,14 @@ def main(argv: list[str] | None = None) -> int:
               "KIND ...`) now", file=sys.stderr)
         return 2
     try:
-        args, rest = command_parser("python -m engine", COMMANDS, USAGE).parse_known_args(argv)
-    except SystemExit as done:  # --help (0) or a missing/unknown command (2): a return code
+        verbs = {verb: about for verb, (_, about) in VERBS.items()}
+        args, rest = command_parser("python -m engine", verbs, USAGE).parse_known_args(argv)
+        values = vars(verb_parser(args.command).parse_args(rest))
+    except SystemExit as done:  # --help (0) or a usage mistake (2): a return code
         return int(done.code or 0)
     try:
         check_cache_root()  # a bad $POMONA_CACHE: one line now, not a traceback mid-run
     except CacheRootError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return {"train": run_train, "score": run_score, "export": run_export}[args.command](rest)
+    return RUNNERS[args.command](values)

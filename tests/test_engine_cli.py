@@ -52,18 +52,18 @@ def test_score_loss_mistakes_are_one_line(tiny_model: Path, tiny_data: Path, tmp
     are refused by name before anything is scored (were: scored silently / a traceback)."""
     import json
 
-    from engine.cli import run_score
+    from engine.cli import main as engine_main
 
     base = ["--model", str(tiny_model), "--data", str(tiny_data), "--out",
             str(tmp_path / "s.jsonl")]
     for flag, value, name in (("--simpo-beta", "-1", "simpo_beta"),
                               ("--orpo-lambda", "nan", "orpo_lambda")):
-        assert run_score([*base, "--loss", "simpo", flag, value]) == 2
+        assert engine_main(["score", *base, "--loss", "simpo", flag, value]) == 2
         assert name in capsys.readouterr().err
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"pomona": {"loss": "nonesuch"}}))
-    assert run_score([*base, "--adapter", str(adapter)]) == 2  # through score's own path
+    assert engine_main(["score", *base, "--adapter", str(adapter)]) == 2  # through score's own path
     err = capsys.readouterr().err
     assert "adapter_config.json" in err and "nonesuch" in err, err
     assert not (tmp_path / "s.jsonl").exists()
@@ -75,9 +75,9 @@ def test_verify_prints_the_figures_it_checked(tiny_model: Path, tiny_data: Path,
     with no line saying what was compared, within what tolerance."""
     import json
 
-    from engine.cli import run_train
+    from engine.cli import main as engine_main
 
-    code = run_train(["--model", str(tiny_model), "--data", str(tiny_data), "--out",
+    code = engine_main(["train", "--model", str(tiny_model), "--data", str(tiny_data), "--out",
                       str(tmp_path / "v"), "--steps", "1", "--batch-size", "2", "--verify",
                       "--segment-size", "2", "--head-chunk", "8", "--val-every", "0"])
     err = capsys.readouterr().err
@@ -95,13 +95,13 @@ def test_verify_checks_a_bf16_model_on_its_float32_copy(tiny_data: Path, tmp_pat
     """A bf16 (or 4-bit) model's two paths cannot be asked to agree in bf16 (a deep Gemma's
     differ by O(1)); `--verify` compares them on the float32 structural copy, at the
     float32 tolerance, and says so. Would catch: the bf16 comparison (tolerance 3e-2) back."""
-    from engine.cli import run_train
+    from engine.cli import main as engine_main
     from tasks.models.model_factory import ModelSpec, init_model
 
     spec = ModelSpec(layers=4, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=512,
                      dtype="bfloat16")  # tiny_model's, in bf16
     model = init_model(spec, tmp_path / "bf16")
-    code = run_train(["--model", str(model), "--data", str(tiny_data), "--out",
+    code = engine_main(["train", "--model", str(model), "--data", str(tiny_data), "--out",
                       str(tmp_path / "v"), "--steps", "1", "--batch-size", "2", "--verify",
                       "--segment-size", "2", "--head-chunk", "8", "--val-every", "0"])
     err = capsys.readouterr().err

@@ -45,14 +45,14 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
     for r in board:
         assert (r["eval/valid/rows"], r["eval/test/rows"]) == (rows["valid"], rows["test"])
     # The board's accuracies are what `pomona score` reads off the same pairs.
-    from engine.cli import run_score
+    from engine.cli import main as engine_main
     from engine.forward.scoring import preference_accuracy
 
     for r in (board[-1], trials[0]):
         for split in ("valid", "test"):
             scored = tmp_path / f"{r['trial_id']}-{split}.jsonl"
             adapter = [] if r["trial_id"] == "base" else ["--adapter", r["adapter"]]
-            assert run_score(["--model", str(tiny_model), "--data", str(out / "data"),
+            assert engine_main(["score", "--model", str(tiny_model), "--data", str(out / "data"),
                               "--split", split, "--out", str(scored), *adapter]) == 0
             acc = preference_accuracy([json.loads(x) for x in scored.read_text().splitlines()])
             assert r[f"eval/{split}/logps/accuracies"] == pytest.approx(acc, abs=1e-9), split

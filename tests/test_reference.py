@@ -288,7 +288,7 @@ def test_score_and_evaluation_report_dpo_under_its_own_reference(tiny_model: Pat
     """A DPO adapter trained against ``reference: DIR`` is scored and evaluated under DPO
     against that same reference (its adapter config names it): evaluation's valid figures
     equal training's last validation, and score's per-pair rewards average to them."""
-    from engine.cli import run_score
+    from engine.cli import main as engine_main
     from tasks.eval.evaluate import evaluate_adapter
 
     out = tmp_path / "dpo"
@@ -302,7 +302,7 @@ def test_score_and_evaluation_report_dpo_under_its_own_reference(tiny_model: Pat
                                                               abs=1e-6), name
     assert abs(last["val/rewards/chosen"]) > 1e-4  # it moved off its reference
     scores = tmp_path / "scores.jsonl"
-    assert run_score(["--model", str(tiny_model), "--adapter", str(out), "--data",
+    assert engine_main(["score", "--model", str(tiny_model), "--adapter", str(out), "--data",
                       str(tiny_data), "--out", str(scores), "--split", "valid",
                       "--batch-size", "4", "--head-chunk", "16"]) == 0
     rows = [json.loads(line) for line in scores.read_text().splitlines()]
@@ -371,16 +371,16 @@ def test_a_reference_retrained_in_place_is_said_at_score(
     scored against it in silence; now a warning on stderr names the changed reference_key
     (where the command's user reads it: ``log_to_stderr`` keeps engine notes off the root
     logger, so a log capture saw it only when an earlier test had left that on)."""
-    from engine.cli import run_score
+    from engine.cli import main as engine_main
 
     sft = trained_adapter(tiny_model, tiny_data, tmp_path / "sft", 1, 1e-3)
     out = tmp_path / "dpo"
     train(cfg(tiny_model, tiny_data, out, loss="dpo", reference=str(sft)))
     args = ["--model", str(tiny_model), "--adapter", str(out), "--data", str(tiny_data),
             "--split", "valid", "--batch-size", "4", "--head-chunk", "16"]
-    assert run_score([*args, "--out", str(tmp_path / "a.jsonl")]) == 0
+    assert engine_main(["score", *args, "--out", str(tmp_path / "a.jsonl")]) == 0
     assert "reference_key" not in capsys.readouterr().err  # unchanged: nothing to say
     trained_adapter(tiny_model, tiny_data, sft, 2, 1e-2)  # retrained in place
-    assert run_score([*args, "--out", str(tmp_path / "b.jsonl")]) == 0
+    assert engine_main(["score", *args, "--out", str(tmp_path / "b.jsonl")]) == 0
     err = capsys.readouterr().err
     assert "reference_key" in err and str(sft) in err

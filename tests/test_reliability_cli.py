@@ -193,7 +193,7 @@ def test_score_batch_size_zero_is_one_line(tiny_model: Path, tiny_data: Path,
     traceback (range() arg 3 must not be zero). Would catch: the size not checked."""
     line = one_error("score", "--model", str(tiny_model), "--data", str(tiny_data), "--out",
                      str(tmp_path / "s.jsonl"), "--batch-size", "0")
-    assert "--batch-size: 0: must be at least 1" in line, line
+    assert "--batch-size 0: must be at least 1" in line, line
 
 
 def test_ui_ports_no_server_can_be_told_are_one_line(monkeypatch) -> None:

@@ -80,7 +80,7 @@ def test_cli_rank_change_on_resume_is_one_line(killed_run) -> None:
 def test_sigint_prints_the_step_to_resume_from(killed_run, monkeypatch, capsys) -> None:
     """Old code: exit 130 with a traceback and no hint."""
     import engine.train.trainer
-    from engine.cli import run_train
+    from engine.cli import main as engine_main
 
     out, resume = killed_run
 
@@ -88,7 +88,7 @@ def test_sigint_prints_the_step_to_resume_from(killed_run, monkeypatch, capsys) 
         raise KeyboardInterrupt
 
     monkeypatch.setattr(engine.train.trainer, "train", interrupted)
-    rc = run_train(["--model", resume.model, "--data", resume.data, "--out", str(out)])
+    rc = engine_main(["train", "--model", resume.model, "--data", resume.data, "--out", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 130 and "resume from step 2" in err[-1] and "--resume auto" in err[-1]
 

@@ -239,14 +239,14 @@ def test_evaluation_without_test_rows_says_so(tiny_model, tiny_data, caplog) -> 
 
 @pytest.mark.integration
 def test_score_cli_scores_the_test_split(tiny_model, mirrored, tiny_data, tmp_path) -> None:
-    from engine.cli import run_score
+    from engine.cli import main as engine_main
 
     out = tmp_path / "s.jsonl"
     base = ["--model", str(tiny_model), "--out", str(out)]
-    assert run_score([*base, "--data", str(mirrored), "--split", "test"]) == 0
+    assert engine_main(["score", *base, "--data", str(mirrored), "--split", "test"]) == 0
     assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == \
         [f"t{i}" for i in range(15)]
-    assert run_score([*base, "--data", str(tiny_data), "--split", "test"]) == 2
+    assert engine_main(["score", *base, "--data", str(tiny_data), "--split", "test"]) == 2
 
 
 # Issue 28, item 9: splits that leave nothing ------------------------------------------------

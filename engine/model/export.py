@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,24 @@ class ExportSettings:
             raise ValueError(f"export={value!r}: expected a mapping such as {{gguf: q8_0}} "
                              f"(types: {', '.join(TYPES)})")
         return cls(**value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportRequest:
+    """What ``export`` is asked (``python -m engine export``, ``pomona export``); its fields
+    are the verb's flags (engine/host/flags.py)."""
+
+    target: str = field(metadata={"positional": True, "help": "A training run, an adapter, "
+                                  "or a sweep's folder (its best-adapter/)."})
+    gguf: str = field(metadata={"help": "The GGUF file to write (never over one)."})
+    model: str | None = field(default=None, metadata={
+        "help": "The base model (default: the one the adapter names); a folder or a .gguf "
+                "file."})
+    type: str = field(default="f32", metadata={"help": "Tensor type.", "choices": TYPES})
+
+    def __post_init__(self) -> None:
+        if self.type not in TYPES:
+            raise ValueError(f"--type {self.type}: expected one of {', '.join(TYPES)}")
 
 
 def adapter_of(target: Path) -> Path:
