@@ -1,28 +1,64 @@
 """``pomona train``, ``score`` and ``export``: the engine's verbs (engine/cli.py), their
 flags rendered by typer from the declaration ``python -m engine`` renders with argparse, so
-both take the same options and ``pomona train --help`` lists every TrainConfig field."""
+both take the same options and ``pomona train --help`` lists every TrainConfig field.
+
+The command that parses a verb is built when the verb runs: its flags come from the
+engine's dataclasses, whose modules import MLX, and ``pomona --help`` or ``pomona sweep``
+should not wait for that. ``pomona --help`` lists each verb by the line below.
+"""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import typer
+import typer.main
+from typer.models import CommandInfo
 
 from cli.options import flag_params, signed
 
+LISTED = {
+    "train": "Train one adapter: `pomona train --model DIR --data PATH --out DIR` (--help: all).",
+    "score": "Score pairs: `pomona score --model DIR [--adapter DIR] --data PATH --out "
+             "FILE.jsonl`.",
+    "export": "A GGUF for llama.cpp, Ollama, LM Studio: `pomona export RUN --gguf OUT.gguf`.",
+}
+HELP = {"help_option_names": ["-h", "--help"]}
+_PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
+                "help_option_names": []}
+
 
 def add_engine_verbs(app: typer.Typer) -> None:
-    """Register each engine verb on ``app``, its help the engine's own."""
+    """Register each engine verb on ``app``: it hands its arguments to ``verb_command``."""
+    for verb, listed in LISTED.items():
+        app.command(verb, help=listed, context_settings=_PASSTHROUGH,
+                    add_help_option=False)(_handing_to(verb))
+
+
+def _handing_to(verb: str) -> Any:
+    def run(ctx: typer.Context) -> None:
+        code = verb_command(verb).main(list(ctx.args), prog_name=ctx.command_path,
+                                       standalone_mode=False)
+        raise typer.Exit(code=code or 0)
+
+    return run
+
+
+@functools.cache
+def verb_command(verb: str) -> Any:
+    """The typer command that parses ``verb``'s flags and runs it (engine/cli.py)."""
     from engine.cli import VERBS
 
-    for verb, (flags, about) in VERBS.items():
-        app.command(verb, help=about)(signed(_runner(verb), flag_params(flags())))
+    flags, about = VERBS[verb]
 
-
-def _runner(verb: str) -> Any:
     def run(**values: Any) -> None:
         from engine.cli import RUNNERS
 
         raise typer.Exit(code=RUNNERS[verb](values))
 
-    return run
+    info = CommandInfo(verb, callback=signed(run, flag_params(flags())), help=about,
+                       context_settings=HELP)
+    return typer.main.get_command_from_info(info, pretty_exceptions_short=True,
+                                            rich_markup_mode=None)
+

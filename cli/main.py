@@ -32,6 +32,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     cls=OneLineGroup,  # a usage mistake in any verb: one line (cli/terminal.py)
     rich_markup_mode=None,  # plain help: rich's boxes cut train's 90 options' help to "…"
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.add_typer(model_app, name="model")
 app.add_typer(data_app, name="data")

@@ -52,8 +52,8 @@ def test_the_cli_waits_for_a_fresh_temporary_prefect_server() -> None:
 
 
 def test_every_help_page_prints() -> None:
-    """Each verb's --help, the engine's pass-through ones too (a '%' in a help text crashed
-    argparse's `train --help`)."""
+    """Each verb's --help, the engine's verbs (built when they run) and bench's pass-through
+    too (a '%' in a help text crashed argparse's `train --help`)."""
     import typer.main
 
     from benchmarks.__main__ import KINDS

@@ -62,8 +62,26 @@ def test_the_replayed_line_parses_back() -> None:
     (["nonesuch"], "pomona: No such command 'nonesuch'"),
 ])
 def test_a_usage_mistake_is_one_line(line: list[str], said: str) -> None:
-    """Would catch: typer's usage box (several lines) back, or a line not naming the verb."""
+    """Would catch: typer's usage box (several lines) back, or a line not naming the verb,
+    or on stdout (typer's box went to stderr)."""
     result = CliRunner().invoke(app, line)
-    lines = [x for x in result.output.splitlines() if x.strip()]
-    assert result.exit_code == 2 and len(lines) == 1, result.output
+    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and not result.stdout, result.output
     assert lines[0].startswith(f"error: {said}") and "--help lists the options" in lines[0]
+
+
+def test_help_and_errors_as_typed() -> None:
+    """-h is --help, in every verb; a bracket a user typed is printed, not read as rich
+    markup (`[/]` raised MarkupError); `pomona --help` loads no MLX (the engine's flags
+    are built when an engine verb runs)."""
+    import subprocess
+    import sys
+
+    for line in (["-h"], ["train", "-h"], ["data", "synth", "-h"]):
+        result = CliRunner().invoke(app, line)
+        assert result.exit_code == 0 and "Usage: pomona" in result.output, result.output
+    result = CliRunner().invoke(app, ["no[/]pe"])
+    assert result.exit_code == 2 and "No such command 'no[/]pe'" in result.output
+    probe = "import sys, cli.main; print(sorted({'mlx', 'numpy'} & set(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert loaded.stdout.strip() == "[]", loaded.stdout + loaded.stderr

@@ -4,55 +4,41 @@ loss's own settings (``--dpo-beta``, ...) are the losses' flags, beside it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
+from engine.host.flags import check_choices, flag_field
 from engine.losses import LOSSES
 from engine.settings.config import CHOICES, TrainConfig
 from engine.settings.forward_options import ForwardOptions
 
 SPLITS = ("all", "train", "valid", "test")
-
-
-def _f(default: Any, help: str, **more: Any) -> Any:
-    return field(default=default, metadata={"help": help, **more})
-
-
-def _required(help: str) -> Any:
-    return field(metadata={"help": help})
-
-
-def _train_help(name: str) -> str:
-    return TrainConfig.__dataclass_fields__[name].metadata["help"]
+TRAIN_FIELDS = TrainConfig.__dataclass_fields__
 
 
 @dataclass(frozen=True, kw_only=True)
 class ScoreRequest:
     """Which pairs to score, under which model and adapter, into which file."""
 
-    model: str = _required("Model directory, .gguf file or repo id.")
-    adapter: str | None = _f(None, "Adapter directory (mlx-lm format).")
-    data: str = _required("Tokenized pairs (dataset dir/.parquet/.jsonl).")
-    out: str = _required("Output JSONL, one object per pair.")
-    loss: str | None = _f(None, "The loss column's loss (default: the adapter's own, else "
-                                "orpo).", choices=tuple(LOSSES))
-    reference: str | None = _f(None, "DPO's reference: base or an adapter directory. "
-                                     "Default: the one the adapter trained against.")
-    split: str = _f("all", "Which pairs to score: train, valid (ranked on), test (reported).",
-                    choices=SPLITS)
-    batch_size: int = _f(8, "Pairs per forward.")
-    head_chunk: int = _f(0, "Bounded head chunk (0 = dense).")
-    allow_tokenizer_mismatch: bool = _f(False, _train_help("allow_tokenizer_mismatch"))
-    prefix_share: str = _f("auto", "One forward per pair over [prompt | chosen | rejected], "
+    model: str = flag_field("Model directory, .gguf file or repo id.")
+    adapter: str | None = flag_field("Adapter directory (mlx-lm format).", None)
+    data: str = flag_field("Tokenized pairs (dataset dir/.parquet/.jsonl).")
+    out: str = flag_field("Output JSONL, one object per pair.")
+    loss: str | None = flag_field("The loss column's loss (default: the adapter's own, else "
+                                  "orpo).", None, choices=tuple(LOSSES))
+    reference: str | None = flag_field("DPO's reference: base or an adapter directory. "
+                                       "Default: the one the adapter trained against.", None)
+    split: str = flag_field("Which pairs to score: train, valid (ranked on), test "
+                            "(reported).", "all", choices=SPLITS)
+    batch_size: int = flag_field("Pairs per forward.", 8)
+    head_chunk: int = flag_field("Bounded head chunk (0 = dense).", 0)
+    allow_tokenizer_mismatch: bool = flag_field(
+        TRAIN_FIELDS["allow_tokenizer_mismatch"].metadata["help"], False)
+    prefix_share: str = flag_field("One forward per pair over [prompt | chosen | rejected], "
                                    "as in training (auto: where it saves enough tokens).",
-                           choices=CHOICES["prefix_share"])
+                                   "auto", choices=CHOICES["prefix_share"])
 
     def __post_init__(self) -> None:
-        for name in ("split", "prefix_share", "loss"):
-            choices = type(self).__dataclass_fields__[name].metadata["choices"]
-            if getattr(self, name) not in (*choices, *((None,) if name == "loss" else ())):
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: "
-                                 f"expected one of {', '.join(choices)}")
+        check_choices(self)
         if self.batch_size < 1:  # a batch of 0 pairs scores nothing, forever
             raise ValueError(f"--batch-size {self.batch_size}: must be at least 1")
         if self.head_chunk < 0:

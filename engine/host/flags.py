@@ -41,6 +41,12 @@ class Flag:
         return text if self.default in (None, "") else f"{text} (default: {self.default})"
 
 
+def flag_field(help: str, default: Any = dataclasses.MISSING, **more: Any) -> Any:
+    """A dataclass field declared as a flag: its help, its default (none: required) and
+    ``positional`` or ``choices`` (checked by ``check_choices``)."""
+    return dataclasses.field(default=default, metadata={"help": help, **more})
+
+
 def field_flags(cls: type) -> list[Flag]:
     """``cls``'s fields as flags: a field with no default is required; ``positional`` and
     ``choices`` metadata make a positional argument and a metavar listing the choices."""
@@ -82,9 +88,20 @@ def _argparse(flag: Flag) -> dict[str, Any]:
     if flag.kind is bool:
         return {"action": argparse.BooleanOptionalAction}
     shown = {} if flag.metavar is None else {"metavar": flag.metavar}
-    if flag.kind is tuple:  # `--lora-keys a b` and `--lora-keys a --lora-keys b` alike
+    if flag.kind is tuple:  # `--lora-keys a --lora-keys b`, as pomona's typer takes it; and
+        # `--lora-keys a b`, as python -m engine always took it (recorded commands use it)
         return {"action": "extend", "nargs": "+", **shown}
     return {"type": flag.kind, **shown}
+
+
+def check_choices(value: Any) -> None:
+    """ValueError naming the flag where a field of the dataclass ``value`` holds a value
+    outside its ``choices`` metadata (None passes: not given)."""
+    for f in dataclasses.fields(value):
+        choices, chosen = f.metadata.get("choices"), getattr(value, f.name)
+        if choices is not None and chosen is not None and chosen not in choices:
+            raise ValueError(f"--{f.name.replace('_', '-')} {chosen}: expected one of "
+                             f"{', '.join(map(str, choices))}")
 
 
 def given(values: dict[str, Any]) -> Iterator[tuple[str, Any]]:
@@ -98,16 +115,17 @@ def command_line(flags: list[Flag], values: dict[str, Any]) -> list[str]:
     """The arguments that parse back to ``values`` (None: not given), for a process that
     runs the command again: ``--name=value`` (a value may start with '-')."""
     line: list[str] = []
+    positional: list[str] = []  # last, after "--": a value may start with '-'
     for flag in flags:
         value = values.get(flag.name)
         if value is None:
             continue
         if flag.positional:
-            line.append(str(value))
+            positional.append(str(value))
         elif flag.kind is bool:
             line.append(flag.option if value else "--no-" + flag.option[2:])
         elif flag.kind is tuple:
             line += [f"{flag.option}={item}" for item in value]
         else:
             line.append(f"{flag.option}={value}")
-    return line
+    return [*line, "--", *positional] if positional else line

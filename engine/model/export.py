@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.host.flags import check_choices, flag_field
 from engine.host.outputs import check_file
 from engine.model.adapters import ADAPTER_FILE, CONFIG_FILE
 from engine.model.gguf_export import TYPES, check_expressible, fuse, gguf_arch, write_gguf
@@ -50,17 +51,15 @@ class ExportRequest:
     """What ``export`` is asked (``python -m engine export``, ``pomona export``); its fields
     are the verb's flags (engine/host/flags.py)."""
 
-    target: str = field(metadata={"positional": True, "help": "A training run, an adapter, "
-                                  "or a sweep's folder (its best-adapter/)."})
-    gguf: str = field(metadata={"help": "The GGUF file to write (never over one)."})
-    model: str | None = field(default=None, metadata={
-        "help": "The base model (default: the one the adapter names); a folder or a .gguf "
-                "file."})
-    type: str = field(default="f32", metadata={"help": "Tensor type.", "choices": TYPES})
+    target: str = flag_field("A training run, an adapter, or a sweep's folder (its "
+                             "best-adapter/).", positional=True)
+    gguf: str = flag_field("The GGUF file to write (never over one).")
+    model: str | None = flag_field("The base model (default: the one the adapter names); a "
+                                   "folder or a .gguf file.", None)
+    type: str = flag_field("Tensor type.", "f32", choices=TYPES)
 
     def __post_init__(self) -> None:
-        if self.type not in TYPES:
-            raise ValueError(f"--type {self.type}: expected one of {', '.join(TYPES)}")
+        check_choices(self)
 
 
 def adapter_of(target: Path) -> Path:
