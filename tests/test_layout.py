@@ -312,6 +312,8 @@ SETUP_ELSEWHERE = {
     "benchmarks/row_runner.py": {"chunk_mlps"},
     "benchmarks/layer_memory.py": {"chunk_mlps"},
     "engine/model/gguf_export.py": {"load_model"},  # fused for export: no stack, no levers
+    # a pack's LoRA: its projections chosen as a lone adapter's are, then one per adapter
+    "engine/model/packed_lora.py": {"attach_lora"},
 }
 
 

@@ -8,6 +8,7 @@ exact and pads only need leaving out of the loss (docs/design.md, fused attentio
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -106,3 +107,15 @@ def batch_norms(batches: Sequence[PairBatch]) -> Norms:
     """Normalisers over all micro-batches of one optimizer step."""
     return Norms(nll_tokens=float(max(sum(b.nll_mask.sum() for b in batches), 1.0)),
                  pairs=float(sum(b.pairs for b in batches)))
+
+
+def repeat_rows(batch: PairBatch, k: int) -> PairBatch:
+    """``batch`` with its rows repeated ``k`` times, copy after copy: the batch of a pack of
+    ``k`` adapters (engine/model/packed_lora.py), copy i the rows adapter i trains on."""
+    if batch.kl is not None:
+        raise ValueError("a pack's batch carries no KL partners yet (KTO trains alone)")
+    rows = {f: np.concatenate([getattr(batch, f)] * k)
+            for f in ("inputs", "targets", "resp_mask", "nll_mask")}
+    ref = None if batch.ref is None else np.concatenate([batch.ref] * k)
+    return dataclasses.replace(batch, **rows, ref=ref, ids=list(batch.ids) * k,
+                               tokens=batch.tokens * k)

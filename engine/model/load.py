@@ -131,15 +131,25 @@ def attach_lora(model: nn.Module, spec: LoraSpec, seed: int) -> int:
     if not modules:
         raise ValueError(f"no LoRA layers attached: keys={spec.keys} matched nothing in "
                          f"the last {n} layers")
-    rng = np.random.default_rng(seed)
     use_input_dtype_lora(model)
-    for site, (_, m) in enumerate(modules):
-        fan_in = m.lora_a.shape[-1 if m.lora_a.ndim == 3 else 0]  # experts: [E, r, in]
-        bound = 1.0 / np.sqrt(fan_in)
-        m.lora_a = mx.array(rng.uniform(-bound, bound, m.lora_a.shape).astype(np.float32))
+    drawn = initial_a([m.lora_a.shape for _, m in modules], seed)
+    for site, ((_, m), a) in enumerate(zip(modules, drawn, strict=True)):
+        m.lora_a = mx.array(a)
         m.lora_b = mx.zeros_like(m.lora_b)
         m.dropout = KeyedDropout(spec.dropout, site)
     return sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+
+
+def initial_a(shapes: list[tuple[int, ...]], seed: int) -> list[np.ndarray]:
+    """Each LoRA layer's first ``lora_a``, in order, drawn from ``seed``: U(±1/√fan_in), as
+    mlx-lm draws it (from its global RNG); ``lora_b`` starts at 0."""
+    rng = np.random.default_rng(seed)
+    drawn = []
+    for shape in shapes:
+        fan_in = shape[-1 if len(shape) == 3 else 0]  # experts: [E, r, in]
+        bound = 1.0 / np.sqrt(fan_in)
+        drawn.append(rng.uniform(-bound, bound, shape).astype(np.float32))
+    return drawn
 
 
 class _Dropouts:
