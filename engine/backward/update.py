@@ -10,7 +10,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from engine.backward.segmented import Grads, grads_to_tree
 from engine.settings.config import TrainConfig
@@ -43,12 +43,8 @@ def make_update(model: nn.Module, optimizer: optim.AdamW, clip: float
     Call after the optimizer state is loaded."""
     optimizer.init(model.trainable_parameters())  # the state compile reads and writes
     params, grads_tree = _Tree(model.trainable_parameters()), _Tree(model.trainable_parameters())
-
-    def step(tree: dict, current: dict) -> tuple[mx.array, dict]:
-        clipped, norm = optim.clip_grad_norm(tree, clip if clip > 0 else float("inf"))
-        return norm, optimizer.apply_gradients(clipped if clip > 0 else tree, current)
-
-    compiled = mx.compile(step, inputs=optimizer.state, outputs=optimizer.state)
+    compiled = mx.compile(clip_and_step(optimizer, clip), inputs=optimizer.state,
+                          outputs=optimizer.state)
 
     def update(grads: Grads) -> mx.array:
         tree = grads_tree.fill(grads) if grads.keys() == grads_tree.paths.keys() else (
@@ -56,6 +52,39 @@ def make_update(model: nn.Module, optimizer: optim.AdamW, clip: float
         norm, new = compiled(tree, params.fill(params.read(model)))
         params.write(model, new, grads)
         mx.async_eval(norm, optimizer.state, new)
+        return norm
+
+    return update
+
+
+def clip_and_step(optimizer: optim.AdamW, clip: float
+                  ) -> Callable[[dict, dict], tuple[mx.array, dict]]:
+    """``step(grads, params) → (norm, new params)``: the global norm clipped to ``clip``
+    (0: not clipped), then one AdamW step: what a lone run and each adapter of a pack run."""
+    def step(tree: dict, current: dict) -> tuple[mx.array, dict]:
+        clipped, norm = optim.clip_grad_norm(tree, clip if clip > 0 else float("inf"))
+        return norm, optimizer.apply_gradients(clipped if clip > 0 else tree, current)
+
+    return step
+
+
+def make_adapter_update(model: nn.Module, i: int, optimizer: optim.AdamW, clip: float
+                        ) -> Callable[[Grads], mx.array]:
+    """``update(grads) → norm`` for adapter ``i`` of a pack (engine/model/packed_lora.py):
+    its grads, named as a lone adapter's, clipped by their own norm and stepped by its own
+    optimizer (its learning rate and schedule), as ``make_update`` steps a lone run."""
+    from engine.model.packed_lora import adapter_of, set_adapter
+
+    optimizer.init(tree_unflatten(list(adapter_of(model, i).items())))
+    compiled = mx.compile(clip_and_step(optimizer, clip), inputs=optimizer.state,
+                          outputs=optimizer.state)
+
+    def update(grads: Grads) -> mx.array:
+        current = tree_unflatten(list(adapter_of(model, i).items()))
+        norm, new = compiled(grads_to_tree(grads), current)
+        flat = dict(tree_flatten(new))
+        set_adapter(model, i, flat)
+        mx.async_eval(norm, optimizer.state, list(flat.values()))
         return norm
 
     return update

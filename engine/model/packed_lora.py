@@ -99,3 +99,10 @@ def adapter_of(model: nn.Module, i: int) -> dict[str, mx.array]:
             out[f"{name}.lora_a"], out[f"{name}.lora_b"] = m.lora_a[i], m.lora_b[i]
     return out
 
+
+
+def set_adapter(model: nn.Module, i: int, weights: dict[str, mx.array]) -> None:
+    """Adapter ``i``'s weights replaced by ``weights`` (named as ``adapter_of`` names them)."""
+    for name, m in model.named_modules():
+        if isinstance(m, PackedLoRALinear):
+            m.lora_a[i], m.lora_b[i] = weights[f"{name}.lora_a"], weights[f"{name}.lora_b"]

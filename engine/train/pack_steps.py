@@ -1,0 +1,132 @@
+"""A pack's training step (engine/model/packed_lora.py): the micro-batches' rows repeated
+once per adapter, every adapter's own loss on its copy summed into one backward through the
+configured path, then each adapter's own clip and AdamW update (its learning rate, schedule
+and clip), so each adapter takes the steps its lone run takes (engine/train/steps.py;
+tests/test_pack_steps.py holds the weights to the parity tolerance).
+
+    stepper = PackStepper(model, stack, cfgs, updates)
+    for done in stepper.steps(next_micro_batches, first=1, last=steps):  # one StepDone each
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from engine.backward.segmented import Grads, value_and_grad
+from engine.data.batch import PairBatch, batch_norms, repeat_rows
+from engine.losses import Norms, pair_loss
+from engine.model.load import set_dropout_seed
+from engine.settings.config import TrainConfig
+from engine.train.steps import StepDone, check_finite
+
+# What every trial of a pack shares: its batches, its path through the model, the adapted
+# projections. The rest (learning rate and schedule, AdamW, clip, the loss and its
+# settings, LoRA rank, scale and dropout, validation, outputs) is each adapter's own.
+SHARED = ("model", "data", "batch_size", "grad_accum", "steps", "seed", "segment_size",
+          "head_chunk", "mlp_chunk", "inflight", "prefix_share", "prefix_attention",
+          "pad_multiple", "lora_keys", "lora_layers", "allow_tokenizer_mismatch",
+          "memory_limit_gb")
+
+
+def check_pack(cfgs: Sequence[TrainConfig]) -> None:
+    """ValueError naming the first setting the trials of a pack do not share, or a loss a
+    pack cannot train yet (one that reads a reference: DPO's and KTO's are its next step)."""
+    first = cfgs[0]
+    for name in SHARED:
+        values = [getattr(c, name) for c in cfgs]
+        if any(v != values[0] for v in values):
+            raise ValueError(f"a pack's trials share {name}; got {values}")
+    for c in cfgs:
+        if c.loss_spec().needs_reference:
+            raise ValueError(f"loss {c.loss.kind} reads a reference: it trains alone, not "
+                             "in a pack (yet)")
+    if first.prefix_share == "on":
+        raise ValueError("prefix_share=on: a pack's batch is the two-forward layout (yet)")
+
+
+@dataclass(frozen=True)
+class PackStepper:
+    """What a pack's step needs: the model with its pack, the trials' configs (their
+    shared settings run the step; each one's loss is its adapter's) and each adapter's
+    update (engine/backward/update.py ``make_adapter_update``)."""
+
+    model: Any
+    stack: Any
+    cfgs: Sequence[TrainConfig]
+    updates: Sequence[Callable[[Grads], mx.array]]
+
+    def steps(self, batches: Callable[[], list[PairBatch]], first: int, last: int
+              ) -> Iterator[list[StepDone]]:
+        """Steps ``first`` to ``last``, each on the micro-batches one call of ``batches``
+        makes: per step, one StepDone per adapter, in pack order."""
+        k = len(self.cfgs)
+        for step in range(first, last + 1):
+            t0 = time.perf_counter()
+            micro = batches()
+            losses, sums, grads = self.grads(micro, step)
+            norms = [u(g) for u, g in zip(self.updates, grads, strict=True)]
+            mx.eval(losses, sums, norms)
+            seconds = time.perf_counter() - t0
+            tokens, pairs = sum(b.tokens for b in micro), sum(len(b.ids) for b in micro)
+            done = []
+            for i in range(k):
+                check_finite(step, float(losses[i]), float(norms[i]), micro)
+                own = {n: float(v) for n, v in sums[i].items()}
+                done.append(StepDone(step, float(losses[i]), own, float(norms[i]), tokens,
+                                     seconds, pairs))
+            yield done
+
+    def grads(self, micro: list[PairBatch], step: int
+              ) -> tuple[list[mx.array], list[dict[str, mx.array]], list[Grads]]:
+        """Each adapter's loss, metric sums and grads (named as a lone adapter's) over one
+        step's micro-batches, normalised over the whole step as a lone run's are."""
+        cfg, k = self.cfgs[0], len(self.cfgs)
+        norms = batch_norms(micro)
+        losses = [mx.array(0.0)] * k
+        sums: list[dict[str, mx.array]] = [{} for _ in range(k)]
+        total: Grads = {}
+        for j, b in enumerate(micro):
+            if j:  # bound the accumulation: the earlier micro-batches finish first
+                mx.eval(losses, sums, total)
+            set_dropout_seed(self.model, (cfg.seed * 1_000_003 + step) * 1009 + j)
+            _, metrics, g = value_and_grad(self.model, self.stack, repeat_rows(b, k),
+                                           self.loss_of(b, norms), cfg.segment_size,
+                                           cfg.head_chunk, cfg.inflight)
+            total = g if not total else {n: total[n] + g[n] for n in total}
+            for i in range(k):
+                losses[i] = losses[i] + metrics[f"{i}/loss"]
+                for n, v in metrics.items():
+                    if n.startswith(f"{i}/") and n != f"{i}/loss":
+                        key = n.split("/", 1)[1]
+                        sums[i][key] = sums[i].get(key, 0.0) + v
+        for i in range(k):
+            sums[i].update(micro_batches=len(micro), shared_batches=0, pairs=norms.pairs,
+                           nll_tokens=norms.nll_tokens)
+        return losses, sums, [adapter_grads(total, i) for i in range(k)]
+
+    def loss_of(self, b: PairBatch, norms: Norms) -> Callable[[mx.array], Any]:
+        """The loss of a micro-batch's k copies: the sum of each adapter's own loss on its
+        copy (its gradient w.r.t. adapter i is adapter i's loss's); each one's metrics
+        apart, as ``i/name``."""
+        resp, nll, ref = mx.array(b.resp_mask), mx.array(b.nll_mask), b.ref_array()
+        specs = [c.loss_spec() for c in self.cfgs]
+
+        def loss(lp: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
+            total, metrics = mx.array(0.0), {}
+            for i, (spec, part) in enumerate(zip(specs, mx.split(lp, len(specs)), strict=True)):
+                own, m = pair_loss(part, resp, nll, spec, norms, ref)
+                total = total + own
+                metrics.update({f"{i}/{n}": v for n, v in m.items()}, **{f"{i}/loss": own})
+            return total, metrics
+
+        return loss
+
+
+def adapter_grads(grads: Grads, i: int) -> Grads:
+    """Adapter ``i``'s grads of a pack's (``….lora_a.i``), named as a lone adapter's."""
+    return {n.removesuffix(f".{i}"): g for n, g in grads.items() if n.endswith(f".{i}")}
