@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import mlx.core as mx
 
@@ -41,7 +41,6 @@ from engine.forward.layout_policy import (
     resolve_prefix_attention,
 )
 from engine.forward.prefix import PrefixBatch
-from engine.forward.scoring import evaluate
 from engine.host.command_queue import queue_note
 from engine.host.outputs import claim
 from engine.losses import validation_metrics
@@ -51,16 +50,14 @@ from engine.model.adapters import (
     load_adapter_weights,
     load_checkpoint,
     prepare_out,
-    prune_checkpoints,
     run_write_text,
     save_adapters,
-    save_checkpoint,
 )
 from engine.model.content_key import model_fingerprint, reference_key
 from engine.settings.config import TrainConfig
 from engine.settings.forward_options import ForwardOptions
-from engine.settings.ranking import beats
 from engine.settings.reference_kind import BASE, adapter_path
+from engine.train.ledger import Callback, Ledger, lora_blocks
 from engine.train.prepared import Prepared, prepare_training
 from engine.train.reference import (
     ReferenceSpec,
@@ -68,17 +65,10 @@ from engine.train.reference import (
     ensure_reference,
     resolved_reference,
 )
-from engine.train.report_window import Window
-from engine.train.resume import check_resume, read_state, resume_checkpoint, run_settings
+from engine.train.resume import check_resume, read_state, resume_checkpoint
 from engine.train.steps import Stepper
 
 log = logging.getLogger(__name__)
-
-
-class Callback(Protocol):
-    """Receives each metrics record (``split`` = "train" or "valid") as it is written."""
-
-    def on_metrics(self, record: dict[str, Any]) -> None: ...
 
 
 @dataclass
@@ -99,27 +89,6 @@ class TrainResult:
     rank_pairs: list[int] = field(default_factory=list)  # pairs each rank trained
     load_check: dict[str, Any] = field(default_factory=dict)  # engine/check/load_check.py figures
     verified: dict[str, Any] = field(default_factory=dict)  # --verify's figures (verify_paths)
-
-
-def _emit(record: dict[str, Any], out: Path, callbacks: Sequence[Callback]) -> None:
-    log = out / "metrics.jsonl"
-    try:
-        with log.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-    except OSError as err:  # a full disk: the error names the file, as the others do
-        raise OSError(err.errno, f"cannot write {log}: {err.strerror or err}") from None
-    for cb in callbacks:
-        cb.on_metrics(record)
-
-
-def better(rec: dict[str, Any], best: dict[str, Any], metric: str, mode: str) -> bool:
-    """Whether validation record ``rec`` beats ``best`` on ``metric`` (``mode`` min or max);
-    a NaN never does, and a metric the records lack is an error naming what they have."""
-    if metric not in rec:
-        have = sorted(k for k in rec if k.startswith("val/"))
-        raise ValueError(f"best_metric={metric!r}: not among this run's validation metrics "
-                         f"{have}")
-    return not best or beats(rec[metric], best[metric], mode)
 
 
 def refuse_beyond_context(pairs: Sequence, context: int | None) -> None:
@@ -319,60 +288,15 @@ def train_batches(run: Run) -> Callable[[], list]:
     return lambda: [run.shard_of(next(pairs)) for _ in range(cfg.grad_accum)]
 
 
-def validate(run: Run, step: int, callbacks: Sequence[Callback]) -> dict[str, Any]:
-    """The valid split scored at ``step``: its record, written by the main rank."""
-    cfg, valid = run.cfg, run.data.valid
-    if cfg.val_batches > 0:  # the first val_batches × batch_size pairs
-        valid = valid[: cfg.val_batches * cfg.batch_size]
-    metrics = evaluate(run.prepared.model, run.prepared.stack, valid, run.stepper.loss,
-                       cfg.batch_size, cfg.head_chunk, layout=run.batch_of)
-    rec = {"step": step, "split": "valid", **{f"val/{k}": v for k, v in metrics.items()},
-           "val/rows_skipped": sum(run.data.rejected.values())}
-    if run.ranks.main:
-        _emit(rec, run.out, callbacks)
-    return rec
-
-
 def loop(run: Run, loss: LossSpec, batches: Callable[[], list],
          callbacks: Sequence[Callback]) -> None:
-    """The steps after ``run.start`` on ``batches`` under ``loss``: a metrics window every
-    ``report_every`` steps, validation (the "before" numbers first, every ``val_every``
-    and at the end, the best kept) and checkpoints."""
-    cfg, result = run.cfg, run.result
-    run.prepared.model.train()
-    if not run.data.valid:  # said once every refusal is past: the run goes ahead without
-        log.warning("%s: the valid split is empty: no validation metrics, and no best "
-                    "evaluation to rank this run by", cfg.data)
-    elif cfg.val_every and run.start == 0:
-        validate(run, 0, callbacks)  # what every later evaluation is read against
-    window, settings = Window(), run_settings(cfg) if cfg.checkpoint_every else {}
+    """The steps after ``run.start`` on ``batches`` under ``loss``, each one's records,
+    validation and checkpoint kept by the run's ledger (engine/train/ledger.py)."""
+    ledger = Ledger(run, callbacks)
+    ledger.begin()
     stepper = dataclasses.replace(run.stepper, loss=loss)
-    for done in stepper.steps(batches, run.start + 1, cfg.steps):
-        step, lr = done.step, float(run.optimizer.learning_rate)  # the rate this update used
-        window.add(done.loss, done.sums, done.grad_norm, done.tokens, done.seconds)
-        result.steps, run.trained = step, run.trained + done.pairs
-        run.tokens, run.seconds = run.tokens + done.tokens, run.seconds + done.seconds
-        if step % cfg.report_every == 0 or step == cfg.steps:
-            result.final = window.record(step, lr)
-            result.peak_memory_gb = max(result.peak_memory_gb, result.final["peak_memory_gb"])
-            if run.ranks.main:
-                _emit(result.final, run.out, callbacks)
-            window.reset()
-        if run.data.valid and ((cfg.val_every and step % cfg.val_every == 0)
-                               or step == cfg.steps):
-            rec = validate(run, step, callbacks)
-            if better(rec, result.best_val, cfg.best_metric, cfg.best_mode):
-                result.best_val = rec
-        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and run.ranks.main:
-            save_checkpoint(run.prepared.model, run.optimizer, run.out, step,
-                            {"seed": cfg.seed, "settings": settings}, run.prepared.lora,
-                            lora_blocks(run))
-            prune_checkpoints(run.out, cfg.keep_checkpoints)
-
-
-def lora_blocks(run: Run) -> int:
-    """How many of the last blocks carry LoRA (``lora_layers``; -1: all of them)."""
-    return len(run.prepared.stack.layers) if run.cfg.lora_layers < 0 else run.cfg.lora_layers
+    for done in stepper.steps(batches, run.start + 1, run.cfg.steps):
+        ledger.record(done)
 
 
 def finish(run: Run) -> TrainResult:
