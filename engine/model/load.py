@@ -68,7 +68,7 @@ class KeyedDropout(nn.Module):
 
 
 @functools.cache
-def _lora_linear_class() -> type:
+def lora_linear_class() -> type:
     from mlx_lm.tuner.lora import LoRALinear
 
     class InputDtypeLoRALinear(LoRALinear):
@@ -91,7 +91,7 @@ def use_input_dtype_lora(model: nn.Module) -> None:
     """Every mlx-lm LoRALinear of ``model`` computes its low-rank product in the input's
     dtype (same parameters and adapter files, a cheaper call): trained LoRA and a DPO
     reference adapter compute alike."""
-    fast = _lora_linear_class()
+    fast = lora_linear_class()
     for _, m in lora_modules(model):
         if type(m) is fast.__base__:
             m.__class__ = fast

@@ -17,13 +17,21 @@ gradients are zero.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from engine.model.load import KeyedDropout, LoraSpec, attach_lora, initial_a, lora_modules
+from engine.model.load import (
+    KeyedDropout,
+    LoraSpec,
+    attach_lora,
+    initial_a,
+    lora_linear_class,
+    lora_modules,
+)
 
 
 class PackedLoRALinear(nn.Module):
@@ -106,3 +114,26 @@ def set_adapter(model: nn.Module, i: int, weights: dict[str, mx.array]) -> None:
     for name, m in model.named_modules():
         if isinstance(m, PackedLoRALinear):
             m.lora_a[i], m.lora_b[i] = weights[f"{name}.lora_a"], weights[f"{name}.lora_b"]
+
+
+@contextmanager
+def alone(model: nn.Module, i: int) -> Iterator[nn.Module]:
+    """Inside: ``model`` as adapter ``i`` alone makes it (a lone run's LoRA layers holding
+    its weights, dropout and scale), which evaluation, saving and checkpoints read as they
+    read a lone run; after: the pack, with whatever was loaded into the view kept."""
+    packed = [(n, m) for n, m in model.named_modules() if isinstance(m, PackedLoRALinear)]
+    views = []
+    for name, m in packed:
+        view = lora_linear_class().from_base(m.linear, r=m.lora_a[i].shape[1],
+                                             scale=m._scales[i])
+        view.__class__ = lora_linear_class()  # from_base makes mlx-lm's own class
+        view.lora_a, view.lora_b, view.dropout = m.lora_a[i], m.lora_b[i], m.dropouts[i]
+        view.train(m.training)
+        views.append((name, view))
+    model.update_modules(tree_unflatten(views))
+    try:
+        yield model
+    finally:
+        for (_, m), (_, view) in zip(packed, views, strict=True):
+            m.lora_a[i], m.lora_b[i] = view.lora_a, view.lora_b
+        model.update_modules(tree_unflatten(packed))

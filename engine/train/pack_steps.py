@@ -45,8 +45,9 @@ def check_pack(cfgs: Sequence[TrainConfig]) -> None:
         if c.loss_spec().needs_reference:
             raise ValueError(f"loss {c.loss.kind} reads a reference: it trains alone, not "
                              "in a pack (yet)")
-    if first.prefix_share == "on":
-        raise ValueError("prefix_share=on: a pack's batch is the two-forward layout (yet)")
+    if first.prefix_share != "off":  # the shared forward's pack is a later step
+        raise ValueError(f"prefix_share={first.prefix_share}: a pack runs the two-forward "
+                         "layout; give prefix_share off")
 
 
 @dataclass(frozen=True)

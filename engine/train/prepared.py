@@ -10,7 +10,7 @@ the model up its own way measured a model training never runs: the probe once le
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,6 +77,27 @@ def prepare_training(cfg: TrainConfig) -> Prepared:
     if cfg.mlp_chunk:
         chunk_mlps(stack.layers, cfg.mlp_chunk)
     return Prepared(model, tokenizer, stack, check, spec, trainable)
+
+
+def prepare_pack(cfgs: Sequence[TrainConfig]) -> list[Prepared]:
+    """The pack of ``cfgs`` (engine/model/packed_lora.py): their model loaded once, one
+    adapter per config drawn from their shared seed, the stack checked through adapter 0's
+    view (the pack's layers are its layers), the MLPs chunked as every step runs them; one
+    Prepared per adapter, sharing the model, each with its own LoRA and count."""
+    from engine.model.packed_lora import adapter_of, alone, pack_lora
+
+    model, tokenizer = load_model(cfgs[0].model)
+    for cfg in cfgs:
+        refuse_lora_beyond(cfg, model)
+    specs = [resolve_lora_keys(model, lora_spec(cfg)) for cfg in cfgs]
+    pack_lora(model, specs, cfgs[0].seed)
+    with alone(model, 0):
+        stack, check = checked_stack(model)
+    if cfgs[0].mlp_chunk:
+        chunk_mlps(stack.layers, cfgs[0].mlp_chunk)
+    counts = [sum(w.size for w in adapter_of(model, i).values()) for i in range(len(cfgs))]
+    return [Prepared(model, tokenizer, stack, check, spec, count)
+            for spec, count in zip(specs, counts, strict=True)]
 
 
 def prepare_scoring(model: str, adapter: str | None = None,

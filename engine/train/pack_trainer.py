@@ -1,0 +1,110 @@
+"""Several trials trained as one pack (engine/model/packed_lora.py): one model, one pass
+over their shared batches, and each trial's folder as its lone run leaves it (metrics,
+validation, checkpoints, adapter, summary), its books kept through its adapter's view.
+
+    results = train_pack([cfg_a, cfg_b, cfg_c])     # one TrainResult per config
+
+What the trials must share, and the losses a pack does not train yet, are
+engine/train/pack_steps.py's ``check_pack``; a pack starts fresh (no resume, warm start or
+``--verify``), on one process.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+
+from engine.backward.distributed import SINGLE
+from engine.backward.update import make_adapter_update, make_optimizer
+from engine.forward.layout_policy import resolve_pad_multiple
+from engine.losses import validation_metrics
+from engine.model.adapters import prepare_out
+from engine.model.packed_lora import alone
+from engine.settings.config import TrainConfig
+from engine.train.ledger import Callback, Ledger
+from engine.train.pack_steps import PackStepper, check_pack
+from engine.train.prepared import prepare_pack
+from engine.train.steps import Stepper
+from engine.train.trainer import (
+    Run,
+    TrainResult,
+    claim_run,
+    finish,
+    memory_limit,
+    train_batches,
+    training_data,
+)
+
+
+def train_pack(cfgs: Sequence[TrainConfig],
+               callbacks: Sequence[Sequence[Callback]] | None = None) -> list[TrainResult]:
+    """Train ``cfgs`` as one pack; ``callbacks``: each trial's own (its records only)."""
+    cfgs = list(cfgs)
+    refuse_unpacked(cfgs)
+    heard = list(callbacks) if callbacks is not None else [()] * len(cfgs)
+    with memory_limit(cfgs[0].memory_limit_gb), ExitStack() as held:
+        runs = set_up_pack(cfgs, held)
+        model = runs[0].prepared.model
+        ledgers = [Ledger(run, cb, view=functools.partial(alone, model, i))
+                   for i, (run, cb) in enumerate(zip(runs, heard, strict=True))]
+        for ledger in ledgers:
+            ledger.begin()
+        stepper = PackStepper(model, runs[0].prepared.stack, cfgs,
+                              [run.stepper.update for run in runs])
+        for done in stepper.steps(train_batches(runs[0]), 1, cfgs[0].steps):
+            for ledger, own in zip(ledgers, done, strict=True):
+                ledger.record(own)
+        results = []
+        for i, run in enumerate(runs):
+            with alone(model, i):
+                results.append(finish(run))
+        return results
+
+
+def refuse_unpacked(cfgs: list[TrainConfig]) -> None:
+    """ValueError naming what keeps ``cfgs`` from one pack: a setting they do not share, a
+    loss a pack does not train yet, or a start a pack does not make."""
+    if not cfgs:
+        raise ValueError("a pack of no trials")
+    check_pack(cfgs)
+    for cfg in cfgs:
+        cfg.validate()
+        for name in ("resume", "warm_start"):
+            if getattr(cfg, name):
+                raise ValueError(f"{cfg.out}: {name}={getattr(cfg, name)!r}: a pack starts "
+                                 "fresh; train this trial alone")
+        if cfg.verify:
+            raise ValueError(f"{cfg.out}: verify: check the path on a lone run")
+        reported = validation_metrics(cfg.loss_spec())
+        if cfg.best_metric not in reported:
+            raise ValueError(f"{cfg.out}: best_metric={cfg.best_metric!r}: loss "
+                             f"{cfg.loss.kind} reports {reported}")
+    outs = [str(Path(c.out).resolve()) for c in cfgs]
+    if len(set(outs)) != len(outs):
+        raise ValueError(f"a pack's trials write to one folder each; got {outs}")
+
+
+def set_up_pack(cfgs: list[TrainConfig], held: ExitStack) -> list[Run]:
+    """Each trial's folder claimed, the pack's model set up once (prepared.py), the data
+    read once; one Run per trial, each with its own optimizer and update."""
+    started = time.perf_counter()
+    for cfg in cfgs:
+        held.enter_context(claim_run(cfg))
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    prepared = prepare_pack(cfgs)
+    data = training_data(cfgs[0], prepared[0], SINGLE)
+    pad_multiple = resolve_pad_multiple(cfgs[0].pad_multiple)
+    runs = []
+    for i, (cfg, own) in enumerate(zip(cfgs, prepared, strict=True)):
+        prepare_out(Path(cfg.out), None)
+        optimizer = make_optimizer(cfg)
+        update = make_adapter_update(own.model, i, optimizer, cfg.grad_clip)
+        stepper = Stepper(own.model, own.stack, cfg.loss_spec(), cfg, SINGLE, update)
+        result = TrainResult(out=str(Path(cfg.out)), steps=0, trainable_params=own.trainable,
+                             rejected_rows=dict(data.rejected), load_check=own.check)
+        runs.append(Run(cfg, SINGLE, own, data, optimizer, stepper, pad_multiple, 0, result,
+                        started))
+    return runs

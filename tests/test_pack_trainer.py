@@ -1,0 +1,84 @@
+"""Trials trained as one pack (engine/train/pack_trainer.py) against each trained alone by
+``train``: each folder holds the same records (train and validation, to 1e-5 relative),
+checkpoints, summary and adapter (to the parity tolerance, 1e-5 of max |w| per tensor:
+tests/test_pack_steps.py), and the adapter loads in mlx-lm as a lone one does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from engine.settings.config import TrainConfig
+from engine.train.pack_trainer import train_pack
+from engine.train.trainer import train
+
+pytestmark = pytest.mark.integration
+
+KEPT = ("loss", "grad_norm", "learning_rate", "rewards/accuracies", "nll_loss",
+        "val/loss", "val/rewards/accuracies")
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_pack_leaves_each_trial_as_its_lone_run(tiny_model: Path, tiny_data: Path,
+                                                  tmp_path: Path) -> None:
+    """Would catch: a record, validation or checkpoint of another adapter in a folder, the
+    pack's weights saved whole, or a trial's view not put back after its books."""
+    base = TrainConfig(model=str(tiny_model), data=str(tiny_data), steps=4, batch_size=2,
+                       seed=1, lora_rank=4, learning_rate=2e-3, prefix_share="off",
+                       report_every=2, val_every=2, checkpoint_every=2)
+    cfgs = [base.replace(out=str(tmp_path / "pack" / "a")),
+            base.replace(out=str(tmp_path / "pack" / "b"), loss="simpo", lora_rank=8,
+                         learning_rate=4e-3, lora_dropout=0.1),
+            base.replace(out=str(tmp_path / "pack" / "c"), loss="sft", warmup_steps=2)]
+    heard: list[list[dict]] = [[] for _ in cfgs]
+
+    class Hear:
+        def __init__(self, i: int):
+            self.i = i
+
+        def on_metrics(self, record: dict) -> None:
+            heard[self.i].append(record)
+
+    packed = train_pack(cfgs, [[Hear(i)] for i in range(len(cfgs))])
+    for i, cfg in enumerate(cfgs):
+        lone_out = tmp_path / "alone" / Path(cfg.out).name
+        lone = train(cfg.replace(out=str(lone_out)))
+        got, want = records(Path(cfg.out)), records(lone_out)
+        assert [(r["step"], r["split"]) for r in got] == [(r["step"], r["split"]) for r in want]
+        assert heard[i] == got  # each trial hears its own records only
+        for g, w in zip(got, want, strict=True):
+            for key in KEPT:
+                if key in w:
+                    assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-7), (i, key)
+        assert packed[i].steps == lone.steps == 4
+        assert packed[i].trainable_params == lone.trainable_params
+        assert packed[i].best_val["step"] == lone.best_val["step"]
+        ours = Path(cfg.out)
+        assert sorted(p.name for p in (ours / "checkpoints").iterdir()) == \
+            sorted(p.name for p in (lone_out / "checkpoints").iterdir())
+        a = mx.load(str(ours / "adapters.safetensors"))
+        b = mx.load(str(lone_out / "adapters.safetensors"))
+        assert set(a) == set(b)
+        for name, w in b.items():
+            scale = float(mx.abs(w).max())
+            assert float(mx.abs(a[name] - w).max()) <= 1e-5 * scale, (i, name)
+        config = json.loads((ours / "adapter_config.json").read_text())
+        assert config == json.loads((lone_out / "adapter_config.json").read_text())
+
+
+def test_a_pack_refuses_what_it_cannot_train(tiny_model: Path, tmp_path: Path) -> None:
+    base = TrainConfig(model=str(tiny_model), data="d", prefix_share="off",
+                       out=str(tmp_path / "a"))
+    with pytest.raises(ValueError, match="one folder each"):
+        train_pack([base, base.replace(learning_rate=1e-3)])
+    with pytest.raises(ValueError, match="a pack starts fresh"):
+        train_pack([base, base.replace(out=str(tmp_path / "b"), resume="auto")])
+    with pytest.raises(ValueError, match="give prefix_share off"):
+        train_pack([base.replace(prefix_share="auto")])
+    assert not (tmp_path / "a").exists()  # refused before any folder is made
