@@ -2,6 +2,7 @@
 
     pomona bench train --seq 4096 [--pairs 1] [--steps 8] [--warmup 3] [--trl] [--json]
     pomona bench train --preset e4b --seq 2048 --row plain --row levers [--profile]
+    pomona bench train --seq 1024 --pairs 8 --pack 1,2,4   # packed trials (pack_bench.py)
 
 ``--preset`` or ``--row``: the trainer under named rows on a published shape or the llama
 below, side by side (benchmarks/trainer_rows.py); the rest of this docstring is the default.
@@ -82,6 +83,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--one-row", action="store_true", help=argparse.SUPPRESS)  # a child row
     p.add_argument("--profile-repeats", type=int, default=3,
                    help="--profile: profiled steps a row (after one that compiles).")
+    p.add_argument("--pack", help="Pack sizes, e.g. 1,2,4: the same k trials (k the "
+                                  "largest) in packs of each size, one after another "
+                                  "(benchmarks/pack_bench.py).")
     p.add_argument("--work", help="Keep the model and data here (default: a temporary dir).")
     p.add_argument("--json", action="store_true", help="Print one JSON object.")
     return p
@@ -232,6 +236,10 @@ def main(argv: list[str]) -> int:
         a.vocab = PRESETS[a.preset]["vocab_size"]
     try:
         check_args(a)
+        if a.pack:
+            from benchmarks.pack_bench import pack_sizes
+
+            pack_sizes(a.pack)  # refused before any model is made
         if a.preset or a.row:
             from benchmarks.trainer_rows import row_env, row_fields
 
@@ -242,6 +250,10 @@ def main(argv: list[str]) -> int:
             work = Path(a.work or tmp)
             claim_work(work, a)
             model, data = _model_and_data(a, work)
+            if a.pack:  # the same trials in packs of each size
+                from benchmarks import pack_bench
+
+                return pack_bench.run(a, model, data, work)
             if a.preset or a.row:  # the trainer under named configurations
                 from benchmarks import trainer_rows
 

@@ -127,6 +127,28 @@ def test_train_bench_runs_the_real_trainer(tmp_path, capsys) -> None:
     assert (tmp_path / "run" / "adapters.safetensors").exists()  # the trainer really ran
 
 
+def test_train_bench_packs_the_same_trials(tmp_path, capsys) -> None:
+    """`pomona bench train --pack 1,2`: the same two trials alone and as one pack, each
+    size's wall time and steady tokens/s (every adapter's) side by side, and the ratio;
+    each trial really trained, in its own folder. A bad size is one line."""
+    from benchmarks.train_bench import main
+
+    args = ["--seq", "48", "--pairs", "2", "--layers", "2", "--hidden", "64", "--heads", "4",
+            "--kv-heads", "2", "--intermediate", "128", "--vocab", "512", "--dtype", "float32",
+            "--warmup", "1", "--steps", "2", "--head-chunk", "32", "--work", str(tmp_path)]
+    assert main([*args, "--pack", "1,2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(r["pack"], r["trials"]) for r in out["rows"]] == [(1, 2), (2, 2)]
+    assert all(r["wall_s"] > 0 and r["tokens_per_s"] > 0 for r in out["rows"])
+    assert out["ratios"]["pack2_vs_alone"] == pytest.approx(
+        out["rows"][1]["wall_s"] / out["rows"][0]["wall_s"])
+    for size in (1, 2):
+        for trial in ("t0", "t1"):
+            assert (tmp_path / f"pack{size}" / trial / "adapters.safetensors").exists()
+    assert main([*args, "--pack", "0,2"]) == 2
+    assert "--pack 0,2: sizes are at least 1" in capsys.readouterr().err
+
+
 def test_train_bench_never_writes_into_a_foreign_folder(tmp_path, capsys) -> None:
     """--work gets a model, pairs.jsonl and run/: a folder that is not one of its own is
     refused and left as it was; a bad count is one line, exit 2."""

@@ -1,0 +1,94 @@
+"""``pomona bench train --pack 1,2,4``: the same k trials (k = the largest pack size; their
+learning rates differ, as a sweep's do) trained in packs of each size, one pack after
+another, each pack as ``train_pack`` runs it (engine/train/pack_trainer.py) and a pack of
+one as ``train`` does: its wall time for all k trials (set-up included: a sweep's trial
+loads its model too), the tokens its first pack trains a second in its steady steps (every
+adapter's: k copies of a batch are k batches trained), and MLX's peak over it. The ratios
+are each size's time over the time of one trial after another. One short lone run goes
+first, untimed, so that no row pays for the process's first compiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+
+def pack_sizes(text: str) -> list[int]:
+    """``1,2,4`` as sizes (ValueError naming the flag for anything else)."""
+    try:
+        sizes = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--pack {text}: expected sizes such as 1,2,4") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--pack {text}: sizes are at least 1")
+    return sorted(set(sizes))
+
+
+def trials(a: argparse.Namespace, model: Path, data: Path, out: Path) -> list[Any]:
+    """The k trials: the benchmark's config (benchmarks/trainer_timing.py) at k learning
+    rates, two-forward layout (what a pack runs)."""
+    from benchmarks.trainer_timing import bench_config
+
+    base = bench_config(a, model, data, out).replace(prefix_share="off")
+    k = max(pack_sizes(a.pack))
+    return [base.replace(out=str(out / f"t{i}"), learning_rate=1e-5 * (i + 1))
+            for i in range(k)]
+
+
+def pack_row(size: int, cfgs: list[Any], warmup: int) -> dict[str, Any]:
+    """The k trials in packs of ``size``: wall time, the first pack's steady step, peak."""
+    import mlx.core as mx
+
+    from engine.train.pack_trainer import train_pack
+    from engine.train.trainer import train
+
+    steps: list[float] = []
+
+    class Collect:  # one adapter's records: its tokens over the pack's step time
+        def on_metrics(self, record: dict[str, Any]) -> None:
+            if record["split"] == "train" and record["step"] > warmup:
+                steps.append(record["tokens_per_sec"] * size)
+
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    for first in range(0, len(cfgs), size):
+        group = cfgs[first:first + size]
+        hear = [Collect()] if first == 0 else []
+        if size == 1:
+            train(group[0], hear)
+        else:
+            train_pack(group, [hear] + [[] for _ in group[1:]])
+    wall = time.perf_counter() - t0
+    return {"name": f"pack {size}", "pack": size, "trials": len(cfgs), "wall_s": wall,
+            "tokens_per_s": statistics.median(steps) if steps else 0.0,
+            "peak_gb": mx.get_peak_memory() / 1e9}
+
+
+def run(a: argparse.Namespace, model: Path, data: Path, work: Path) -> int:
+    """Every size's row, side by side, and its time over one trial after another."""
+    from engine.train.trainer import train
+
+    first = trials(a, model, data, work / "warm")[0]
+    train(first.replace(steps=1))  # untimed: the process's first compiles
+    rows = []
+    for size in pack_sizes(a.pack):
+        cfgs = trials(a, model, data, work / f"pack{size}")
+        rows.append(pack_row(size, cfgs, a.warmup))
+    alone = next((r["wall_s"] for r in rows if r["pack"] == 1), None)
+    ratios = {f"pack{r['pack']}_vs_alone": r["wall_s"] / alone
+              for r in rows if alone and r["pack"] != 1}
+    if a.json:
+        print(json.dumps({"config": vars(a), "rows": rows, "ratios": ratios}))
+        return 0
+    for r in rows:
+        print(f"{r['name']:>8}  {r['trials']} trials {r['wall_s']:7.2f} s  steady "
+              f"{r['tokens_per_s'] / 1e3:7.1f}k tok/s (every adapter's)  "
+              f"peak {r['peak_gb']:6.2f} GB")
+    for k, v in ratios.items():
+        print(f"{k:>16}  {v:.2f}x")
+    return 0
