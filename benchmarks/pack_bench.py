@@ -31,10 +31,10 @@ def pack_sizes(text: str) -> list[int]:
 
 def trials(a: argparse.Namespace, model: Path, data: Path, out: Path) -> list[Any]:
     """The k trials: the benchmark's config (benchmarks/trainer_timing.py) at k learning
-    rates, two-forward layout (what a pack runs)."""
+    rates."""
     from benchmarks.trainer_timing import bench_config
 
-    base = bench_config(a, model, data, out).replace(prefix_share="off")
+    base = bench_config(a, model, data, out)
     k = max(pack_sizes(a.pack))
     return [base.replace(out=str(out / f"t{i}"), learning_rate=1e-5 * (i + 1))
             for i in range(k)]

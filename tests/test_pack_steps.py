@@ -20,6 +20,7 @@ import pytest
 from engine.backward.distributed import SINGLE
 from engine.backward.update import make_adapter_update, make_optimizer, make_update
 from engine.data.batch import make_batch
+from engine.forward.prefix import split_prefix_batch
 from engine.model.arch import make_stack
 from engine.model.load import attach_lora, lora_modules
 from engine.model.packed_lora import adapter_of, pack_lora
@@ -36,7 +37,7 @@ STEPS = 3
 def configs(model: Path) -> list[TrainConfig]:
     base = TrainConfig(model=str(model), data="d", steps=STEPS, batch_size=2, grad_accum=2,
                        seed=3, lora_rank=4, lora_scale=2.0, learning_rate=2e-3,
-                       warmup_steps=1, prefix_share="off", val_every=0)
+                       warmup_steps=1, val_every=0)
     return [base,
             base.replace(loss="simpo", simpo_beta=2.0, learning_rate=5e-3, lora_rank=8,
                          lr_schedule="constant", grad_clip=0.05, weight_decay=0.1),
@@ -45,9 +46,10 @@ def configs(model: Path) -> list[TrainConfig]:
 
 
 def step_batches(model: Path) -> list[list]:
+    """Each step's two micro-batches: one in the shared layout (mask), one in two forwards."""
     pairs = tokenized_pairs(model, 4 * STEPS, seed=9)
-    return [[make_batch(pairs[4 * s + 2 * j: 4 * s + 2 * j + 2], "full") for j in range(2)]
-            for s in range(STEPS)]
+    return [[split_prefix_batch(pairs[4 * s: 4 * s + 2], "full", attention="mask"),
+             make_batch(pairs[4 * s + 2: 4 * s + 4], "full")] for s in range(STEPS)]
 
 
 def alone(model_path: Path, cfg: TrainConfig, micro: list[list]):
@@ -85,6 +87,7 @@ def test_each_adapter_of_a_pack_takes_its_lone_steps(tiny_model: Path) -> None:
             for name, v in want.sums.items():
                 assert got.sums[name] == pytest.approx(v, rel=1e-5, abs=1e-6), (i, name)
             clipped += want.grad_norm > cfg.grad_clip
+            assert got.sums["shared_batches"] == want.sums["shared_batches"] == 1
         mine = adapter_of(model, i)
         assert set(mine) == set(weights)
         for name, w in weights.items():

@@ -30,7 +30,7 @@ def test_a_pack_leaves_each_trial_as_its_lone_run(tiny_model: Path, tiny_data: P
     """Would catch: a record, validation or checkpoint of another adapter in a folder, the
     pack's weights saved whole, or a trial's view not put back after its books."""
     base = TrainConfig(model=str(tiny_model), data=str(tiny_data), steps=4, batch_size=2,
-                       seed=1, lora_rank=4, learning_rate=2e-3, prefix_share="off",
+                       seed=1, lora_rank=4, learning_rate=2e-3, prefix_share="on",
                        report_every=2, val_every=2, checkpoint_every=2)
     cfgs = [base.replace(out=str(tmp_path / "pack" / "a")),
             base.replace(out=str(tmp_path / "pack" / "b"), loss="simpo", lora_rank=8,
@@ -73,12 +73,11 @@ def test_a_pack_leaves_each_trial_as_its_lone_run(tiny_model: Path, tiny_data: P
 
 
 def test_a_pack_refuses_what_it_cannot_train(tiny_model: Path, tmp_path: Path) -> None:
-    base = TrainConfig(model=str(tiny_model), data="d", prefix_share="off",
-                       out=str(tmp_path / "a"))
+    base = TrainConfig(model=str(tiny_model), data="d", out=str(tmp_path / "a"))
     with pytest.raises(ValueError, match="one folder each"):
         train_pack([base, base.replace(learning_rate=1e-3)])
     with pytest.raises(ValueError, match="a pack starts fresh"):
         train_pack([base, base.replace(out=str(tmp_path / "b"), resume="auto")])
-    with pytest.raises(ValueError, match="give prefix_share off"):
-        train_pack([base.replace(prefix_share="auto")])
+    with pytest.raises(ValueError, match="share prefix_share"):
+        train_pack([base, base.replace(out=str(tmp_path / "b"), prefix_share="off")])
     assert not (tmp_path / "a").exists()  # refused before any folder is made

@@ -1,6 +1,7 @@
 """A pack of adapters over one base (engine/model/packed_lora.py) against each adapter
 trained alone: the same loss, metrics and LoRA gradients, through plain autograd, the
-segmented backward and the bounded head, with ranks, scales and dropout that differ.
+segmented backward and the bounded head, in the two-forward and both shared layouts, with
+ranks, scales and dropout that differ.
 
 Tolerance (tests/parity.py): max |g − g_alone| ≤ 1e-5 · max |g_alone| per tensor, loss to
 1e-6 relative (float32: a pack's batched matmuls block their sums otherwise than one
@@ -17,7 +18,8 @@ import numpy as np
 import pytest
 
 from engine.backward.segmented import value_and_grad
-from engine.data.batch import make_batch, repeat_rows
+from engine.data.batch import make_batch
+from engine.forward.prefix import pair_batch, repeat_layout, split_prefix_batch
 from engine.losses import spec_of
 from engine.model.arch import make_stack
 from engine.model.load import LoraSpec, attach_lora, lora_modules, set_dropout_seed
@@ -70,26 +72,36 @@ def pack_loss(model, stack, batch, spec, k: int):
     return loss
 
 
-@pytest.mark.parametrize("segment_size, head_chunk", [(0, 0), (2, 0), (1, 16)])
+def layout(pairs: list, kind: str):
+    """The pairs in the two-forward layout, or the shared one (split attention or mask)."""
+    if kind == "two":
+        return make_batch(pairs, "full")
+    return split_prefix_batch(pairs, "full", attention=kind)
+
+
+@pytest.mark.parametrize("segment_size, head_chunk, kind", [
+    (0, 0, "two"), (2, 0, "two"), (1, 16, "two"), (0, 0, "mask"), (1, 16, "mask"),
+    (0, 0, "split"), (2, 0, "split"), (1, 16, "split")])
 def test_each_adapter_of_a_pack_trains_as_it_would_alone(tiny_model: Path, segment_size: int,
-                                                        head_chunk: int) -> None:
-    """Would catch: copies mixed up (a reshape over the wrong axis), a rank's padding that
-    leaks, a scale or dropout mask of another adapter, or one adapter's gradient reaching
-    another's parameters."""
+                                                        head_chunk: int, kind: str) -> None:
+    """Would catch: copies mixed up (a reshape over the wrong axis, a shared layout's
+    gather reading another copy's rows), a rank's padding that leaks, a scale or dropout
+    mask of another adapter, or one adapter's gradient reaching another's parameters."""
     spec = spec_of("orpo")
-    batch = make_batch(tokenized_pairs(tiny_model, 3, seed=5), "full")
+    batch = layout(tokenized_pairs(tiny_model, 3, seed=5), kind)
     model, stack = packed(tiny_model)
     model.train()  # dropout live (adapter 2's)
     set_dropout_seed(model, 11)
     k = len(SPECS)
+    two = pair_batch(batch)
     loss, metrics, grads = value_and_grad(
-        model, stack, repeat_rows(batch, k), pack_loss(model, stack, batch, spec, k),
+        model, stack, repeat_layout(batch, k), pack_loss(model, stack, two, spec, k),
         segment_size, head_chunk, inflight=1)
     for i in range(k):
         lone, lone_stack = alone(tiny_model, i)
         lone.train()
         set_dropout_seed(lone, 11)
-        want = value_and_grad(lone, lone_stack, batch, batch_loss(lone, lone_stack, batch, spec),
+        want = value_and_grad(lone, lone_stack, batch, batch_loss(lone, lone_stack, two, spec),
                               segment_size, head_chunk, inflight=1)
         mine = {n.removesuffix(f".{i}"): g for n, g in grads.items() if n.endswith(f".{i}")}
         got = (metrics["losses"][i], {n.split("/", 1)[1]: v for n, v in metrics.items()
@@ -97,8 +109,8 @@ def test_each_adapter_of_a_pack_trains_as_it_would_alone(tiny_model: Path, segme
         assert_same(got, want)
     assert float(loss) == pytest.approx(float(metrics["losses"].sum()), rel=1e-6)
     model.eval()  # adapter 2's dropout was live: without it only its loss moves
-    still = value_and_grad(model, stack, repeat_rows(batch, k),
-                           pack_loss(model, stack, batch, spec, k), segment_size, head_chunk,
+    still = value_and_grad(model, stack, repeat_layout(batch, k),
+                           pack_loss(model, stack, two, spec, k), segment_size, head_chunk,
                            inflight=1)[1]["losses"]
     moved = [float(a) != pytest.approx(float(b), rel=1e-6)
              for a, b in zip(still, metrics["losses"], strict=True)]

@@ -23,13 +23,14 @@ sliding window) lives in engine/forward/prefix_patch.py.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
-from engine.data.batch import Pair, PairBatch, make_batch, round_up
+from engine.data.batch import Pair, PairBatch, make_batch, repeat_rows, round_up
 from engine.model.attention import SplitAttention
 
 
@@ -52,6 +53,7 @@ class PrefixBatch:
     gather: np.ndarray
     fed: int
     split: SplitAttention | None = None
+    copies: int = 1  # a pack's batch: its rows repeated, copy after copy (repeat_layout)
 
     @property
     def ids(self) -> list[str]:
@@ -61,6 +63,25 @@ class PrefixBatch:
 def pair_batch(batch: PairBatch | PrefixBatch) -> PairBatch:
     """The two-forward layout behind either layout (its targets, masks and token count)."""
     return batch.pairs if isinstance(batch, PrefixBatch) else batch
+
+
+def repeat_layout(batch: PairBatch | PrefixBatch, k: int) -> PairBatch | PrefixBatch:
+    """``batch`` with its rows repeated ``k`` times, copy after copy, in either layout: the
+    batch of a pack of ``k`` adapters (engine/model/packed_lora.py). A shared layout's
+    geometry is the batch's, so each copy keeps it; copy c's gather reads copy c's rows."""
+    if isinstance(batch, PairBatch):
+        return repeat_rows(batch, k)
+    rows, width = batch.inputs.shape
+
+    def repeated(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else np.concatenate([a] * k)
+
+    gather = np.concatenate([batch.gather + c * rows * width for c in range(k)])
+    return dataclasses.replace(batch, pairs=repeat_rows(batch.pairs, k),
+                               inputs=repeated(batch.inputs), mask=repeated(batch.mask),
+                               rejected=repeated(batch.rejected), shift=repeated(batch.shift),
+                               gather=gather.astype(batch.gather.dtype), fed=batch.fed * k,
+                               copies=batch.copies * k)
 
 
 def _row_mask(p: int, rc: int, rr: int, width: int) -> np.ndarray:
@@ -175,8 +196,18 @@ def to_pair_layout(h: mx.array, batch: PrefixBatch) -> mx.array:
     a = batch.split.first
     chosen = h[:, : s + c]
     rejected = mx.concatenate([h[:, :s], h[:, a : a + r]], axis=1)
-    return mx.concatenate([mx.pad(chosen, [(0, 0), (0, t - s - c), (0, 0)]),
-                           mx.pad(rejected, [(0, 0), (0, t - s - r), (0, 0)])], axis=0)
+    pairs = mx.concatenate([mx.pad(chosen, [(0, 0), (0, t - s - c), (0, 0)]),
+                            mx.pad(rejected, [(0, 0), (0, t - s - r), (0, 0)])], axis=0)
+    return _regroup(pairs, (2, batch.copies))
+
+
+def _regroup(rows: mx.array, groups: tuple[int, int]) -> mx.array:
+    """A pack's pair rows between the two orders: chosen rows of every copy, then their
+    rejected rows (``groups`` (2, k): the split layout's) ↔ copy after copy, each its
+    chosen then rejected rows (``groups`` (k, 2): its pairs' order, repeat_rows)."""
+    if 1 in groups:
+        return rows
+    return rows.reshape(*groups, -1, *rows.shape[1:]).swapaxes(0, 1).reshape(rows.shape)
 
 
 def from_pair_layout(cot: mx.array, batch: PrefixBatch) -> mx.array:
@@ -193,6 +224,7 @@ def from_pair_layout(cot: mx.array, batch: PrefixBatch) -> mx.array:
         return flat.reshape(b, length, width)
     s, c, r, _ = _spans(batch)
     a = batch.split.first
+    cot = _regroup(cot, (batch.copies, 2))
     parts = [cot[:b, :s] + cot[b:, :s], cot[:b, s : s + c],
              mx.zeros((b, a - s - c, width), cot.dtype), cot[b:, s : s + r],
              mx.zeros((b, length - a - r, width), cot.dtype)]

@@ -18,7 +18,8 @@ from typing import Any
 import mlx.core as mx
 
 from engine.backward.segmented import Grads, value_and_grad
-from engine.data.batch import PairBatch, batch_norms, repeat_rows
+from engine.data.batch import PairBatch, batch_norms
+from engine.forward.prefix import PrefixBatch, pair_batch, repeat_layout
 from engine.losses import Norms, pair_loss
 from engine.model.load import set_dropout_seed
 from engine.settings.config import TrainConfig
@@ -36,7 +37,6 @@ SHARED = ("model", "data", "batch_size", "grad_accum", "steps", "seed", "segment
 def check_pack(cfgs: Sequence[TrainConfig]) -> None:
     """ValueError naming the first setting the trials of a pack do not share, or a loss a
     pack cannot train yet (one that reads a reference: DPO's and KTO's are its next step)."""
-    first = cfgs[0]
     for name in SHARED:
         values = [getattr(c, name) for c in cfgs]
         if any(v != values[0] for v in values):
@@ -45,9 +45,6 @@ def check_pack(cfgs: Sequence[TrainConfig]) -> None:
         if c.loss_spec().needs_reference:
             raise ValueError(f"loss {c.loss.kind} reads a reference: it trains alone, not "
                              "in a pack (yet)")
-    if first.prefix_share != "off":  # the shared forward's pack is a later step
-        raise ValueError(f"prefix_share={first.prefix_share}: a pack runs the two-forward "
-                         "layout; give prefix_share off")
 
 
 @dataclass(frozen=True)
@@ -61,8 +58,8 @@ class PackStepper:
     cfgs: Sequence[TrainConfig]
     updates: Sequence[Callable[[Grads], mx.array]]
 
-    def steps(self, batches: Callable[[], list[PairBatch]], first: int, last: int
-              ) -> Iterator[list[StepDone]]:
+    def steps(self, batches: Callable[[], list[PairBatch | PrefixBatch]], first: int,
+              last: int) -> Iterator[list[StepDone]]:
         """Steps ``first`` to ``last``, each on the micro-batches one call of ``batches``
         makes: per step, one StepDone per adapter, in pack order."""
         k = len(self.cfgs)
@@ -73,7 +70,8 @@ class PackStepper:
             norms = [u(g) for u, g in zip(self.updates, grads, strict=True)]
             mx.eval(losses, sums, norms)
             seconds = time.perf_counter() - t0
-            tokens, pairs = sum(b.tokens for b in micro), sum(len(b.ids) for b in micro)
+            tokens = sum(pair_batch(b).tokens for b in micro)
+            pairs = sum(len(b.ids) for b in micro)
             done = []
             for i in range(k):
                 check_finite(step, float(losses[i]), float(norms[i]), micro)
@@ -82,12 +80,12 @@ class PackStepper:
                                      seconds, pairs))
             yield done
 
-    def grads(self, micro: list[PairBatch], step: int
+    def grads(self, micro: list[PairBatch | PrefixBatch], step: int
               ) -> tuple[list[mx.array], list[dict[str, mx.array]], list[Grads]]:
         """Each adapter's loss, metric sums and grads (named as a lone adapter's) over one
         step's micro-batches, normalised over the whole step as a lone run's are."""
         cfg, k = self.cfgs[0], len(self.cfgs)
-        norms = batch_norms(micro)
+        norms = batch_norms([pair_batch(b) for b in micro])
         losses = [mx.array(0.0)] * k
         sums: list[dict[str, mx.array]] = [{} for _ in range(k)]
         total: Grads = {}
@@ -95,9 +93,9 @@ class PackStepper:
             if j:  # bound the accumulation: the earlier micro-batches finish first
                 mx.eval(losses, sums, total)
             set_dropout_seed(self.model, (cfg.seed * 1_000_003 + step) * 1009 + j)
-            _, metrics, g = value_and_grad(self.model, self.stack, repeat_rows(b, k),
-                                           self.loss_of(b, norms), cfg.segment_size,
-                                           cfg.head_chunk, cfg.inflight)
+            _, metrics, g = value_and_grad(self.model, self.stack, repeat_layout(b, k),
+                                           self.loss_of(pair_batch(b), norms),
+                                           cfg.segment_size, cfg.head_chunk, cfg.inflight)
             total = g if not total else {n: total[n] + g[n] for n in total}
             for i in range(k):
                 losses[i] = losses[i] + metrics[f"{i}/loss"]
@@ -106,8 +104,9 @@ class PackStepper:
                         key = n.split("/", 1)[1]
                         sums[i][key] = sums[i].get(key, 0.0) + v
         for i in range(k):
-            sums[i].update(micro_batches=len(micro), shared_batches=0, pairs=norms.pairs,
-                           nll_tokens=norms.nll_tokens)
+            sums[i].update(micro_batches=len(micro), pairs=norms.pairs,
+                           nll_tokens=norms.nll_tokens,
+                           shared_batches=sum(isinstance(b, PrefixBatch) for b in micro))
         return losses, sums, [adapter_grads(total, i) for i in range(k)]
 
     def loss_of(self, b: PairBatch, norms: Norms) -> Callable[[mx.array], Any]:
