@@ -3,7 +3,8 @@ learning rates differ, as a sweep's do) trained in packs of each size, one pack 
 another, each pack as ``train_pack`` runs it (engine/train/pack_trainer.py) and a pack of
 one as ``train`` does: its wall time for all k trials (set-up included: a sweep's trial
 loads its model too), the tokens its first pack trains a second in its steady steps (every
-adapter's: k copies of a batch are k batches trained), and MLX's peak over it. The ratios
+adapter's: k copies of a batch are k batches trained), and the peak its steady steps
+report. The ratios
 are each size's time over the time of one trial after another. One short lone run goes
 first, untimed, so that no row pays for the process's first compiles.
 """
@@ -42,19 +43,18 @@ def trials(a: argparse.Namespace, model: Path, data: Path, out: Path) -> list[An
 
 def pack_row(size: int, cfgs: list[Any], warmup: int) -> dict[str, Any]:
     """The k trials in packs of ``size``: wall time, the first pack's steady step, peak."""
-    import mlx.core as mx
-
     from engine.train.pack_trainer import train_pack
     from engine.train.trainer import train
 
     steps: list[float] = []
+    peaks: list[float] = [0.0]
 
     class Collect:  # one adapter's records: its tokens over the pack's step time
         def on_metrics(self, record: dict[str, Any]) -> None:
             if record["split"] == "train" and record["step"] > warmup:
                 steps.append(record["tokens_per_sec"] * size)
+                peaks.append(record["peak_memory_gb"])  # the process's, this window
 
-    mx.reset_peak_memory()
     t0 = time.perf_counter()
     for first in range(0, len(cfgs), size):
         group = cfgs[first:first + size]
@@ -66,7 +66,7 @@ def pack_row(size: int, cfgs: list[Any], warmup: int) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     return {"name": f"pack {size}", "pack": size, "trials": len(cfgs), "wall_s": wall,
             "tokens_per_s": statistics.median(steps) if steps else 0.0,
-            "peak_gb": mx.get_peak_memory() / 1e9}
+            "peak_gb": max(peaks)}
 
 
 def run(a: argparse.Namespace, model: Path, data: Path, work: Path) -> int:
