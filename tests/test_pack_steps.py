@@ -73,7 +73,7 @@ def test_each_adapter_of_a_pack_takes_its_lone_steps(tiny_model: Path) -> None:
     model, _ = mlx_lm.load(str(tiny_model))
     pack_lora(model, [lora_spec(c) for c in cfgs], cfgs[0].seed)
     model.train()
-    updates = [make_adapter_update(model, i, make_optimizer(c), c.grad_clip)
+    updates = [make_adapter_update(model, lambda i=i: i, make_optimizer(c), c.grad_clip)
                for i, c in enumerate(cfgs)]
     packed = list(PackStepper(model, make_stack(model), cfgs, updates).steps(
         iter(micro).__next__, 1, STEPS))

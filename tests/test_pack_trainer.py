@@ -25,6 +25,12 @@ def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def maths(rows: list[dict]) -> list[dict]:
+    """The records less what the clock and the allocator say (speed, memory)."""
+    return [{k: v for k, v in r.items() if k not in ("tokens_per_sec", "peak_memory_gb")}
+            for r in rows]
+
+
 def test_a_pack_leaves_each_trial_as_its_lone_run(tiny_model: Path, tiny_data: Path,
                                                   tmp_path: Path) -> None:
     """Would catch: a record, validation or checkpoint of another adapter in a folder, the
@@ -70,6 +76,33 @@ def test_a_pack_leaves_each_trial_as_its_lone_run(tiny_model: Path, tiny_data: P
             assert float(mx.abs(a[name] - w).max()) <= 1e-5 * scale, (i, name)
         config = json.loads((ours / "adapter_config.json").read_text())
         assert config == json.loads((lone_out / "adapter_config.json").read_text())
+
+
+def test_a_trial_that_diverges_leaves_the_pack_and_the_others_go_on(
+        tiny_model: Path, tiny_data: Path, tmp_path: Path) -> None:
+    """A trial whose loss turns non-finite fails as its lone run fails (NonFiniteLoss naming
+    the step; records so far, no adapter) and the others end bit for bit as a pack without
+    it ends. Would catch: the pack stopped for one trial, a NaN reaching another adapter,
+    or a view or update left at the dropped adapter's old place."""
+    from engine.train.steps import NonFiniteLoss
+
+    base = TrainConfig(model=str(tiny_model), data=str(tiny_data), steps=4, batch_size=2,
+                       seed=1, lora_rank=4, learning_rate=2e-3, report_every=1, val_every=2)
+    a, c = base.replace(out=str(tmp_path / "p" / "a")), base.replace(
+        out=str(tmp_path / "p" / "c"), loss="simpo", lora_rank=8)
+    wild = base.replace(out=str(tmp_path / "p" / "b"), learning_rate=1e30, grad_clip=0.0)
+    first, failed, last = train_pack([a, wild, c])
+    assert isinstance(failed, NonFiniteLoss) and "step " in str(failed)
+    assert not (tmp_path / "p" / "b" / "adapters.safetensors").exists()
+    assert records(tmp_path / "p" / "b")  # its records up to the step it diverged
+    pair = train_pack([a.replace(out=str(tmp_path / "q" / "a")),
+                       c.replace(out=str(tmp_path / "q" / "c"))])
+    for result, other in zip((first, last), pair, strict=True):
+        assert result.steps == other.steps == 4
+        got = mx.load(str(Path(result.out) / "adapters.safetensors"))
+        want = mx.load(str(Path(other.out) / "adapters.safetensors"))
+        assert all(mx.array_equal(got[n], want[n]) for n in want), result.out
+        assert maths(records(Path(result.out))) == maths(records(Path(other.out)))
 
 
 def test_a_pack_refuses_what_it_cannot_train(tiny_model: Path, tmp_path: Path) -> None:

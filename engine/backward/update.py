@@ -68,22 +68,24 @@ def clip_and_step(optimizer: optim.AdamW, clip: float
     return step
 
 
-def make_adapter_update(model: nn.Module, i: int, optimizer: optim.AdamW, clip: float
-                        ) -> Callable[[Grads], mx.array]:
-    """``update(grads) → norm`` for adapter ``i`` of a pack (engine/model/packed_lora.py):
+def make_adapter_update(model: nn.Module, at: Callable[[], int], optimizer: optim.AdamW,
+                        clip: float) -> Callable[[Grads], mx.array]:
+    """``update(grads) → norm`` for one adapter of a pack (engine/model/packed_lora.py),
+    the one at position ``at()`` (a trial that leaves the pack moves the ones after it):
     its grads, named as a lone adapter's, clipped by their own norm and stepped by its own
     optimizer (its learning rate and schedule), as ``make_update`` steps a lone run."""
     from engine.model.packed_lora import adapter_of, set_adapter
 
-    optimizer.init(tree_unflatten(list(adapter_of(model, i).items())))
+    optimizer.init(tree_unflatten(list(adapter_of(model, at()).items())))
     compiled = mx.compile(clip_and_step(optimizer, clip), inputs=optimizer.state,
                           outputs=optimizer.state)
 
     def update(grads: Grads) -> mx.array:
-        current = tree_unflatten(list(adapter_of(model, i).items()))
+        where = at()
+        current = tree_unflatten(list(adapter_of(model, where).items()))
         norm, new = compiled(grads_to_tree(grads), current)
         flat = dict(tree_flatten(new))
-        set_adapter(model, i, flat)
+        set_adapter(model, where, flat)
         mx.async_eval(norm, optimizer.state, list(flat.values()))
         return norm
 

@@ -98,6 +98,14 @@ def pack_lora(model: nn.Module, specs: Sequence[LoraSpec], seed: int) -> int:
                for a, b in zip(p.lora_a, p.lora_b, strict=True))
 
 
+def drop_adapter(model: nn.Module, i: int) -> None:
+    """Adapter ``i`` out of the pack: every projection keeps the others, in their order."""
+    for _, m in model.named_modules():
+        if isinstance(m, PackedLoRALinear):
+            del m.lora_a[i], m.lora_b[i], m.dropouts[i]
+            m._scales = m._scales[:i] + m._scales[i + 1:]
+
+
 def adapter_of(model: nn.Module, i: int) -> dict[str, mx.array]:
     """Adapter ``i``'s weights, named as a lone adapter's (``….lora_a``, ``….lora_b``):
     what its trial saves as ``adapters.safetensors``."""

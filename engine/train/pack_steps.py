@@ -5,14 +5,14 @@ and clip), so each adapter takes the steps its lone run takes (engine/train/step
 tests/test_pack_steps.py holds the weights to the parity tolerance).
 
     stepper = PackStepper(model, stack, cfgs, updates)
-    for done in stepper.steps(next_micro_batches, first=1, last=steps):  # one StepDone each
+    for done in stepper.steps(next_micro_batches, first=1, last=steps):  # trial -> StepDone
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -22,8 +22,9 @@ from engine.data.batch import PairBatch, batch_norms
 from engine.forward.prefix import PrefixBatch, pair_batch, repeat_layout
 from engine.losses import Norms, pair_loss
 from engine.model.load import set_dropout_seed
+from engine.model.packed_lora import drop_adapter
 from engine.settings.config import TrainConfig
-from engine.train.steps import StepDone, check_finite
+from engine.train.steps import NonFiniteLoss, StepDone, check_finite
 
 # What every trial of a pack shares: its batches, its path through the model, the adapted
 # projections. The rest (learning rate and schedule, AdamW, clip, the loss and its
@@ -47,23 +48,32 @@ def check_pack(cfgs: Sequence[TrainConfig]) -> None:
                              "in a pack (yet)")
 
 
-@dataclass(frozen=True)
+@dataclass
 class PackStepper:
     """What a pack's step needs: the model with its pack, the trials' configs (their
     shared settings run the step; each one's loss is its adapter's) and each adapter's
-    update (engine/backward/update.py ``make_adapter_update``)."""
+    update (engine/backward/update.py ``make_adapter_update``). ``live``: the trials still
+    in the pack, by their first position; an adapter whose loss or norm turns non-finite
+    leaves it (its trial fails as a lone run fails) and the others go on."""
 
     model: Any
     stack: Any
-    cfgs: Sequence[TrainConfig]
-    updates: Sequence[Callable[[Grads], mx.array]]
+    cfgs: list[TrainConfig]
+    updates: list[Callable[[Grads], mx.array]]
+    live: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.cfgs, self.updates = list(self.cfgs), list(self.updates)
+        self.live = self.live or list(range(len(self.cfgs)))
 
     def steps(self, batches: Callable[[], list[PairBatch | PrefixBatch]], first: int,
-              last: int) -> Iterator[list[StepDone]]:
-        """Steps ``first`` to ``last``, each on the micro-batches one call of ``batches``
-        makes: per step, one StepDone per adapter, in pack order."""
-        k = len(self.cfgs)
+              last: int) -> Iterator[dict[int, StepDone | NonFiniteLoss]]:
+        """Steps ``first`` to ``last`` while any trial is live, each on the micro-batches
+        one call of ``batches`` makes: per step, each live trial's StepDone, or the
+        NonFiniteLoss that takes it out of the pack (its last)."""
         for step in range(first, last + 1):
+            if not self.live:
+                return
             t0 = time.perf_counter()
             micro = batches()
             losses, sums, grads = self.grads(micro, step)
@@ -72,13 +82,30 @@ class PackStepper:
             seconds = time.perf_counter() - t0
             tokens = sum(pair_batch(b).tokens for b in micro)
             pairs = sum(len(b.ids) for b in micro)
-            done = []
-            for i in range(k):
-                check_finite(step, float(losses[i]), float(norms[i]), micro)
-                own = {n: float(v) for n, v in sums[i].items()}
-                done.append(StepDone(step, float(losses[i]), own, float(norms[i]), tokens,
-                                     seconds, pairs))
+            done: dict[int, StepDone | NonFiniteLoss] = {}
+            for p, trial in enumerate(self.live):
+                try:
+                    check_finite(step, float(losses[p]), float(norms[p]), micro)
+                except NonFiniteLoss as err:
+                    done[trial] = err
+                    continue
+                own = {n: float(v) for n, v in sums[p].items()}
+                done[trial] = StepDone(step, float(losses[p]), own, float(norms[p]), tokens,
+                                       seconds, pairs)
+            self.drop([t for t, d in done.items() if isinstance(d, NonFiniteLoss)])
             yield done
+
+    def drop(self, trials: list[int]) -> None:
+        """``trials`` out of the pack: their adapters, configs and updates removed, so the
+        others step on as a pack without them would."""
+        for trial in trials:
+            p = self.live.index(trial)
+            drop_adapter(self.model, p)
+            del self.cfgs[p], self.updates[p], self.live[p]
+
+    def position(self, trial: int) -> int:
+        """Where ``trial``'s adapter sits in the pack now."""
+        return self.live.index(trial)
 
     def grads(self, micro: list[PairBatch | PrefixBatch], step: int
               ) -> tuple[list[mx.array], list[dict[str, mx.array]], list[Grads]]:

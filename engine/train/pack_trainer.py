@@ -2,11 +2,12 @@
 over their shared batches, and each trial's folder as its lone run leaves it (metrics,
 validation, checkpoints, adapter, summary), its books kept through its adapter's view.
 
-    results = train_pack([cfg_a, cfg_b, cfg_c])     # one TrainResult per config
+    results = train_pack([cfg_a, cfg_b, cfg_c])     # per config: TrainResult or NonFiniteLoss
 
 What the trials must share, and the losses a pack does not train yet, are
 engine/train/pack_steps.py's ``check_pack``; a pack starts fresh (no resume, warm start or
-``--verify``), on one process.
+``--verify``), on one process. A trial whose loss turns non-finite leaves the pack, failed
+as its lone run would fail; the others go on as a pack without it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Sequence
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 
 from engine.backward.distributed import SINGLE
@@ -27,7 +28,7 @@ from engine.settings.config import TrainConfig
 from engine.train.ledger import Callback, Ledger
 from engine.train.pack_steps import PackStepper, check_pack
 from engine.train.prepared import prepare_pack
-from engine.train.steps import Stepper
+from engine.train.steps import NonFiniteLoss, Stepper
 from engine.train.trainer import (
     Run,
     TrainResult,
@@ -40,28 +41,40 @@ from engine.train.trainer import (
 
 
 def train_pack(cfgs: Sequence[TrainConfig],
-               callbacks: Sequence[Sequence[Callback]] | None = None) -> list[TrainResult]:
-    """Train ``cfgs`` as one pack; ``callbacks``: each trial's own (its records only)."""
+               callbacks: Sequence[Sequence[Callback]] | None = None
+               ) -> list[TrainResult | NonFiniteLoss]:
+    """Train ``cfgs`` as one pack; ``callbacks``: each trial's own (its records only). Each
+    trial's TrainResult, or the NonFiniteLoss that took it out of the pack (its folder then
+    holds its records so far and no adapter, as a lone run's does)."""
     cfgs = list(cfgs)
     refuse_unpacked(cfgs)
     heard = list(callbacks) if callbacks is not None else [()] * len(cfgs)
     with memory_limit(cfgs[0].memory_limit_gb), ExitStack() as held:
-        runs = set_up_pack(cfgs, held)
+        live = list(range(len(cfgs)))  # the trials still in the pack (PackStepper.drop)
+        runs = set_up_pack(cfgs, held, live)
         model = runs[0].prepared.model
-        ledgers = [Ledger(run, cb, view=functools.partial(alone, model, i))
+        stepper = PackStepper(model, runs[0].prepared.stack, cfgs,
+                              [run.stepper.update for run in runs], live)
+        ledgers = [Ledger(run, cb, view=functools.partial(view_of, stepper, i))
                    for i, (run, cb) in enumerate(zip(runs, heard, strict=True))]
         for ledger in ledgers:
             ledger.begin()
-        stepper = PackStepper(model, runs[0].prepared.stack, cfgs,
-                              [run.stepper.update for run in runs])
+        results: dict[int, TrainResult | NonFiniteLoss] = {}
         for done in stepper.steps(train_batches(runs[0]), 1, cfgs[0].steps):
-            for ledger, own in zip(ledgers, done, strict=True):
-                ledger.record(own)
-        results = []
-        for i, run in enumerate(runs):
-            with alone(model, i):
-                results.append(finish(run))
-        return results
+            for trial, own in done.items():
+                if isinstance(own, NonFiniteLoss):
+                    results[trial] = own
+                else:
+                    ledgers[trial].record(own)
+        for trial in stepper.live:
+            with view_of(stepper, trial):
+                results[trial] = finish(runs[trial])
+        return [results[trial] for trial in range(len(cfgs))]
+
+
+def view_of(stepper: PackStepper, trial: int) -> AbstractContextManager:
+    """The model as ``trial``'s adapter alone makes it, wherever it sits in the pack now."""
+    return alone(stepper.model, stepper.position(trial))
 
 
 def refuse_unpacked(cfgs: list[TrainConfig]) -> None:
@@ -87,9 +100,10 @@ def refuse_unpacked(cfgs: list[TrainConfig]) -> None:
         raise ValueError(f"a pack's trials write to one folder each; got {outs}")
 
 
-def set_up_pack(cfgs: list[TrainConfig], held: ExitStack) -> list[Run]:
+def set_up_pack(cfgs: list[TrainConfig], held: ExitStack, live: list[int]) -> list[Run]:
     """Each trial's folder claimed, the pack's model set up once (prepared.py), the data
-    read once; one Run per trial, each with its own optimizer and update."""
+    read once; one Run per trial, each with its own optimizer and the update of its
+    adapter, wherever ``live`` (the trials still in the pack) puts it."""
     started = time.perf_counter()
     for cfg in cfgs:
         held.enter_context(claim_run(cfg))
@@ -101,7 +115,8 @@ def set_up_pack(cfgs: list[TrainConfig], held: ExitStack) -> list[Run]:
     for i, (cfg, own) in enumerate(zip(cfgs, prepared, strict=True)):
         prepare_out(Path(cfg.out), None)
         optimizer = make_optimizer(cfg)
-        update = make_adapter_update(own.model, i, optimizer, cfg.grad_clip)
+        update = make_adapter_update(own.model, functools.partial(live.index, i), optimizer,
+                                     cfg.grad_clip)
         stepper = Stepper(own.model, own.stack, cfg.loss_spec(), cfg, SINGLE, update)
         result = TrainResult(out=str(Path(cfg.out)), steps=0, trainable_params=own.trainable,
                              rejected_rows=dict(data.rejected), load_check=own.check)
