@@ -86,14 +86,14 @@ def test_each_adapter_of_a_pack_takes_its_lone_steps(tiny_model: Path) -> None:
             assert set(got.sums) == set(want.sums)
             for name, v in want.sums.items():
                 assert got.sums[name] == pytest.approx(v, rel=1e-5, abs=1e-6), (i, name)
-            clipped += want.grad_norm > cfg.grad_clip
+            clipped += i == 1 and want.grad_norm > cfg.grad_clip
             assert got.sums["shared_batches"] == want.sums["shared_batches"] == 1
         mine = adapter_of(model, i)
         assert set(mine) == set(weights)
         for name, w in weights.items():
             scale = float(mx.abs(w).max())
             assert scale > 0 and float(mx.abs(mine[name] - w).max()) <= 1e-5 * scale, name
-    assert clipped >= 1  # the clip was live for the adapter that sets a small one
+    assert clipped >= 1  # the clip was live for the adapter that sets a small one (1)
 
 
 def test_a_pack_refuses_trials_that_do_not_share_its_steps(tiny_model: Path) -> None:
@@ -101,5 +101,7 @@ def test_a_pack_refuses_trials_that_do_not_share_its_steps(tiny_model: Path) -> 
     assert set(SHARED) <= {f.name for f in dataclasses.fields(TrainConfig)}
     with pytest.raises(ValueError, match="share batch_size"):
         check_pack([cfgs[0], cfgs[1].replace(batch_size=4)])
+    with pytest.raises(ValueError, match="share nll_span"):  # one batch's masks for all
+        check_pack([cfgs[0], cfgs[1].replace(nll_span="response")])
     with pytest.raises(ValueError, match="dpo reads a reference"):
         check_pack([cfgs[0], cfgs[0].replace(loss="dpo")])

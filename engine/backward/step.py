@@ -17,7 +17,7 @@ from engine.forward.prefix import PrefixBatch, pair_batch
 from engine.forward.scoring import batch_kl, kl_point
 from engine.losses import LossSpec, Norms, pair_loss
 from engine.model.arch.stack import Stack
-from engine.model.load import set_dropout_seed
+from engine.model.load import micro_seed, set_dropout_seed
 from engine.settings.config import TrainConfig
 
 
@@ -75,7 +75,7 @@ def dispatch_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | P
     for i, (b, pb) in enumerate(zip(micro, layouts, strict=True)):
         if i:  # bound the accumulation: the earlier micro-batches finish first
             mx.eval(losses, metric_list, grads)
-        set_dropout_seed(model, (cfg.seed * 1_000_003 + step) * 1009 + i)
+        set_dropout_seed(model, micro_seed(cfg.seed, step, i))
         resp, nll, ref = mx.array(pb.resp_mask), mx.array(pb.nll_mask), pb.ref_array()
         loss, metrics, g = value_and_grad(
             model, stack, b,

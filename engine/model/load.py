@@ -160,6 +160,12 @@ class _Dropouts:
                       if isinstance(m, KeyedDropout) and m.p > 0]
 
 
+def micro_seed(seed: int, step: int, micro: int) -> int:
+    """The dropout seed of micro-batch ``micro`` of ``step`` in a run seeded ``seed``: every
+    path that steps (a lone run, a pack) draws its masks from it."""
+    return (seed * 1_000_003 + step) * 1009 + micro
+
+
 def set_dropout_seed(model: nn.Module, seed: int) -> None:
     """Give every KeyedDropout the micro-step's ``seed`` (walking the module tree once per
     model, not once per micro-batch: that walk is host time on every step)."""

@@ -94,6 +94,7 @@ def pack_lora(model: nn.Module, specs: Sequence[LoraSpec], seed: int) -> int:
         packed.append((name, PackedLoRALinear(m.linear, a, b, [s.scale for s in specs],
                                               dropouts)))
     model.update_modules(tree_unflatten(packed))
+    model.__dict__.pop("_pomona_dropouts", None)  # set_dropout_seed finds the pack's anew
     return sum(a.size + b.size for _, p in packed
                for a, b in zip(p.lora_a, p.lora_b, strict=True))
 

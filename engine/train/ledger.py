@@ -82,6 +82,7 @@ class Ledger:
     callbacks: Sequence[Callback]
     view: Callable[[], AbstractContextManager] = nullcontext
     window: Window = field(default_factory=Window)
+    settings: dict[str, Any] = field(default_factory=dict)  # what its checkpoints record
 
     def begin(self) -> None:
         """Before the first step: the model in training mode, and the "before" numbers
@@ -94,6 +95,9 @@ class Ledger:
         elif cfg.val_every and run.start == 0:
             with self.view():
                 validate(run, 0, self.callbacks)
+        # read once, as the run starts: a checkpoint records the inputs it trained on
+        self.settings = run_settings(cfg) if cfg.checkpoint_every else {}
+        self.window.reset()  # the first window's peak: its steps', not the validation's
 
     def record(self, done: StepDone) -> None:
         """After step ``done``: its window, and a record, validation or checkpoint where
@@ -118,6 +122,6 @@ class Ledger:
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and run.ranks.main:
             with self.view():
                 save_checkpoint(run.prepared.model, run.optimizer, run.out, step,
-                                {"seed": cfg.seed, "settings": run_settings(cfg)},
+                                {"seed": cfg.seed, "settings": self.settings},
                                 run.prepared.lora, lora_blocks(run))
             prune_checkpoints(run.out, cfg.keep_checkpoints)

@@ -20,8 +20,9 @@ import mlx.core as mx
 from engine.backward.segmented import Grads, value_and_grad
 from engine.data.batch import PairBatch, batch_norms
 from engine.forward.prefix import PrefixBatch, pair_batch, repeat_layout
+from engine.host.prefetch import Prefetch
 from engine.losses import Norms, pair_loss
-from engine.model.load import set_dropout_seed
+from engine.model.load import micro_seed, set_dropout_seed
 from engine.model.packed_lora import drop_adapter
 from engine.settings.config import TrainConfig
 from engine.train.steps import NonFiniteLoss, StepDone, check_finite
@@ -29,7 +30,8 @@ from engine.train.steps import NonFiniteLoss, StepDone, check_finite
 # What every trial of a pack shares: its batches, its path through the model, the adapted
 # projections. The rest (learning rate and schedule, AdamW, clip, the loss and its
 # settings, LoRA rank, scale and dropout, validation, outputs) is each adapter's own.
-SHARED = ("model", "data", "batch_size", "grad_accum", "steps", "seed", "segment_size",
+SHARED = ("model", "data", "nll_span", "batch_size", "grad_accum", "steps", "seed",
+          "segment_size",
           "head_chunk", "mlp_chunk", "inflight", "prefix_share", "prefix_attention",
           "pad_multiple", "lora_keys", "lora_layers", "allow_tokenizer_mismatch",
           "memory_limit_gb")
@@ -64,6 +66,7 @@ class PackStepper:
 
     def __post_init__(self) -> None:
         self.cfgs, self.updates = list(self.cfgs), list(self.updates)
+        # ``live`` itself is kept, not copied: the updates find their adapters through it
         self.live = self.live or list(range(len(self.cfgs)))
 
     def steps(self, batches: Callable[[], list[PairBatch | PrefixBatch]], first: int,
@@ -71,11 +74,12 @@ class PackStepper:
         """Steps ``first`` to ``last`` while any trial is live, each on the micro-batches
         one call of ``batches`` makes: per step, each live trial's StepDone, or the
         NonFiniteLoss that takes it out of the pack (its last)."""
+        prefetch = Prefetch(batches, last - first + 1)  # built ahead, as a lone run's are
         for step in range(first, last + 1):
             if not self.live:
                 return
             t0 = time.perf_counter()
-            micro = batches()
+            micro = prefetch.next()
             losses, sums, grads = self.grads(micro, step)
             norms = [u(g) for u, g in zip(self.updates, grads, strict=True)]
             mx.eval(losses, sums, norms)
@@ -119,7 +123,7 @@ class PackStepper:
         for j, b in enumerate(micro):
             if j:  # bound the accumulation: the earlier micro-batches finish first
                 mx.eval(losses, sums, total)
-            set_dropout_seed(self.model, (cfg.seed * 1_000_003 + step) * 1009 + j)
+            set_dropout_seed(self.model, micro_seed(cfg.seed, step, j))
             _, metrics, g = value_and_grad(self.model, self.stack, repeat_layout(b, k),
                                            self.loss_of(pair_batch(b), norms),
                                            cfg.segment_size, cfg.head_chunk, cfg.inflight)

@@ -1,6 +1,8 @@
 """Several trials trained as one pack (engine/model/packed_lora.py): one model, one pass
-over their shared batches, and each trial's folder as its lone run leaves it (metrics,
-validation, checkpoints, adapter, summary), its books kept through its adapter's view.
+over their shared batches, and each trial's folder as its lone run leaves it (records,
+validation, checkpoints at its steps, adapter and its config, summary), its books kept
+through its adapter's view. A trial's summary says what the pack spent: its seconds are
+the pack's, its peak memory the pack's process's, its load check the pack's model's.
 
     results = train_pack([cfg_a, cfg_b, cfg_c])     # per config: TrainResult or NonFiniteLoss
 
@@ -18,9 +20,11 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 
+import mlx.core as mx
+
 from engine.backward.distributed import SINGLE
 from engine.backward.update import make_adapter_update, make_optimizer
-from engine.forward.layout_policy import resolve_pad_multiple
+from engine.forward.layout_policy import resolve_pad_multiple, resolve_prefix_attention
 from engine.losses import validation_metrics
 from engine.model.adapters import prepare_out
 from engine.model.packed_lora import alone
@@ -28,6 +32,7 @@ from engine.settings.config import TrainConfig
 from engine.train.ledger import Callback, Ledger
 from engine.train.pack_steps import PackStepper, check_pack
 from engine.train.prepared import prepare_pack
+from engine.train.report_window import Window
 from engine.train.steps import NonFiniteLoss, Stepper
 from engine.train.trainer import (
     Run,
@@ -35,6 +40,7 @@ from engine.train.trainer import (
     claim_run,
     finish,
     memory_limit,
+    say_unread_settings,
     train_batches,
     training_data,
 )
@@ -55,16 +61,21 @@ def train_pack(cfgs: Sequence[TrainConfig],
         model = runs[0].prepared.model
         stepper = PackStepper(model, runs[0].prepared.stack, cfgs,
                               [run.stepper.update for run in runs], live)
-        ledgers = [Ledger(run, cb, view=functools.partial(view_of, stepper, i))
+        ledgers = [Ledger(run, cb, view=functools.partial(view_of, stepper, i),
+                          window=Window(shared=True))
                    for i, (run, cb) in enumerate(zip(runs, heard, strict=True))]
         for ledger in ledgers:
             ledger.begin()
         results: dict[int, TrainResult | NonFiniteLoss] = {}
+        mx.reset_peak_memory()
         for done in stepper.steps(train_batches(runs[0]), 1, cfgs[0].steps):
+            peak = mx.get_peak_memory()  # the pack's step, read once for all its trials
+            mx.reset_peak_memory()
             for trial, own in done.items():
                 if isinstance(own, NonFiniteLoss):
                     results[trial] = own
                 else:
+                    ledgers[trial].window.saw(peak)
                     ledgers[trial].record(own)
         for trial in stepper.live:
             with view_of(stepper, trial):
@@ -108,9 +119,12 @@ def set_up_pack(cfgs: list[TrainConfig], held: ExitStack, live: list[int]) -> li
     for cfg in cfgs:
         held.enter_context(claim_run(cfg))
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
-    prepared = prepare_pack(cfgs)
-    data = training_data(cfgs[0], prepared[0], SINGLE)
     pad_multiple = resolve_pad_multiple(cfgs[0].pad_multiple)
+    resolve_prefix_attention(cfgs[0].prefix_attention, pad_multiple)  # refused before work
+    prepared = prepare_pack(cfgs)
+    for cfg in cfgs:
+        say_unread_settings(cfg)
+    data = training_data(cfgs[0], prepared[0], SINGLE)
     runs = []
     for i, (cfg, own) in enumerate(zip(cfgs, prepared, strict=True)):
         prepare_out(Path(cfg.out), None)

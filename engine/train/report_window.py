@@ -9,9 +9,12 @@ import mlx.core as mx
 
 
 class Window:
-    """Accumulates training metrics between reports."""
+    """Accumulates training metrics between reports. Its peak memory is MLX's, reset with
+    the window; ``shared`` (a pack's trials share one process): the largest peak the pack
+    fed it (``saw``), MLX's counter left to the pack."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared: bool = False) -> None:
+        self.shared = shared
         self.reset()
 
     def reset(self) -> None:
@@ -19,7 +22,13 @@ class Window:
         self.losses: list[float] = []
         self.norms: list[float] = []
         self.tokens, self.seconds = 0, 0.0
-        mx.reset_peak_memory()
+        self.peak = 0.0
+        if not self.shared:
+            mx.reset_peak_memory()
+
+    def saw(self, peak_bytes: float) -> None:
+        """A pack step's peak (MLX's, read once for every trial of the pack)."""
+        self.peak = max(self.peak, peak_bytes)
 
     def add(self, loss: float, sums: dict[str, float], grad_norm: float, tokens: int,
             seconds: float) -> None:
@@ -41,5 +50,5 @@ class Window:
         rec.update({"grad_norm": sum(self.norms) / len(self.norms), "learning_rate": lr,
                     "prefix_share_rate": share,
                     "tokens_per_sec": self.tokens / max(self.seconds, 1e-9),
-                    "peak_memory_gb": mx.get_peak_memory() / 1e9})
+                    "peak_memory_gb": (self.peak if self.shared else mx.get_peak_memory()) / 1e9})
         return rec
