@@ -39,15 +39,22 @@ SHARED = ("model", "data", "nll_span", "batch_size", "grad_accum", "steps", "see
 
 def check_pack(cfgs: Sequence[TrainConfig]) -> None:
     """ValueError naming the first setting the trials of a pack do not share, or a loss a
-    pack cannot train yet (one that reads a reference: DPO's and KTO's are its next step)."""
+    pack cannot train yet (KTO: its KL partners are a batch of their own). Trials whose
+    loss reads a reference (DPO) share it: its log-probs ride on the pack's one batch."""
     for name in SHARED:
         values = [getattr(c, name) for c in cfgs]
         if any(v != values[0] for v in values):
             raise ValueError(f"a pack's trials share {name}; got {values}")
     for c in cfgs:
-        if c.loss_spec().needs_reference:
-            raise ValueError(f"loss {c.loss.kind} reads a reference: it trains alone, not "
+        if c.loss.needs_kl:
+            raise ValueError(f"loss {c.loss.kind} reads KL partners: it trains alone, not "
                              "in a pack (yet)")
+    readers = [c for c in cfgs if c.loss_spec().needs_reference]
+    for name in ("reference", "reference_logps"):
+        values = [str(getattr(c, name)) for c in readers]
+        if any(v != values[0] for v in values):
+            raise ValueError(f"a pack's trials that read a reference share {name}; got "
+                             f"{values}")
 
 
 @dataclass

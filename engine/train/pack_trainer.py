@@ -6,8 +6,9 @@ the pack's, its peak memory the pack's process's, its load check the pack's mode
 
     results = train_pack([cfg_a, cfg_b, cfg_c])     # per config: TrainResult or NonFiniteLoss
 
-What the trials must share, and the losses a pack does not train yet, are
-engine/train/pack_steps.py's ``check_pack``; a pack starts fresh (no resume, warm start or
+What the trials must share (DPO trials: their one reference, made before the model
+loads), and the loss a pack does not train yet (KTO), are engine/train/pack_steps.py's
+``check_pack``; a pack starts fresh (no resume, warm start or
 ``--verify``), on one process. A trial whose loss turns non-finite leaves the pack, failed
 as its lone run would fail; the others go on as a pack without it.
 """
@@ -32,6 +33,7 @@ from engine.settings.config import TrainConfig
 from engine.train.ledger import Callback, Ledger
 from engine.train.pack_steps import PackStepper, check_pack
 from engine.train.prepared import prepare_pack
+from engine.train.reference import ensure_reference
 from engine.train.report_window import Window
 from engine.train.steps import NonFiniteLoss, Stepper
 from engine.train.trainer import (
@@ -40,6 +42,7 @@ from engine.train.trainer import (
     claim_run,
     finish,
     memory_limit,
+    reference_of,
     say_unread_settings,
     train_batches,
     training_data,
@@ -121,10 +124,14 @@ def set_up_pack(cfgs: list[TrainConfig], held: ExitStack, live: list[int]) -> li
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
     pad_multiple = resolve_pad_multiple(cfgs[0].pad_multiple)
     resolve_prefix_attention(cfgs[0].prefix_attention, pad_multiple)  # refused before work
+    # the data as its trials that read a reference read it: their one reference attached
+    reader = next((c for c in cfgs if c.loss_spec().needs_reference), cfgs[0])
+    if reader.loss_spec().needs_reference:  # made before the pack's model loads
+        ensure_reference(*reference_of(reader))
     prepared = prepare_pack(cfgs)
     for cfg in cfgs:
         say_unread_settings(cfg)
-    data = training_data(cfgs[0], prepared[0], SINGLE)
+    data = training_data(reader, prepared[0], SINGLE)
     runs = []
     for i, (cfg, own) in enumerate(zip(cfgs, prepared, strict=True)):
         prepare_out(Path(cfg.out), None)
