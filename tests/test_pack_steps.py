@@ -103,9 +103,7 @@ def test_a_pack_refuses_trials_that_do_not_share_its_steps(tiny_model: Path) -> 
         check_pack([cfgs[0], cfgs[1].replace(batch_size=4)])
     with pytest.raises(ValueError, match="share nll_span"):  # one batch's masks for all
         check_pack([cfgs[0], cfgs[1].replace(nll_span="response")])
-    with pytest.raises(ValueError, match="kto reads KL partners"):
-        check_pack([cfgs[0], cfgs[0].replace(loss="kto")])
     dpo = cfgs[0].replace(loss="dpo")
-    check_pack([cfgs[0], dpo, dpo.replace(dpo_beta=0.3)])  # one reference: it packs
+    check_pack([cfgs[0], dpo, dpo.replace(dpo_beta=0.3), cfgs[0].replace(loss="kto")])
     with pytest.raises(ValueError, match="read a reference share reference"):
         check_pack([dpo, dpo.replace(reference=str(model))])

@@ -111,9 +111,9 @@ def batch_norms(batches: Sequence[PairBatch]) -> Norms:
 
 def repeat_rows(batch: PairBatch, k: int) -> PairBatch:
     """``batch`` with its rows repeated ``k`` times, copy after copy: the batch of a pack of
-    ``k`` adapters (engine/model/packed_lora.py), copy i the rows adapter i trains on."""
-    if batch.kl is not None:
-        raise ValueError("a pack's batch carries no KL partners yet (KTO trains alone)")
+    ``k`` adapters (engine/model/packed_lora.py), copy i the rows adapter i trains on. Its
+    KL partners (KTO) stay as they are: each adapter's KL point is its own pass over them
+    (engine/train/pack_steps.py)."""
     rows = {f: np.concatenate([getattr(batch, f)] * k)
             for f in ("inputs", "targets", "resp_mask", "nll_mask")}
     ref = None if batch.ref is None else np.concatenate([batch.ref] * k)

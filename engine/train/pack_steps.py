@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from engine.backward.segmented import Grads, value_and_grad
-from engine.data.batch import PairBatch, batch_norms
+from engine.data.batch import PairBatch, batch_norms, repeat_rows
 from engine.forward.prefix import PrefixBatch, pair_batch, repeat_layout
+from engine.forward.scoring import forward_logps, kl_point
 from engine.host.prefetch import Prefetch
 from engine.losses import Norms, pair_loss
 from engine.model.load import micro_seed, set_dropout_seed
@@ -38,17 +40,13 @@ SHARED = ("model", "data", "nll_span", "batch_size", "grad_accum", "steps", "see
 
 
 def check_pack(cfgs: Sequence[TrainConfig]) -> None:
-    """ValueError naming the first setting the trials of a pack do not share, or a loss a
-    pack cannot train yet (KTO: its KL partners are a batch of their own). Trials whose
-    loss reads a reference (DPO) share it: its log-probs ride on the pack's one batch."""
+    """ValueError naming the first setting the trials of a pack do not share. Trials whose
+    loss reads a reference (DPO, KTO) share it: its log-probs, and KTO's KL partners with
+    theirs, ride on the pack's one batch."""
     for name in SHARED:
         values = [getattr(c, name) for c in cfgs]
         if any(v != values[0] for v in values):
             raise ValueError(f"a pack's trials share {name}; got {values}")
-    for c in cfgs:
-        if c.loss.needs_kl:
-            raise ValueError(f"loss {c.loss.kind} reads KL partners: it trains alone, not "
-                             "in a pack (yet)")
     readers = [c for c in cfgs if c.loss_spec().needs_reference]
     for name in ("reference", "reference_logps"):
         values = [str(getattr(c, name)) for c in readers]
@@ -127,12 +125,13 @@ class PackStepper:
         losses = [mx.array(0.0)] * k
         sums: list[dict[str, mx.array]] = [{} for _ in range(k)]
         total: Grads = {}
+        kls = self.kl_points(micro)  # before the step's masks are seeded, as a lone step
         for j, b in enumerate(micro):
             if j:  # bound the accumulation: the earlier micro-batches finish first
                 mx.eval(losses, sums, total)
             set_dropout_seed(self.model, micro_seed(cfg.seed, step, j))
             _, metrics, g = value_and_grad(self.model, self.stack, repeat_layout(b, k),
-                                           self.loss_of(pair_batch(b), norms),
+                                           self.loss_of(pair_batch(b), norms, kls),
                                            cfg.segment_size, cfg.head_chunk, cfg.inflight)
             total = g if not total else {n: total[n] + g[n] for n in total}
             for i in range(k):
@@ -147,17 +146,41 @@ class PackStepper:
                            shared_batches=sum(isinstance(b, PrefixBatch) for b in micro))
         return losses, sums, [adapter_grads(total, i) for i in range(k)]
 
-    def loss_of(self, b: PairBatch, norms: Norms) -> Callable[[mx.array], Any]:
+    def kl_points(self, micro: list[PairBatch | PrefixBatch]) -> list[mx.array | None]:
+        """Each adapter's KL reference point over the step's micro-batches, where its loss
+        reads one (KTO; engine/backward/step.py ``step_kl`` for a lone run): the KL
+        partners' rows repeated once per adapter, each copy's log-ratio summed apart."""
+        k, chunk = len(self.cfgs), self.cfgs[0].head_chunk
+        if not any(c.loss.needs_kl for c in self.cfgs):
+            return [None] * k
+        totals, rows = [0.0] * k, 0
+        for b in micro:
+            partners = pair_batch(b).kl
+            if partners is None or partners.ref is None:
+                raise ValueError("a KTO trial's pack needs KL partners with reference "
+                                 "log-probs: none were attached to this batch")
+            lp = forward_logps(self.model, self.stack, repeat_rows(partners, k), chunk,
+                               np.concatenate([partners.resp_mask > 0] * k))
+            resp, ref = mx.array(partners.resp_mask), mx.array(partners.ref)
+            for i, part in enumerate(mx.split(lp, k)):
+                totals[i] += float(((part * resp).sum(axis=-1) - ref).sum())
+            rows += 2 * partners.pairs
+        return [kl_point(t, rows) if c.loss.needs_kl else None
+                for t, c in zip(totals, self.cfgs, strict=True)]
+
+    def loss_of(self, b: PairBatch, norms: Norms, kls: list[mx.array | None]
+                ) -> Callable[[mx.array], Any]:
         """The loss of a micro-batch's k copies: the sum of each adapter's own loss on its
-        copy (its gradient w.r.t. adapter i is adapter i's loss's); each one's metrics
-        apart, as ``i/name``."""
+        copy (its gradient w.r.t. adapter i is adapter i's loss's; its KL point, where it
+        reads one, its own); each one's metrics apart, as ``i/name``."""
         resp, nll, ref = mx.array(b.resp_mask), mx.array(b.nll_mask), b.ref_array()
         specs = [c.loss_spec() for c in self.cfgs]
 
         def loss(lp: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
             total, metrics = mx.array(0.0), {}
-            for i, (spec, part) in enumerate(zip(specs, mx.split(lp, len(specs)), strict=True)):
-                own, m = pair_loss(part, resp, nll, spec, norms, ref)
+            parts = mx.split(lp, len(specs))
+            for i, (spec, part, kl) in enumerate(zip(specs, parts, kls, strict=True)):
+                own, m = pair_loss(part, resp, nll, spec, norms, ref, kl)
                 total = total + own
                 metrics.update({f"{i}/{n}": v for n, v in m.items()}, **{f"{i}/loss": own})
             return total, metrics

@@ -6,11 +6,11 @@ the pack's, its peak memory the pack's process's, its load check the pack's mode
 
     results = train_pack([cfg_a, cfg_b, cfg_c])     # per config: TrainResult or NonFiniteLoss
 
-What the trials must share (DPO trials: their one reference, made before the model
-loads), and the loss a pack does not train yet (KTO), are engine/train/pack_steps.py's
-``check_pack``; a pack starts fresh (no resume, warm start or
-``--verify``), on one process. A trial whose loss turns non-finite leaves the pack, failed
-as its lone run would fail; the others go on as a pack without it.
+What the trials must share (DPO and KTO trials: their one reference, made before the
+model loads) is engine/train/pack_steps.py's ``check_pack``; a pack starts fresh (no
+resume, warm start or ``--verify``), on one process. A trial whose loss turns
+non-finite leaves the pack, failed as its lone run would fail; the others go on as a pack
+without it.
 """
 
 from __future__ import annotations
@@ -125,7 +125,9 @@ def set_up_pack(cfgs: list[TrainConfig], held: ExitStack, live: list[int]) -> li
     pad_multiple = resolve_pad_multiple(cfgs[0].pad_multiple)
     resolve_prefix_attention(cfgs[0].prefix_attention, pad_multiple)  # refused before work
     # the data as its trials that read a reference read it: their one reference attached
-    reader = next((c for c in cfgs if c.loss_spec().needs_reference), cfgs[0])
+    # (KTO's first: its KL partners too, which DPO's loss never reads)
+    readers = sorted(cfgs, key=lambda c: (not c.loss.needs_kl, not c.loss.needs_reference))
+    reader = readers[0]
     if reader.loss_spec().needs_reference:  # made before the pack's model loads
         ensure_reference(*reference_of(reader))
     prepared = prepare_pack(cfgs)
