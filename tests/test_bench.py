@@ -127,11 +127,18 @@ def test_train_bench_runs_the_real_trainer(tmp_path, capsys) -> None:
     assert (tmp_path / "run" / "adapters.safetensors").exists()  # the trainer really ran
 
 
-def test_train_bench_packs_the_same_trials(tmp_path, capsys) -> None:
+def test_train_bench_packs_the_same_trials(tmp_path, capsys, monkeypatch) -> None:
     """`pomona bench train --pack 1,2`: the same two trials alone and as one pack, each
     size's wall time and steady tokens/s (every adapter's) side by side, and the ratio;
-    each trial really trained, in its own folder. A bad size is one line."""
+    each trial really trained, in its own folder, the pack row as one pack. A bad size is
+    one line."""
     from benchmarks.train_bench import main
+    from engine.train import pack_trainer
+
+    packs: list[int] = []
+    real = pack_trainer.train_pack
+    monkeypatch.setattr(pack_trainer, "train_pack",
+                        lambda cfgs, *a, **k: packs.append(len(cfgs)) or real(cfgs, *a, **k))
 
     args = ["--seq", "48", "--pairs", "2", "--layers", "2", "--hidden", "64", "--heads", "4",
             "--kv-heads", "2", "--intermediate", "128", "--vocab", "512", "--dtype", "float32",
@@ -145,6 +152,7 @@ def test_train_bench_packs_the_same_trials(tmp_path, capsys) -> None:
     for size in (1, 2):
         for trial in ("t0", "t1"):
             assert (tmp_path / f"pack{size}" / trial / "adapters.safetensors").exists()
+    assert packs == [2]  # the pack row trained its two trials as one pack
     assert main([*args, "--pack", "0,2"]) == 2
     assert "--pack 0,2: sizes are at least 1" in capsys.readouterr().err
 
