@@ -9,6 +9,7 @@ non-finite or is pruned by the study comes back as a status with a reason.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import time
@@ -122,6 +123,13 @@ def run_trial(trial_id: str, config: TrainConfig, study: Any = None,
         reason = f"{type(err).__name__}: {err}"
         return {**base, "status": "failed", "reason": reason, "ended": time.time(),
                 "traceback": traceback.format_exc(limit=5)}
+    return summary_of(base, result, norms)
+
+
+def summary_of(base: Summary, result: Any, norms: GradNorms) -> Summary:
+    """A trained run's summary (engine/train/trainer.py's TrainResult): ``completed``, or
+    ``degenerate`` with its reason where it has collapsed (``degenerate_reason``: it keeps
+    its adapter and metrics but is never ranked)."""
     best = result.best_val or {}
     reason = degenerate_reason(norms.reports, best)
     return {**base, "status": "degenerate" if reason else "completed", "reason": reason,
@@ -131,6 +139,32 @@ def run_trial(trial_id: str, config: TrainConfig, study: Any = None,
             "best_val_accuracy": best.get("val/logps/accuracies"),
             **{f"best/{k}": v for k, v in best.items() if k.startswith("val/")},
             "peak_memory_gb": result.peak_memory_gb, "tokens_per_sec": result.tokens_per_sec}
+
+
+def run_pack_trials(ids: list[str], configs: list[TrainConfig],
+                    extras: list[list[Any]] | None = None) -> list[Summary]:
+    """Train trials as one pack (engine/train/pack_trainer.py) in this process: each one's
+    summary, never raise. A trial whose loss turned non-finite failed alone; a pack that
+    could not train (a refusal, memory) fails every trial, naming the pack. Each row says
+    its pack (``pack``: a name from its trials' ids) and the pack's size."""
+    from engine.train.pack_trainer import train_pack
+    from engine.train.steps import NonFiniteLoss
+
+    started, here = time.time(), where()
+    pack = "p-" + hashlib.sha256("\n".join(sorted(ids)).encode()).hexdigest()[:10]
+    bases = [{"trial_id": i, **here, "started": started, "pack": pack, "pack_size": len(ids)}
+             for i in ids]
+    norms = [GradNorms() for _ in ids]
+    heard = [[n, *(extras[i] if extras else [])] for i, n in enumerate(norms)]
+    try:
+        results = train_pack(configs, heard)
+    except Exception as err:  # the pack's crash is each trial's result, not the sweep's
+        reason = f"pack of {len(ids)}: {type(err).__name__}: {err}"
+        return [{**b, "status": "failed", "reason": reason, "ended": time.time(),
+                 "traceback": traceback.format_exc(limit=5)} for b in bases]
+    return [{**b, "status": "failed", "reason": f"non_finite: {r}", "ended": time.time()}
+            if isinstance(r, NonFiniteLoss) else summary_of(b, r, n)
+            for b, r, n in zip(bases, results, norms, strict=True)]
 
 
 def where() -> dict[str, Any]:
@@ -155,6 +189,7 @@ class TrialActor:
     outputs to the driver (tasks/nodes/trial_inputs.py)."""
 
     outputs: Bundle | None = None
+    bundles: dict[str, Bundle] | None = None  # a pack's outputs, by trial id
 
     def run(self, plan: dict[str, Any], study: Any = None, metric: str = "val/loss",
             inputs: dict[str, Any] | None = None, box: Any = None) -> Summary:
@@ -176,14 +211,54 @@ class TrialActor:
         self.outputs = outputs_bundle(config.out, back)
         return {**summary, "outputs": self.outputs.to_dict()}
 
-    def read(self, rel: str, offset: int, length: int) -> bytes:
-        """A chunk of one of this attempt's output files (tasks/nodes/node_files.pull)."""
-        assert self.outputs is not None, "no outputs to read"
-        return local_reader(self.outputs)(rel, offset, length)
+    def run_pack(self, plans: list[dict[str, Any]], inputs: list[dict[str, Any] | None],
+                 box: Any = None) -> list[Summary]:
+        """The trials ``TrialPlan.to_dict`` sent, trained as one pack on this node's copies
+        of each one's ``inputs`` (a trial whose inputs this node cannot have fails alone;
+        the others pack without it); each one's outputs listed apart, by trial id."""
+        trials = [TrialPlan.from_dict(p) for p in plans]
+        started = time.time()
+        remove_stale_scratch()
+        rows: dict[str, Summary] = {}
+        packed: list[tuple[TrialPlan, TrainConfig, dict[str, str]]] = []
+        for trial, given in zip(trials, inputs, strict=True):
+            try:
+                packed.append((trial, *localised(trial.config, given, trial.id)))
+            except (OSError, RuntimeError) as err:  # say which input, on which node
+                rows[trial.id] = {"trial_id": trial.id, **where(), "started": started,
+                                  "ended": time.time(), "status": "failed",
+                                  "reason": f"inputs on {socket.gethostname()}: {err}"}
+        extras = [[SendMetrics(box, t.id)] if box is not None else [] for t, _, _ in packed]
+        done = (run_pack_trials([t.id for t, _, _ in packed], [c for _, c, _ in packed],
+                                extras) if packed else [])
+        self.bundles = {}
+        for (trial, config, back), row in zip(packed, done, strict=True):
+            if not row.get("adapter"):  # nothing to pull: its scratch folder goes now
+                remove_scratch(config.out)
+                rows[trial.id] = row
+                continue
+            self.bundles[trial.id] = outputs_bundle(config.out, back)
+            rows[trial.id] = {**row, "outputs": self.bundles[trial.id].to_dict()}
+        return [rows[t.id] for t in trials]
 
-    def cleanup(self) -> None:
-        if self.outputs is not None:
-            remove_scratch(self.outputs.path)
+    def read(self, rel: str, offset: int, length: int, trial_id: str | None = None) -> bytes:
+        """A chunk of one of this attempt's output files (tasks/nodes/node_files.pull): a
+        pack's, of trial ``trial_id``'s."""
+        bundle = self.outputs if trial_id is None else (self.bundles or {}).get(trial_id)
+        assert bundle is not None, "no outputs to read"
+        return local_reader(bundle)(rel, offset, length)
+
+    def cleanup(self, trial_id: str | None = None) -> None:
+        """The scratch folder of this attempt's outputs once the driver has them: a pack's
+        trial's alone, or (no id) every one this actor holds."""
+        if trial_id is not None:
+            bundle = (self.bundles or {}).pop(trial_id, None)
+            if bundle is not None:
+                remove_scratch(bundle.path)
+            return
+        for bundle in [self.outputs, *(self.bundles or {}).values()]:
+            if bundle is not None:
+                remove_scratch(bundle.path)
 
     def where(self) -> dict[str, Any]:
         return where()
