@@ -100,29 +100,36 @@ def relay(box: Any, trial_id: str, out: Path, first: bool) -> None:
 
 def collect(trial: TrialPlan, actor: Any, summary: Summary) -> Summary:
     """The attempt's outputs pulled from its node into the trial's folder on the driver
-    (tasks/nodes/node_files.py); its scratch folder removed there."""
+    (tasks/nodes/node_files.py); its scratch folder removed there. From a pack's actor
+    (``pack`` in the summary): this trial's, by its id."""
     import ray
 
     listed = summary.pop("outputs", None)
     if listed is None:
         return summary
     out = Path(trial.config.out)
+    key = (trial.id,) if "pack" in summary else ()  # a lone trial's actor takes no id
     pull(Bundle.from_dict(listed), lambda rel, offset, n: ray.get(
-        actor.read.remote(rel, offset, n)), out)
-    ray.get(actor.cleanup.remote())
+        actor.read.remote(rel, offset, n, *key)), out)
+    ray.get(actor.cleanup.remote(*key))
     return {**summary, "adapter": str(out)}
 
 
-def wait_relaying(shared: Attempts, trial: TrialPlan, ref: Any) -> bool:
-    """Wait for ``ref`` within the time limit, relaying metric lines every 2 s; whether it
-    finished."""
+def wait_relaying(shared: Attempts, trial: TrialPlan | list[TrialPlan], ref: Any,
+                  limit_s: float | None = None) -> bool:
+    """Wait for ``ref`` within the time limit (``limit_s``, else the sweep's), relaying
+    the metric lines of each trial it runs every 2 s; whether it finished."""
     import ray
 
-    out, deadline = Path(trial.config.out), time.time() + (shared.time_limit_s or 1e12)
-    relay(shared.box, trial.id, out, first=True)
+    trials = trial if isinstance(trial, list) else [trial]
+    limit = shared.time_limit_s if limit_s is None else limit_s
+    deadline = time.time() + (limit or 1e12)
+    for t in trials:
+        relay(shared.box, t.id, Path(t.config.out), first=True)
     while True:
         ready, _ = ray.wait([ref], timeout=max(min(2.0, deadline - time.time()), 0.0))
-        relay(shared.box, trial.id, out, first=False)
+        for t in trials:
+            relay(shared.box, t.id, Path(t.config.out), first=False)
         if ready or time.time() >= deadline:
             return bool(ready)
 

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,6 +29,7 @@ from tasks.nodes.placement import Placement
 from tasks.nodes.trial_inputs import metrics_box
 from tasks.sweep.attempts import Attempts, EventHook, LiveTrials, OneActor, Strategy
 from tasks.sweep.gang import Gang
+from tasks.sweep.packs import PackActor, PackRetrying, group_packs
 from tasks.sweep.trial import Summary, outcome
 from tasks.sweep.trial_plan import TrialPlan
 from tasks.sweep.trial_rules import TrialRules
@@ -138,6 +139,68 @@ def run_workers(worker: Callable[[], None], count: int, live: LiveTrials) -> boo
     return interrupted
 
 
+def trial_worker(source: TrialSource, shared: Attempts, rules: TrialRules, wrap: Wrap | None,
+                 asked: Callable[[list[TrialPlan]], None],
+                 finish: Callable[[TrialPlan, Summary], None]) -> Callable[[], None]:
+    """A worker thread's loop: a trial at a time from ``source``, each in its own actor
+    (or gang of ranks), wrapped (a Prefect task run), its summary handed to ``finish``."""
+    ranks = rules.ranks_per_trial
+    strategy: Strategy = Gang(shared, ranks) if ranks > 1 else OneActor(shared)
+    runner = Retrying(strategy, shared.live, rules.retries, rules.retry_delay_s)
+
+    def worker() -> None:
+        while not shared.live.stopping.is_set():
+            trial = source.ask()
+            if trial is None:
+                return
+            asked([trial])
+            finish(trial, contained(trial, lambda t=trial: (
+                wrap(t, lambda: runner.run(t)) if wrap else runner.run(t))))
+
+    return worker
+
+
+def pack_worker(source: TrialSource, shared: Attempts, rules: TrialRules, wrap: Wrap | None,
+                asked: Callable[[list[TrialPlan]], None],
+                finish: Callable[[TrialPlan, Summary], None]) -> Callable[[], None]:
+    """A worker thread's loop: a pack at a time (tasks/sweep/packs.py) in one actor, each
+    of its trials wrapped on a thread of its own (its own Prefect task run, lasting as
+    long as its pack) and its summary handed to ``finish``."""
+    if not isinstance(source, ListSource):
+        raise ValueError("pack > 1: trials pack from a listed sweep (grid or random), not "
+                         "from an Optuna search")
+    packs = ListSource(group_packs(source.trials, rules.pack))  # type: ignore[arg-type]
+    runner = PackRetrying(PackActor(shared), shared.live, rules.retries, rules.retry_delay_s)
+
+    def one(trial: TrialPlan, answer: Future) -> None:
+        finish(trial, contained(trial, lambda: (wrap(trial, answer.result) if wrap
+                                                else answer.result())))
+
+    def worker() -> None:
+        while not shared.live.stopping.is_set():
+            pack = packs.ask()
+            if pack is None:
+                return
+            asked(pack)
+            answers = {t.id: Future() for t in pack}
+            threads = [threading.Thread(target=contextvars.copy_context().run,
+                                        args=(one, t, answers[t.id])) for t in pack]
+            for thread in threads:
+                thread.start()
+            try:
+                rows = runner.run(pack)
+            except Exception as err:  # each trial's row says so (contained)
+                for answer in answers.values():
+                    answer.set_exception(err)
+            else:
+                for t in pack:
+                    answers[t.id].set_result(rows[t.id])
+            for thread in threads:
+                thread.join()
+
+    return worker
+
+
 def run_trials(source: TrialSource | list[TrialPlan] | list[tuple[str, dict[str, Any]]],
                placement: Placement, rules: TrialRules | None = None,
                results: Path | None = None, study: Any = None,
@@ -152,6 +215,8 @@ def run_trials(source: TrialSource | list[TrialPlan] | list[tuple[str, dict[str,
     runs each trial's ``run()`` (the flow makes it a Prefect task run); worker threads
     run in a copy of the caller's context, so such task runs nest in the caller's flow run.
     A list may hold (id, TrainConfig fields) pairs: each becomes its plan (``TrialPlan.make``).
+    ``rules.pack`` > 1: a listed sweep's trials in packs (tasks/sweep/packs.py), each
+    trial still its own summary and wrapped run.
     """
     if isinstance(source, list):
         source = ListSource([t if isinstance(t, TrialPlan) else TrialPlan.make(*t)
@@ -160,27 +225,24 @@ def run_trials(source: TrialSource | list[TrialPlan] | list[tuple[str, dict[str,
     live = LiveTrials(on_event)
     shared = Attempts(placement, live, rules.time_limit_s, study, rules.metric,
                       box=metrics_box())
-    ranks = rules.ranks_per_trial
-    strategy: Strategy = Gang(shared, ranks) if ranks > 1 else OneActor(shared)
-    runner = Retrying(strategy, live, rules.retries, rules.retry_delay_s)
     summaries: dict[str, Summary] = {}
     order: list[str] = []
     order_lock = threading.Lock()
 
-    def worker() -> None:
-        while not live.stopping.is_set():
-            trial = source.ask()
-            if trial is None:
-                return
-            with order_lock:
-                order.append(trial.id)
-            summary = contained(trial, lambda t=trial: (
-                wrap(t, lambda: runner.run(t)) if wrap else runner.run(t)))
-            summary["duration_s"] = summary["ended"] - summary["started"]
-            summaries[trial.id] = summary
-            source.tell(trial, summary)
-            live.event("finished", summary)
+    def finish(trial: TrialPlan, summary: Summary) -> None:
+        summary["duration_s"] = summary["ended"] - summary["started"]
+        summaries[trial.id] = summary
+        source.tell(trial, summary)
+        live.event("finished", summary)
 
+    def asked(trials: list[TrialPlan]) -> None:
+        with order_lock:
+            order.extend(t.id for t in trials)
+
+    if rules.pack > 1:
+        worker = pack_worker(source, shared, rules, wrap, asked, finish)
+    else:
+        worker = trial_worker(source, shared, rules, wrap, asked, finish)
     interrupted = run_workers(worker, rules.max_concurrent, live)
     rows = [summaries[t] for t in order if t in summaries]
     if results is not None:

@@ -141,6 +141,11 @@ def summary_of(base: Summary, result: Any, norms: GradNorms) -> Summary:
             "peak_memory_gb": result.peak_memory_gb, "tokens_per_sec": result.tokens_per_sec}
 
 
+def pack_name(ids: list[str]) -> str:
+    """A pack's name, from its trials' ids (``p-`` and 10 hex digits)."""
+    return "p-" + hashlib.sha256("\n".join(sorted(ids)).encode()).hexdigest()[:10]
+
+
 def run_pack_trials(ids: list[str], configs: list[TrainConfig],
                     extras: list[list[Any]] | None = None) -> list[Summary]:
     """Train trials as one pack (engine/train/pack_trainer.py) in this process: each one's
@@ -151,8 +156,8 @@ def run_pack_trials(ids: list[str], configs: list[TrainConfig],
     from engine.train.steps import NonFiniteLoss
 
     started, here = time.time(), where()
-    pack = "p-" + hashlib.sha256("\n".join(sorted(ids)).encode()).hexdigest()[:10]
-    bases = [{"trial_id": i, **here, "started": started, "pack": pack, "pack_size": len(ids)}
+    bases = [{"trial_id": i, **here, "started": started, "pack": pack_name(ids),
+              "pack_size": len(ids)}
              for i in ids]
     norms = [GradNorms() for _ in ids]
     heard = [[n, *(extras[i] if extras else [])] for i, n in enumerate(norms)]

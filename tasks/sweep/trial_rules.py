@@ -12,7 +12,8 @@ class TrialRules:
     """``max_concurrent`` trials at a time; each stopped after ``time_limit_s`` (0: never);
     a lost process retried ``retries`` times, ``retry_delay_s`` apart; ``ranks_per_trial``
     > 1: each trial a gang of that many ranks (tasks/sweep/gang.py); ``metric``: what each
-    trial reports to an Optuna study."""
+    trial reports to an Optuna study; ``pack`` > 1: trials that share their steps trained
+    up to that many at a time in one process (tasks/sweep/packs.py)."""
 
     max_concurrent: int = 1
     time_limit_s: float = 0.0
@@ -20,3 +21,4 @@ class TrialRules:
     retry_delay_s: float = 5.0
     ranks_per_trial: int = 1
     metric: str = "val/loss"
+    pack: int = 1
