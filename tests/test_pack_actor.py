@@ -110,3 +110,28 @@ def test_a_lost_pack_is_retried_as_a_pack(ray_cluster, tiny_model: Path, tiny_da
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         assert len(lines) == len(set(lines))  # each record once: none from the lost attempt
         assert sum('"split": "train"' in line for line in lines) == 3
+
+
+def test_a_packed_sweep_packs_only_its_uncached_trials(ray_cluster, tiny_model: Path,
+                                                       tiny_data: Path, tmp_path: Path) -> None:
+    """`pack: 3` over two learning rates trains them as one pack; the grid widened to three
+    trains only the new one (a pack of one), the two cached trials untouched. Would catch:
+    a cached trial re-trained for its pack-mates, or the spec's pack never reaching the
+    scheduler."""
+    from tasks.sweep.run import run_sweep
+    from tasks.sweep.sweep_spec import parse_spec
+
+    spec = {"name": "packed", "model": str(tiny_model), "data": str(tiny_data), "pack": 3,
+            "fixed": {"steps": 2, "batch_size": 2, "lora_rank": 4, "val_every": 0},
+            "grid": {"learning_rate": [1e-3, 2e-3]}}
+    out = tmp_path / "sweep"
+    first = run_sweep(parse_spec(spec), out)
+    assert [r["status"] for r in first] == ["completed"] * 2
+    assert first[0]["pack"] == first[1]["pack"] and first[0]["pack_size"] == 2
+    stamps = {r["trial_id"]: (out / r["trial_id"] / "adapters.safetensors").stat().st_mtime_ns
+              for r in first}
+    again = run_sweep(parse_spec({**spec, "grid": {"learning_rate": [1e-3, 2e-3, 3e-3]}}),
+                      out)
+    trained = [r for r in again if not r.get("skipped")]
+    assert len(again) == 3 and len(trained) == 1 and trained[0]["pack_size"] == 1
+    assert {t: (out / t / "adapters.safetensors").stat().st_mtime_ns for t in stamps} == stamps

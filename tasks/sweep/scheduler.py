@@ -163,13 +163,12 @@ def trial_worker(source: TrialSource, shared: Attempts, rules: TrialRules, wrap:
 def pack_worker(source: TrialSource, shared: Attempts, rules: TrialRules, wrap: Wrap | None,
                 asked: Callable[[list[TrialPlan]], None],
                 finish: Callable[[TrialPlan, Summary], None]) -> Callable[[], None]:
-    """A worker thread's loop: a pack at a time (tasks/sweep/packs.py) in one actor, each
-    of its trials wrapped on a thread of its own (its own Prefect task run, lasting as
-    long as its pack) and its summary handed to ``finish``."""
-    if not isinstance(source, ListSource):
-        raise ValueError("pack > 1: trials pack from a listed sweep (grid or random), not "
-                         "from an Optuna search")
-    packs = ListSource(group_packs(source.trials, rules.pack))  # type: ignore[arg-type]
+    """A worker thread's loop: a pack at a time (tasks/sweep/packs.py: the source's trials,
+    all asked first, grouped) in one actor, each of its trials wrapped on a thread of its
+    own (its own Prefect task run, lasting as long as its pack) and its summary handed to
+    ``finish``."""
+    listed = list(iter(source.ask, None))  # every trial first (a spec packs a listed sweep)
+    packs = ListSource(group_packs(listed, rules.pack))  # type: ignore[arg-type]
     runner = PackRetrying(PackActor(shared), shared.live, rules.retries, rules.retry_delay_s)
 
     def one(trial: TrialPlan, answer: Future) -> None:

@@ -19,6 +19,7 @@
     retry_delay_s: 5
     memory_budget_gb: 0     # per trial: MLX's memory limit, and what segment_size: auto fits
     ranks_per_trial: 1      # > 1: each trial data parallel over that many GPUs (Macs)
+    pack: 1                 # > 1: trials sharing their steps trained that many to a process
     seed: 0
     evaluation: {scorers: [exact], prompts: 64, max_tokens: 32}   # tasks/eval/generation_eval.py
     rank_by: gen/valid/exact    # what the leaderboard ranks on (default: metric)
@@ -57,6 +58,7 @@ from tasks.sweep.spec_rules import (
     SpecError,
     check_loss_settings,
     check_metric_of_losses,
+    check_pack,
     check_ranks,
     pruning_of,
 )
@@ -79,7 +81,7 @@ OPTUNA_TRIES = 32  # draws from an optuna space planned then
 TOP_KEYS = {"name", "model", "data", "fixed", "grid", "space", "search", "num_samples",
             "metric", "mode", "max_concurrent", "time_limit_s", "seed", "pruning",
             "memory_budget_gb", "retries", "retry_delay_s", "kind", "probe_batches",
-            "ranks_per_trial", "evaluation", "rank_by", "export"}
+            "ranks_per_trial", "evaluation", "rank_by", "export", "pack"}
 
 
 class PlanError(SpecError):
@@ -115,6 +117,7 @@ class SweepSpec:
     kind: str = "train"  # train | memory
     probe_batches: int = 8
     ranks_per_trial: int = 1  # > 1: a trial is a gang of ranks (tasks/sweep/gang.py)
+    pack: int = 1  # > 1: trials that share their steps trained together (tasks/sweep/packs.py)
     evaluation: GenerationSettings = field(default_factory=GenerationSettings)
     rank_by: str = ""  # the leaderboard's metric ("": metric)
     export: ExportSettings = field(default_factory=ExportSettings)  # the pipeline's GGUF
@@ -123,7 +126,7 @@ class SweepSpec:
     def rules(self) -> TrialRules:
         """How its trials run: at once, time limit, retries, ranks, the metric reported."""
         return TrialRules(self.max_concurrent, self.time_limit_s, self.retries,
-                          self.retry_delay_s, self.ranks_per_trial, self.metric)
+                          self.retry_delay_s, self.ranks_per_trial, self.metric, self.pack)
 
     @property
     def ranking(self) -> Ranking:
@@ -266,7 +269,8 @@ def _parse(data: Any) -> SweepSpec:
     counts = {key: _setting(data, key, default, integer=True, minimum=minimum)
               for key, default, minimum in (("num_samples", 1, 1), ("max_concurrent", 1, 1),
                                             ("retries", 2, 0), ("probe_batches", 8, 1),
-                                            ("seed", 0, 0), ("ranks_per_trial", 1, 1))}
+                                            ("seed", 0, 0), ("ranks_per_trial", 1, 1),
+                                            ("pack", 1, 1))}
     seconds = {key: _setting(data, key, default)
                for key, default in (("time_limit_s", 0), ("retry_delay_s", 5),
                                     ("memory_budget_gb", 0))}
@@ -302,6 +306,7 @@ def _parse(data: Any) -> SweepSpec:
                         "sizes)")
     if counts["ranks_per_trial"] > 1:
         check_ranks(counts["ranks_per_trial"], kind, fixed, grid, space)
+    check_pack(counts["pack"], search, kind, counts["ranks_per_trial"], autos)
     spec = SweepSpec(
         name=data["name"], model=data["model"], data=data["data"], fixed=fixed, grid=grid,
         space={k: space_dist(k, v) for k, v in space.items()}, search=search, metric=metric,
