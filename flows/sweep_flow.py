@@ -36,7 +36,7 @@ from tasks.sweep.trial import Summary
 from tasks.sweep.trial_plan import TrialPlan
 
 TABLE_COLUMNS = ("trial_id", "status", "reason", "node", "attempts", "duration_s",
-                 "peak_memory_gb", "tokens_per_sec")
+                 "peak_memory_gb", "tokens_per_sec", "pack")
 
 
 def table_rows(rows: list[Summary], metric: str) -> list[dict[str, Any]]:

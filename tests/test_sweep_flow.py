@@ -75,3 +75,41 @@ def test_sweep_flow_runs_each_trial_as_a_task_run(prefect_api, ray_cluster, tiny
     assert float(arts["flow-test-progress"].data) == 100.0
     table = arts["flow-test-trials"].data
     assert all(r["trial_id"] in table for r in rows)
+
+
+def test_a_packed_sweep_flow_keeps_a_task_run_per_trial(prefect_api, ray_cluster, tiny_model,
+                                                        tiny_data, tmp_path) -> None:
+    """`pack: 3` over [orpo, simpo, dpo]: one pack (one process), three task runs named by
+    their trials, each Completed with its own records in its log, the trials table naming
+    the pack; run again, nothing trains. Would catch: a pack's trials folded into one task
+    run, or a task run ending before its pack."""
+    from prefect.client.orchestration import get_client
+
+    from flows.sweep_flow import sweep_flow
+    from tests.pairs import uncached_copy
+
+    data = uncached_copy(tiny_data, tmp_path / "pairs.jsonl")
+    spec = tmp_path / "packed.yaml"
+    spec.write_text(f"name: Packed_Flow\nmodel: {tiny_model}\ndata: {data}\npack: 3\n"
+                    "fixed: {steps: 2, batch_size: 2, lora_rank: 4, val_every: 0}\n"
+                    "grid: {loss: [orpo, simpo, dpo]}\nmetric: val/nll_loss\n")
+    state = sweep_flow(str(spec), str(tmp_path / "out"), return_state=True)
+    assert state.is_completed(), state
+    rows = state.result()
+    assert [r["status"] for r in rows] == ["completed"] * 3
+    import pyarrow.parquet as pq
+
+    results = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()
+    assert len({r["pack"] for r in results}) == 1 and len({r["pid"] for r in results}) == 1
+    assert {r["pack_size"] for r in results} == {3}
+    again = sweep_flow(str(spec), str(tmp_path / "out"), return_state=True)
+    assert again.is_completed(), again
+    with get_client(sync_client=True) as client:
+        runs = [t for t in client.read_task_runs()
+                if t.flow_run_id == state.state_details.flow_run_id]
+        trials = {t.name: t for t in runs if not t.name.startswith("reference-")}
+        assert sorted(trials) == sorted(r["trial_id"] for r in rows)
+        assert all(t.state.name == "Completed" for t in trials.values())
+        again_runs = [t.name for t in client.read_task_runs()
+                      if t.flow_run_id == again.state_details.flow_run_id]
+        assert not [n for n in again_runs if not n.startswith("reference-")]  # all cached
