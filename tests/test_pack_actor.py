@@ -55,7 +55,7 @@ def _trials(model: Path, data: Path, out: Path, **more) -> list[tuple[str, dict]
 def test_a_sweep_runs_its_trials_in_packs(ray_cluster, tiny_model: Path, tiny_data: Path,
                                           tmp_path: Path) -> None:
     """`TrialRules(pack=2)`: t0 and t1 share their steps and train as one pack (one
-    process), t2 (another batch size) as a pack of one; t1 diverges and fails alone; each
+    process), t2 (another batch size) alone, as a lone trial; t1 diverges and fails alone; each
     trial is wrapped once (its own Prefect task run in a flow), its outputs and metrics
     pulled into its own folder. Would catch: a pack's trials reported as one, a wrap
     that ends before its pack, or a pack-mate's failure spreading."""
@@ -74,8 +74,8 @@ def test_a_sweep_runs_its_trials_in_packs(ray_cluster, tiny_model: Path, tiny_da
     t0, t1, t2 = rows
     assert (t0["status"], t1["status"], t2["status"]) == ("completed", "failed", "completed")
     assert t1["reason"].startswith("non_finite: step ")
-    assert t0["pack"] == t1["pack"] != t2["pack"] and t0["pid"] == t1["pid"] != t2["pid"]
-    assert (t0["pack_size"], t2["pack_size"]) == (2, 1) and sorted(wrapped) == ["t0", "t1", "t2"]
+    assert t0["pack"] == t1["pack"] and "pack" not in t2 and t0["pid"] == t1["pid"] != t2["pid"]
+    assert t0["pack_size"] == 2 and sorted(wrapped) == ["t0", "t1", "t2"]
     for name in ("t0", "t2"):
         assert (tmp_path / name / "adapters.safetensors").exists()
         assert (tmp_path / name / "metrics.jsonl").read_text().count('"split": "train"') == 3
@@ -115,7 +115,7 @@ def test_a_lost_pack_is_retried_as_a_pack(ray_cluster, tiny_model: Path, tiny_da
 def test_a_packed_sweep_packs_only_its_uncached_trials(ray_cluster, tiny_model: Path,
                                                        tiny_data: Path, tmp_path: Path) -> None:
     """`pack: 3` over two learning rates trains them as one pack; the grid widened to three
-    trains only the new one (a pack of one), the two cached trials untouched. Would catch:
+    trains only the new one (alone), the two cached trials untouched. Would catch:
     a cached trial re-trained for its pack-mates, or the spec's pack never reaching the
     scheduler."""
     from tasks.sweep.run import run_sweep
@@ -133,5 +133,5 @@ def test_a_packed_sweep_packs_only_its_uncached_trials(ray_cluster, tiny_model: 
     again = run_sweep(parse_spec({**spec, "grid": {"learning_rate": [1e-3, 2e-3, 3e-3]}}),
                       out)
     trained = [r for r in again if not r.get("skipped")]
-    assert len(again) == 3 and len(trained) == 1 and trained[0]["pack_size"] == 1
+    assert len(again) == 3 and len(trained) == 1 and "pack" not in trained[0]  # alone
     assert {t: (out / t / "adapters.safetensors").stat().st_mtime_ns for t in stamps} == stamps

@@ -24,6 +24,9 @@ def test_pack_reaches_the_rules_and_defaults_to_one() -> None:
     ({"ranks_per_trial": 2, "fixed": {"batch_size": 4}}, "a pack trains in one process"),
     ({"kind": "memory"}, "kind: memory"),
     ({"memory_budget_gb": 8, "fixed": {"segment_size": "auto"}}, "fixed.segment_size: auto"),
+    ({"memory_budget_gb": 8, "search": "random", "grid": {},
+      "space": {"segment_size": {"choice": ["auto", 2]}}}, "space.segment_size: auto"),
+    ({"memory_budget_gb": 8}, "memory_budget_gb is a trial's"),
 ])
 def test_pack_is_refused_where_packs_cannot_run(more: dict, said: str) -> None:
     """Would catch: a spec accepted whose packs the scheduler would refuse once Ray is up,

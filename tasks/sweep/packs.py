@@ -56,6 +56,20 @@ class PackActor:
 
     def attempt(self, trials: list[TrialPlan], attempt: int, first: float
                 ) -> dict[str, Summary | None]:
+        """Each trial's summary (a trial whose inputs the driver cannot list fails alone;
+        the others pack without it), or None for each one whose process was lost."""
+        inputs, failed = {}, {}
+        for t in trials:
+            try:
+                inputs[t.id] = self.shared.files.for_config(t.config)
+            except OSError as err:
+                failed[t.id] = outcome(t, "failed", f"{type(err).__name__}: {err}"[:500],
+                                       first, attempt + 1)
+        packed = [t for t in trials if t.id in inputs]
+        return {**failed, **(self.run(packed, inputs, attempt, first) if packed else {})}
+
+    def run(self, trials: list[TrialPlan], inputs: dict[str, Any], attempt: int,
+            first: float) -> dict[str, Summary | None]:
         import ray
 
         shared, live, name = self.shared, self.shared.live, pack_name([t.id for t in trials])
@@ -68,8 +82,7 @@ class PackActor:
                 return every("cancelled", "sweep interrupted")
             placed = actor.where.remote()
             ref = actor.run_pack.remote([t.to_dict() for t in trials],
-                                        [shared.files.for_config(t.config) for t in trials],
-                                        shared.box)
+                                        [inputs[t.id] for t in trials], shared.box)
             here = ray.get(placed)
             for t in trials:
                 live.event("running", {"trial_id": t.id, "attempt": attempt, **here})
@@ -79,7 +92,7 @@ class PackActor:
             rows = ray.get(ref)
             return {t.id: pulled(t, actor, checked(t, row, first, attempt + 1), first, attempt)
                     for t, row in zip(trials, rows, strict=True)}
-        except OSError as err:  # an input the driver cannot list
+        except OSError as err:  # a metrics file the driver cannot write
             return every("failed", f"{type(err).__name__}: {err}"[:500])
         except ray.exceptions.RayActorError as err:
             return {t.id: live.lost(t, attempt, first, str(err).splitlines()[0])

@@ -164,40 +164,66 @@ def pack_worker(source: TrialSource, shared: Attempts, rules: TrialRules, wrap: 
                 asked: Callable[[list[TrialPlan]], None],
                 finish: Callable[[TrialPlan, Summary], None]) -> Callable[[], None]:
     """A worker thread's loop: a pack at a time (tasks/sweep/packs.py: the source's trials,
-    all asked first, grouped) in one actor, each of its trials wrapped on a thread of its
-    own (its own Prefect task run, lasting as long as its pack) and its summary handed to
-    ``finish``."""
+    all asked first, grouped) in one actor (``serve_pack``); a trial that packs with none
+    trains as a lone trial does."""
     listed = list(iter(source.ask, None))  # every trial first (a spec packs a listed sweep)
+    asked(listed)  # rows in the order trials were asked, whatever packs they join
     packs = ListSource(group_packs(listed, rules.pack))  # type: ignore[arg-type]
     runner = PackRetrying(PackActor(shared), shared.live, rules.retries, rules.retry_delay_s)
-
-    def one(trial: TrialPlan, answer: Future) -> None:
-        finish(trial, contained(trial, lambda: (wrap(trial, answer.result) if wrap
-                                                else answer.result())))
+    lone = Retrying(OneActor(shared), shared.live, rules.retries, rules.retry_delay_s)
 
     def worker() -> None:
         while not shared.live.stopping.is_set():
             pack = packs.ask()
             if pack is None:
                 return
-            asked(pack)
-            answers = {t.id: Future() for t in pack}
-            threads = [threading.Thread(target=contextvars.copy_context().run,
-                                        args=(one, t, answers[t.id])) for t in pack]
-            for thread in threads:
-                thread.start()
-            try:
-                rows = runner.run(pack)
-            except Exception as err:  # each trial's row says so (contained)
-                for answer in answers.values():
-                    answer.set_exception(err)
-            else:
-                for t in pack:
-                    answers[t.id].set_result(rows[t.id])
-            for thread in threads:
-                thread.join()
+            if len(pack) > 1:
+                serve_pack(pack, runner, wrap, finish)
+                continue
+            trial = pack[0]
+            finish(trial, contained(trial, lambda t=trial: (
+                wrap(t, lambda: lone.run(t)) if wrap else lone.run(t))))
 
     return worker
+
+
+def serve_pack(pack: list[TrialPlan], runner: PackRetrying, wrap: Wrap | None,
+               finish: Callable[[TrialPlan, Summary], None]) -> None:
+    """``pack`` run by ``runner`` while each of its trials is wrapped on a thread of its
+    own (its own Prefect task run, lasting as long as the pack), each answered when the
+    pack ends, or with the error that ended it; an error of the wrapping surfaces here."""
+    answers: dict[str, Future] = {t.id: Future() for t in pack}
+    errors: list[BaseException] = []
+
+    def one(trial: TrialPlan) -> None:
+        answer = answers[trial.id]
+        try:
+            finish(trial, contained(trial, lambda: (wrap(trial, answer.result) if wrap
+                                                    else answer.result())))
+        except BaseException as err:  # surfaced below, as a lone worker's are
+            errors.append(err)
+
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(one, t))
+               for t in pack]
+    try:
+        for thread in threads:
+            thread.start()
+        rows = runner.run(pack)
+        for t in pack:
+            answers[t.id].set_result(rows[t.id])
+    except Exception as err:  # each trial's row says so (contained)
+        for answer in answers.values():
+            if not answer.done():
+                answer.set_exception(err)
+    finally:
+        for answer in answers.values():  # none left waiting, whatever happened
+            if not answer.done():
+                answer.set_exception(RuntimeError("the pack ended without an answer"))
+        for thread in threads:
+            if thread.ident is not None:  # started
+                thread.join()
+    if errors:
+        raise errors[0]
 
 
 def run_trials(source: TrialSource | list[TrialPlan] | list[tuple[str, dict[str, Any]]],

@@ -16,18 +16,22 @@ class SpecError(ValueError):
     """A sweep spec problem, naming the key."""
 
 
-def check_pack(pack: int, search: str, kind: str, ranks: int, autos: list[str]) -> None:
+def check_pack(pack: int, search: str, kind: str, ranks: int, autos: list[str],
+               budget: float) -> None:
     """A spec's ``pack`` > 1 where packs can run (tasks/sweep/packs.py): listed trials
     (grid or random: Optuna asks one trial at a time), one process each (no gangs), a
-    training sweep, and no ``auto`` size (the memory probe measures one adapter; a pack
-    holds k copies of its activations)."""
+    training sweep, no ``auto`` size (the memory probe measures one adapter; a pack holds
+    k copies of its activations) and no memory budget (a trial's, which a pack's process
+    would hold for all of its trials)."""
     if pack <= 1:
         return
     for wrong, why in ((search == "optuna", "search: optuna asks trials one at a time"),
                        (kind == "memory", "kind: memory measures one process per point"),
                        (ranks > 1, "ranks_per_trial > 1: a pack trains in one process"),
                        (bool(autos), f"{autos[0] if autos else ''}: auto fits one adapter, "
-                                     "not a pack's copies")):
+                                     "not a pack's copies"),
+                       (budget > 0, "memory_budget_gb is a trial's; a pack's process "
+                                    "holds several")):
         if wrong:
             raise SpecError(f"pack: {pack}: {why}; give pack: 1")
 

@@ -70,7 +70,7 @@ from tasks.sweep.spec_values import (
     number_of,
     space_dist,
 )
-from tasks.sweep.trial_plan import AUTO, TrialPlan, own_loss_fields
+from tasks.sweep.trial_plan import AUTO, AUTO_KEYS, TrialPlan, own_loss_fields
 from tasks.sweep.trial_rules import TrialRules
 
 SEARCHES = ("grid", "random", "optuna")
@@ -293,8 +293,7 @@ def _parse(data: Any) -> SweepSpec:
         check_metric_of_losses(rank_by, fixed, grid, space)
     pruning = pruning_of(data.get("pruning", False), search)
     budget = seconds["memory_budget_gb"]
-    autos = [f"{w}.{k}" for w, sec in (("fixed", fixed), ("grid", grid))
-             for k, v in sec.items() if AUTO in (v if isinstance(v, list) else [v])]
+    autos = _autos(fixed, grid, space)
     if autos and budget <= 0:
         raise SpecError(f"{autos[0]}: auto needs memory_budget_gb > 0 (what the segment "
                         "size must fit in)")
@@ -306,7 +305,7 @@ def _parse(data: Any) -> SweepSpec:
                         "sizes)")
     if counts["ranks_per_trial"] > 1:
         check_ranks(counts["ranks_per_trial"], kind, fixed, grid, space)
-    check_pack(counts["pack"], search, kind, counts["ranks_per_trial"], autos)
+    check_pack(counts["pack"], search, kind, counts["ranks_per_trial"], autos, budget)
     spec = SweepSpec(
         name=data["name"], model=data["model"], data=data["data"], fixed=fixed, grid=grid,
         space={k: space_dist(k, v) for k, v in space.items()}, search=search, metric=metric,
@@ -315,6 +314,21 @@ def _parse(data: Any) -> SweepSpec:
         **counts, **seconds)
     _check_runnable(spec)
     return spec
+
+
+def _autos(fixed: dict, grid: dict, space: dict) -> list[str]:
+    """Where a spec leaves a setting to the memory probe (``fixed.segment_size``, ...)."""
+    return [f"{w}.{k}" for w, sec in (("fixed", fixed), ("grid", grid), ("space", space))
+            for k, v in sec.items() if k in AUTO_KEYS
+            and any(x is AUTO or x == "auto" for x in _values(v))]
+
+
+def _values(value: Any) -> list:
+    """The values a fixed, grid or space entry may give (a space's choices; a range gives
+    numbers only)."""
+    if isinstance(value, dict):
+        return list(value.get("choice") or [])
+    return value if isinstance(value, list) else [value]
 
 
 def _check_runnable(spec: SweepSpec) -> None:
