@@ -24,15 +24,16 @@ LISTED = {
              "FILE.jsonl`.",
     "export": "A GGUF for llama.cpp, Ollama, LM Studio: `pomona export RUN --gguf OUT.gguf`.",
 }
-HELP = {"help_option_names": ["-h", "--help"]}
-_PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
-                "help_option_names": []}
+HELP = {"help_option_names": ["-h", "--help"]}  # pomona's own, every verb's
+# A verb that hands its arguments on unread (the engine's, built when it runs; bench's).
+PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
+               "help_option_names": []}
 
 
 def add_engine_verbs(app: typer.Typer) -> None:
     """Register each engine verb on ``app``: it hands its arguments to ``verb_command``."""
     for verb, listed in LISTED.items():
-        app.command(verb, help=listed, context_settings=_PASSTHROUGH,
+        app.command(verb, help=listed, context_settings=PASSTHROUGH,
                     add_help_option=False)(_handing_to(verb))
 
 

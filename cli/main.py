@@ -20,7 +20,7 @@ from typing import Annotated
 import typer
 
 from cli.data import data_app
-from cli.engine_verbs import add_engine_verbs
+from cli.engine_verbs import HELP, PASSTHROUGH, add_engine_verbs
 from cli.model import model_app
 from cli.terminal import OneLineGroup, console, fail
 
@@ -32,7 +32,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     cls=OneLineGroup,  # a usage mistake in any verb: one line (cli/terminal.py)
     rich_markup_mode=None,  # plain help: rich's boxes cut train's 90 options' help to "…"
-    context_settings={"help_option_names": ["-h", "--help"]},
+    context_settings=HELP,
 )
 app.add_typer(model_app, name="model")
 app.add_typer(data_app, name="data")
@@ -92,14 +92,12 @@ def sweep(
     run_sweep_cli(console, spec, out, cluster, use_prefect)
 
 
-_PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
-                "help_option_names": []}
 
 
 add_engine_verbs(app)  # train, score, export: flags from engine/cli.py
 
 
-@app.command("bench", context_settings=_PASSTHROUGH, add_help_option=False)
+@app.command("bench", context_settings=PASSTHROUGH, add_help_option=False)
 def bench_cmd(ctx: typer.Context) -> None:
     """Side-by-side benchmarks (`python -m benchmarks`): `pomona bench --help` lists them."""
     from benchmarks.__main__ import main as benchmarks

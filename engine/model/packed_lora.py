@@ -99,30 +99,35 @@ def pack_lora(model: nn.Module, specs: Sequence[LoraSpec], seed: int) -> int:
                for a, b in zip(p.lora_a, p.lora_b, strict=True))
 
 
+def packed_layers(model: nn.Module) -> list[tuple[str, PackedLoRALinear]]:
+    """(name, layer) of every packed projection, in a stable order (found once by a
+    caller that steps: the layers outlive a dropped adapter)."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, PackedLoRALinear)]
+
+
 def drop_adapter(model: nn.Module, i: int) -> None:
     """Adapter ``i`` out of the pack: every projection keeps the others, in their order."""
-    for _, m in model.named_modules():
-        if isinstance(m, PackedLoRALinear):
-            del m.lora_a[i], m.lora_b[i], m.dropouts[i]
-            m._scales = m._scales[:i] + m._scales[i + 1:]
+    for _, m in packed_layers(model):
+        del m.lora_a[i], m.lora_b[i], m.dropouts[i]
+        m._scales = m._scales[:i] + m._scales[i + 1:]
 
 
-def adapter_of(model: nn.Module, i: int) -> dict[str, mx.array]:
+def adapter_of(model: nn.Module | list, i: int) -> dict[str, mx.array]:
     """Adapter ``i``'s weights, named as a lone adapter's (``….lora_a``, ``….lora_b``):
-    what its trial saves as ``adapters.safetensors``."""
+    what its trial saves as ``adapters.safetensors``. ``model``: the model, or its
+    ``packed_layers``."""
+    layers = model if isinstance(model, list) else packed_layers(model)
     out = {}
-    for name, m in model.named_modules():
-        if isinstance(m, PackedLoRALinear):
-            out[f"{name}.lora_a"], out[f"{name}.lora_b"] = m.lora_a[i], m.lora_b[i]
+    for name, m in layers:
+        out[f"{name}.lora_a"], out[f"{name}.lora_b"] = m.lora_a[i], m.lora_b[i]
     return out
 
 
-
-def set_adapter(model: nn.Module, i: int, weights: dict[str, mx.array]) -> None:
+def set_adapter(model: nn.Module | list, i: int, weights: dict[str, mx.array]) -> None:
     """Adapter ``i``'s weights replaced by ``weights`` (named as ``adapter_of`` names them)."""
-    for name, m in model.named_modules():
-        if isinstance(m, PackedLoRALinear):
-            m.lora_a[i], m.lora_b[i] = weights[f"{name}.lora_a"], weights[f"{name}.lora_b"]
+    layers = model if isinstance(model, list) else packed_layers(model)
+    for name, m in layers:
+        m.lora_a[i], m.lora_b[i] = weights[f"{name}.lora_a"], weights[f"{name}.lora_b"]
 
 
 @contextmanager
@@ -130,7 +135,7 @@ def alone(model: nn.Module, i: int) -> Iterator[nn.Module]:
     """Inside: ``model`` as adapter ``i`` alone makes it (a lone run's LoRA layers holding
     its weights, dropout and scale), which evaluation, saving and checkpoints read as they
     read a lone run; after: the pack, with whatever was loaded into the view kept."""
-    packed = [(n, m) for n, m in model.named_modules() if isinstance(m, PackedLoRALinear)]
+    packed = packed_layers(model)
     views = []
     for name, m in packed:
         view = lora_linear_class().from_base(m.linear, r=m.lora_a[i].shape[1],
