@@ -5,6 +5,7 @@
     pomona demo --out runs/demo                  # the whole pipeline on self-made fixtures
     pomona pipeline RAW MODEL SPEC --out DIR     # tokenize → … → leaderboard, as a flow
     pomona sweep SPEC --out DIR                  # a sweep alone (docs/sweep.md)
+    pomona track RUN_DIR                         # what MLflow/TensorBoard missed, sent
     pomona export RUN --gguf OUT.gguf            # the best adapter fused, for llama.cpp
 
 Heavy imports (mlx, mlx-lm, tokenizers) happen inside commands so ``--help`` stays fast.
@@ -36,6 +37,9 @@ app = typer.Typer(
 )
 app.add_typer(model_app, name="model")
 app.add_typer(data_app, name="data")
+REPORT_TO = typer.Option("--report-to", metavar="TRACKER", help="An experiment tracker to "
+                         "report to, in place of the spec's report_to (repeatable): mlflow, "
+                         "tensorboard, or none.")
 
 
 @app.callback()
@@ -82,6 +86,7 @@ def sweep(
     prefect: Annotated[bool | None, typer.Option(
         "--prefect/--no-prefect", help="Run as a Prefect flow (each trial a task run); "
         "default: when PREFECT_API_URL names a server.")] = None,
+    report_to: Annotated[list[str] | None, REPORT_TO] = None,
 ) -> None:
     """Run a hyperparameter sweep on Ray: one trial per GPU or slot, cached re-runs."""
 
@@ -89,7 +94,7 @@ def sweep(
 
     cluster = cluster_of(address, gpus, resource)
     use_prefect = bool(os.environ.get("PREFECT_API_URL")) if prefect is None else prefect
-    run_sweep_cli(console, spec, out, cluster, use_prefect)
+    run_sweep_cli(console, spec, out, cluster, use_prefect, report_to)
 
 
 
@@ -148,13 +153,14 @@ def pipeline_cmd(
     generations: Annotated[int | None, typer.Option(
         help="Held-out prompts a split each evaluation completes and scores (0: none); "
              "default: the spec's evaluation.prompts (64).")] = None,
+    report_to: Annotated[list[str] | None, REPORT_TO] = None,
 ) -> None:
     """The Prefect pipeline: tokenize → preprocess → sweep → evaluate → leaderboard."""
     from flows.pipeline import check_pipeline_inputs, pipeline
 
     cluster = cluster_of(address, gpus, resource)
     try:
-        check_pipeline_inputs(str(raw), model, str(spec), str(out), generations)
+        check_pipeline_inputs(str(raw), model, str(spec), str(out), generations, report_to)
     except (ValueError, FileNotFoundError) as err:  # SpecError is a ValueError
         raise fail(str(err)) from None
     from prefect.exceptions import FailedRun
@@ -164,7 +170,8 @@ def pipeline_cmd(
 
     try:
         with prefect_api(out):
-            summary = pipeline(str(raw), model, str(spec), str(out), cluster, generations)
+            summary = pipeline(str(raw), model, str(spec), str(out), cluster, generations,
+                               report_to=report_to)
     except (FailedRun, ApiGone, ScorerError) as err:  # the data's or a scorer's mistake
         raise fail(str(err)) from None
     console.print(f"leaderboard: {summary['markdown']}; best adapter: "
@@ -221,6 +228,32 @@ def leaderboard_cmd(
         raise fail(str(err)) from None  # ScorerError is a ValueError
     console.print(f"leaderboard: {summary['markdown']}; best adapter: "
                   f"{summary['best_adapter']}")
+
+
+@app.command("track")
+def track(
+    run_dir: Annotated[Path, typer.Argument(help="A sweep's or a pipeline's output "
+                                                 "directory.")],
+    report_to: Annotated[list[str] | None, typer.Option(
+        "--report-to", metavar="TRACKER", help="A tracker to send the run to as well as its own "
+        "(repeatable): mlflow, tensorboard.")] = None,
+) -> None:
+    """Send a run's trials, evaluations, board and best adapter to its trackers: what
+    they missed (a server that was down), from the run's own files, nothing twice."""
+    from engine.host.outputs import RefusedOutput, claim
+    from tasks.sweep.run import is_sweep_dir
+    from tasks.track.report_to import ReportTo
+    from tasks.track.resend import TrackError, sweep_folder, track_run
+
+    try:
+        extra = ReportTo.parse(report_to, "--report-to") if report_to else None
+        sweep = sweep_folder(run_dir)
+        with claim(sweep, ("sweep",), legacy=is_sweep_dir, new_ok=False, flag="RUN_DIR"):
+            sent = track_run(run_dir, extra)
+    except (RefusedOutput, ValueError, FileNotFoundError, TrackError) as err:
+        raise fail(str(err)) from None
+    for name, where in sent.items():
+        console.print(f"{name}: {run_dir} sent to {where}")
 
 
 def leaderboard_settings(scorers: list[str] | None, generations: int, timeout: float):

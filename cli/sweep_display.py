@@ -24,6 +24,7 @@ from tasks.sweep.memory_sweep import run_memory_sweep
 from tasks.sweep.run import check_inputs, check_sweep_out, plan_line, run_sweep
 from tasks.sweep.scheduler import TrialsInterrupted
 from tasks.sweep.sweep_spec import SpecError, SweepSpec, load_spec
+from tasks.track.report_to import with_report_to
 
 
 class SweepProgress:
@@ -80,10 +81,10 @@ class SweepProgress:
 
 
 def run_sweep_cli(console: Console, spec_path: Path, out: Path | None, cluster: Cluster,
-                  use_prefect: bool = False) -> None:
+                  use_prefect: bool = False, report_to: list[str] | None = None) -> None:
     try:
-        spec = load_spec(spec_path)
-    except (SpecError, FileNotFoundError) as err:
+        spec = with_report_to(load_spec(spec_path), report_to)
+    except (ValueError, FileNotFoundError) as err:  # SpecError is a ValueError
         console.print(f"[bold red]error:[/] {err}")
         raise typer.Exit(code=2) from err
     out = out or Path("runs") / spec.name
@@ -101,7 +102,7 @@ def run_sweep_cli(console: Console, spec_path: Path, out: Path | None, cluster: 
             from flows.sweep_flow import sweep_flow
 
             with prefect_api(out):
-                sweep_flow(str(spec_path), str(out), cluster)
+                sweep_flow(str(spec_path), str(out), cluster, report_to)
             rows = run_results(out)
         else:
             display = SweepProgress(console, spec)

@@ -48,9 +48,12 @@ from tasks.prefect.pipeline_tasks import (
     preprocess_task,
     soup_task,
     tokenize_task,
+    track_task,
 )
 from tasks.sweep.run import is_sweep_dir
-from tasks.sweep.sweep_spec import load_spec
+from tasks.sweep.sweep_spec import SpecError, load_spec
+from tasks.track.report_to import with_report_to
+from tasks.track.tracker import missing_client
 
 
 def is_pipeline_dir(path: Path) -> bool:
@@ -80,14 +83,18 @@ def claim_sweep_dir(sweep_dir: str | Path, *inputs: str) -> AbstractContextManag
 
 
 def check_pipeline_inputs(raw: str, model: str, spec: str, out: str | None = None,
-                          generations: int | None = None) -> None:
+                          generations: int | None = None,
+                          report_to: list[str] | None = None) -> None:
     """Every input of ``pipeline`` (and its ``out``) checked before the flow starts, so a
-    user's mistake is one line naming the file or key (SpecError, FileNotFoundError,
+    user's mistake is one line naming the file or key (SpecError, also for a tracker whose
+    client is not installed; FileNotFoundError,
     RefusedOutput, ValueError for ``generations`` below 0, ScorerError for a scorer that
     fails on the raw data's first rows, or a spec's ``export`` of a family no GGUF holds),
     not a failed flow run."""
     check_prompts_flag(generations)
-    parsed = load_spec(spec)
+    parsed = with_report_to(load_spec(spec), report_to)
+    if problem := missing_client(parsed.report_to):
+        raise SpecError(problem)
     settings = parsed.evaluation.with_prompts(generations)
     if not Path(raw).exists():
         raise FileNotFoundError(f"raw preference data not found: {raw}")
@@ -103,13 +110,15 @@ def check_pipeline_inputs(raw: str, model: str, spec: str, out: str | None = Non
 @flow(name="pomona-pipeline", result_serializer="json")
 def pipeline(raw: str, model: str, spec: str, out: str, cluster: Cluster | None = None,
              generations: int | None = None, soup_k: int = 2, fuse: bool = False,
-             tokenize: TokenizeOptions | None = None) -> dict[str, Any]:
+             tokenize: TokenizeOptions | None = None, report_to: list[str] | None = None
+             ) -> dict[str, Any]:
     """Raw preference data and a model → a sweep on ``cluster`` (None: a private local
     Ray) → a leaderboard and the best adapter (and, with ``soup_k`` ≥ 2 completed trials,
     their soup, evaluated like a trial; with ``fuse``, the best adapter fused into the base
     as a standalone model). Evaluations generate and score as the spec's ``evaluation``
     says; ``generations`` overrides its prompts a split (0: no generation). ``tokenize``:
-    how the raw data is tokenized and split (None: the defaults)."""
+    how the raw data is tokenized and split (None: the defaults); ``report_to``: the
+    experiment trackers, in place of the spec's (None: the spec's)."""
     out_dir, cluster = Path(out), cluster or Cluster()
     with claim_pipeline(out, raw, model, spec):
         tokenized = tokenize_task(raw, model, str(out_dir / "data"), tokenize,
@@ -118,7 +127,8 @@ def pipeline(raw: str, model: str, spec: str, out: str, cluster: Cluster | None 
             return tokenized  # the flow run fails with the data's message
         data = tokenized.result()
         preprocess_task(data["path"])
-        sweep = dataclasses.replace(load_spec(spec), model=model, data=data["path"])
+        sweep = with_report_to(dataclasses.replace(load_spec(spec), model=model,
+                                                   data=data["path"]), report_to)
         settings = sweep.evaluation.with_prompts(generations)
         check_scorers_on_data(settings, model, data["path"])  # a broken scorer: no trial ran
         if sweep.export.gguf:
@@ -130,6 +140,7 @@ def pipeline(raw: str, model: str, spec: str, out: str, cluster: Cluster | None 
             summary = rank_stage(results, model, data["path"], sweep.ranking, out_dir,
                                  cluster.placement, settings,
                                  BoardOptions(soup_k, fuse, sweep.export))
+            track_task(str(out_dir / "sweep"), str(out_dir))
     return {**summary, "rows": data["rows"], "tokenize_cache_hit": data["cache_hit"],
             "trials": len(results)}
 
@@ -204,9 +215,12 @@ def leaderboard_flow(sweep_dir: str, model: str, data: str, metric: str = "val/l
     if not scorers_checked:
         check_scorers_on_data(settings, model, data)
     cluster = cluster or Cluster()
+    ranking = Ranking.of(Path(sweep_dir).name, metric, mode)
     with cluster.session():
-        return rank_stage(results, model, data, Ranking.of(Path(sweep_dir).name, metric, mode),
-                          out_dir, cluster.placement, settings, BoardOptions(soup_k, fuse))
+        summary = rank_stage(results, model, data, ranking, out_dir, cluster.placement,
+                             settings, BoardOptions(soup_k, fuse))
+    track_task(sweep_dir, str(out_dir))
+    return summary
 
 
 def pipeline_deployment(name: str, cron: str, timezone: str, parameters: dict[str, Any]):

@@ -34,6 +34,7 @@ from tasks.sweep.run import plan_line, run_sweep
 from tasks.sweep.sweep_spec import SweepSpec, load_spec
 from tasks.sweep.trial import Summary
 from tasks.sweep.trial_plan import TrialPlan
+from tasks.track.report_to import with_report_to
 
 TABLE_COLUMNS = ("trial_id", "status", "reason", "node", "attempts", "duration_s",
                  "peak_memory_gb", "tokens_per_sec", "pack")
@@ -85,11 +86,11 @@ def sweep_stage(spec: SweepSpec, out_dir: Path, placement: Placement) -> list[Su
 
 
 @flow(name="pomona-sweep", result_serializer="json")
-def sweep_flow(spec_path: str, out: str | None = None, cluster: Cluster | None = None
-               ) -> list[dict[str, Any]]:
+def sweep_flow(spec_path: str, out: str | None = None, cluster: Cluster | None = None,
+               report_to: list[str] | None = None) -> list[dict[str, Any]]:
     """Run a sweep spec on Ray (``cluster``; None: a private local one); each trial a task
-    run of this flow run."""
-    spec = load_spec(spec_path)
+    run of this flow run; ``report_to``: its trackers in place of the spec's."""
+    spec = with_report_to(load_spec(spec_path), report_to)
     out_dir = Path(out) if out else Path("runs") / spec.name
     cluster = cluster or Cluster()
     with cluster.session():

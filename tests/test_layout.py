@@ -154,7 +154,7 @@ def test_no_import_circle_inside_a_package(package: str) -> None:
 WINGS = {
     "engine": ("host", "losses", "settings", "model", "data", "forward", "backward", "check",
                "train"),
-    "tasks": ("data", "models", "nodes", "eval", "board", "sweep", "prefect"),
+    "tasks": ("data", "models", "nodes", "eval", "board", "track", "sweep", "prefect"),
 }
 TOP = {"engine": {"engine", "engine.cli", "engine.__main__"}, "tasks": {"tasks"}}
 

@@ -30,7 +30,7 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
                     "export: {gguf: f16}\n")
     out = tmp_path / "out"
     state = pipeline(str(raw), str(tiny_model), str(spec), str(out), generations=2, fuse=True,
-                     return_state=True)
+                     report_to=["tensorboard"], return_state=True)
     assert state.is_completed(), state
     summary = state.result()
     board = pq.read_table(out / "leaderboard.parquet").to_pylist()
@@ -38,6 +38,13 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
     assert [r["trial_id"] for r in board][-2] == "soup"  # the top-2 merged, evaluated
     assert (out / "soup" / "adapters.safetensors").exists()
     trials = [r for r in board if r["trial_id"] not in ("base", "soup")]
+    # report_to (the flag, in place of the spec's none): each trial's curve and evaluation
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for r in trials:
+        events = EventAccumulator(str(out / "sweep" / "tb" / r["trial_id"]))
+        events.Reload()
+        assert {"loss", "val/loss", "eval/test/loss"} <= set(events.Tags()["scalars"])
     assert len(trials) == 2 and [r["rank"] for r in trials] == [1, 2]
     # Valid (ranked on) and test (reported) are scored apart, on the dataset's own splits.
     rows = json.loads((out / "data" / "manifest.json").read_text())["rows"]

@@ -50,6 +50,7 @@ from tasks.eval.scorers import ScorerError, scorer_code
 from tasks.nodes.placement import Placement
 from tasks.nodes.trial_inputs import SweepFiles
 from tasks.sweep.run import CODE_VERSION, data_fingerprint
+from tasks.track.tracker import track_board
 
 
 def artifact_key(*parts: str) -> str:
@@ -253,6 +254,13 @@ def aggregate_task(results: list[dict[str, Any]], evals: dict[str, dict[str, Any
     return {"leaderboard": str(parquet), "markdown": str(md),
             "best_adapter": str(best) if best else None,
             "best_trial": next((r["trial_id"] for r in rows if r.get("rank") == 1), None)}
+
+
+@task(cache_policy=NO_CACHE, persist_result=False)
+def track_task(sweep_dir: str, board_dir: str) -> None:
+    """The evaluations, the leaderboard and the best adapter sent to the sweep's trackers
+    (its ``report_to``; tasks/track/tracker.py): a tracker that is down costs one warning."""
+    track_board(Path(sweep_dir), Path(board_dir))
 
 
 GGUF_NAME = "best-adapter.gguf"  # beside best-adapter/: the pipeline's export

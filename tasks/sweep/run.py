@@ -42,6 +42,7 @@ from tasks.sweep.scheduler import ListSource, TrialsInterrupted, Wrap, run_trial
 from tasks.sweep.sweep_spec import PlanError, SpecError, SweepSpec, trial_id
 from tasks.sweep.trial import Summary
 from tasks.sweep.trial_plan import TrialPlan, param_columns, settings_of
+from tasks.track.tracker import Tracker, missing_client
 
 # Bump when training semantics change: invalidates cached trials. 0.3.0: the test split
 # comes out of train, so a .jsonl without a split column trains on fewer rows. 0.4.0:
@@ -86,6 +87,8 @@ def check_inputs(spec: SweepSpec) -> None:
 
     source_kind(spec.model)  # a local path that is not there; a repo id is mlx-lm's
     data_fingerprint(spec.data)
+    if problem := missing_client(spec.report_to):  # said before a cluster starts
+        raise SpecError(problem)
     allowed = spec.fixed.get("allow_tokenizer_mismatch") or any(
         spec.grid.get("allow_tokenizer_mismatch", []))
     if not allowed and (problem := tokenizer_problem(spec.data, spec.model)):
@@ -196,14 +199,16 @@ def _run_sweep(spec: SweepSpec, out: Path, placement: Placement, progress: Event
     source, study = sweep.optuna_source() if spec.search == "optuna" else sweep.list_source()
     sweep.emit("plan", {**sweep.plan_counts, "slots": concurrent})
     sweep.source = source
-    try:
-        rows = run_trials(_Recording(source, sweep.configs), sweep.placement,
-                          dataclasses.replace(spec.rules, max_concurrent=concurrent),
-                          study=study, on_event=sweep.on_event, wrap=wrap)
-    except TrialsInterrupted as stop:
-        sweep.write(stop.rows)
-        raise
-    return sweep.write(rows)
+    tracker = Tracker.start(out, spec.report_to, sweep.info())
+    with tracker.live(sweep.configs) if tracker else nullcontext():
+        try:
+            rows = run_trials(_Recording(source, sweep.configs), sweep.placement,
+                              dataclasses.replace(spec.rules, max_concurrent=concurrent),
+                              study=study, on_event=sweep.on_event, wrap=wrap)
+        except TrialsInterrupted as stop:
+            sweep.write(stop.rows)
+            raise
+        return sweep.write(rows)  # written before the trackers' last sync reads it
 
 
 class SweepRun:
@@ -224,6 +229,15 @@ class SweepRun:
         self.source: Any = None
         self.finished: list[Summary] = []  # this run's trials, as they finish
         self.lock = threading.Lock()
+
+    def info(self) -> dict[str, Any]:
+        """The sweep as its trackers tag it: its spec, data, model and code."""
+        from importlib.metadata import version
+
+        spec = json.loads(json.dumps(dataclasses.asdict(self.spec), default=str))
+        return {"name": self.spec.name, "spec": spec, "data_fingerprint": self.fingerprint,
+                "model_key": self.model_key, "version": version("pomona"),
+                "code_version": CODE_VERSION, "sweep_dir": str(self.out.resolve())}
 
     def emit(self, kind: str, summary: Summary) -> None:
         if self.progress:

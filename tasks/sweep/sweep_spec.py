@@ -23,15 +23,15 @@
     seed: 0
     evaluation: {scorers: [exact], prompts: 64, max_tokens: 32}   # tasks/eval/generation_eval.py
     rank_by: gen/valid/exact    # what the leaderboard ranks on (default: metric)
+    report_to: [mlflow, tensorboard]   # experiment trackers (tasks/track/); default none
 
 Every error names the key and file that is wrong. Parameter names are TrainConfig fields
 (``loss`` too: a search over it ranks on a metric every loss shares, ACROSS_LOSSES);
-``segment_size: auto`` is allowed with a ``memory_budget_gb`` (``AUTO`` in the plans,
-resolved per trial from a memory probe: tasks/sweep/memory_probe.py). Each trial takes its
-own loss's settings and is listed once. A rule across fields that every trial breaks is
-refused when the spec is read; a grid point that alone breaks one is a failed row.
-Distributions: ``choice: [..]``, ``uniform: [lo, hi]``, ``loguniform: [lo, hi]``,
-``int: [lo, hi]`` (inclusive).
+``segment_size: auto`` is allowed with a ``memory_budget_gb`` (``AUTO`` in the plans, resolved
+per trial from a memory probe: tasks/sweep/memory_probe.py). Each trial takes its own loss's
+settings and is listed once. A rule across fields that every trial breaks is refused when the
+spec is read; a grid point that alone breaks one is a failed row. Distributions:
+``choice: [..]``, ``uniform: [lo, hi]``, ``loguniform: [lo, hi]``, ``int: [lo, hi]`` (inclusive).
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ from tasks.sweep.spec_values import (
 )
 from tasks.sweep.trial_plan import AUTO, AUTO_KEYS, TrialPlan, own_loss_fields
 from tasks.sweep.trial_rules import TrialRules
+from tasks.track.report_to import ReportTo
 
 SEARCHES = ("grid", "random", "optuna")
 HUGE_SWEEP = 1000  # trials: more is warned of at planning time
@@ -81,7 +82,7 @@ OPTUNA_TRIES = 32  # draws from an optuna space planned then
 TOP_KEYS = {"name", "model", "data", "fixed", "grid", "space", "search", "num_samples",
             "metric", "mode", "max_concurrent", "time_limit_s", "seed", "pruning",
             "memory_budget_gb", "retries", "retry_delay_s", "kind", "probe_batches",
-            "ranks_per_trial", "evaluation", "rank_by", "export", "pack"}
+            "ranks_per_trial", "evaluation", "rank_by", "export", "pack", "report_to"}
 
 
 class PlanError(SpecError):
@@ -121,6 +122,7 @@ class SweepSpec:
     evaluation: GenerationSettings = field(default_factory=GenerationSettings)
     rank_by: str = ""  # the leaderboard's metric ("": metric)
     export: ExportSettings = field(default_factory=ExportSettings)  # the pipeline's GGUF
+    report_to: ReportTo = field(default_factory=ReportTo)  # trackers (tasks/track/)
 
     @property
     def rules(self) -> TrialRules:
@@ -287,6 +289,7 @@ def _parse(data: Any) -> SweepSpec:
         evaluation = parse_generation(data.get("evaluation"))
         rank_by = check_rank_by(data.get("rank_by", ""), evaluation)
         export = ExportSettings.parse(data.get("export"))
+        report_to = ReportTo.parse(data.get("report_to"))
     except ValueError as err:
         raise SpecError(str(err)) from None
     if rank_by.startswith("val/") and rank_by != metric:
@@ -310,8 +313,7 @@ def _parse(data: Any) -> SweepSpec:
         name=data["name"], model=data["model"], data=data["data"], fixed=fixed, grid=grid,
         space={k: space_dist(k, v) for k, v in space.items()}, search=search, metric=metric,
         mode=mode, pruning=pruning, kind=kind, evaluation=evaluation, rank_by=rank_by,
-        export=export,
-        **counts, **seconds)
+        export=export, report_to=report_to, **counts, **seconds)
     _check_runnable(spec)
     return spec
 

@@ -1,0 +1,70 @@
+"""``tracking.json`` in a sweep's folder: what the run reports to, the sweep's tags, and
+what each tracker has been sent (its runs, each trial's last step per split, which
+outcomes, evaluations and board), saved after every send. A tracker that was down is
+marked so: the rest of the run leaves it alone, and ``pomona track`` sends what it missed,
+nothing twice.
+
+Each ``pomona sweep`` (or pipeline) of a folder is a session: a new MLflow parent run of
+the trials it holds. TensorBoard's event files are per trial, not per session: its part
+is carried over, so a cached trial's curve is not written again.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.host.atomic import atomic_write_text
+
+LEDGER = "tracking.json"
+PER_TRIAL_SINKS = ("tensorboard",)  # their record outlives a session
+
+
+@dataclass
+class TrackLedger:
+    """The ledger of one sweep folder, as read and as it grows."""
+
+    path: Path
+    data: dict[str, Any]
+
+    @classmethod
+    def read(cls, sweep_dir: Path) -> TrackLedger | None:
+        path = Path(sweep_dir) / LEDGER
+        if not path.is_file():
+            return None
+        try:
+            return cls(path, json.loads(path.read_text()))
+        except ValueError as err:
+            raise ValueError(f"{path}: not a tracking ledger ({err})") from None
+
+    @classmethod
+    def begin(cls, sweep_dir: Path, report_to: tuple[str, ...], info: dict[str, Any]
+              ) -> TrackLedger:
+        """A new session of ``sweep_dir``: the earlier one's per-trial sinks kept."""
+        old = cls.read(sweep_dir)
+        before = old.data.get("sinks", {}) if old else {}
+        session = (old.data.get("session", 0) if old else 0) + 1
+        sinks = {name: {k: v for k, v in before.get(name, {}).items() if k == "trials"}
+                 if name in PER_TRIAL_SINKS else {} for name in report_to}
+        ledger = cls(Path(sweep_dir) / LEDGER, {"report_to": list(report_to),
+                                                "session": session, "info": info,
+                                                "board": None, "sinks": sinks})
+        ledger.save()
+        return ledger
+
+    @property
+    def report_to(self) -> tuple[str, ...]:
+        return tuple(self.data.get("report_to", ()))
+
+    def part(self, sink: str) -> dict[str, Any]:
+        """``sink``'s record (created empty): runs, trials, down."""
+        return self.data.setdefault("sinks", {}).setdefault(sink, {})
+
+    def trial(self, sink: str, trial_id: str) -> dict[str, Any]:
+        return self.part(sink).setdefault("trials", {}).setdefault(trial_id, {})
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.path, json.dumps(self.data, indent=1, default=str))

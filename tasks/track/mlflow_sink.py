@@ -1,0 +1,176 @@
+"""MLflow: a sweep session as a parent run, each trial a child run with every setting as
+params, its metric lines with their steps, its outcome (node, state, attempts, wall time)
+and its evaluation; the leaderboard on the parent as a table, the best adapter as an
+artifact, registered as a model version where the server has a registry.
+
+MLflow's own environment is honoured (``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_NAME``;
+the experiment is otherwise the sweep's name). Only the driver talks to the server: the
+workers need neither access nor credentials. A down server fails a call in seconds, not
+after MLflow's default minutes of retries (unless the user set them).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from tasks.track.sweep_files import (
+    BOARD,
+    RUN_STATUS,
+    evaluation_of,
+    number,
+    record_metrics,
+)
+
+# MLflow's request limits: params and metrics in one log_batch, a param's value length.
+PARAMS_A_BATCH, METRICS_A_BATCH, PARAM_LENGTH = 100, 1000, 6000
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _stamp(t: dict[str, Any], step: int = 0) -> int:
+    """A metric's timestamp: the run's start plus its step in ms, the same on every send,
+    so a batch sent again after a lost reply is one the server already holds (MLflow drops
+    a metric equal in key, step, value and timestamp)."""
+    return int(t["t0"]) + step
+
+
+class MlflowSink:
+    """One session's runs on the tracking server MLflow's environment names."""
+
+    name = "mlflow"
+
+    def __init__(self) -> None:
+        # One retry over a few seconds: a down server costs a warning, not minutes.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        from mlflow import MlflowClient
+
+        self.client = MlflowClient()
+        self.where = self.client.tracking_uri
+
+    def experiment(self, sweep: str) -> str:
+        """MLFLOW_EXPERIMENT_ID or _NAME where set, else the sweep's name (made if new)."""
+        if given := os.environ.get("MLFLOW_EXPERIMENT_ID"):
+            return given
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or sweep
+        found = self.client.get_experiment_by_name(name)
+        return found.experiment_id if found else self.client.create_experiment(name)
+
+    def begin(self, info: dict[str, Any], session: int, part: dict[str, Any]) -> None:
+        """The session's parent run, tagged with the sweep's spec, data, model and code."""
+        if part.get("parent"):
+            return
+        experiment = self.experiment(info["name"])
+        tags = {f"pomona.{k}": str(v)[:5000] for k, v in info.items() if k != "spec"}
+        run = self.client.create_run(experiment, run_name=f"{info['name']} #{session}",
+                                     tags={**tags, "pomona.session": str(session)})
+        if info.get("spec") is not None:
+            self.client.log_dict(run.info.run_id, info["spec"], "spec.json")
+        part.update(experiment=experiment, parent=run.info.run_id, t0=_now_ms())
+
+    def trial(self, trial_id: str, params: dict[str, Any], t: dict[str, Any],
+              part: dict[str, Any]) -> None:
+        """The trial's child run, with every setting as a param."""
+        from mlflow.entities import Param
+
+        run = self.client.create_run(part["experiment"], run_name=trial_id, tags={
+            "mlflow.parentRunId": part["parent"], "pomona.trial_id": trial_id})
+        items = [Param(k, str(v)[:PARAM_LENGTH]) for k, v in sorted(params.items())]
+        for i in range(0, len(items), PARAMS_A_BATCH):
+            self.client.log_batch(run.info.run_id, params=items[i:i + PARAMS_A_BATCH])
+        t["run"], t["t0"] = run.info.run_id, _now_ms()
+
+    def metrics(self, trial_id: str, t: dict[str, Any], records: list[dict[str, Any]]
+                ) -> None:
+        """Metric lines at their steps (``loss`` and ``val/loss`` histories, ...)."""
+        from mlflow.entities import Metric
+
+        items = [Metric(k, v, _stamp(t, int(r["step"])), int(r["step"])) for r in records
+                 for k, v in record_metrics(r).items()]
+        self._log(t["run"], items)
+
+    def _log(self, run_id: str, items: list[Any]) -> None:
+        for i in range(0, len(items), METRICS_A_BATCH):
+            self.client.log_batch(run_id, metrics=items[i:i + METRICS_A_BATCH])
+
+    def outcome(self, trial_id: str, t: dict[str, Any], row: dict[str, Any]) -> None:
+        """Where and how the trial ended: node and state tags, attempts and wall time, the
+        run's status."""
+        from mlflow.entities import Metric, RunTag
+
+        status = str(row.get("status"))
+        tags = [RunTag("pomona.state", status), RunTag("pomona.node", str(row.get("node")))]
+        if row.get("reason"):
+            tags.append(RunTag("pomona.reason", str(row["reason"])[:5000]))
+        if row.get("skipped"):
+            tags.append(RunTag("pomona.cached", "true"))
+        values = {"attempts": row.get("attempts"), "wall_time_s": row.get("duration_s")}
+        metrics = [Metric(k, v, _stamp(t), 0) for k, raw in values.items()
+                   if (v := number(raw)) is not None]
+        self.client.log_batch(t["run"], metrics=metrics, tags=tags)
+        ended = number(row.get("ended"))
+        self.client.set_terminated(t["run"], RUN_STATUS.get(status, "FAILED"),
+                                   int(ended * 1000) if ended else None)
+
+    def evaluation(self, trial_id: str, t: dict[str, Any], row: dict[str, Any]) -> None:
+        """The trial's evaluation (valid and test metrics, intervals, scored generations,
+        the paired test against the base) and its rank, on its run."""
+        from mlflow.entities import Metric
+
+        self._log(t["run"], [Metric(k, v, _stamp(t), 0) for k, v in evaluation_of(row).items()])
+
+    def board(self, part: dict[str, Any], rows: list[dict[str, Any]], board_dir: Path
+              ) -> None:
+        """The leaderboard on the parent run: a table, its files, the base's and the
+        soup's evaluations (``base/...``, ``soup/...``)."""
+        from mlflow.entities import Metric
+
+        parent = part["parent"]
+        others = [Metric(f"{r['trial_id']}/{k}", v, _stamp(part), 0) for r in rows
+                  if r.get("status") in ("baseline", "soup")
+                  for k, v in evaluation_of(r).items()]
+        self._log(parent, others)
+        for name in (BOARD, "leaderboard.md"):
+            if (board_dir / name).is_file():
+                self.client.log_artifact(parent, str(board_dir / name), "leaderboard")
+        columns = sorted({k for r in rows for k in r if not k.startswith("param/")})
+        table = {c: [_cell(r.get(c)) for r in rows] for c in columns}
+        self.client.log_table(parent, table, "leaderboard/table.json")
+
+    def best(self, part: dict[str, Any], adapter: Path, trial_id: str | None) -> None:
+        """The best adapter as the parent run's artifact, and a version of the registered
+        model ``pomona-<experiment>`` where the server keeps a registry."""
+        from mlflow.exceptions import MlflowException
+
+        parent = part["parent"]
+        self.client.log_artifacts(parent, str(adapter), "best-adapter")
+        self.client.set_tag(parent, "pomona.best_trial", str(trial_id))
+        name = f"pomona-{self.client.get_experiment(part['experiment']).name}"
+        try:
+            if not self.client.search_registered_models(f"name = '{name}'"):
+                self.client.create_registered_model(name)
+            version = self.client.create_model_version(
+                name, f"runs:/{parent}/best-adapter", parent,
+                tags={"pomona.trial_id": str(trial_id)})
+            part["model_version"] = f"{name}/{version.version}"
+        except MlflowException as err:  # a server without a registry: the artifact is kept
+            part["model_version"] = f"none ({str(err).splitlines()[0][:200]})"
+
+    def end(self, part: dict[str, Any]) -> None:
+        """The session's parent run finished (its trials ended; a board may follow)."""
+        if part.get("parent") and not part.get("ended"):
+            self.client.set_terminated(part["parent"], "FINISHED")
+            part["ended"] = True
+
+    def close(self) -> None:
+        pass
+
+
+def _cell(value: Any) -> Any:
+    """A board cell as JSON holds it (numbers and text; lists as text)."""
+    return value if value is None or isinstance(value, int | float | str | bool) else str(value)

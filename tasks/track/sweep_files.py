@@ -1,0 +1,85 @@
+"""What a sweep's own files say, as a tracker reads them: every trial's row
+(``results.parquet``), its metric lines past what was sent (``<trial>/metrics.jsonl``),
+the leaderboard's rows and the best adapter. Trackers read only these files, so what a
+live sweep sent and what ``pomona track`` sends later are the same records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+RESULTS = "results.parquet"
+METRICS = "metrics.jsonl"
+BOARD = "leaderboard.parquet"
+BEST = "best-adapter"
+EVAL_PREFIXES = ("eval/", "gen/", "vs_base/")  # a leaderboard's evaluation columns
+# A trial's outcome as an MLflow run status (completed and degenerate trained to the end).
+RUN_STATUS = {"completed": "FINISHED", "degenerate": "FINISHED", "failed": "FAILED",
+              "pruned": "KILLED", "cancelled": "KILLED"}
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """A parquet table's rows ([] while it is not written yet or is being replaced)."""
+    with contextlib.suppress(FileNotFoundError, pa.ArrowException, OSError):
+        return pq.read_table(path).to_pylist()
+    return []
+
+
+def trial_rows(sweep_dir: Path) -> dict[str, dict[str, Any]]:
+    """Every trial's row of the sweep's results table, by trial id."""
+    return {r["trial_id"]: r for r in read_rows(sweep_dir / RESULTS)}
+
+
+def params_of(row: dict[str, Any]) -> dict[str, Any]:
+    """A results row's settings (its ``param/`` columns), by name."""
+    return {k[len("param/"):]: v for k, v in row.items()
+            if k.startswith("param/") and v is not None}
+
+
+def number(value: Any) -> float | None:
+    """``value`` as a finite float a tracker takes (bools as 0/1), else None."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, int | float) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def new_records(path: Path, sent: dict[str, int]) -> list[dict[str, Any]]:
+    """The whole lines of a trial's metrics.jsonl past ``sent`` (split -> last step sent),
+    as records with a step: a retried attempt starts its file afresh, and its steps up to
+    what was sent are not sent twice."""
+    if not path.is_file():
+        return []
+    out, last = [], dict(sent)
+    with path.open() as f:
+        for line in f:
+            if not line.endswith("\n"):
+                break  # being written: the next sync reads it whole
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                step, split = record.get("step"), str(record.get("split", "train"))
+                if isinstance(step, int) and step > last.get(split, -1):
+                    last[split] = step
+                    out.append(record)
+    return out
+
+
+def record_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """A metric line's numbers by name (its step and split are not metrics)."""
+    return {k: v for k, raw in record.items() if k not in ("step", "split")
+            and (v := number(raw)) is not None}
+
+
+def evaluation_of(row: dict[str, Any]) -> dict[str, float]:
+    """A leaderboard row's evaluation: its eval/, gen/ and vs_base/ numbers (intervals
+    as their /low and /high columns) and its rank."""
+    return {k: v for k, raw in row.items() if (k.startswith(EVAL_PREFIXES) or k == "rank")
+            and (v := number(raw)) is not None}

@@ -1,0 +1,139 @@
+"""Tracking without a server: report_to's validation, the metric lines a sync sends (each
+step once, a retried attempt's repeats not again), the ledger's sessions, a failing
+tracker as one warning line, TensorBoard's event files read back by TensorBoard's reader."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from tasks.board.results_table import write_results
+from tasks.sweep.sweep_spec import SpecError, parse_spec
+from tasks.track.ledger import TrackLedger
+from tasks.track.report_to import ReportTo
+from tasks.track.sweep_files import new_records
+from tasks.track.tracker import Tracker
+
+pytestmark = pytest.mark.unit
+
+
+def test_report_to_parses_lists_one_name_and_none() -> None:
+    assert ReportTo.parse(["mlflow", "TensorBoard"]).targets == ("mlflow", "tensorboard")
+    assert ReportTo.parse("mlflow").targets == ("mlflow",)
+    assert not ReportTo.parse(["none"]) and not ReportTo.parse(None)
+    with pytest.raises(ValueError, match=r"--report-to: 'mlfow' is not a tracker"):
+        ReportTo.parse(["mlfow"], "--report-to")
+    with pytest.raises(ValueError, match="names a tracker twice"):
+        ReportTo.parse(["mlflow", "mlflow"])
+
+
+def test_a_spec_names_its_trackers() -> None:
+    base = {"name": "s", "model": "m", "data": "d", "fixed": {"steps": 2}}
+    assert parse_spec({**base, "report_to": ["mlflow"]}).report_to.targets == ("mlflow",)
+    assert not parse_spec(base).report_to
+    with pytest.raises(SpecError, match=r"spec: report_to: 'wandbx' is not a tracker"):
+        parse_spec({**base, "report_to": ["wandbx"]})
+    with pytest.raises(SpecError, match="report_to: expected a list"):
+        parse_spec({**base, "report_to": {"mlflow": 1}})
+
+
+def _lines(path: Path, records: list[dict], partial: str = "") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + partial)
+
+
+def test_new_records_send_each_step_once(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    train = [{"step": s, "split": "train", "loss": 1.0 / s} for s in (1, 2, 3)]
+    _lines(path, [*train, {"step": 3, "split": "valid", "val/loss": 0.5}], '{"step": 4')
+    got = new_records(path, {})
+    assert [(r["step"], r["split"]) for r in got] == [(1, "train"), (2, "train"),
+                                                      (3, "train"), (3, "valid")]
+    # a retried attempt starts its file afresh: steps up to those sent are not sent again
+    _lines(path, [{"step": s, "split": "train", "loss": 0.1} for s in (1, 2, 3, 4)])
+    assert [r["step"] for r in new_records(path, {"train": 3, "valid": 3})] == [4]
+
+
+class _Failing:
+    """A tracker whose server is down: every call raises."""
+
+    name, where = "mlflow", "http://127.0.0.1:1"
+
+    def begin(self, *args) -> None:
+        raise ConnectionError("Connection refused")
+
+    def close(self) -> None:
+        pass
+
+
+def _sweep(tmp_path: Path) -> Path:
+    sweep = tmp_path / "sweep"
+    for tid in ("t-a", "t-b"):
+        _lines(sweep / tid / "metrics.jsonl",
+               [{"step": s, "split": "train", "loss": 2.0 - s / 4} for s in (1, 2, 3, 4)])
+    write_results([{"trial_id": t, "status": "completed", "node": "n1", "attempts": 1,
+                    "duration_s": 3.0, "param/learning_rate": lr}
+                   for t, lr in (("t-a", 1e-3), ("t-b", 1e-4))], sweep / "results.parquet")
+    return sweep
+
+
+def test_a_down_tracker_costs_one_warning_line_and_is_left_alone(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch) -> None:
+    import tasks.track.tracker as tracker_mod
+
+    sweep = _sweep(tmp_path)
+    monkeypatch.setattr(tracker_mod, "make_sink", lambda name, where: _Failing())
+    tracker = Tracker.start(sweep, ReportTo(("mlflow",)), {"name": "s"})
+    with caplog.at_level(logging.WARNING, logger="pomona.track"):
+        for _ in range(3):
+            tracker.sync()
+        Tracker.resume(sweep).sync()  # the board's stage, later in the session: quiet too
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "Connection refused" in lines[0], lines
+    assert f"pomona track {sweep}" in lines[0]
+    assert TrackLedger.read(sweep).part("mlflow")["down"]
+
+
+def test_tensorboard_event_files_hold_each_trials_curve(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sweep = _sweep(tmp_path)
+    tracker = Tracker.start(sweep, ReportTo(("tensorboard",)), {"name": "s"})
+    tracker.sync(end=True)
+    tracker.sync()  # again: nothing new, nothing twice
+    tracker.close()
+    for tid in ("t-a", "t-b"):
+        events = EventAccumulator(str(sweep / "tb" / tid))
+        events.Reload()
+        loss = events.Scalars("loss")
+        assert [e.step for e in loss] == [1, 2, 3, 4]
+        assert [e.value for e in loss] == pytest.approx([1.75, 1.5, 1.25, 1.0])
+    # a new session of the folder (a re-run, every trial cached): no curve written twice
+    again = Tracker.start(sweep, ReportTo(("tensorboard",)), {"name": "s"})
+    again.sync(end=True)
+    again.close()
+    events = EventAccumulator(str(sweep / "tb" / "t-a"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4]
+    assert TrackLedger.read(sweep).data["session"] == 2
+
+
+def test_pomona_track_sends_a_run_to_a_tracker_it_did_not_report_to(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    sweep = _sweep(tmp_path)
+    runner = CliRunner()
+    refused = runner.invoke(app, ["track", str(tmp_path / "sweep")])
+    assert refused.exit_code == 2, refused.output
+    assert "reported to no tracker; name one with --report-to" in refused.output
+    bad = runner.invoke(app, ["track", str(sweep), "--report-to", "mlfow"])
+    assert "--report-to: 'mlfow' is not a tracker" in bad.output and bad.exit_code == 2
+    sent = runner.invoke(app, ["track", str(tmp_path), "--report-to", "tensorboard"])
+    assert sent.exit_code == 0, sent.output  # a pipeline's folder: its sweep/ found
+    assert f"tensorboard: {tmp_path} sent to {sweep / 'tb'}" in sent.output
+    assert sorted(p.name for p in (sweep / "tb").iterdir()) == ["t-a", "t-b"]
