@@ -10,7 +10,9 @@ should not wait for that. ``pomona --help`` lists each verb by the line below.
 from __future__ import annotations
 
 import functools
-from typing import Any
+import inspect
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 import typer.main
@@ -28,6 +30,13 @@ HELP = {"help_option_names": ["-h", "--help"]}  # pomona's own, every verb's
 # A verb that hands its arguments on unread (the engine's, built when it runs; bench's).
 PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
                "help_option_names": []}
+
+
+REPORT_TO = inspect.Parameter("report_to", inspect.Parameter.KEYWORD_ONLY, default=None,
+                              annotation=Annotated[list[str] | None, typer.Option(
+                                  "--report-to", metavar="TRACKER", help="An experiment "
+                                  "tracker to report the run to (repeatable): mlflow, "
+                                  "tensorboard (pomona's; not python -m engine's).")])
 
 
 def add_engine_verbs(app: typer.Typer) -> None:
@@ -52,14 +61,41 @@ def verb_command(verb: str) -> Any:
     from engine.cli import VERBS
 
     flags, about = VERBS[verb]
+    extra = [REPORT_TO] if verb == "train" else []  # pomona's own: the engine tracks nothing
 
     def run(**values: Any) -> None:
         from engine.cli import RUNNERS
 
+        if names := values.pop("report_to", None):
+            raise typer.Exit(code=train_tracked(values, names))
         raise typer.Exit(code=RUNNERS[verb](values))
 
-    info = CommandInfo(verb, callback=signed(run, flag_params(flags())), help=about,
+    info = CommandInfo(verb, callback=signed(run, [*flag_params(flags()), *extra]), help=about,
                        context_settings=HELP)
     return typer.main.get_command_from_info(info, pretty_exceptions_short=True,
                                             rich_markup_mode=None)
 
+
+
+def train_tracked(values: dict[str, Any], names: list[str]) -> int:
+    """``train`` with its metrics, outcome and adapter sent to the trackers ``names``
+    (tasks/track/train_run.py: the engine trains in a child process); its exit code."""
+    from cli.terminal import fail
+    from engine.cli import RUNNERS, train_config, train_flags
+    from engine.host.flags import command_line
+    from tasks.sweep.trial_plan import settings_of
+    from tasks.track.report_to import ReportTo
+    from tasks.track.tracker import missing_client
+    from tasks.track.train_run import track_train
+
+    try:
+        report_to = ReportTo.parse(names, "--report-to")
+        cfg = train_config(values)
+        if problem := missing_client(report_to):
+            raise ValueError(problem)
+    except ValueError as err:
+        raise fail(str(err)) from None
+    if not report_to:  # --report-to none
+        return RUNNERS["train"](values)
+    return track_train(command_line(train_flags(), values), Path(cfg.out), report_to,
+                       settings_of(cfg))

@@ -176,3 +176,24 @@ def test_a_server_killed_mid_sweep_costs_one_warning_and_track_sends_the_rest(
     for child in children:
         assert _loss_steps(client, child) == list(range(1, STEPS + 1))  # no step twice
         assert child.info.status == "FINISHED"
+
+
+def test_pomona_train_reports_its_run(server, client, tiny_model, tiny_data,
+                                      tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    out = tmp_path / "lone-run"
+    result = CliRunner().invoke(app, [
+        "train", "--model", str(tiny_model), "--data", str(tiny_data), "--out", str(out),
+        "--steps", str(STEPS), "--batch-size", "2", "--lora-rank", "4", "--report-every", "1",
+        "--val-every", "0", "--report-to", "mlflow", "--report-to", "tensorboard"])
+    assert result.exit_code == 0, result.output
+    [run] = client.search_runs([client.get_experiment_by_name("Default").experiment_id],
+                               "attributes.run_name = 'lone-run'")
+    assert run.info.status == "FINISHED" and run.data.params["steps"] == str(STEPS)
+    assert _loss_steps(client, run) == list(range(1, STEPS + 1))
+    names = {a.path for a in client.list_artifacts(run.info.run_id, "adapter")}
+    assert names == {"adapter/adapters.safetensors", "adapter/adapter_config.json"}
+    assert (out / "tb" / "lone-run").is_dir()

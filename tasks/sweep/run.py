@@ -199,7 +199,7 @@ def _run_sweep(spec: SweepSpec, out: Path, placement: Placement, progress: Event
     source, study = sweep.optuna_source() if spec.search == "optuna" else sweep.list_source()
     sweep.emit("plan", {**sweep.plan_counts, "slots": concurrent})
     sweep.source = source
-    tracker = Tracker.start(out, spec.report_to, sweep.info())
+    tracker = Tracker.start(out, spec.report_to, sweep.info()) if spec.report_to else None
     with tracker.live(sweep.configs) if tracker else nullcontext():
         try:
             rows = run_trials(_Recording(source, sweep.configs), sweep.placement,

@@ -6,7 +6,8 @@ nothing twice.
 
 Each ``pomona sweep`` (or pipeline) of a folder is a session: a new MLflow parent run of
 the trials it holds. TensorBoard's event files are per trial, not per session: its part
-is carried over, so a cached trial's curve is not written again.
+is carried over, so a cached trial's curve is not written again (a lone run's folder,
+trained again, is a new run in each tracker).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class TrackLedger:
               ) -> TrackLedger:
         """A new session of ``sweep_dir``: the earlier one's per-trial sinks kept."""
         old = cls.read(sweep_dir)
-        before = old.data.get("sinks", {}) if old else {}
+        carry = old is not None and info.get("kind") != "train"  # a lone run again: anew
+        before = old.data.get("sinks", {}) if carry else {}
         session = (old.data.get("session", 0) if old else 0) + 1
         sinks = {name: {k: v for k, v in before.get(name, {}).items() if k == "trials"}
                  if name in PER_TRIAL_SINKS else {} for name in report_to}

@@ -4,7 +4,8 @@ and its evaluation; the leaderboard on the parent as a table, the best adapter a
 artifact, registered as a model version where the server has a registry.
 
 MLflow's own environment is honoured (``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_NAME``;
-the experiment is otherwise the sweep's name). Only the driver talks to the server: the
+the experiment is otherwise the sweep's name, or MLflow's Default for a lone
+``pomona train``, whose run has no parent). Only the driver talks to the server: the
 workers need neither access nor credentials. A down server fails a call in seconds, not
 after MLflow's default minutes of retries (unless the user set them).
 """
@@ -62,8 +63,13 @@ class MlflowSink:
         return found.experiment_id if found else self.client.create_experiment(name)
 
     def begin(self, info: dict[str, Any], session: int, part: dict[str, Any]) -> None:
-        """The session's parent run, tagged with the sweep's spec, data, model and code."""
-        if part.get("parent"):
+        """The session's parent run, tagged with the sweep's spec, data, model and code
+        (a lone training run, ``kind: train``: its experiment only)."""
+        if part.get("experiment"):
+            return
+        if info.get("kind") == "train":  # a lone run: MLflow's own default experiment
+            experiment = self.experiment("Default")
+            part.update(experiment=experiment, t0=_now_ms())
             return
         experiment = self.experiment(info["name"])
         tags = {f"pomona.{k}": str(v)[:5000] for k, v in info.items() if k != "spec"}
@@ -78,8 +84,9 @@ class MlflowSink:
         """The trial's child run, with every setting as a param."""
         from mlflow.entities import Param
 
-        run = self.client.create_run(part["experiment"], run_name=trial_id, tags={
-            "mlflow.parentRunId": part["parent"], "pomona.trial_id": trial_id})
+        parent = {"mlflow.parentRunId": part["parent"]} if part.get("parent") else {}
+        run = self.client.create_run(part["experiment"], run_name=trial_id,
+                                     tags={**parent, "pomona.trial_id": trial_id})
         items = [Param(k, str(v)[:PARAM_LENGTH]) for k, v in sorted(params.items())]
         for i in range(0, len(items), PARAMS_A_BATCH):
             self.client.log_batch(run.info.run_id, params=items[i:i + PARAMS_A_BATCH])
@@ -160,6 +167,11 @@ class MlflowSink:
             part["model_version"] = f"{name}/{version.version}"
         except MlflowException as err:  # a server without a registry: the artifact is kept
             part["model_version"] = f"none ({str(err).splitlines()[0][:200]})"
+
+    def adapter(self, trial_id: str, t: dict[str, Any], files: list[Path]) -> None:
+        """A lone run's trained adapter as its run's artifact ``adapter/``."""
+        for f in files:
+            self.client.log_artifact(t["run"], str(f), "adapter")
 
     def end(self, part: dict[str, Any]) -> None:
         """The session's parent run finished (its trials ended; a board may follow)."""

@@ -1,7 +1,8 @@
-"""What a sweep's own files say, as a tracker reads them: every trial's row
-(``results.parquet``), its metric lines past what was sent (``<trial>/metrics.jsonl``),
-the leaderboard's rows and the best adapter. Trackers read only these files, so what a
-live sweep sent and what ``pomona track`` sends later are the same records.
+"""What a run's own files say, as a tracker reads them: a sweep's (``SweepFolder``: every
+trial's row in ``results.parquet``, its metric lines in ``<trial>/metrics.jsonl``, the
+leaderboard's rows and the best adapter) or a lone training run's (``RunFolder``: one
+trial, its metric lines in ``metrics.jsonl``, its adapter). Trackers read only these files,
+so what a live run sent and what ``pomona track`` sends later are the same records.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +85,44 @@ def evaluation_of(row: dict[str, Any]) -> dict[str, float]:
     as their /low and /high columns) and its rank."""
     return {k: v for k, raw in row.items() if (k.startswith(EVAL_PREFIXES) or k == "rank")
             and (v := number(raw)) is not None}
+
+
+@dataclass
+class SweepFolder:
+    """A sweep's folder: its trials' rows once they end, each trial's metric lines."""
+
+    path: Path
+
+    def rows(self) -> dict[str, dict[str, Any]]:
+        return trial_rows(self.path)
+
+    def metrics(self, trial_id: str) -> Path:
+        return self.path / trial_id / METRICS
+
+    def adapter(self, trial_id: str) -> list[Path]:
+        return []  # a sweep's: the board's best adapter (tasks/track/tracker.py)
+
+
+@dataclass
+class RunFolder:
+    """A lone training run's folder (``pomona train --out``): one trial, named after the
+    folder; its row, once it ended, set by the process that ran it (``row``)."""
+
+    path: Path
+    row: dict[str, Any] | None = None
+
+    @property
+    def trial_id(self) -> str:
+        return self.path.resolve().name
+
+    def rows(self) -> dict[str, dict[str, Any]]:
+        return {self.trial_id: self.row} if self.row else {}
+
+    def metrics(self, trial_id: str) -> Path:
+        return self.path / METRICS
+
+    def adapter(self, trial_id: str) -> list[Path]:
+        """The trained adapter's files (mlx-lm's layout), once written."""
+        from engine.model.adapters import ADAPTER_FILE, CONFIG_FILE
+
+        return [f for f in (self.path / ADAPTER_FILE, self.path / CONFIG_FILE) if f.is_file()]

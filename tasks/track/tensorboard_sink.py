@@ -25,26 +25,28 @@ class TensorBoardSink:
         self.root = Path(sweep_dir) / TB
         self.writers: dict[str, Any] = {}
         self.where = str(self.root)
+        self.suffix = ""  # a lone run trained again into its folder: tb/<name>-<session>
 
-    def writer(self, trial_id: str) -> Any:
+    def writer(self, run: str) -> Any:
         from tensorboardX import SummaryWriter
 
-        if trial_id not in self.writers:
-            self.writers[trial_id] = SummaryWriter(str(self.root / trial_id))
-        return self.writers[trial_id]
+        if run not in self.writers:
+            self.writers[run] = SummaryWriter(str(self.root / run))
+        return self.writers[run]
 
     def begin(self, info: dict[str, Any], session: int, part: dict[str, Any]) -> None:
-        pass
+        if info.get("kind") == "train" and session > 1:
+            self.suffix = f"-{session}"
 
     def trial(self, trial_id: str, params: dict[str, Any], t: dict[str, Any],
               part: dict[str, Any]) -> None:
         rows = "\n".join(f"| {k} | {v} |" for k, v in sorted(params.items()))
-        self.writer(trial_id).add_text("settings", f"| setting | value |\n|---|---|\n{rows}", 0)
-        t["run"] = trial_id
+        t["run"] = trial_id + self.suffix
+        self.writer(t["run"]).add_text("settings", f"| setting | value |\n|---|---|\n{rows}", 0)
 
     def metrics(self, trial_id: str, t: dict[str, Any], records: list[dict[str, Any]]
                 ) -> None:
-        w = self.writer(trial_id)
+        w = self.writer(t["run"])
         for r in records:
             for k, v in record_metrics(r).items():
                 w.add_scalar(k, v, int(r["step"]))
@@ -53,12 +55,12 @@ class TensorBoardSink:
 
     def outcome(self, trial_id: str, t: dict[str, Any], row: dict[str, Any]) -> None:
         keys = ("status", "reason", "node", "attempts", "duration_s")
-        self.writer(trial_id).add_text("outcome", json.dumps(
+        self.writer(t["run"]).add_text("outcome", json.dumps(
             {k: row.get(k) for k in keys}, default=str), t.get("last_step", 0))
-        self.writer(trial_id).flush()
+        self.writer(t["run"]).flush()
 
     def evaluation(self, trial_id: str, t: dict[str, Any], row: dict[str, Any]) -> None:
-        w = self.writer(trial_id)
+        w = self.writer(t["run"])
         for k, v in evaluation_of(row).items():
             w.add_scalar(k, v, t.get("last_step", 0))
         w.flush()
@@ -68,6 +70,9 @@ class TensorBoardSink:
         pass
 
     def best(self, part: dict[str, Any], adapter: Path, trial_id: str | None) -> None:
+        pass
+
+    def adapter(self, trial_id: str, t: dict[str, Any], files: list[Path]) -> None:
         pass
 
     def end(self, part: dict[str, Any]) -> None:

@@ -26,12 +26,12 @@ from tasks.track.report_to import ReportTo
 from tasks.track.sweep_files import (
     BEST,
     BOARD,
-    METRICS,
     RUN_STATUS,
+    RunFolder,
+    SweepFolder,
     new_records,
     params_of,
     read_rows,
-    trial_rows,
 )
 
 log = logging.getLogger("pomona.track")
@@ -56,6 +56,7 @@ class Sink(Protocol):
     def board(self, part: dict[str, Any], rows: list[dict[str, Any]], board_dir: Path
               ) -> None: ...
     def best(self, part: dict[str, Any], adapter: Path, trial_id: str | None) -> None: ...
+    def adapter(self, trial_id: str, t: dict[str, Any], files: list[Path]) -> None: ...
     def end(self, part: dict[str, Any]) -> None: ...
     def close(self) -> None: ...
 
@@ -86,8 +87,9 @@ class Tracker:
     """One sweep folder's trackers and ledger; ``sync`` may be called from any thread."""
 
     def __init__(self, sweep_dir: Path, ledger: TrackLedger, retry_down: bool = False,
-                 warn: bool = True):
+                 warn: bool = True, view: SweepFolder | RunFolder | None = None):
         self.dir, self.ledger, self.warn = Path(sweep_dir), ledger, warn
+        self.view = view or SweepFolder(self.dir)  # where its trials' files are
         self.lock = threading.Lock()
         self.sinks: list[Sink] = []
         self.failed: dict[str, str] = {}  # this process's failures: name -> reason
@@ -102,12 +104,14 @@ class Tracker:
                 self.down(name, name, err)
 
     @classmethod
-    def start(cls, sweep_dir: Path, report_to: ReportTo, info: dict[str, Any]
-              ) -> Tracker | None:
-        """A new session of ``sweep_dir`` (None when it reports to nothing)."""
+    def start(cls, sweep_dir: Path, report_to: ReportTo, info: dict[str, Any],
+              view: SweepFolder | RunFolder | None = None) -> Tracker | None:
+        """A new session of ``sweep_dir`` (None when it reports to nothing); ``view``: a
+        lone run's folder (default: a sweep's)."""
         if not report_to:
             return None
-        return cls(sweep_dir, TrackLedger.begin(Path(sweep_dir), report_to.targets, info))
+        return cls(sweep_dir, TrackLedger.begin(Path(sweep_dir), report_to.targets, info),
+                   view=view)
 
     @classmethod
     def resume(cls, sweep_dir: Path, retry_down: bool = False) -> Tracker | None:
@@ -130,7 +134,7 @@ class Tracker:
         ``live`` the settings of trials asked but not finished; ``end``: the session's
         trials are over (MLflow's parent run is finished)."""
         with self.lock:
-            rows = trial_rows(self.dir)
+            rows = self.view.rows()
             for sink in list(self.sinks):
                 try:
                     self._sync(sink, rows, live or {}, end)
@@ -159,7 +163,7 @@ class Tracker:
         if "run" not in t:
             sink.trial(tid, params, t, part)
             ledger.save()
-        records = new_records(self.dir / tid / METRICS, t.get("steps", {}))
+        records = new_records(self.view.metrics(tid), t.get("steps", {}))
         if records:
             sink.metrics(tid, t, records)
             steps = t.setdefault("steps", {})
@@ -169,6 +173,10 @@ class Tracker:
         if row and row.get("status") in RUN_STATUS and not t.get("outcome"):
             sink.outcome(tid, t, row)
             t["outcome"] = row["status"]
+            ledger.save()
+        if row and not t.get("adapter") and (files := self.view.adapter(tid)):
+            sink.adapter(tid, t, files)  # a lone run's (a sweep's best: the board's)
+            t["adapter"] = True
             ledger.save()
 
     def _sync_board(self, sink: Sink, part: dict[str, Any]) -> None:
