@@ -36,7 +36,7 @@ REPORT_TO = inspect.Parameter("report_to", inspect.Parameter.KEYWORD_ONLY, defau
                               annotation=Annotated[list[str] | None, typer.Option(
                                   "--report-to", metavar="TRACKER", help="An experiment "
                                   "tracker to report the run to (repeatable): mlflow, "
-                                  "tensorboard (pomona's; not python -m engine's).")])
+                                  "tensorboard, wandb (pomona's; not python -m engine's).")])
 
 
 def add_engine_verbs(app: typer.Typer) -> None:

@@ -39,7 +39,7 @@ app.add_typer(model_app, name="model")
 app.add_typer(data_app, name="data")
 REPORT_TO = typer.Option("--report-to", metavar="TRACKER", help="An experiment tracker to "
                          "report to, in place of the spec's report_to (repeatable): mlflow, "
-                         "tensorboard, or none.")
+                         "tensorboard, wandb, or none.")
 
 
 @app.callback()
@@ -236,7 +236,7 @@ def track(
                                                  "directory.")],
     report_to: Annotated[list[str] | None, typer.Option(
         "--report-to", metavar="TRACKER", help="A tracker to send the run to as well as its own "
-        "(repeatable): mlflow, tensorboard.")] = None,
+        "(repeatable): mlflow, tensorboard, wandb.")] = None,
 ) -> None:
     """Send a run's trials, evaluations, board and best adapter to its trackers: what
     they missed (a server that was down), from the run's own files, nothing twice."""

@@ -137,3 +137,32 @@ def test_pomona_track_sends_a_run_to_a_tracker_it_did_not_report_to(tmp_path: Pa
     assert sent.exit_code == 0, sent.output  # a pipeline's folder: its sweep/ found
     assert f"tensorboard: {tmp_path} sent to {sweep / 'tb'}" in sent.output
     assert sorted(p.name for p in (sweep / "tb").iterdir()) == ["t-a", "t-b"]
+
+
+def test_wandb_offline_runs_hold_each_trials_curve_and_the_board(tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    from tasks.board.results_table import write_results as write_board
+    from tests.wandb_records import runs
+
+    for name in ("WANDB_MODE", "WANDB_DIR", "WANDB_PROJECT"):
+        monkeypatch.delenv(name, raising=False)
+    sweep = _sweep(tmp_path)
+    tracker = Tracker.start(sweep, ReportTo(("wandb",)), {"name": "s"})
+    tracker.sync(end=True)
+    best = tmp_path / "best-adapter"
+    best.mkdir()
+    (best / "SOURCE").write_text("t-a\n")
+    (best / "adapters.safetensors").write_bytes(b"weights")
+    write_board([{"trial_id": "t-a", "status": "completed", "rank": 1,
+                  "eval/test/loss": 0.5}], tmp_path / "leaderboard.parquet")
+    tracker.board(tmp_path)
+    tracker.close()
+    found = runs(sweep)
+    assert set(found) == {"t-a", "t-b", "leaderboard"}
+    for tid in ("t-a", "t-b"):
+        assert found[tid]["group"] == "s #1" and found[tid]["exit"] == 0
+        assert [(h["_step"], h["loss"]) for h in found[tid]["history"]] == [
+            (1, 1.75), (2, 1.5), (3, 1.25), (4, 1.0)]
+    board = found["leaderboard"]
+    assert board["history"][0]["leaderboard/_type"] == "table-file"
+    assert "artifact" in board["kinds"]  # the best adapter

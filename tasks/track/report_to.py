@@ -1,6 +1,6 @@
 """``report_to``: which experiment trackers a run reports to, validated once.
 
-    report_to: [mlflow, tensorboard]     # a sweep or pipeline spec
+    report_to: [mlflow, tensorboard, wandb]   # a sweep or pipeline spec
     pomona sweep SPEC --report-to mlflow --report-to tensorboard
 
 The default is none. ``none`` alone turns a spec's trackers off from the command line.
@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-TRACKERS = ("mlflow", "tensorboard")
+TRACKERS = ("mlflow", "tensorboard", "wandb")
 Settings = TypeVar("Settings")  # a settings value with a ``report_to`` (a sweep spec)
 
 

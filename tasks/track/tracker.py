@@ -66,7 +66,7 @@ def missing_client(report_to: ReportTo) -> str | None:
     not at the first trial), else None."""
     import importlib.util
 
-    modules = {"mlflow": "mlflow", "tensorboard": "tensorboardX"}
+    modules = {"mlflow": "mlflow", "tensorboard": "tensorboardX", "wandb": "wandb"}
     for name in report_to.targets:
         if importlib.util.find_spec(modules[name]) is None:
             return f"report_to: {name} needs its client ({modules[name]}): {INSTALL}"
@@ -78,6 +78,10 @@ def make_sink(name: str, sweep_dir: Path) -> Sink:
         from tasks.track.mlflow_sink import MlflowSink
 
         return MlflowSink()
+    if name == "wandb":
+        from tasks.track.wandb_sink import WandbSink
+
+        return WandbSink(sweep_dir)
     from tasks.track.tensorboard_sink import TensorBoardSink
 
     return TensorBoardSink(sweep_dir)
