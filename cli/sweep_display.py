@@ -23,6 +23,7 @@ from tasks.prefect.reference_task import make_references
 from tasks.sweep.memory_sweep import run_memory_sweep
 from tasks.sweep.run import check_inputs, check_sweep_out, plan_line, run_sweep
 from tasks.sweep.scheduler import TrialsInterrupted
+from tasks.sweep.spec_rules import check_kind
 from tasks.sweep.sweep_spec import SpecError, SweepSpec, load_spec
 from tasks.track.report_to import with_report_to
 
@@ -84,6 +85,7 @@ def run_sweep_cli(console: Console, spec_path: Path, out: Path | None, cluster: 
                   use_prefect: bool = False, report_to: list[str] | None = None) -> None:
     try:
         spec = with_report_to(load_spec(spec_path), report_to)
+        check_kind(spec.kind, spec.search, [], spec.report_to)  # --report-to: none in memory
     except (ValueError, FileNotFoundError) as err:  # SpecError is a ValueError
         console.print(f"[bold red]error:[/] {err}")
         raise typer.Exit(code=2) from err

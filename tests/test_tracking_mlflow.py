@@ -197,3 +197,23 @@ def test_pomona_train_reports_its_run(server, client, tiny_model, tiny_data,
     names = {a.path for a in client.list_artifacts(run.info.run_id, "adapter")}
     assert names == {"adapter/adapters.safetensors", "adapter/adapter_config.json"}
     assert (out / "tb" / "lone-run").is_dir()
+
+
+def test_runs_a_killed_driver_left_running_are_ended_by_the_next_session(
+        server, client, tmp_path: Path) -> None:
+    from tasks.track.ledger import TrackLedger
+    from tasks.track.report_to import ReportTo
+    from tasks.track.tracker import Tracker
+
+    experiment = client.create_experiment("stale")
+    parent = client.create_run(experiment).info.run_id
+    trial = client.create_run(experiment, tags={"mlflow.parentRunId": parent}).info.run_id
+    sweep = tmp_path / "sweep"
+    TrackLedger(sweep / "tracking.json", {
+        "report_to": ["mlflow"], "session": 1, "info": {"name": "stale"},
+        "sinks": {"mlflow": {"experiment": experiment, "parent": parent,
+                             "trials": {"t-x": {"run": trial, "steps": {"train": 2}}}}}}).save()
+    tracker = Tracker.start(sweep, ReportTo(("mlflow",)), {"name": "stale"})
+    tracker.sync(end=True)
+    assert [client.get_run(r).info.status for r in (parent, trial)] == ["KILLED", "KILLED"]
+    assert "stale" not in TrackLedger.read(sweep).part("mlflow")

@@ -166,3 +166,10 @@ def test_wandb_offline_runs_hold_each_trials_curve_and_the_board(tmp_path: Path,
     board = found["leaderboard"]
     assert board["history"][0]["leaderboard/_type"] == "table-file"
     assert "artifact" in board["kinds"]  # the best adapter
+
+
+def test_a_memory_sweep_refuses_trackers() -> None:
+    spec = {"name": "m", "model": "m", "data": "d", "kind": "memory",
+            "grid": {"segment_size": [1, 2]}, "report_to": ["tensorboard"]}
+    with pytest.raises(SpecError, match="report_to: a memory sweep measures and trains nothing"):
+        parse_spec(spec)

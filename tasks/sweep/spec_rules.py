@@ -16,6 +16,19 @@ class SpecError(ValueError):
     """A sweep spec problem, naming the key."""
 
 
+def check_kind(kind: str, search: str, autos: list[str], report_to: Any) -> None:
+    """``kind``: train, or memory (grid points measured, with explicit segment sizes and
+    nothing trained for a tracker to follow)."""
+    if kind not in ("train", "memory"):
+        raise SpecError(f"kind={kind!r}: expected train or memory")
+    if kind == "memory" and (search != "grid" or autos):
+        raise SpecError("kind: memory measures grid points (search: grid, explicit segment "
+                        "sizes)")
+    if kind == "memory" and report_to:
+        raise SpecError("report_to: a memory sweep measures and trains nothing to track; "
+                        "drop report_to or use kind: train")
+
+
 def check_pack(pack: int, search: str, kind: str, ranks: int, autos: list[str],
                budget: float) -> None:
     """A spec's ``pack`` > 1 where packs can run (tasks/sweep/packs.py): listed trials

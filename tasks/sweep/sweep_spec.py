@@ -56,6 +56,7 @@ from tasks.board.ranked_metric import rank_mode
 from tasks.eval.generation_eval import GenerationSettings, check_rank_by, parse_generation
 from tasks.sweep.spec_rules import (
     SpecError,
+    check_kind,
     check_loss_settings,
     check_metric_of_losses,
     check_pack,
@@ -301,11 +302,7 @@ def _parse(data: Any) -> SweepSpec:
         raise SpecError(f"{autos[0]}: auto needs memory_budget_gb > 0 (what the segment "
                         "size must fit in)")
     kind = data.get("kind", "train")
-    if kind not in ("train", "memory"):
-        raise SpecError(f"kind={kind!r}: expected train or memory")
-    if kind == "memory" and (search != "grid" or autos):
-        raise SpecError("kind: memory measures grid points (search: grid, explicit segment "
-                        "sizes)")
+    check_kind(kind, search, autos, report_to)
     if counts["ranks_per_trial"] > 1:
         check_ranks(counts["ranks_per_trial"], kind, fixed, grid, space)
     check_pack(counts["pack"], search, kind, counts["ranks_per_trial"], autos, budget)

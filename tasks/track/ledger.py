@@ -21,6 +21,7 @@ from engine.host.atomic import atomic_write_text
 
 LEDGER = "tracking.json"
 PER_TRIAL_SINKS = ("tensorboard",)  # their record outlives a session
+SERVER_SINKS = ("mlflow",)  # a run left RUNNING by a killed driver stays so unless ended
 
 
 @dataclass
@@ -50,6 +51,9 @@ class TrackLedger:
         session = (old.data.get("session", 0) if old else 0) + 1
         sinks = {name: {k: v for k, v in before.get(name, {}).items() if k == "trials"}
                  if name in PER_TRIAL_SINKS else {} for name in report_to}
+        for name, part in sinks.items():  # runs a killed session left open: ended first
+            if name in SERVER_SINKS and (stale := unended(before.get(name, {}))):
+                part["stale"] = stale
         ledger = cls(Path(sweep_dir) / LEDGER, {"report_to": list(report_to),
                                                 "session": session, "info": info,
                                                 "board": None, "sinks": sinks})
@@ -70,3 +74,12 @@ class TrackLedger:
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.path, json.dumps(self.data, indent=1, default=str))
+
+
+def unended(part: dict[str, Any]) -> list[str]:
+    """The runs of a sink's session that were never ended (its driver was killed): the
+    parent and every trial with no outcome."""
+    trials = [t["run"] for t in part.get("trials", {}).values()
+              if "run" in t and not t.get("outcome")]
+    parent = [part["parent"]] if part.get("parent") and not part.get("ended") else []
+    return [*parent, *trials, *part.get("stale", [])]

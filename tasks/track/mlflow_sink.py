@@ -65,6 +65,16 @@ class MlflowSink:
     def begin(self, info: dict[str, Any], session: int, part: dict[str, Any]) -> None:
         """The session's parent run, tagged with the sweep's spec, data, model and code
         (a lone training run, ``kind: train``: its experiment only)."""
+        from mlflow.exceptions import MlflowException
+
+        for run_id in list(part.get("stale", [])):  # an earlier session's, driver killed
+            try:
+                self.client.set_terminated(run_id, "KILLED")
+            except MlflowException as err:  # deleted since: nothing to end
+                if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+            part["stale"].remove(run_id)
+        part.pop("stale", None)
         if part.get("experiment"):
             return
         if info.get("kind") == "train":  # a lone run: MLflow's own default experiment

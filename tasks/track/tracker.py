@@ -97,6 +97,7 @@ class Tracker:
         self.lock = threading.Lock()
         self.sinks: list[Sink] = []
         self.failed: dict[str, str] = {}  # this process's failures: name -> reason
+        self.read_at: dict[tuple[str, str], tuple[int, int]] = {}  # a file read to its end
         for name in ledger.report_to:
             part = ledger.part(name)
             if part.get("down") and not retry_down:
@@ -128,7 +129,8 @@ class Tracker:
         reason = " ".join(str(err).split())[:240] or type(err).__name__
         self.failed[name] = reason
         self.ledger.part(name)["down"] = reason
-        self.ledger.save()
+        with contextlib.suppress(OSError):  # a ledger that cannot be saved: warned below
+            self.ledger.save()
         if self.warn:
             log.warning("warning: %s (%s) failed: %s; the run goes on without it, and "
                         "`pomona track %s` sends what it missed", name, where, reason, self.dir)
@@ -167,13 +169,16 @@ class Tracker:
         if "run" not in t:
             sink.trial(tid, params, t, part)
             ledger.save()
-        records = new_records(self.view.metrics(tid), t.get("steps", {}))
-        if records:
-            sink.metrics(tid, t, records)
-            steps = t.setdefault("steps", {})
-            for r in records:
-                steps[str(r.get("split", "train"))] = int(r["step"])
-            ledger.save()
+        path = self.view.metrics(tid)
+        stamp = _stat(path)
+        if stamp is not None and self.read_at.get((sink.name, tid)) != stamp:
+            if records := new_records(path, t.get("steps", {})):
+                sink.metrics(tid, t, records)
+                steps = t.setdefault("steps", {})
+                for r in records:
+                    steps[str(r.get("split", "train"))] = int(r["step"])
+                ledger.save()
+            self.read_at[(sink.name, tid)] = stamp  # unchanged since: not read again
         if row and row.get("status") in RUN_STATUS and not t.get("outcome"):
             sink.outcome(tid, t, row)
             t["outcome"] = row["status"]
@@ -242,6 +247,15 @@ class Tracker:
         for sink in self.sinks:
             with contextlib.suppress(Exception):
                 sink.close()
+
+
+def _stat(path: Path) -> tuple[int, int] | None:
+    """A file's size and modification time (None while it is not there)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
 
 
 def track_board(sweep_dir: Path, board_dir: Path) -> None:
