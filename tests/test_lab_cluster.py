@@ -202,10 +202,11 @@ def test_a_gang_whose_node_is_killed_is_retried_whole(lab: Lab, lab_dataset: str
 def test_pipeline_on_private_disks_equals_one_node(lab: Lab, tiny_model: Path, tmp_path: Path,
                                                    prefect_api) -> None:
     """The pipeline on the lab (nothing shared but the code) completes with trials on both
-    workers, and its leaderboard equals a one-node run of the same spec within 1e-6."""
+    workers, tracked by the head (TensorBoard), and its leaderboard equals a one-node run of
+    the same spec within 1e-6."""
     pomona(lab, "head", "pipeline", "/tmp/lab/sort.jsonl", "/tmp/lab/model",
            "/tmp/lab/spec.yaml", "--out", "/tmp/lab/out", "--address", lab.address,
-           "--resource", "mlx_gpu", "--generations", "2")
+           "--resource", "mlx_gpu", "--generations", "2", "--report-to", "tensorboard")
     out = lab.get("head", "/tmp/lab/out", tmp_path / "lab")
     results = pq.read_table(out / "sweep" / "results.parquet").to_pylist()
     assert {r["node"] for r in results} == {"w1", "w2"}, [r["node"] for r in results]
@@ -217,6 +218,13 @@ def test_pipeline_on_private_disks_equals_one_node(lab: Lab, tiny_model: Path, t
     lines = (out / "sweep" / results[0]["trial_id"] / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(x)["step"] for x in lines if json.loads(x).get("split") == "train"]
     assert steps == sorted(set(steps)), steps  # pulled back once, nothing duplicated
+    # Tracked by the head alone, from what came back: each trial's curve and evaluation.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for r in results:
+        events = EventAccumulator(str(out / "sweep" / "tb" / r["trial_id"]))
+        events.Reload()
+        assert {"loss", "eval/test/loss"} <= set(events.Tags()["scalars"]), r["trial_id"]
     # Answers generated on the workers come back to the head's folders, two a split.
     answers = (out / "base" / "generations.jsonl").read_text().splitlines()
     assert [json.loads(x)["split"] for x in answers] == ["valid", "valid", "test", "test"]
