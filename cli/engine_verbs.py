@@ -81,15 +81,18 @@ def train_tracked(values: dict[str, Any], names: list[str]) -> int:
     """``train`` with its metrics, outcome and adapter sent to the trackers ``names``
     (tasks/track/train_run.py: the engine trains in a child process); its exit code."""
     from cli.terminal import fail
-    from engine.cli import RUNNERS, train_config, train_flags
+    from engine.cli import RUNNERS, replayable, train_config, train_flags
     from engine.host.flags import command_line
     from tasks.sweep.trial_plan import settings_of
     from tasks.track.report_to import ReportTo
-    from tasks.track.tracker import missing_client
+    from tasks.track.sinks import missing_client
     from tasks.track.train_run import track_train
 
     try:
         report_to = ReportTo.parse(names, "--report-to")
+        if report_to and not replayable(values.get("config")):  # read here, then by the engine
+            raise ValueError(f"--config {values['config']}: with --report-to, a file that "
+                             "can be read twice (not a pipe or /dev/stdin)")
         cfg = train_config(values)
         if problem := missing_client(report_to):
             raise ValueError(problem)

@@ -13,6 +13,7 @@ Heavy imports (mlx, mlx-lm, tokenizers) happen inside commands so ``--help`` sta
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
@@ -247,8 +248,14 @@ def track(
 
     try:
         extra = ReportTo.parse(report_to, "--report-to") if report_to else None
-        sweep = sweep_folder(run_dir)
-        with claim(sweep, ("sweep",), legacy=is_sweep_dir, new_ok=False, flag="RUN_DIR"):
+        folder = sweep_folder(run_dir)
+        with contextlib.ExitStack() as held:  # a pipeline's folder too: its board is read
+            if folder != run_dir:
+                from flows.pipeline import claim_pipeline
+
+                held.enter_context(claim_pipeline(run_dir))
+            held.enter_context(claim(folder, ("sweep", "run"), legacy=is_sweep_dir,
+                                     new_ok=False, flag="RUN_DIR"))
             sent = track_run(run_dir, extra)
     except (RefusedOutput, ValueError, FileNotFoundError, TrackError) as err:
         raise fail(str(err)) from None

@@ -53,7 +53,7 @@ from tasks.prefect.pipeline_tasks import (
 from tasks.sweep.run import is_sweep_dir
 from tasks.sweep.sweep_spec import SpecError, load_spec
 from tasks.track.report_to import with_report_to
-from tasks.track.tracker import missing_client
+from tasks.track.sinks import missing_client
 
 
 def is_pipeline_dir(path: Path) -> bool:

@@ -102,7 +102,7 @@ def test_tensorboard_event_files_hold_each_trials_curve(tmp_path: Path) -> None:
 
     sweep = _sweep(tmp_path)
     tracker = Tracker.start(sweep, ReportTo(("tensorboard",)), {"name": "s"})
-    tracker.sync(end=True)
+    tracker.sync(end="FINISHED")
     tracker.sync()  # again: nothing new, nothing twice
     tracker.close()
     for tid in ("t-a", "t-b"):
@@ -111,13 +111,20 @@ def test_tensorboard_event_files_hold_each_trials_curve(tmp_path: Path) -> None:
         loss = events.Scalars("loss")
         assert [e.step for e in loss] == [1, 2, 3, 4]
         assert [e.value for e in loss] == pytest.approx([1.75, 1.5, 1.25, 1.0])
-    # a new session of the folder (a re-run, every trial cached): no curve written twice
+    # a new session of the folder: a cached trial's curve is not written twice; a trial
+    # trained again is a run of its own (tb/<id>-<session>), not spliced onto the old one
+    write_results([{"trial_id": "t-a", "status": "completed", "skipped": True},
+                   {"trial_id": "t-b", "status": "completed", "skipped": False}],
+                  sweep / "results.parquet")
+    _lines(sweep / "t-b" / "metrics.jsonl", [{"step": 1, "split": "train", "loss": 9.0}])
     again = Tracker.start(sweep, ReportTo(("tensorboard",)), {"name": "s"})
-    again.sync(end=True)
+    again.sync(end="FINISHED")
     again.close()
-    events = EventAccumulator(str(sweep / "tb" / "t-a"))
-    events.Reload()
-    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4]
+    assert sorted(p.name for p in (sweep / "tb").iterdir()) == ["t-a", "t-b", "t-b-2"]
+    for run, curve in (("t-a", [1, 2, 3, 4]), ("t-b", [1, 2, 3, 4]), ("t-b-2", [1])):
+        events = EventAccumulator(str(sweep / "tb" / run))
+        events.Reload()
+        assert [e.step for e in events.Scalars("loss")] == curve, run
     assert TrackLedger.read(sweep).data["session"] == 2
 
 
@@ -148,7 +155,7 @@ def test_wandb_offline_runs_hold_each_trials_curve_and_the_board(tmp_path: Path,
         monkeypatch.delenv(name, raising=False)
     sweep = _sweep(tmp_path)
     tracker = Tracker.start(sweep, ReportTo(("wandb",)), {"name": "s"})
-    tracker.sync(end=True)
+    tracker.sync(end="FINISHED")
     best = tmp_path / "best-adapter"
     best.mkdir()
     (best / "SOURCE").write_text("t-a\n")
@@ -173,3 +180,23 @@ def test_a_memory_sweep_refuses_trackers() -> None:
             "grid": {"segment_size": [1, 2]}, "report_to": ["tensorboard"]}
     with pytest.raises(SpecError, match="report_to: a memory sweep measures and trains nothing"):
         parse_spec(spec)
+
+
+def test_a_new_session_sends_none_of_the_last_runs_files(tmp_path: Path) -> None:
+    """results.parquet and a trial's metrics.jsonl hold the last run's until this run
+    writes them: a live sync reads the driver's rows, and files written since it began."""
+    import os
+
+    sweep = _sweep(tmp_path)  # an earlier run's rows and curves, an hour old
+    hour_ago = os.path.getmtime(sweep / "t-a" / "metrics.jsonl") - 3600
+    os.utime(sweep / "t-a" / "metrics.jsonl", (hour_ago, hour_ago))
+    tracker = Tracker.start(sweep, ReportTo(("tensorboard",)), {"name": "s"})
+    tracker.sync({"t-a": {"learning_rate": 1e-3}}, rows={})  # t-a asked, not started
+    t = TrackLedger.read(sweep).trial("tensorboard", "t-a")
+    assert t.get("opened") and not t.get("steps") and not t.get("outcome")
+    _lines(sweep / "t-a" / "metrics.jsonl", [{"step": 1, "split": "train", "loss": 0.5}])
+    tracker.sync({"t-a": {}}, rows={"t-a": {"trial_id": "t-a", "status": "completed"}},
+                 end="FINISHED")
+    tracker.close()
+    t = TrackLedger.read(sweep).trial("tensorboard", "t-a")
+    assert t["steps"] == {"train": 1} and t["outcome"] == "completed"

@@ -42,7 +42,8 @@ from tasks.sweep.scheduler import ListSource, TrialsInterrupted, Wrap, run_trial
 from tasks.sweep.sweep_spec import PlanError, SpecError, SweepSpec, trial_id
 from tasks.sweep.trial import Summary
 from tasks.sweep.trial_plan import TrialPlan, param_columns, settings_of
-from tasks.track.tracker import Tracker, missing_client
+from tasks.track.sinks import missing_client
+from tasks.track.tracker import Tracker
 
 # Bump when training semantics change: invalidates cached trials. 0.3.0: the test split
 # comes out of train, so a .jsonl without a split column trains on fewer rows. 0.4.0:
@@ -199,8 +200,8 @@ def _run_sweep(spec: SweepSpec, out: Path, placement: Placement, progress: Event
     source, study = sweep.optuna_source() if spec.search == "optuna" else sweep.list_source()
     sweep.emit("plan", {**sweep.plan_counts, "slots": concurrent})
     sweep.source = source
-    tracker = Tracker.start(out, spec.report_to, sweep.info()) if spec.report_to else None
-    with tracker.live(sweep.configs) if tracker else nullcontext():
+    tracker = Tracker.start(out, spec.report_to, sweep.info())
+    with tracker.live(sweep.configs, sweep.rows_now) if tracker else nullcontext():
         try:
             rows = run_trials(_Recording(source, sweep.configs), sweep.placement,
                               dataclasses.replace(spec.rules, max_concurrent=concurrent),
@@ -232,12 +233,23 @@ class SweepRun:
 
     def info(self) -> dict[str, Any]:
         """The sweep as its trackers tag it: its spec, data, model and code."""
-        from importlib.metadata import version
+        from importlib.metadata import PackageNotFoundError, version
 
         spec = json.loads(json.dumps(dataclasses.asdict(self.spec), default=str))
+        try:
+            pomona = version("pomona")
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            pomona = "unknown"
         return {"name": self.spec.name, "spec": spec, "data_fingerprint": self.fingerprint,
-                "model_key": self.model_key, "version": version("pomona"),
+                "model_key": self.model_key, "version": pomona,
                 "code_version": CODE_VERSION, "sweep_dir": str(self.out.resolve())}
+
+    def rows_now(self) -> dict[str, Summary]:
+        """This run's rows so far (cached, refused, finished), by trial id: what its
+        trackers send while results.parquet still holds an earlier run's."""
+        with self.lock:
+            rows = [*self.done, *getattr(self.source, "reused", []), *self.finished]
+        return {r["trial_id"]: r for r in rows}
 
     def emit(self, kind: str, summary: Summary) -> None:
         if self.progress:

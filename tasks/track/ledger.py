@@ -6,13 +6,15 @@ nothing twice.
 
 Each ``pomona sweep`` (or pipeline) of a folder is a session: a new MLflow parent run of
 the trials it holds. TensorBoard's event files are per trial, not per session: its part
-is carried over, so a cached trial's curve is not written again (a lone run's folder,
-trained again, is a new run in each tracker).
+is carried over (``carried``), so a cached trial's curve is not written again, while a
+trial trained again is a new run (a lone run's folder, trained again, is a new run in
+each tracker).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,21 +44,28 @@ class TrackLedger:
             raise ValueError(f"{path}: not a tracking ledger ({err})") from None
 
     @classmethod
-    def begin(cls, sweep_dir: Path, report_to: tuple[str, ...], info: dict[str, Any]
+    def begin(cls, folder: Path, report_to: tuple[str, ...], info: dict[str, Any]
               ) -> TrackLedger:
-        """A new session of ``sweep_dir``: the earlier one's per-trial sinks kept."""
-        old = cls.read(sweep_dir)
-        carry = old is not None and info.get("kind") != "train"  # a lone run again: anew
-        before = old.data.get("sinks", {}) if carry else {}
-        session = (old.data.get("session", 0) if old else 0) + 1
-        sinks = {name: {k: v for k, v in before.get(name, {}).items() if k == "trials"}
-                 if name in PER_TRIAL_SINKS else {} for name in report_to}
-        for name, part in sinks.items():  # runs a killed session left open: ended first
+        """A new session of ``folder`` (a corrupt ledger there is replaced): a sweep's
+        per-trial sinks keep the earlier sessions' trials, marked ``carried``; runs a killed
+        session left open are listed ``stale`` for their tracker to end."""
+        try:
+            old = cls.read(folder)
+        except ValueError:
+            old = None
+        before = old.data.get("sinks", {}) if old else {}
+        carry = info.get("kind") != "train"  # a lone run trained again: a new run
+        sinks: dict[str, dict[str, Any]] = {}
+        for name in report_to:
+            kept = before.get(name, {}).get("trials", {}) if carry else {}
+            sinks[name] = ({"trials": {t: {**rec, "carried": True} for t, rec in kept.items()}}
+                           if name in PER_TRIAL_SINKS and kept else {})
             if name in SERVER_SINKS and (stale := unended(before.get(name, {}))):
-                part["stale"] = stale
-        ledger = cls(Path(sweep_dir) / LEDGER, {"report_to": list(report_to),
-                                                "session": session, "info": info,
-                                                "board": None, "sinks": sinks})
+                sinks[name]["stale"] = stale
+        session = (old.data.get("session", 0) if old else 0) + 1
+        ledger = cls(Path(folder) / LEDGER, {
+            "report_to": list(report_to), "session": session, "started": time.time(),
+            "info": info, "board": None, "sinks": sinks})
         ledger.save()
         return ledger
 
@@ -80,6 +89,6 @@ def unended(part: dict[str, Any]) -> list[str]:
     """The runs of a sink's session that were never ended (its driver was killed): the
     parent and every trial with no outcome."""
     trials = [t["run"] for t in part.get("trials", {}).values()
-              if "run" in t and not t.get("outcome")]
+              if "run" in t and not t.get("outcome") and not t.get("carried")]
     parent = [part["parent"]] if part.get("parent") and not part.get("ended") else []
     return [*parent, *trials, *part.get("stale", [])]

@@ -27,6 +27,8 @@ from tasks.track.sweep_files import (
 
 # MLflow's request limits: params and metrics in one log_batch, a param's value length.
 PARAMS_A_BATCH, METRICS_A_BATCH, PARAM_LENGTH = 100, 1000, 6000
+# A server without a model registry answers these (the best adapter stays an artifact).
+NO_REGISTRY = ("ENDPOINT_NOT_FOUND", "FEATURE_DISABLED", "NOT_IMPLEMENTED")
 
 
 def _now_ms() -> int:
@@ -64,10 +66,29 @@ class MlflowSink:
 
     def begin(self, info: dict[str, Any], session: int, part: dict[str, Any]) -> None:
         """The session's parent run, tagged with the sweep's spec, data, model and code
-        (a lone training run, ``kind: train``: its experiment only)."""
+        (a lone training run, ``kind: train``: its experiment only); each id noted as soon
+        as it exists (a call made again goes on from there)."""
+        self._end_stale(part)
+        if "experiment" not in part:
+            lone = info.get("kind") == "train"  # a lone run: MLflow's own Default
+            part.update(experiment=self.experiment("Default" if lone else info["name"]),
+                        t0=_now_ms())
+        if info.get("kind") == "train" or part.get("spec_sent"):
+            return
+        if "parent" not in part:
+            tags = {f"pomona.{k}": str(v)[:5000] for k, v in info.items() if k != "spec"}
+            part["parent"] = self.client.create_run(
+                part["experiment"], run_name=f"{info['name']} #{session}",
+                tags={**tags, "pomona.session": str(session)}).info.run_id
+        if info.get("spec") is not None:
+            self.client.log_dict(part["parent"], info["spec"], "spec.json")
+        part["spec_sent"] = True
+
+    def _end_stale(self, part: dict[str, Any]) -> None:
+        """Runs an earlier session left RUNNING (its driver killed) ended KILLED."""
         from mlflow.exceptions import MlflowException
 
-        for run_id in list(part.get("stale", [])):  # an earlier session's, driver killed
+        for run_id in list(part.get("stale", [])):
             try:
                 self.client.set_terminated(run_id, "KILLED")
             except MlflowException as err:  # deleted since: nothing to end
@@ -75,32 +96,20 @@ class MlflowSink:
                     raise
             part["stale"].remove(run_id)
         part.pop("stale", None)
-        if part.get("experiment"):
-            return
-        if info.get("kind") == "train":  # a lone run: MLflow's own default experiment
-            experiment = self.experiment("Default")
-            part.update(experiment=experiment, t0=_now_ms())
-            return
-        experiment = self.experiment(info["name"])
-        tags = {f"pomona.{k}": str(v)[:5000] for k, v in info.items() if k != "spec"}
-        run = self.client.create_run(experiment, run_name=f"{info['name']} #{session}",
-                                     tags={**tags, "pomona.session": str(session)})
-        if info.get("spec") is not None:
-            self.client.log_dict(run.info.run_id, info["spec"], "spec.json")
-        part.update(experiment=experiment, parent=run.info.run_id, t0=_now_ms())
 
     def trial(self, trial_id: str, params: dict[str, Any], t: dict[str, Any],
               part: dict[str, Any]) -> None:
-        """The trial's child run, with every setting as a param."""
+        """The trial's child run (a lone run's: its run), every setting as a param."""
         from mlflow.entities import Param
 
-        parent = {"mlflow.parentRunId": part["parent"]} if part.get("parent") else {}
-        run = self.client.create_run(part["experiment"], run_name=trial_id,
-                                     tags={**parent, "pomona.trial_id": trial_id})
+        if "run" not in t:
+            parent = {"mlflow.parentRunId": part["parent"]} if part.get("parent") else {}
+            t["run"] = self.client.create_run(part["experiment"], run_name=trial_id, tags={
+                **parent, "pomona.trial_id": trial_id}).info.run_id
+            t["t0"] = _now_ms()
         items = [Param(k, str(v)[:PARAM_LENGTH]) for k, v in sorted(params.items())]
-        for i in range(0, len(items), PARAMS_A_BATCH):
-            self.client.log_batch(run.info.run_id, params=items[i:i + PARAMS_A_BATCH])
-        t["run"], t["t0"] = run.info.run_id, _now_ms()
+        for i in range(0, len(items), PARAMS_A_BATCH):  # a param sent again: the same value
+            self.client.log_batch(t["run"], params=items[i:i + PARAMS_A_BATCH])
 
     def metrics(self, trial_id: str, t: dict[str, Any], records: list[dict[str, Any]]
                 ) -> None:
@@ -162,31 +171,41 @@ class MlflowSink:
     def best(self, part: dict[str, Any], adapter: Path, trial_id: str | None) -> None:
         """The best adapter as the parent run's artifact, and a version of the registered
         model ``pomona-<experiment>`` where the server keeps a registry."""
-        from mlflow.exceptions import MlflowException
-
         parent = part["parent"]
         self.client.log_artifacts(parent, str(adapter), "best-adapter")
         self.client.set_tag(parent, "pomona.best_trial", str(trial_id))
         name = f"pomona-{self.client.get_experiment(part['experiment']).name}"
+        if not self._registered(name):
+            part["model_version"] = "none (the server keeps no model registry)"
+            return
+        version = self.client.create_model_version(name, f"runs:/{parent}/best-adapter",
+                                                   parent, tags={"pomona.trial_id": str(trial_id)})
+        part["model_version"] = f"{name}/{version.version}"
+
+    def _registered(self, name: str) -> bool:
+        """The registered model ``name`` made if new; False where the server has no
+        registry (any other refusal is raised: a down server, sent again later)."""
+        from mlflow.exceptions import MlflowException
+
         try:
-            if not self.client.search_registered_models(f"name = '{name}'"):
-                self.client.create_registered_model(name)
-            version = self.client.create_model_version(
-                name, f"runs:/{parent}/best-adapter", parent,
-                tags={"pomona.trial_id": str(trial_id)})
-            part["model_version"] = f"{name}/{version.version}"
-        except MlflowException as err:  # a server without a registry: the artifact is kept
-            part["model_version"] = f"none ({str(err).splitlines()[0][:200]})"
+            self.client.create_registered_model(name)
+        except MlflowException as err:
+            if err.error_code in NO_REGISTRY:
+                return False
+            if err.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        return True
 
     def adapter(self, trial_id: str, t: dict[str, Any], files: list[Path]) -> None:
         """A lone run's trained adapter as its run's artifact ``adapter/``."""
         for f in files:
             self.client.log_artifact(t["run"], str(f), "adapter")
 
-    def end(self, part: dict[str, Any]) -> None:
-        """The session's parent run finished (its trials ended; a board may follow)."""
+    def end(self, part: dict[str, Any], status: str) -> None:
+        """The session's parent run ended (FINISHED, or KILLED by Ctrl-C; a board may
+        follow)."""
         if part.get("parent") and not part.get("ended"):
-            self.client.set_terminated(part["parent"], "FINISHED")
+            self.client.set_terminated(part["parent"], status)
             part["ended"] = True
 
     def close(self) -> None:

@@ -25,7 +25,7 @@ class TensorBoardSink:
         self.root = Path(sweep_dir) / TB
         self.writers: dict[str, Any] = {}
         self.where = str(self.root)
-        self.suffix = ""  # a lone run trained again into its folder: tb/<name>-<session>
+        self.session = 1
 
     def writer(self, run: str) -> Any:
         from tensorboardX import SummaryWriter
@@ -35,13 +35,14 @@ class TensorBoardSink:
         return self.writers[run]
 
     def begin(self, info: dict[str, Any], session: int, part: dict[str, Any]) -> None:
-        if info.get("kind") == "train" and session > 1:
-            self.suffix = f"-{session}"
+        self.session = session
 
     def trial(self, trial_id: str, params: dict[str, Any], t: dict[str, Any],
               part: dict[str, Any]) -> None:
         rows = "\n".join(f"| {k} | {v} |" for k, v in sorted(params.items()))
-        t["run"] = trial_id + self.suffix
+        if "run" not in t:  # a trial trained again (a lone run's folder): tb/<id>-<session>
+            again = (self.root / trial_id).exists()
+            t["run"] = f"{trial_id}-{self.session}" if again else trial_id
         self.writer(t["run"]).add_text("settings", f"| setting | value |\n|---|---|\n{rows}", 0)
 
     def metrics(self, trial_id: str, t: dict[str, Any], records: list[dict[str, Any]]
@@ -75,7 +76,7 @@ class TensorBoardSink:
     def adapter(self, trial_id: str, t: dict[str, Any], files: list[Path]) -> None:
         pass
 
-    def end(self, part: dict[str, Any]) -> None:
+    def end(self, part: dict[str, Any], status: str) -> None:
         pass
 
     def close(self) -> None:

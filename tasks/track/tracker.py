@@ -1,28 +1,32 @@
-"""The tracker: a sweep's files sent to its trackers (tasks/track/report_to.py) by the
-driver, while the sweep runs and after.
+"""The tracker: a run's files sent to its trackers (tasks/track/report_to.py) by the
+driver, while the run goes and after.
 
-    tracker = Tracker.start(sweep_dir, report_to, info)   # a sweep session begins
-    with tracker.live(configs): ...run the trials...      # synced every few seconds
-    Tracker.resume(sweep_dir).sync()                      # later: the board, pomona track
+    tracker = Tracker.start(sweep_dir, report_to, info)   # a session begins
+    with tracker.live(configs, rows_now): ...trials...    # synced every few seconds
+    track_board(sweep_dir, board_dir)                     # the pipeline's board
+    Tracker.resume(sweep_dir, retry_down=True).sync()     # pomona track
 
-Every sync reads the folder's own files (tasks/track/sweep_files.py) and sends what the
-ledger (tasks/track/ledger.py) says each tracker has not had yet, saving the ledger after
-each send. A tracker that fails (down, slow, refusing) costs one warning line: it is left
-alone for the rest of the session, training and the board go on, and ``pomona track``
-sends what it missed.
+Each sync sends what the ledger (tasks/track/ledger.py) says a tracker has not had of
+this session's trials: their settings, their metric lines (tasks/track/sweep_files.py:
+only files written this session, or a cached trial's), their outcomes, the board. The
+ledger is saved after each send. A tracker that fails (down, slow, refusing) costs one
+warning line: it is left alone for the rest of the session, training and the board go
+on, and ``pomona track`` sends what it missed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from tasks.track.ledger import TrackLedger
+from tasks.track.ledger import LEDGER, TrackLedger
 from tasks.track.report_to import ReportTo
+from tasks.track.sinks import Sink, make_sink
 from tasks.track.sweep_files import (
     BEST,
     BOARD,
@@ -36,63 +40,15 @@ from tasks.track.sweep_files import (
 
 log = logging.getLogger("pomona.track")
 BOARD_ONLY = ("baseline", "soup")  # leaderboard rows that are no trial
-INSTALL = "pip install 'pomona[tracking]'"
-
-
-class Sink(Protocol):
-    """One tracker: each call sends one thing and records it in the ledger's ``part``
-    (the sink's) or ``t`` (the trial's); an exception means nothing was recorded."""
-
-    name: str
-    where: str
-
-    def begin(self, info: dict[str, Any], session: int, part: dict[str, Any]) -> None: ...
-    def trial(self, trial_id: str, params: dict[str, Any], t: dict[str, Any],
-              part: dict[str, Any]) -> None: ...
-    def metrics(self, trial_id: str, t: dict[str, Any], records: list[dict[str, Any]]
-                ) -> None: ...
-    def outcome(self, trial_id: str, t: dict[str, Any], row: dict[str, Any]) -> None: ...
-    def evaluation(self, trial_id: str, t: dict[str, Any], row: dict[str, Any]) -> None: ...
-    def board(self, part: dict[str, Any], rows: list[dict[str, Any]], board_dir: Path
-              ) -> None: ...
-    def best(self, part: dict[str, Any], adapter: Path, trial_id: str | None) -> None: ...
-    def adapter(self, trial_id: str, t: dict[str, Any], files: list[Path]) -> None: ...
-    def end(self, part: dict[str, Any]) -> None: ...
-    def close(self) -> None: ...
-
-
-def missing_client(report_to: ReportTo) -> str | None:
-    """What to install when a tracker's client is missing (said before a cluster starts,
-    not at the first trial), else None."""
-    import importlib.util
-
-    modules = {"mlflow": "mlflow", "tensorboard": "tensorboardX", "wandb": "wandb"}
-    for name in report_to.targets:
-        if importlib.util.find_spec(modules[name]) is None:
-            return f"report_to: {name} needs its client ({modules[name]}): {INSTALL}"
-    return None
-
-
-def make_sink(name: str, sweep_dir: Path) -> Sink:
-    if name == "mlflow":
-        from tasks.track.mlflow_sink import MlflowSink
-
-        return MlflowSink()
-    if name == "wandb":
-        from tasks.track.wandb_sink import WandbSink
-
-        return WandbSink(sweep_dir)
-    from tasks.track.tensorboard_sink import TensorBoardSink
-
-    return TensorBoardSink(sweep_dir)
+Rows = dict[str, dict[str, Any]]  # trial id -> its row (results.parquet's)
 
 
 class Tracker:
-    """One sweep folder's trackers and ledger; ``sync`` may be called from any thread."""
+    """One folder's trackers and ledger; ``sync`` may be called from any thread."""
 
-    def __init__(self, sweep_dir: Path, ledger: TrackLedger, retry_down: bool = False,
+    def __init__(self, folder: Path, ledger: TrackLedger, retry_down: bool = False,
                  warn: bool = True, view: SweepFolder | RunFolder | None = None):
-        self.dir, self.ledger, self.warn = Path(sweep_dir), ledger, warn
+        self.dir, self.ledger, self.warn = Path(folder), ledger, warn
         self.view = view or SweepFolder(self.dir)  # where its trials' files are
         self.lock = threading.Lock()
         self.sinks: list[Sink] = []
@@ -109,20 +65,28 @@ class Tracker:
                 self.down(name, name, err)
 
     @classmethod
-    def start(cls, sweep_dir: Path, report_to: ReportTo, info: dict[str, Any],
+    def start(cls, folder: Path, report_to: ReportTo, info: dict[str, Any],
               view: SweepFolder | RunFolder | None = None) -> Tracker | None:
-        """A new session of ``sweep_dir`` (None when it reports to nothing); ``view``: a
-        lone run's folder (default: a sweep's)."""
-        if not report_to:
+        """A new session of ``folder`` (None when it reports to nothing: a ledger there
+        then begins a session of no trackers, so the board is sent to none either). A
+        ledger that cannot be written: one warning line, and the run goes on untracked."""
+        if not report_to and not (Path(folder) / LEDGER).exists():
+            return None  # never tracked: nothing to write
+        try:
+            ledger = TrackLedger.begin(Path(folder), report_to.targets, info)
+        except (OSError, ValueError) as err:
+            log.warning("warning: tracking %s: %s; the run goes on untracked", folder, err)
             return None
-        return cls(sweep_dir, TrackLedger.begin(Path(sweep_dir), report_to.targets, info),
-                   view=view)
+        return cls(folder, ledger, view=view) if report_to else None
 
     @classmethod
-    def resume(cls, sweep_dir: Path, retry_down: bool = False) -> Tracker | None:
-        """The folder's current session (None when it has none)."""
-        ledger = TrackLedger.read(Path(sweep_dir))
-        return cls(sweep_dir, ledger, retry_down) if ledger and ledger.report_to else None
+    def resume(cls, folder: Path, retry_down: bool = False, warn: bool = True,
+               view: SweepFolder | RunFolder | None = None) -> Tracker | None:
+        """The folder's current session (None when it has none, or no trackers)."""
+        ledger = TrackLedger.read(Path(folder))
+        if ledger is None or not ledger.report_to:
+            return None
+        return cls(folder, ledger, retry_down, warn, view)
 
     def down(self, name: str, where: str, err: BaseException) -> None:
         """One warning line; the tracker is left alone for the rest of the session."""
@@ -135,12 +99,13 @@ class Tracker:
             log.warning("warning: %s (%s) failed: %s; the run goes on without it, and "
                         "`pomona track %s` sends what it missed", name, where, reason, self.dir)
 
-    def sync(self, live: dict[str, dict[str, Any]] | None = None, end: bool = False) -> None:
-        """Send every tracker what the folder's files hold that it has not had:
-        ``live`` the settings of trials asked but not finished; ``end``: the session's
-        trials are over (MLflow's parent run is finished)."""
+    def sync(self, live: dict[str, dict[str, Any]] | None = None, rows: Rows | None = None,
+             end: str | None = None) -> None:
+        """Send every tracker what it has not had: ``live`` the settings of trials asked
+        so far; ``rows`` the session's rows as its driver holds them (None: its files');
+        ``end``: the session is over, with this MLflow status (FINISHED, KILLED)."""
         with self.lock:
-            rows = self.view.rows()
+            rows = self.view.rows() if rows is None else rows
             for sink in list(self.sinks):
                 try:
                     self._sync(sink, rows, live or {}, end)
@@ -150,43 +115,60 @@ class Tracker:
                         sink.close()
                     self.down(sink.name, sink.where, err)
 
-    def _sync(self, sink: Sink, rows: dict[str, dict[str, Any]],
-              live: dict[str, dict[str, Any]], end: bool) -> None:
+    def _sync(self, sink: Sink, rows: Rows, live: dict[str, dict[str, Any]],
+              end: str | None) -> None:
         ledger, part = self.ledger, self.ledger.part(sink.name)
         sink.begin(ledger.data.get("info", {}), ledger.data.get("session", 1), part)
         ledger.save()
-        params = {**live, **{tid: params_of(r) for tid, r in rows.items()}}
-        for tid in [*params, *(t for t in part.get("trials", {}) if t not in params)]:
+        params = {**live, **{tid: params_of(r) or live.get(tid, {})  # a row made live: none
+                             for tid, r in rows.items()}}
+        earlier = [t for t, rec in part.get("trials", {}).items()
+                   if t not in params and not rec.get("carried")]  # asked, no row yet
+        for tid in [*params, *earlier]:
             self._sync_trial(sink, tid, params.get(tid, {}), rows.get(tid), part)
         self._sync_board(sink, part)
         if end:
-            sink.end(part)
+            sink.end(part, end)
             ledger.save()
 
     def _sync_trial(self, sink: Sink, tid: str, params: dict[str, Any],
                     row: dict[str, Any] | None, part: dict[str, Any]) -> None:
         ledger, t = self.ledger, self.ledger.trial(sink.name, tid)
-        if "run" not in t:
+        cached = bool(row and row.get("skipped"))
+        if t.pop("carried", False) and not cached:
+            t.clear()  # an earlier session's record of a trial trained again: a new run
+        if not t.get("opened"):
             sink.trial(tid, params, t, part)
+            t["opened"] = True
             ledger.save()
-        path = self.view.metrics(tid)
-        stamp = _stat(path)
-        if stamp is not None and self.read_at.get((sink.name, tid)) != stamp:
-            if records := new_records(path, t.get("steps", {})):
-                sink.metrics(tid, t, records)
-                steps = t.setdefault("steps", {})
-                for r in records:
-                    steps[str(r.get("split", "train"))] = int(r["step"])
-                ledger.save()
-            self.read_at[(sink.name, tid)] = stamp  # unchanged since: not read again
+        self._sync_metrics(sink, tid, t, cached)
         if row and row.get("status") in RUN_STATUS and not t.get("outcome"):
             sink.outcome(tid, t, row)
             t["outcome"] = row["status"]
             ledger.save()
-        if row and not t.get("adapter") and (files := self.view.adapter(tid)):
+        if (row and row.get("status") == "completed" and not t.get("adapter")
+                and (files := self.view.adapter(tid))):
             sink.adapter(tid, t, files)  # a lone run's (a sweep's best: the board's)
             t["adapter"] = True
             ledger.save()
+
+    def _sync_metrics(self, sink: Sink, tid: str, t: dict[str, Any], cached: bool) -> None:
+        """The trial's metric lines past those sent, from a file written this session (a
+        cached trial's: from before); each file read again only once it changed."""
+        path = self.view.metrics(tid)
+        stamp = _stat(path)
+        if stamp is None or self.read_at.get((sink.name, tid)) == stamp:
+            return
+        started = self.ledger.data.get("started", 0) - 1.0  # 1 s: coarse file clocks
+        if not cached and stamp[1] < started * 1e9:
+            return  # an earlier session's file, not yet started afresh by this attempt
+        if records := new_records(path, t.get("steps", {})):
+            sink.metrics(tid, t, records)
+            steps = t.setdefault("steps", {})
+            for r in records:
+                steps[str(r.get("split", "train"))] = int(r["step"])
+            self.ledger.save()
+        self.read_at[(sink.name, tid)] = stamp  # unchanged since: not read again
 
     def _sync_board(self, sink: Sink, part: dict[str, Any]) -> None:
         """The leaderboard the session wrote (``board``): each trial's evaluation, the
@@ -197,7 +179,8 @@ class Tracker:
         rows = read_rows(board_dir / BOARD)
         for row in rows:
             t = part.get("trials", {}).get(row.get("trial_id"))
-            if row.get("status") not in BOARD_ONLY and t and "run" in t and not t.get("eval"):
+            if row.get("status") not in BOARD_ONLY and t and t.get("opened") \
+                    and not t.get("eval"):
                 sink.evaluation(row["trial_id"], t, row)
                 t["eval"] = True
                 self.ledger.save()
@@ -214,34 +197,48 @@ class Tracker:
             self.ledger.save()
 
     def board(self, board_dir: Path) -> None:
-        """The session's leaderboard was written to ``board_dir``: sent, with the best
-        adapter."""
-        import os
-
+        """A leaderboard was written to ``board_dir`` (again: another metric, other
+        scorers): its evaluations, table and best adapter sent anew."""
         self.ledger.data["board"] = os.path.relpath(Path(board_dir).resolve(),
                                                     self.dir.resolve())
+        for part in self.ledger.data.get("sinks", {}).values():
+            part.pop("board", None)
+            part.pop("best", None)
+            for t in part.get("trials", {}).values():
+                t.pop("eval", None)
         self.ledger.save()
         self.sync()
 
     @contextlib.contextmanager
-    def live(self, configs: dict[str, dict[str, Any]], every_s: float = 2.0) -> Iterator[None]:
+    def live(self, configs: dict[str, dict[str, Any]], rows_now: Callable[[], Rows],
+             every_s: float = 2.0) -> Iterator[None]:
         """Sync every ``every_s`` while the block runs (``configs``: the settings of the
-        trials asked so far, by id, as the scheduler fills it), then once more."""
-        stop = threading.Event()
+        trials asked so far, as the scheduler fills it; ``rows_now``: the session's rows
+        so far), then once more: the session ended FINISHED, or KILLED when the block
+        raised (Ctrl-C), whose exception a failure of that last sync never replaces."""
+        stop, raised = threading.Event(), False
 
         def loop() -> None:
             while not stop.wait(every_s):
-                self.sync(dict(configs))
+                self.sync(dict(configs), rows_now())
 
         thread = threading.Thread(target=loop, name="pomona-track", daemon=True)
         thread.start()
         try:
             yield
+        except BaseException:
+            raised = True
+            raise
         finally:
             stop.set()
-            thread.join()
-            self.sync(dict(configs), end=True)
-            self.close()
+            thread.join(timeout=None if not raised else 30.0)
+            try:
+                self.sync(dict(configs), rows_now(), end="KILLED" if raised else "FINISHED")
+            except BaseException:  # a second Ctrl-C while it sends: the first one stands
+                if not raised:
+                    raise
+            finally:
+                self.close()
 
     def close(self) -> None:
         for sink in self.sinks:
@@ -250,7 +247,7 @@ class Tracker:
 
 
 def _stat(path: Path) -> tuple[int, int] | None:
-    """A file's size and modification time (None while it is not there)."""
+    """A file's size and modification time in ns (None while it is not there)."""
     try:
         st = path.stat()
     except OSError:
@@ -260,8 +257,11 @@ def _stat(path: Path) -> tuple[int, int] | None:
 
 def track_board(sweep_dir: Path, board_dir: Path) -> None:
     """The board written to ``board_dir`` sent to the sweep session's trackers (nothing
-    when the sweep reports to none)."""
-    tracker = Tracker.resume(Path(sweep_dir))
-    if tracker is not None:
-        tracker.board(board_dir)
-        tracker.close()
+    when it reports to none); any failure is one warning line, never the pipeline's."""
+    try:
+        tracker = Tracker.resume(Path(sweep_dir))
+        if tracker is not None:
+            tracker.board(board_dir)
+            tracker.close()
+    except Exception as err:
+        log.warning("warning: tracking the board of %s: %s", sweep_dir, err)

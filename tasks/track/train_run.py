@@ -1,13 +1,17 @@
 """``pomona train --report-to``: one training run reported to trackers. The engine stays
-pure: it trains as ``python -m engine train`` in a child process (its own memory-limit
+pure: it trains as ``python -m engine train`` in a child process (its memory-limit
 re-exec and Ctrl-C as ever), and this process follows the run's folder as a sweep's
 driver does (tasks/track/tracker.py): the metric lines as they are written, then its
-outcome and its adapter. The run's ledger (``tracking.json``) and TensorBoard files
-(``tb/``) go into its ``--out`` once the engine holds it.
+outcome and, completed, its adapter. The run's ledger (``tracking.json``, with its final
+row, for ``pomona track``) and TensorBoard files (``tb/``) go into its ``--out`` once the
+engine holds it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import signal
 import socket
 import subprocess
 import sys
@@ -15,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.host.outputs import mark_kind
+from engine.host.outputs import MARK
 from tasks.track.report_to import ReportTo
 from tasks.track.sweep_files import RunFolder
 from tasks.track.tracker import Tracker
@@ -23,32 +27,57 @@ from tasks.track.tracker import Tracker
 EXIT_STATUS = {0: "completed", 130: "cancelled"}  # any other code: failed
 
 
+def holder(folder: Path) -> int | None:
+    """The pid holding ``folder`` as a run (engine/host/outputs.py's mark), if any."""
+    try:
+        mark = json.loads((folder / MARK).read_text())
+    except (OSError, ValueError):
+        return None
+    return mark.get("pid") if isinstance(mark, dict) and mark.get("kind") == "run" else None
+
+
+def exit_code(returncode: int) -> int:
+    """A child's return code as a shell's exit status (killed by signal N: 128 + N)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
 def track_train(engine_args: list[str], out: Path, report_to: ReportTo,
                 params: dict[str, Any], every_s: float = 2.0) -> int:
     """Train with ``python -m engine train ENGINE_ARGS`` into ``out``, its files sent to
-    ``report_to`` while it trains and after; the engine's exit code."""
+    ``report_to`` while it trains and after; the engine's exit status. The child is its
+    own process group: a Ctrl-C here reaches it once, forwarded (as SIGINT or SIGTERM sent
+    to this process alone does), and this process waits for it to stop."""
     view, started = RunFolder(Path(out)), time.time()
     info = {"name": view.trial_id, "kind": "train", "out": str(Path(out).resolve())}
-    live = {view.trial_id: params}
-    tracker: Tracker | None = None
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "train", *engine_args])
-    while True:
-        try:
-            proc.wait(timeout=every_s)
-        except subprocess.TimeoutExpired:
-            pass
-        except KeyboardInterrupt:  # the engine heard Ctrl-C too: it stops and says how
-            continue
-        if tracker is None and mark_kind(view.path) == "run":  # the engine holds --out
-            tracker = Tracker.start(view.path, report_to, info, view=view)
-        if proc.returncode is not None:
-            break
+    live, tracker = {view.trial_id: params}, None
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "train", *engine_args],
+                            start_new_session=True)
+    forward = lambda sig, _frame: proc.send_signal(sig)  # noqa: E731
+    before = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=every_s)
+            if tracker is None and holder(view.path) == proc.pid:  # the engine holds --out
+                tracker = Tracker.start(view.path, report_to, info, view=view)
+            if proc.returncode is not None:
+                break
+            if tracker is not None:
+                tracker.sync(live)
         if tracker is not None:
-            tracker.sync(live)
-    if tracker is not None:
-        view.row = {"status": EXIT_STATUS.get(proc.returncode, "failed"),
-                    "node": socket.gethostname(), "attempts": 1,
-                    "duration_s": time.time() - started, "ended": time.time()}
-        tracker.sync(live, end=True)
-        tracker.close()
-    return proc.returncode
+            finish(tracker, view, proc.returncode, started, live)
+    finally:
+        proc.wait()
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    return exit_code(proc.returncode)
+
+
+def finish(tracker: Tracker, view: RunFolder, returncode: int, started: float,
+           live: dict[str, dict[str, Any]]) -> None:
+    """The run's row (kept in its ledger for ``pomona track``) and the last sync."""
+    view.row = {"status": EXIT_STATUS.get(returncode, "failed"), "node": socket.gethostname(),
+                "attempts": 1, "duration_s": time.time() - started, "ended": time.time()}
+    tracker.ledger.data["row"] = view.row
+    tracker.sync(live, end="FINISHED")
+    tracker.close()

@@ -9,6 +9,7 @@ Offline unless ``WANDB_MODE`` says otherwise: files under ``<sweep>/wandb/`` (or
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ class WandbSink:
 
     def begin(self, info: dict[str, Any], session: int, part: dict[str, Any]) -> None:
         if "project" not in part:
-            part["project"] = os.environ.get("WANDB_PROJECT") or info["name"]
+            part["project"] = os.environ.get("WANDB_PROJECT") or _name(info["name"])
             part["group"] = (None if info.get("kind") == "train"
                              else f"{info['name']} #{session}")
 
@@ -52,9 +53,10 @@ class WandbSink:
 
     def trial(self, trial_id: str, params: dict[str, Any], t: dict[str, Any],
               part: dict[str, Any]) -> None:
-        run_id = f"{trial_id}-{uuid.uuid4().hex[:8]}"  # unique in the project, per session
-        self._open(run_id, trial_id, part, {k: v for k, v in sorted(params.items())})
-        t.update(run=run_id, project=part["project"], group=part["group"])
+        if "run" not in t:  # unique in the project, per session
+            t.update(run=f"{_name(trial_id)}-{uuid.uuid4().hex[:8]}",
+                     project=part["project"], group=part["group"])
+        self._open(t["run"], trial_id, part, {k: v for k, v in sorted(params.items())})
 
     def metrics(self, trial_id: str, t: dict[str, Any], records: list[dict[str, Any]]
                 ) -> None:
@@ -99,13 +101,18 @@ class WandbSink:
     def adapter(self, trial_id: str, t: dict[str, Any], files: list[Path]) -> None:
         pass  # a lone run's adapter stays in its folder (W&B offline: no upload to make)
 
-    def end(self, part: dict[str, Any]) -> None:
+    def end(self, part: dict[str, Any], status: str) -> None:
         pass
 
     def close(self) -> None:
         for run in self.runs.values():
             run.finish()
         self.runs.clear()
+
+
+def _name(text: str) -> str:
+    """``text`` as a W&B project or run id takes it (no ``/\\#?%:;,'``)."""
+    return re.sub(r"[^\w.-]+", "-", text) or "pomona"
 
 
 def _cell(value: Any) -> Any:
