@@ -29,6 +29,7 @@ from tasks.nodes.cluster import Cluster
 from tasks.nodes.placement import Placement
 from tasks.prefect.pipeline_tasks import artifact_key
 from tasks.prefect.reference_task import reference_needs, run_reference_task
+from tasks.prefect.run_log import in_run_log
 from tasks.prefect.trial_task import trial_task
 from tasks.sweep.run import plan_line, run_sweep
 from tasks.sweep.sweep_spec import SweepSpec, load_spec
@@ -78,7 +79,8 @@ def sweep_stage(spec: SweepSpec, out_dir: Path, placement: Placement) -> list[Su
 
     for i, (reference, options) in enumerate(reference_needs(spec)):  # once, for all
         run_reference_task(reference, options, placement, f"{spec.name}-{i}")
-    rows = run_sweep(spec, out_dir, placement, progress=on_event, wrap=wrap)
+    with in_run_log():  # a tracker that is down: one line on this flow run
+        rows = run_sweep(spec, out_dir, placement, progress=on_event, wrap=wrap)
     update_progress_artifact(progress_id, 100.0)
     create_table_artifact(table_rows(rows, spec.metric), key=artifact_key(spec.name, "trials"),
                           description=f"sweep {spec.name}: {out_dir / 'results.parquet'}")

@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled firs
 
 
 def test_sweep_flow_runs_each_trial_as_a_task_run(prefect_api, ray_cluster, tiny_model,
-                                                  tiny_data, tmp_path) -> None:
+                                                  tiny_data, tmp_path, monkeypatch) -> None:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
@@ -40,7 +40,10 @@ def test_sweep_flow_runs_each_trial_as_a_task_run(prefect_api, ray_cluster, tiny
     assert all(r["param/head_chunk"] == 0 and r["param/reference"] == "base" for r in results)
     trained = {p: p.stat().st_mtime_ns for p in (tmp_path / "out").rglob("adapters.safetensors")}
     assert len(trained) == 3, trained
-    again = sweep_flow(str(spec), str(tmp_path / "out"), return_state=True)  # trials cached
+    # trials cached; reporting to an MLflow server that is not there: one warning line
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+    again = sweep_flow(str(spec), str(tmp_path / "out"), report_to=["mlflow"],
+                       return_state=True)
     assert again.is_completed(), again
     assert [r["trial_id"] for r in again.result()] == [r["trial_id"] for r in rows]
     assert {p: p.stat().st_mtime_ns for p in trained} == trained  # none trained again
@@ -69,6 +72,14 @@ def test_sweep_flow_runs_each_trial_as_a_task_run(prefect_api, ray_cluster, tiny
                          re.M), text
         assert re.search(rf"^{tid} step 1/2 valid loss \S+ acc \S+$", text, re.M), text
         assert "completed" in text and "{" not in text, text
+        from prefect.client.schemas.filters import LogFilterFlowRunId
+        from prefect.logging.handlers import APILogHandler
+
+        APILogHandler().flush()  # the run's last lines, sent
+        flow_logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(
+            any_=[again.state_details.flow_run_id])))
+        warned = [log.message for log in flow_logs if log.message.startswith("warning: ")]
+        assert len(warned) == 1 and warned[0].startswith("warning: mlflow"), warned
         keys = ArtifactFilter(key=ArtifactFilterKey(any_=["flow-test-progress",
                                                           "flow-test-trials"]))
         arts = {a.key: a for a in client.read_artifacts(artifact_filter=keys)}

@@ -49,6 +49,7 @@ from tasks.eval.generation_eval import GenerationSettings
 from tasks.eval.scorers import ScorerError, scorer_code
 from tasks.nodes.placement import Placement
 from tasks.nodes.trial_inputs import SweepFiles
+from tasks.prefect.run_log import in_run_log
 from tasks.sweep.run import CODE_VERSION, data_fingerprint
 from tasks.track.tracker import track_board
 
@@ -260,7 +261,8 @@ def aggregate_task(results: list[dict[str, Any]], evals: dict[str, dict[str, Any
 def track_task(sweep_dir: str, board_dir: str) -> None:
     """The evaluations, the leaderboard and the best adapter sent to the sweep's trackers
     (its ``report_to``; tasks/track/tracker.py): a tracker that is down costs one warning."""
-    track_board(Path(sweep_dir), Path(board_dir))
+    with in_run_log():
+        track_board(Path(sweep_dir), Path(board_dir))
 
 
 GGUF_NAME = "best-adapter.gguf"  # beside best-adapter/: the pipeline's export

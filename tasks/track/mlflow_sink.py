@@ -48,8 +48,9 @@ class MlflowSink:
     name = "mlflow"
 
     def __init__(self) -> None:
-        # One retry over a few seconds: a down server costs a warning, not minutes.
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        # No retry: a down server costs one warning line within seconds, not minutes of
+        # retries (each a line of urllib3's); pomona track sends what it missed.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         from mlflow import MlflowClient
 
