@@ -110,6 +110,31 @@ def test_a_gang_across_two_nodes_equals_one_process(lab: Lab, lab_dataset: str,
         assert err <= 1e-5, (k, err)
 
 
+def test_packed_trials_on_private_disks_equal_lone_ones(lab: Lab, lab_dataset: str,
+                                                       tmp_path: Path) -> None:
+    """Issue 56: four trials in packs of two, one pack on each worker (inputs sent by
+    content, each trial's files pulled back apart), train as the same four trials do one
+    to a process: every trial's validation and final loss within the pack parity 1e-5."""
+    rates = "[1.0e-3, 3.0e-4, 1.0e-4, 3.0e-5]"
+    for name, pack in (("packed", 2), ("lone", 1)):
+        lab.run("head", ["sh", "-c", f"sed -e 's#name: lab#name: {name}#' -e "
+                         f"'s#max_concurrent: 2#max_concurrent: 2\\npack: {pack}#' -e "
+                         f"'s#learning_rate: \\[1.0e-3, 3.0e-4\\]#learning_rate: {rates}#' "
+                         f"ds.yaml > {name}.yaml"])
+        pomona(lab, "head", "sweep", f"/tmp/lab/{name}.yaml", "--address", lab.address,
+               "--resource", "mlx_gpu", "--out", f"/tmp/lab/{name}")
+    got = {n: board(lab.get("head", f"/tmp/lab/{n}", tmp_path / n) / "results.parquet")
+           for n in ("packed", "lone")}
+    packed, lone = got["packed"], got["lone"]
+    assert set(packed) == set(lone) and len(lone) == 4
+    assert all(r["status"] == "completed" for r in [*packed.values(), *lone.values()])
+    assert len({r["pack"] for r in packed.values()}) == 2, [r["pack"] for r in packed.values()]
+    assert {r["node"] for r in packed.values()} == {"w1", "w2"}
+    for tid, row in lone.items():
+        for key in ("best/val/loss", "final_loss"):
+            assert packed[tid][key] == pytest.approx(row[key], rel=1e-5), (tid, key)
+
+
 def board(path: Path) -> dict[str, dict]:
     return {r["trial_id"]: r for r in pq.read_table(path).to_pylist()}
 
