@@ -5,8 +5,11 @@ one as ``train`` does: its wall time for all k trials (set-up included: a sweep'
 loads its model too), the tokens its first pack trains a second in its steady steps (every
 adapter's: k copies of a batch are k batches trained), and the peak its steady steps
 report. The ratios
-are each size's time over the time of one trial after another. One short lone run goes
-first, untimed, so that no row pays for the process's first compiles.
+are each size's time over the time of one trial after another; each packed size's
+``adapter_rel_diff`` and ``loss_rel_diff`` say how far its trials ended from the same
+trials alone (``parity``). One short lone run goes first, untimed, so that no row pays
+for the process's first compiles. ``--mlp-chunk`` and ``--memory-limit-gb`` apply to
+every trial, alone or packed.
 """
 
 from __future__ import annotations
@@ -31,11 +34,14 @@ def pack_sizes(text: str) -> list[int]:
 
 
 def trials(a: argparse.Namespace, model: Path, data: Path, out: Path) -> list[Any]:
-    """The k trials: the benchmark's config (benchmarks/trainer_timing.py) at k learning
-    rates."""
+    """The k trials: the benchmark's config (benchmarks/trainer_timing.py) with the memory
+    levers, at k learning rates."""
     from benchmarks.trainer_timing import bench_config
 
-    base = bench_config(a, model, data, out)
+    # the memory levers a lab's Mac trains under (--mlp-chunk, --memory-limit-gb), shared
+    # by a pack as by its trials alone
+    base = bench_config(a, model, data, out).replace(mlp_chunk=a.mlp_chunk,
+                                                     memory_limit_gb=a.memory_limit_gb)
     k = max(pack_sizes(a.pack))
     return [base.replace(out=str(out / f"t{i}"), learning_rate=1e-5 * (i + 1))
             for i in range(k)]
@@ -69,6 +75,32 @@ def pack_row(size: int, cfgs: list[Any], warmup: int) -> dict[str, Any]:
             "peak_gb": max(peaks)}
 
 
+def parity(alone: Path, packed: Path, k: int) -> dict[str, float]:
+    """How far each packed trial ended from the same trial alone: the largest relative
+    difference, over its LoRA modules, of the update each makes to its weight
+    (||ΔW_pack − ΔW_alone|| / ||ΔW_alone||, ΔW = A·B: B starts at zero, so its entries
+    alone are no scale), and of a training loss line. Float32 on CPU: exact to 1e-5
+    (tests/test_pack_trainer.py); in bf16 stacked matmuls may round otherwise."""
+    import mlx.core as mx
+
+    weights, losses = 0.0, 0.0
+    for i in range(k):
+        a = mx.load(str(alone / f"t{i}" / "adapters.safetensors"))
+        b = mx.load(str(packed / f"t{i}" / "adapters.safetensors"))
+        for name in (n for n in a if n.endswith(".lora_a")):
+            other = name[:-len("lora_a")] + "lora_b"
+            w, v = [(x[name].astype(mx.float32) @ x[other].astype(mx.float32))
+                    for x in (a, b)]
+            weights = max(weights, float(mx.linalg.norm((v - w).flatten()))
+                          / max(float(mx.linalg.norm(w.flatten())), 1e-30))
+        lines = [[json.loads(x) for x in (f / f"t{i}" / "metrics.jsonl").read_text().splitlines()
+                  if x] for f in (alone, packed)]
+        for x, y in zip(*lines, strict=True):
+            if x["split"] == "train":
+                losses = max(losses, abs(y["loss"] - x["loss"]) / abs(x["loss"]))
+    return {"adapter_rel_diff": weights, "loss_rel_diff": losses}
+
+
 def run(a: argparse.Namespace, model: Path, data: Path, work: Path) -> int:
     """Every size's row, side by side, and its time over one trial after another."""
     from engine.train.trainer import train
@@ -79,6 +111,9 @@ def run(a: argparse.Namespace, model: Path, data: Path, work: Path) -> int:
     for size in pack_sizes(a.pack):
         cfgs = trials(a, model, data, work / f"pack{size}")
         rows.append(pack_row(size, cfgs, a.warmup))
+    for r in rows:  # each packed adapter against the same trial alone
+        if r["pack"] != 1 and 1 in pack_sizes(a.pack):
+            r.update(parity(work / "pack1", work / f"pack{r['pack']}", max(pack_sizes(a.pack))))
     alone = next((r["wall_s"] for r in rows if r["pack"] == 1), None)
     ratios = {f"pack{r['pack']}_vs_alone": r["wall_s"] / alone
               for r in rows if alone and r["pack"] != 1}
@@ -86,9 +121,11 @@ def run(a: argparse.Namespace, model: Path, data: Path, work: Path) -> int:
         print(json.dumps({"config": vars(a), "rows": rows, "ratios": ratios}))
         return 0
     for r in rows:
+        drift = (f"  vs alone: adapter {r['adapter_rel_diff']:.1e}, loss "
+                 f"{r['loss_rel_diff']:.1e}" if "adapter_rel_diff" in r else "")
         print(f"{r['name']:>8}  {r['trials']} trials {r['wall_s']:7.2f} s  steady "
               f"{r['tokens_per_s'] / 1e3:7.1f}k tok/s (every adapter's)  "
-              f"peak {r['peak_gb']:6.2f} GB")
+              f"peak {r['peak_gb']:6.2f} GB{drift}")
     for k, v in ratios.items():
         print(f"{k:>16}  {v:.2f}x")
     return 0

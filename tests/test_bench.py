@@ -153,6 +153,10 @@ def test_train_bench_packs_the_same_trials(tmp_path, capsys, monkeypatch) -> Non
         for trial in ("t0", "t1"):
             assert (tmp_path / f"pack{size}" / trial / "adapters.safetensors").exists()
     assert packs == [2]  # the pack row trained its two trials as one pack
+    # each packed trial against itself alone: float32 on CPU, the pack's parity (1e-5)
+    assert "adapter_rel_diff" not in out["rows"][0]
+    assert out["rows"][1]["adapter_rel_diff"] <= 1e-5, out["rows"][1]
+    assert out["rows"][1]["loss_rel_diff"] <= 1e-5, out["rows"][1]
     assert main([*args, "--pack", "0,2"]) == 2
     assert "--pack 0,2: sizes are at least 1" in capsys.readouterr().err
 
