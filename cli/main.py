@@ -233,8 +233,8 @@ def leaderboard_cmd(
 
 @app.command("track")
 def track(
-    run_dir: Annotated[Path, typer.Argument(help="A sweep's or a pipeline's output "
-                                                 "directory.")],
+    run_dir: Annotated[Path, typer.Argument(help="A sweep's, a pipeline's or a `pomona "
+                                                 "train --report-to` run's directory.")],
     report_to: Annotated[list[str] | None, typer.Option(
         "--report-to", metavar="TRACKER", help="A tracker to send the run to as well as its own "
         "(repeatable): mlflow, tensorboard, wandb.")] = None,

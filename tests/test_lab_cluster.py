@@ -112,11 +112,12 @@ def test_a_gang_across_two_nodes_equals_one_process(lab: Lab, lab_dataset: str,
 
 def test_packed_trials_on_private_disks_equal_lone_ones(lab: Lab, lab_dataset: str,
                                                        tmp_path: Path) -> None:
-    """Issue 56: four trials in packs of two, one pack on each worker (inputs sent by
-    content, each trial's files pulled back apart), train as the same four trials do one
-    to a process: every trial's validation and final loss within the pack parity 1e-5."""
-    rates = "[1.0e-3, 3.0e-4, 1.0e-4, 3.0e-5]"
-    for name, pack in (("packed", 2), ("lone", 1)):
+    """Issue 56: six trials with ``pack: 4``, a pack of four on one worker and of two on
+    the other (inputs sent by content, each trial's files pulled back apart), train as
+    the same six trials do with ``pack: 1``: every trial's best validation and final loss
+    within the pack parity 1e-5."""
+    rates = "[1.0e-3, 6.0e-4, 3.0e-4, 1.0e-4, 6.0e-5, 3.0e-5]"
+    for name, pack in (("packed", 4), ("lone", 1)):
         lab.run("head", ["sh", "-c", f"sed -e 's#name: lab#name: {name}#' -e "
                          f"'s#max_concurrent: 2#max_concurrent: 2\\npack: {pack}#' -e "
                          f"'s#learning_rate: \\[1.0e-3, 3.0e-4\\]#learning_rate: {rates}#' "
@@ -126,9 +127,9 @@ def test_packed_trials_on_private_disks_equal_lone_ones(lab: Lab, lab_dataset: s
     got = {n: board(lab.get("head", f"/tmp/lab/{n}", tmp_path / n) / "results.parquet")
            for n in ("packed", "lone")}
     packed, lone = got["packed"], got["lone"]
-    assert set(packed) == set(lone) and len(lone) == 4
+    assert set(packed) == set(lone) and len(lone) == 6
     assert all(r["status"] == "completed" for r in [*packed.values(), *lone.values()])
-    assert len({r["pack"] for r in packed.values()}) == 2, [r["pack"] for r in packed.values()]
+    assert sorted(r["pack_size"] for r in packed.values()) == [2, 2, 4, 4, 4, 4], packed
     assert {r["node"] for r in packed.values()} == {"w1", "w2"}
     for tid, row in lone.items():
         for key in ("best/val/loss", "final_loss"):

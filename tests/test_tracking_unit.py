@@ -200,3 +200,34 @@ def test_a_new_session_sends_none_of_the_last_runs_files(tmp_path: Path) -> None
     tracker.close()
     t = TrackLedger.read(sweep).trial("tensorboard", "t-a")
     assert t["steps"] == {"train": 1} and t["outcome"] == "completed"
+
+
+def test_a_killed_drivers_old_results_are_not_this_sessions(tmp_path: Path) -> None:
+    """A driver killed hard before its first trial ended leaves the last session's
+    results.parquet: pomona track sends its cached rows only, never old outcomes."""
+    import time
+
+    sweep = tmp_path / "sweep"
+    old = time.time() - 3600
+    write_results([{"trial_id": "t-old", "status": "completed", "ended": old},
+                   {"trial_id": "t-cached", "status": "completed", "ended": old,
+                    "skipped": True}], sweep / "results.parquet")
+    tracker = Tracker.start(sweep, ReportTo(("tensorboard",)), {"name": "s"})
+    tracker.sync()
+    tracker.close()
+    trials = TrackLedger.read(sweep).part("tensorboard")["trials"]
+    assert set(trials) == {"t-cached"} and trials["t-cached"]["outcome"] == "completed"
+
+
+def test_a_session_without_tensorboard_keeps_its_record(tmp_path: Path) -> None:
+    sweep = _sweep(tmp_path)
+    for report_to in (("tensorboard",), (), ("tensorboard",)):  # on, off (--report-to none), on
+        write_results([{"trial_id": t, "status": "completed", "skipped": report_to == ()
+                        or (sweep / "tb").exists()} for t in ("t-a", "t-b")],
+                      sweep / "results.parquet")
+        tracker = Tracker.start(sweep, ReportTo(report_to), {"name": "s"})
+        if tracker is not None:
+            tracker.sync(end="FINISHED")
+            tracker.close()
+    assert sorted(p.name for p in (sweep / "tb").iterdir()) == ["t-a", "t-b"]  # none again
+    assert TrackLedger.read(sweep).data["session"] == 3

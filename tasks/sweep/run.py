@@ -247,8 +247,9 @@ class SweepRun:
     def rows_now(self) -> dict[str, Summary]:
         """This run's rows so far (cached, refused, finished), by trial id: what its
         trackers send while results.parquet still holds an earlier run's."""
-        with self.lock:
-            rows = [*self.done, *getattr(self.source, "reused", []), *self.finished]
+        with self.lock:  # copies: finish() adds columns to these rows as it writes
+            rows = [dict(r) for r in (*self.done, *getattr(self.source, "reused", []),
+                                      *self.finished)]
         return {r["trial_id"]: r for r in rows}
 
     def emit(self, kind: str, summary: Summary) -> None:

@@ -48,7 +48,8 @@ class TrackLedger:
               ) -> TrackLedger:
         """A new session of ``folder`` (a corrupt ledger there is replaced): a sweep's
         per-trial sinks keep the earlier sessions' trials, marked ``carried``; runs a killed
-        session left open are listed ``stale`` for their tracker to end."""
+        session left open are listed ``stale`` for their tracker to end. Both are kept
+        for a tracker this session does not report to, for a later one that does."""
         try:
             old = cls.read(folder)
         except ValueError:
@@ -56,12 +57,15 @@ class TrackLedger:
         before = old.data.get("sinks", {}) if old else {}
         carry = info.get("kind") != "train"  # a lone run trained again: a new run
         sinks: dict[str, dict[str, Any]] = {}
-        for name in report_to:
+        for name in (*report_to, *(n for n in before if n not in report_to)):
             kept = before.get(name, {}).get("trials", {}) if carry else {}
-            sinks[name] = ({"trials": {t: {**rec, "carried": True} for t, rec in kept.items()}}
-                           if name in PER_TRIAL_SINKS and kept else {})
+            part: dict[str, Any] = ({"trials": {t: {**rec, "carried": True}
+                                                for t, rec in kept.items()}}
+                                    if name in PER_TRIAL_SINKS and kept else {})
             if name in SERVER_SINKS and (stale := unended(before.get(name, {}))):
-                sinks[name]["stale"] = stale
+                part["stale"] = stale  # kept until a session that reports there ends them
+            if part or name in report_to:
+                sinks[name] = part
         session = (old.data.get("session", 0) if old else 0) + 1
         ledger = cls(Path(folder) / LEDGER, {
             "report_to": list(report_to), "session": session, "started": time.time(),

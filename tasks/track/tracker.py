@@ -34,6 +34,7 @@ from tasks.track.sweep_files import (
     RunFolder,
     SweepFolder,
     new_records,
+    number,
     params_of,
     read_rows,
 )
@@ -105,7 +106,7 @@ class Tracker:
         so far; ``rows`` the session's rows as its driver holds them (None: its files');
         ``end``: the session is over, with this MLflow status (FINISHED, KILLED)."""
         with self.lock:
-            rows = self.view.rows() if rows is None else rows
+            rows = self.session_rows(self.view.rows() if rows is None else rows)
             for sink in list(self.sinks):
                 try:
                     self._sync(sink, rows, live or {}, end)
@@ -114,6 +115,13 @@ class Tracker:
                     with contextlib.suppress(Exception):
                         sink.close()
                     self.down(sink.name, sink.where, err)
+
+    def session_rows(self, rows: Rows) -> Rows:
+        """The rows of this session's trials: cached ones, and those that ended since it
+        began (a results table a killed driver left holds the last session's)."""
+        since = self.ledger.data.get("started", 0) - 1.0  # 1 s: coarse clocks
+        return {tid: r for tid, r in rows.items()
+                if r.get("skipped") or (number(r.get("ended")) or since) >= since}
 
     def _sync(self, sink: Sink, rows: Rows, live: dict[str, dict[str, Any]],
               end: str | None) -> None:
@@ -214,9 +222,10 @@ class Tracker:
              every_s: float = 2.0) -> Iterator[None]:
         """Sync every ``every_s`` while the block runs (``configs``: the settings of the
         trials asked so far, as the scheduler fills it; ``rows_now``: the session's rows
-        so far), then once more: the session ended FINISHED, or KILLED when the block
-        raised (Ctrl-C), whose exception a failure of that last sync never replaces."""
-        stop, raised = threading.Event(), False
+        so far), then once more: the session ended FINISHED, KILLED by Ctrl-C, or FAILED
+        when the block raised otherwise; a failure of that last sync never replaces the
+        block's exception."""
+        stop, ended = threading.Event(), "FINISHED"
 
         def loop() -> None:
             while not stop.wait(every_s):
@@ -226,16 +235,16 @@ class Tracker:
         thread.start()
         try:
             yield
-        except BaseException:
-            raised = True
+        except BaseException as err:
+            ended = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
             raise
         finally:
             stop.set()
-            thread.join(timeout=None if not raised else 30.0)
             try:
-                self.sync(dict(configs), rows_now(), end="KILLED" if raised else "FINISHED")
+                thread.join()
+                self.sync(dict(configs), rows_now(), end=ended)
             except BaseException:  # a second Ctrl-C while it sends: the first one stands
-                if not raised:
+                if ended == "FINISHED":
                     raise
             finally:
                 self.close()

@@ -45,21 +45,25 @@ def track_train(engine_args: list[str], out: Path, report_to: ReportTo,
                 params: dict[str, Any], every_s: float = 2.0) -> int:
     """Train with ``python -m engine train ENGINE_ARGS`` into ``out``, its files sent to
     ``report_to`` while it trains and after; the engine's exit status. The child is its
-    own process group: a Ctrl-C here reaches it once, forwarded (as SIGINT or SIGTERM sent
-    to this process alone does), and this process waits for it to stop."""
+    own process group: a Ctrl-C here reaches it once, forwarded as SIGINT (so is a
+    SIGTERM sent to this process: the engine stops as on Ctrl-C, saying how to resume),
+    and this process waits for it to stop."""
     view, started = RunFolder(Path(out)), time.time()
     info = {"name": view.trial_id, "kind": "train", "out": str(Path(out).resolve())}
-    live, tracker = {view.trial_id: params}, None
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "train", *engine_args],
-                            start_new_session=True)
-    forward = lambda sig, _frame: proc.send_signal(sig)  # noqa: E731
+    live, tracker, tried = {view.trial_id: params}, None, False
+    child: list[subprocess.Popen] = []
+    forward = lambda _sig, _frame: child and child[0].send_signal(signal.SIGINT)  # noqa: E731
     before = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        child.append(proc := subprocess.Popen(
+            [sys.executable, "-m", "engine", "train", *engine_args], start_new_session=True))
         while True:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=every_s)
-            if tracker is None and holder(view.path) == proc.pid:  # the engine holds --out
-                tracker = Tracker.start(view.path, report_to, info, view=view)
+            if not tried and holder(view.path) == proc.pid:  # the engine holds --out
+                tried, tracker = True, Tracker.start(view.path, report_to, info, view=view)
+                if tracker is not None:  # its files count from the launch, not from here
+                    tracker.ledger.data["started"] = started
             if proc.returncode is not None:
                 break
             if tracker is not None:
@@ -67,17 +71,22 @@ def track_train(engine_args: list[str], out: Path, report_to: ReportTo,
         if tracker is not None:
             finish(tracker, view, proc.returncode, started, live)
     finally:
-        proc.wait()
+        if child:
+            child[0].wait()
         for s, handler in before.items():
             signal.signal(s, handler)
-    return exit_code(proc.returncode)
+    return exit_code(child[0].returncode)
 
 
 def finish(tracker: Tracker, view: RunFolder, returncode: int, started: float,
            live: dict[str, dict[str, Any]]) -> None:
-    """The run's row (kept in its ledger for ``pomona track``) and the last sync."""
+    """The run's row, with its settings (kept in its ledger, so that ``pomona track``
+    sends it whatever failed here), and the last sync."""
+    params = {f"param/{k}": v for k, v in live[view.trial_id].items()}
     view.row = {"status": EXIT_STATUS.get(returncode, "failed"), "node": socket.gethostname(),
-                "attempts": 1, "duration_s": time.time() - started, "ended": time.time()}
+                "attempts": 1, "duration_s": time.time() - started, "ended": time.time(),
+                **params}
     tracker.ledger.data["row"] = view.row
+    tracker.ledger.save()
     tracker.sync(live, end="FINISHED")
     tracker.close()
