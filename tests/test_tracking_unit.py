@@ -164,6 +164,9 @@ def test_wandb_offline_runs_hold_each_trials_curve_and_the_board(tmp_path: Path,
                   "eval/test/loss": 0.5}], tmp_path / "leaderboard.parquet")
     tracker.board(tmp_path)
     tracker.close()
+    import wandb
+
+    wandb.teardown()  # its service writes the run files: every record on disk before reading
     found = runs(sweep)
     assert set(found) == {"t-a", "t-b", "leaderboard"}
     for tid in ("t-a", "t-b"):
