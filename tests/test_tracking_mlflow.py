@@ -27,7 +27,7 @@ from tasks.sweep.sweep_spec import parse_spec
 from tasks.track.resend import track_run
 from tasks.track.tracker import track_board
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 STEPS = 4
 
 
