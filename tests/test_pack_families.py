@@ -16,19 +16,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
-import mlx_lm
 import pytest
 
-from engine.backward.update import make_adapter_update, make_optimizer
 from engine.data.batch import make_batch
-from engine.model.arch import make_stack
-from engine.model.packed_lora import adapter_of, pack_lora
+from engine.model.packed_lora import adapter_of
 from engine.settings.config import TrainConfig
-from engine.train.pack_steps import PackStepper, check_pack
-from engine.train.prepared import lora_spec
 from tasks.models.model_factory import init_model
 from tests.family_specs import MOE, SPECS, family_pairs
-from tests.test_pack_steps import STEPS, alone
+from tests.test_pack_steps import STEPS, alone, pack_steps
 
 pytestmark = pytest.mark.integration
 FAMILIES = {**SPECS, **MOE}
@@ -45,14 +40,7 @@ def test_a_pack_takes_each_trials_lone_steps_on_every_family(family: str,
     pairs = family_pairs(4 * STEPS, seed=5)
     micro = [[make_batch(pairs[4 * s + 2 * m: 4 * s + 2 * m + 2], "full") for m in (0, 1)]
              for s in range(STEPS)]
-    check_pack(cfgs)
-    model, _ = mlx_lm.load(str(path))
-    pack_lora(model, [lora_spec(c) for c in cfgs], cfgs[0].seed)
-    model.train()
-    updates = [make_adapter_update(model, lambda i=i: i, make_optimizer(c), c.grad_clip)
-               for i, c in enumerate(cfgs)]
-    packed = list(PackStepper(model, make_stack(model), cfgs, updates).steps(
-        iter(micro).__next__, 1, STEPS))
+    model, packed = pack_steps(path, cfgs, micro)
     for i, cfg in enumerate(cfgs):
         lone, weights = alone(path, cfg, micro)
         for got, want in zip([d[i] for d in packed], lone, strict=True):

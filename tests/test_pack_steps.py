@@ -64,19 +64,25 @@ def alone(model_path: Path, cfg: TrainConfig, micro: list[list]):
     return done, weights
 
 
+def pack_steps(model_path: Path, cfgs: list[TrainConfig], micro: list[list]):
+    """``cfgs`` trained as one pack over ``micro``'s steps: the model and each step's
+    results, one per adapter."""
+    check_pack(cfgs)
+    model, _ = mlx_lm.load(str(model_path))
+    pack_lora(model, [lora_spec(c) for c in cfgs], cfgs[0].seed)
+    model.train()
+    updates = [make_adapter_update(model, lambda i=i: i, make_optimizer(c), c.grad_clip)
+               for i, c in enumerate(cfgs)]
+    return model, list(PackStepper(model, make_stack(model), cfgs, updates).steps(
+        iter(micro).__next__, 1, STEPS))
+
+
 def test_each_adapter_of_a_pack_takes_its_lone_steps(tiny_model: Path) -> None:
     """Would catch: one adapter's clip, rate, schedule or optimizer state applied to
     another, a norm over the whole pack, a loss of another kind on a copy, or metric sums
     mixed up between adapters."""
     cfgs, micro = configs(tiny_model), step_batches(tiny_model)
-    check_pack(cfgs)
-    model, _ = mlx_lm.load(str(tiny_model))
-    pack_lora(model, [lora_spec(c) for c in cfgs], cfgs[0].seed)
-    model.train()
-    updates = [make_adapter_update(model, lambda i=i: i, make_optimizer(c), c.grad_clip)
-               for i, c in enumerate(cfgs)]
-    packed = list(PackStepper(model, make_stack(model), cfgs, updates).steps(
-        iter(micro).__next__, 1, STEPS))
+    model, packed = pack_steps(tiny_model, cfgs, micro)
     clipped = 0
     for i, cfg in enumerate(cfgs):
         lone, weights = alone(tiny_model, cfg, micro)
