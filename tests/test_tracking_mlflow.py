@@ -199,7 +199,10 @@ def test_pomona_train_reports_its_run(server, client, tiny_model, tiny_data,
     assert (out / "tb" / "lone-run").is_dir()
     assert track_run(out) == {"mlflow": server.uri, "tensorboard": str(out / "tb")}
     # trained again into its folder on data that is not there: a failed run of its own,
-    # with its settings, and neither the earlier curve nor the earlier adapter
+    # with its settings, and neither the earlier curve nor the earlier adapter (that
+    # curve's last line a few seconds old, as between two runs a user starts)
+    past = time.time() - 5
+    os.utime(out / "metrics.jsonl", (past, past))
     again = CliRunner().invoke(app, [
         "train", "--model", str(tiny_model), "--data", str(tmp_path / "none.jsonl"),
         "--out", str(out), "--steps", str(STEPS), "--report-to", "mlflow"])
@@ -209,3 +212,23 @@ def test_pomona_train_reports_its_run(server, client, tiny_model, tiny_data,
     assert len(runs) == 2 and runs[1].info.status == "FAILED", runs
     assert runs[1].data.params["steps"] == str(STEPS) and not _loss_steps(client, runs[1])
     assert not client.list_artifacts(runs[1].info.run_id, "adapter")
+
+
+def test_runs_a_killed_driver_left_running_are_ended_by_the_next_session(
+        server, client, tmp_path: Path) -> None:
+    from tasks.track.ledger import TrackLedger
+    from tasks.track.report_to import ReportTo
+    from tasks.track.tracker import Tracker
+
+    experiment = client.create_experiment("stale")
+    parent = client.create_run(experiment).info.run_id
+    trial = client.create_run(experiment, tags={"mlflow.parentRunId": parent}).info.run_id
+    sweep = tmp_path / "sweep"
+    TrackLedger(sweep / "tracking.json", {
+        "report_to": ["mlflow"], "session": 1, "info": {"name": "stale"},
+        "sinks": {"mlflow": {"experiment": experiment, "parent": parent,
+                             "trials": {"t-x": {"run": trial, "steps": {"train": 2}}}}}}).save()
+    tracker = Tracker.start(sweep, ReportTo(("mlflow",)), {"name": "stale"})
+    tracker.sync(end=True)
+    assert [client.get_run(r).info.status for r in (parent, trial)] == ["KILLED", "KILLED"]
+    assert "stale" not in TrackLedger.read(sweep).part("mlflow")

@@ -42,6 +42,10 @@ from tasks.track.sweep_files import (
 log = logging.getLogger("pomona.track")
 BOARD_ONLY = ("baseline", "soup")  # leaderboard rows that are no trial
 Rows = dict[str, dict[str, Any]]  # trial id -> its row (results.parquet's)
+# A file's mtime comes from the kernel's coarse clock (a tick, ≤ 10 ms, behind time.time()):
+# what was written this long before a session began is still its own. Not more: a lone
+# run trained again into its folder starts within a second of the last one's last line.
+SLACK_S = 0.1
 
 
 class Tracker:
@@ -119,7 +123,7 @@ class Tracker:
     def session_rows(self, rows: Rows) -> Rows:
         """The rows of this session's trials: cached ones, and those that ended since it
         began (a results table a killed driver left holds the last session's)."""
-        since = self.ledger.data.get("started", 0) - 1.0  # 1 s: coarse clocks
+        since = self.ledger.data.get("started", 0) - SLACK_S
         return {tid: r for tid, r in rows.items()
                 if r.get("skipped") or (number(r.get("ended")) or since) >= since}
 
@@ -167,7 +171,7 @@ class Tracker:
         stamp = _stat(path)
         if stamp is None or self.read_at.get((sink.name, tid)) == stamp:
             return
-        started = self.ledger.data.get("started", 0) - 1.0  # 1 s: coarse file clocks
+        started = self.ledger.data.get("started", 0) - SLACK_S
         if not cached and stamp[1] < started * 1e9:
             return  # an earlier session's file, not yet started afresh by this attempt
         if records := new_records(path, t.get("steps", {})):
