@@ -80,6 +80,18 @@ def _sweep(tmp_path: Path) -> Path:
     return sweep
 
 
+def test_a_failure_is_said_in_a_few_words() -> None:
+    from tasks.track.tracker import short_reason
+
+    refused = ("API request to http://127.0.0.1:9/api/2.0/mlflow/experiments/get-by-name "
+               "failed with exception HTTPConnectionPool(host='127.0.0.1', port=9): Max "
+               "retries exceeded with url: /x (Caused by NewConnectionError(\"HTTPConnection("
+               "host='127.0.0.1', port=9): Failed to establish a new connection: [Errno 111] "
+               "Connection refused\"))")
+    assert short_reason(RuntimeError(refused)) == "cannot reach it (Connection refused)"
+    assert short_reason(ValueError("bad\n  value")) == "bad value"
+
+
 def test_a_down_tracker_costs_one_warning_line_and_is_left_alone(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch) -> None:
     import tasks.track.tracker as tracker_mod

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -95,7 +96,7 @@ class Tracker:
 
     def down(self, name: str, where: str, err: BaseException) -> None:
         """One warning line; the tracker is left alone for the rest of the session."""
-        reason = " ".join(str(err).split())[:240] or type(err).__name__
+        reason = short_reason(err)
         self.failed[name] = reason
         self.ledger.part(name)["down"] = reason
         with contextlib.suppress(OSError):  # a ledger that cannot be saved: warned below
@@ -257,6 +258,15 @@ class Tracker:
         for sink in self.sinks:
             with contextlib.suppress(Exception):
                 sink.close()
+
+
+def short_reason(err: BaseException) -> str:
+    """A tracker's failure in a few words: a socket's (``cannot reach it (Connection
+    refused)``) out of a client's page of wrapped causes, else its first 240 characters."""
+    text = " ".join(str(err).split())
+    if found := re.search(r"\[Errno -?\d+\] ([^'\")]+)", text):
+        return f"cannot reach it ({found.group(1).strip()})"
+    return text[:240] or type(err).__name__
 
 
 def _stat(path: Path) -> tuple[int, int] | None:
