@@ -246,3 +246,22 @@ def test_a_session_without_tensorboard_keeps_its_record(tmp_path: Path) -> None:
             tracker.close()
     assert sorted(p.name for p in (sweep / "tb").iterdir()) == ["t-a", "t-b"]  # none again
     assert TrackLedger.read(sweep).data["session"] == 3
+
+
+def test_a_users_tracking_json_is_never_replaced(tmp_path: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A file of that name Pomona did not write: the run goes on untracked, one warning
+    line; pomona track refuses in one line; the file is byte for byte as it was."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    sweep = _sweep(tmp_path)
+    mine = sweep / "tracking.json"
+    mine.write_text('{"my": "notes"}\n')
+    with caplog.at_level(logging.WARNING, logger="pomona.track"):
+        assert Tracker.start(sweep, ReportTo(("tensorboard",)), {"name": "s"}) is None
+    assert len(caplog.records) == 1 and "not a tracking ledger" in caplog.records[0].getMessage()
+    refused = CliRunner().invoke(app, ["track", str(sweep), "--report-to", "tensorboard"])
+    assert refused.exit_code == 2 and "refusing to replace it" in refused.output
+    assert mine.read_text() == '{"my": "notes"}\n' and not (sweep / "tb").exists()

@@ -39,21 +39,23 @@ class TrackLedger:
         if not path.is_file():
             return None
         try:
-            return cls(path, json.loads(path.read_text()))
-        except ValueError as err:
-            raise ValueError(f"{path}: not a tracking ledger ({err})") from None
+            data = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError):
+            data = None
+        if not (isinstance(data, dict) and isinstance(data.get("session"), int)
+                and isinstance(data.get("sinks"), dict)):
+            raise ValueError(f"{path}: not a tracking ledger Pomona wrote; refusing to "
+                             "replace it (move it out of the way)")
+        return cls(path, data)
 
     @classmethod
     def begin(cls, folder: Path, report_to: tuple[str, ...], info: dict[str, Any]
               ) -> TrackLedger:
-        """A new session of ``folder`` (a corrupt ledger there is replaced): a sweep's
+        """A new session of ``folder`` (never over a file there that is no ledger): a sweep's
         per-trial sinks keep the earlier sessions' trials, marked ``carried``; runs a killed
         session left open are listed ``stale`` for their tracker to end. Both are kept
         for a tracker this session does not report to, for a later one that does."""
-        try:
-            old = cls.read(folder)
-        except ValueError:
-            old = None
+        old = cls.read(folder)  # a file there that is no ledger: ValueError, left as it is
         before = old.data.get("sinks", {}) if old else {}
         carry = info.get("kind") != "train"  # a lone run trained again: a new run
         sinks: dict[str, dict[str, Any]] = {}

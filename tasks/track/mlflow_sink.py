@@ -20,6 +20,7 @@ from typing import Any
 from tasks.track.sweep_files import (
     BOARD,
     RUN_STATUS,
+    cell,
     evaluation_of,
     number,
     record_metrics,
@@ -166,7 +167,7 @@ class MlflowSink:
             if (board_dir / name).is_file():
                 self.client.log_artifact(parent, str(board_dir / name), "leaderboard")
         columns = sorted({k for r in rows for k in r if not k.startswith("param/")})
-        table = {c: [_cell(r.get(c)) for r in rows] for c in columns}
+        table = {c: [cell(r.get(c)) for r in rows] for c in columns}
         self.client.log_table(parent, table, "leaderboard/table.json")
 
     def best(self, part: dict[str, Any], adapter: Path, trial_id: str | None) -> None:
@@ -212,7 +213,3 @@ class MlflowSink:
     def close(self) -> None:
         pass
 
-
-def _cell(value: Any) -> Any:
-    """A board cell as JSON holds it (numbers and text; lists as text)."""
-    return value if value is None or isinstance(value, int | float | str | bool) else str(value)

@@ -74,6 +74,11 @@ def new_records(path: Path, sent: dict[str, int]) -> list[dict[str, Any]]:
     return out
 
 
+def cell(value: Any) -> Any:
+    """A board cell as a tracker's table holds it: numbers and text (a list as text)."""
+    return value if value is None or isinstance(value, int | float | str | bool) else str(value)
+
+
 def record_metrics(record: dict[str, Any]) -> dict[str, float]:
     """A metric line's numbers by name (its step and split are not metrics)."""
     return {k: v for k, raw in record.items() if k not in ("step", "split")

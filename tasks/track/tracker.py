@@ -81,7 +81,8 @@ class Tracker:
         try:
             ledger = TrackLedger.begin(Path(folder), report_to.targets, info)
         except (OSError, ValueError) as err:
-            log.warning("warning: tracking %s: %s; the run goes on untracked", folder, err)
+            if report_to:  # reporting nowhere, a file there that is no ledger is no matter
+                log.warning("warning: tracking %s: %s; the run goes on untracked", folder, err)
             return None
         return cls(folder, ledger, view=view) if report_to else None
 

@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from tasks.track.sweep_files import number, record_metrics
+from tasks.track.sweep_files import cell, number, record_metrics
 
 FINISHED_OK = ("completed", "degenerate")  # a W&B run's exit code 0; others 1
 
@@ -82,7 +82,7 @@ class WandbSink:
         import wandb
 
         columns = sorted({k for r in rows for k in r if not k.startswith("param/")})
-        table = wandb.Table(columns=columns, data=[[_cell(r.get(c)) for c in columns]
+        table = wandb.Table(columns=columns, data=[[cell(r.get(c)) for c in columns]
                                                    for r in rows])
         run = self._open(self._board_run(part), "leaderboard", part)
         run.log({"leaderboard": table})
@@ -114,8 +114,4 @@ def _name(text: str) -> str:
     """``text`` as a W&B project or run id takes it (no ``/\\#?%:;,'``)."""
     return re.sub(r"[^\w.-]+", "-", text) or "pomona"
 
-
-def _cell(value: Any) -> Any:
-    """A board cell as a W&B table holds it (numbers and text)."""
-    return value if value is None or isinstance(value, int | float | str | bool) else str(value)
 
