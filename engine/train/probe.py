@@ -41,14 +41,7 @@ def probe_steps(cfg: TrainConfig, variants: list[dict[str, Any]],
 
     cfg.validate()
     prepared = prepare_training(cfg)  # as the trainer sets it up: one function for both
-    data = load_pairs_for(cfg.data, cfg.model, prepared.stack, cfg.allow_tokenizer_mismatch)
-    if cfg.loss_spec().needs_reference:  # a step's memory and time never read the values:
-        data.train = placeholder_references(data.train, cfg.loss.needs_kl)  # no pass
-    if batches == "worst":
-        chosen = [sorted(data.train, key=pair_length, reverse=True)[: cfg.batch_size]]
-    else:
-        stream = micro_batches(data.train, cfg.batch_size, cfg.seed)
-        chosen = [next(stream) for _ in range(int(batches))]
+    chosen = probe_batches([cfg], prepared.stack, batches)
     rows = []
     for variant in variants:
         try:
@@ -57,6 +50,21 @@ def probe_steps(cfg: TrainConfig, variants: list[dict[str, Any]],
         except Exception as err:  # one setting failing (e.g. out of memory) is its row
             rows.append({**variant, "error": f"{type(err).__name__}: {err}"[:300]})
     return rows
+
+
+def probe_batches(cfgs: list[TrainConfig], stack: Any, batches: str | int) -> list[list]:
+    """The micro-batches a probe of ``cfgs`` (one trial, or a pack's) measures: the
+    ``batch_size`` longest training pairs (``worst``), or the first ``batches`` of the
+    training order; with zero reference log-probs where a loss reads them (a step's memory
+    and time never read the values: no reference pass)."""
+    cfg = cfgs[0]
+    data = load_pairs_for(cfg.data, cfg.model, stack, cfg.allow_tokenizer_mismatch)
+    if any(c.loss_spec().needs_reference for c in cfgs):
+        data.train = placeholder_references(data.train, any(c.loss.needs_kl for c in cfgs))
+    if batches == "worst":
+        return [sorted(data.train, key=pair_length, reverse=True)[: cfg.batch_size]]
+    stream = micro_batches(data.train, cfg.batch_size, cfg.seed)
+    return [next(stream) for _ in range(int(batches))]
 
 
 def _measure(prepared: Any, chosen: list, c: TrainConfig, repeats: int) -> dict[str, Any]:
