@@ -1,11 +1,13 @@
-"""A sweep spec's ``pack: N`` (tasks/sweep/sweep_spec.py): carried to the scheduler's rules,
-refused in one line where packs cannot run (tasks/sweep/spec_rules.py ``check_pack``)."""
+"""A sweep spec's ``pack: N`` or ``auto`` (tasks/sweep/sweep_spec.py): carried to the
+scheduler's rules, refused in one line where packs cannot run (tasks/sweep/spec_rules.py
+``check_pack``); ``auto``'s sizes from the pack probe's cached rows (tasks/sweep/pack_sizes.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from tasks.sweep.sweep_spec import SpecError, parse_spec
+from tasks.sweep.trial_plan import AUTO
 
 pytestmark = pytest.mark.unit
 
@@ -15,6 +17,8 @@ BASE = {"name": "s", "model": "m", "data": "d", "grid": {"learning_rate": [1e-4,
 def test_pack_reaches_the_rules_and_defaults_to_one() -> None:
     assert parse_spec({**BASE, "pack": 3}).rules.pack == 3
     assert parse_spec(BASE).rules.pack == 1
+    auto = parse_spec({**BASE, "pack": "auto", "memory_budget_gb": 8})
+    assert auto.pack is AUTO and auto.rules.pack == 1  # sized once probed (SweepRun.rules)
 
 
 @pytest.mark.parametrize("more, said", [
@@ -26,10 +30,59 @@ def test_pack_reaches_the_rules_and_defaults_to_one() -> None:
     ({"memory_budget_gb": 8, "fixed": {"segment_size": "auto"}}, "fixed.segment_size: auto"),
     ({"memory_budget_gb": 8, "search": "random", "grid": {},
       "space": {"segment_size": {"choice": ["auto", 2]}}}, "space.segment_size: auto"),
-    ({"memory_budget_gb": 8}, "memory_budget_gb is a trial's"),
+    ({"memory_budget_gb": 8}, "memory_budget_gb is a trial's.*pack: auto fits packs to it"),
+    ({"pack": "auto"}, "pack: auto needs memory_budget_gb > 0"),
+    ({"pack": "auto", "memory_budget_gb": 8, "fixed": {"segment_size": "auto"}},
+     "pack: auto: fixed.segment_size: auto fits one adapter"),
+    ({"pack": "auto", "memory_budget_gb": 8, "kind": "memory"}, "pack: auto: kind: memory"),
+    ({"pack": "several"}, "pack='several': expected an integer"),
 ])
 def test_pack_is_refused_where_packs_cannot_run(more: dict, said: str) -> None:
     """Would catch: a spec accepted whose packs the scheduler would refuse once Ray is up,
     or a pack of trials the memory probe sized for one adapter."""
     with pytest.raises(SpecError, match=said):
         parse_spec({**BASE, "pack": 2, **more})
+
+
+def _plans(batch_sizes: list[int], ranks: list[int]) -> list:
+    from tasks.sweep.trial_plan import TrialPlan
+
+    return [TrialPlan.make(f"t{i}", {"model": "m", "data": "d", "out": f"o/t{i}",
+                                     "batch_size": b, "lora_rank": r,
+                                     "learning_rate": 1e-4 * (i + 1)})
+            for i, (b, r) in enumerate(zip(batch_sizes, ranks, strict=True))]
+
+
+def test_auto_sizes_each_class_of_trials_from_its_probe(tmp_path) -> None:
+    """Cached probe rows (no Ray: nothing to measure) size each class that packs: a class
+    up to its largest pack within the budget, one over it alone, and a trial that packs
+    with none left out. Rows probed under a smaller budget that stopped early do not answer
+    for a larger one. Would catch: one size for every class, a pack past the budget, a
+    lone class sized, or a short cached probe reused."""
+    import json
+
+    from tasks.sweep.pack_sizes import covers, heaviest_first, pack_key, size_packs
+
+    plans = _plans([2, 2, 2, 4], [4, 8, 4, 4])
+    cls = heaviest_first(plans[:3])
+    assert cls[0].id == "t1"  # rank 8 first: any k hold at most what the first k hold
+    rows = [{"pack": k, "peak_gb": float(k)} for k in (1, 2, 3)]
+    cache = tmp_path / "probes.json"
+    cache.write_text(json.dumps({pack_key(cls, "fp"): rows}))
+    limits, notes = size_packs(plans, 2.3, None, "fp", cache)  # 2 GiB fits, 3 does not
+    assert limits == {"t0": 2, "t1": 2, "t2": 2} and "t3" not in limits
+    assert json.loads(notes["t0"]) == {"1": 1.0, "2": 2.0, "3": 3.0}
+    assert size_packs(plans, 0.9, None, "fp", cache)[0]["t0"] == 1  # none fits: alone
+    assert size_packs(plans, 3.0, None, "fp", cache)[0]["t0"] == 3
+    assert covers(rows[:2], 3, 1.5) and not covers(rows[:2], 3, 2.3) and not covers(None, 3, 9)
+
+
+def test_packs_keep_to_each_trials_own_limit() -> None:
+    """Would catch: the scheduler's packs sized by ``pack`` alone, past a class's limit."""
+    from tasks.sweep.packs import group_packs
+
+    plans = _plans([2, 2, 2, 4, 4], [4, 4, 4, 4, 4])
+    ids = lambda packs: [[t.id for t in p] for p in packs]  # noqa: E731
+    limits = {"t0": 2, "t1": 2, "t2": 2, "t3": 3, "t4": 3}
+    assert ids(group_packs(plans, 3, limits)) == [["t0", "t1"], ["t2"], ["t3", "t4"]]
+    assert ids(group_packs(plans, 3)) == [["t0", "t1", "t2"], ["t3", "t4"]]

@@ -81,6 +81,37 @@ def test_segment_size_auto_fits_the_budget(ray_cluster, tiny_model, tiny_data, t
         run_sweep(parse_spec(raw), tmp_path)
 
 
+def test_pack_auto_fits_packs_to_the_budget(ray_cluster, tiny_model, tiny_data,
+                                            tmp_path) -> None:
+    """``pack: auto``: four learning rates probed as packs of 1..4; a budget that fits
+    all four packs them as one, one between the probed peaks of 2 and 3 as two packs of
+    two (probed again under that limit, stopping at 3; every trial trained again under its
+    new limit), each trial's result the same to the parity tolerance. Would catch: auto
+    ignoring the budget, a pack past it, or a probe re-run for a budget it answered."""
+
+    raw = _spec(tiny_model, tiny_data, fixed={"steps": 2, "val_every": 0, "head_chunk": 16},
+                grid={"learning_rate": [1e-4, 2e-4, 4e-4, 8e-4]}, pack="auto",
+                memory_budget_gb=1000.0)
+    plans: list[dict] = []
+    one = run_sweep(parse_spec(raw), tmp_path, progress=lambda kind, s: plans.append(s)
+                    if kind == "plan" else None)
+    assert [r["status"] for r in one] == ["completed"] * 4
+    assert {r["pack_size"] for r in one} == {4} and len({r["pack"] for r in one}) == 1
+    assert plans[0]["pack_auto"] == 4
+    peaks = {int(k): v for k, v in json.loads(one[0]["pack_probe_gb"]).items()}
+    assert sorted(peaks) == [1, 2, 3, 4] and peaks[1] < peaks[2] < peaks[3] < peaks[4]
+    raw["memory_budget_gb"] = budget = (peaks[2] + peaks[3]) / 2
+    two = run_sweep(parse_spec(raw), tmp_path)
+    probes = json.loads((tmp_path / "probes.json").read_text())
+    assert sorted(len(rows) for rows in probes.values()) == [3, 4]  # the first over: no more
+    assert [r["status"] for r in two] == ["completed"] * 4 and not any(r["skipped"]
+                                                                        for r in two)
+    assert [r["pack_size"] for r in two] == [2] * 4 and len({r["pack"] for r in two}) == 2
+    assert all(r["param/memory_limit_gb"] == pytest.approx(budget) for r in two)
+    for a, b in zip(one, two, strict=True):
+        assert b["final_loss"] == pytest.approx(a["final_loss"], rel=1e-5)
+
+
 def test_ctrl_c_cancels_running_trials_and_keeps_results(ray_cluster, tiny_model, tiny_data,
                                                          tmp_path, request) -> None:
     """KeyboardInterrupt arriving once the first trial is running (as Ctrl-C would)."""

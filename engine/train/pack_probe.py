@@ -1,13 +1,16 @@
 """Probes of a pack: what one step of the pack of k trials costs (peak memory, time), for
 k = 1, 2, ... of the trials given, the way ``engine/train/probe.py`` measures one trial.
 
-A sweep's ``pack: auto`` takes the largest k whose peak fits its memory budget. Memory
-grows with k (each adapter's copy of the batch's activations), so the probe goes up from
-one and stops at the first pack over the budget: a pack far past the machine's memory is
-never loaded. Each pack is set up as ``train_pack`` sets it up (engine/train/prepared.py
-``prepare_pack``) and steps as it trains (engine/train/pack_steps.py), every check on.
+A sweep's ``pack: auto`` takes the largest k whose peak stays within its memory budget.
+Each pack is set up as ``train_pack`` sets it up (engine/train/prepared.py ``prepare_pack``)
+and steps as it trains (engine/train/pack_steps.py), every check on, under the trials'
+``memory_limit_gb`` as their pack will train (MLX's limit is soft: past it, evaluation
+waits for memory to free, and a pack whose live set is larger goes over it anyway).
+Memory grows with k (each adapter's copy of the batch's activations), so the probe goes up
+from one and stops at the first pack over the budget: a pack far past the machine's memory
+is never loaded.
 
-    rows = probe_packs(cfgs, budget_gb=9.3, headroom=1.1)   # [{"pack": 1, "peak_gb": ...}, ...]
+    rows = probe_packs(cfgs, budget_gb=9.3)   # [{"pack": 1, "peak_gb": 7.1, ...}, ...]
 """
 
 from __future__ import annotations
@@ -23,36 +26,37 @@ import mlx.core as mx
 from engine.settings.config import TrainConfig
 
 
-def probe_packs(cfgs: Sequence[TrainConfig], budget_gb: float = 0.0, headroom: float = 1.0,
+def probe_packs(cfgs: Sequence[TrainConfig], budget_gb: float = 0.0,
                 batches: str | int = "worst") -> list[dict[str, Any]]:
     """One row per pack size k (the first k of ``cfgs``, which must train as one pack):
     ``pack``, peak_gb, step_s and tokens (the batch's, which each adapter trains on); or
     ``error`` where that pack failed (out of memory). Ascending, it stops after the first
-    pack whose peak × ``headroom`` passes ``budget_gb`` (> 0) or that failed."""
+    pack whose peak passes ``budget_gb`` (> 0) or that failed."""
     from engine.train.pack_trainer import refuse_unpacked
+    from engine.train.trainer import memory_limit
 
     cfgs = list(cfgs)
     refuse_unpacked(cfgs)
     rows: list[dict[str, Any]] = []
     for k in range(1, len(cfgs) + 1):
         try:
-            rows.append({"pack": k, **_measure_pack(cfgs[:k], batches)})
+            with memory_limit(cfgs[0].memory_limit_gb):  # as train_pack runs the pack
+                rows.append({"pack": k, **_measure_pack(cfgs[:k], batches)})
         except Exception as err:  # one size failing (out of memory) is its row, and the last
             rows.append({"pack": k, "error": f"{type(err).__name__}: {err}"[:300]})
             return rows
         finally:  # the pack's model and buffers go before the next one loads
             gc.collect()
             mx.clear_cache()
-        if budget_gb > 0 and rows[-1]["peak_gb"] * headroom > budget_gb:
+        if budget_gb > 0 and rows[-1]["peak_gb"] > budget_gb:
             return rows
     return rows
 
 
-def largest_pack(rows: list[dict[str, Any]], budget_gb: float, headroom: float) -> int:
-    """The largest k whose probed peak × ``headroom`` fits ``budget_gb``; 0 where none
-    does (a pack of one is over the budget too)."""
-    fitting = [r["pack"] for r in rows if "peak_gb" in r and r["peak_gb"] * headroom
-               <= budget_gb]
+def largest_pack(rows: list[dict[str, Any]], budget_gb: float) -> int:
+    """The largest k whose probed peak stayed within ``budget_gb``; 0 where none did (a
+    pack of one went over it too)."""
+    fitting = [r["pack"] for r in rows if "peak_gb" in r and r["peak_gb"] <= budget_gb]
     return max(fitting, default=0)
 
 

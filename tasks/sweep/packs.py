@@ -11,6 +11,7 @@ trials' order: a trial joins the first open pack it fits, else starts one.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,12 +32,20 @@ def fits(pack: list[TrialPlan]) -> bool:
     return True
 
 
-def group_packs(trials: list[TrialPlan], size: int) -> list[list[TrialPlan]]:
-    """``trials`` in packs of up to ``size``, in order: each joins the first open pack it
-    fits, else starts one (a trial that fits none trains as a pack of one)."""
+def group_packs(trials: list[TrialPlan], size: int,
+                limits: Mapping[str, int] | None = None) -> list[list[TrialPlan]]:
+    """``trials`` in packs of up to ``size`` (and of up to each member's own limit, by
+    trial id, where ``limits`` holds one: ``pack: auto``), in order: each joins the first
+    open pack it fits, else starts one (a trial that fits none trains as a pack of one)."""
+    limits = limits or {}
     packs: list[list[TrialPlan]] = []
+
+    def open_to(pack: list[TrialPlan], trial: TrialPlan) -> bool:
+        room = min(limits.get(t.id, size) for t in [*pack, trial])
+        return len(pack) < min(size, room) and fits([*pack, trial])
+
     for trial in trials:
-        home = next((p for p in packs if len(p) < size and fits([*p, trial])), None)
+        home = next((p for p in packs if open_to(p, trial)), None)
         if home is None:
             packs.append([trial])
         else:

@@ -8,7 +8,8 @@ the GPUs or slots the placement needs (``address="auto"`` silently starts a priv
 cluster when the real one is unreachable: a sweep that expects GPUs refuses to run on
 none). Grid and random searches list their trials up front; Optuna asks for them one by
 one (tasks/sweep/optuna_search.py). ``segment_size: auto`` is resolved by a cached memory probe
-(tasks/sweep/memory_probe.py); ``memory_budget_gb`` also becomes each trial's MLX memory limit.
+(tasks/sweep/memory_probe.py), ``pack: auto`` by a cached pack probe (tasks/sweep/pack_sizes.py);
+``memory_budget_gb`` also becomes each trial's MLX memory limit.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ from tasks.nodes.placement import Placement
 from tasks.nodes.preflight import preflight
 from tasks.sweep.attempts import EventHook
 from tasks.sweep.memory_probe import resolve_auto
+from tasks.sweep.pack_sizes import size_packs
 from tasks.sweep.scheduler import ListSource, TrialsInterrupted, Wrap, run_trials
 from tasks.sweep.sweep_spec import PlanError, SpecError, SweepSpec, trial_id
 from tasks.sweep.trial import Summary
-from tasks.sweep.trial_plan import TrialPlan, param_columns, settings_of
+from tasks.sweep.trial_plan import AUTO, TrialPlan, param_columns, settings_of
+from tasks.sweep.trial_rules import TrialRules
 from tasks.track.sinks import missing_client
 from tasks.track.tracker import Tracker
 
@@ -59,8 +62,11 @@ def plan_line(counts: dict[str, Any]) -> str:
     trials = counts["trials"]
     if counts.get("search") == "optuna":
         return f"{trials} trials asked of Optuna, on {counts.get('slots', 1)} slot(s)"
+    packs = f", in packs of up to {counts['pack_auto']} (pack: auto)" if "pack_auto" in counts \
+        else ""
     return (f"{trials} trials: {counts.get('cached', 0)} cached, "
-            f"{counts.get('to_run', trials)} to run on {counts.get('slots', 1)} slot(s)")
+            f"{counts.get('to_run', trials)} to run on {counts.get('slots', 1)} slot(s)"
+            f"{packs}")
 
 
 def data_fingerprint(data: str) -> str:
@@ -204,8 +210,8 @@ def _run_sweep(spec: SweepSpec, out: Path, placement: Placement, progress: Event
     with tracker.live(sweep.configs, sweep.rows_now) if tracker else nullcontext():
         try:
             rows = run_trials(_Recording(source, sweep.configs), sweep.placement,
-                              dataclasses.replace(spec.rules, max_concurrent=concurrent),
-                              study=study, on_event=sweep.on_event, wrap=wrap)
+                              sweep.rules(concurrent), study=study, on_event=sweep.on_event,
+                              wrap=wrap)
         except TrialsInterrupted as stop:
             sweep.write(stop.rows)
             raise
@@ -223,6 +229,8 @@ class SweepRun:
         self.before = previous_results(out)
         self.keys: dict[str, str] = {}  # trial id -> cache key of its resolved config
         self.notes: dict[str, str] = {}  # trial id -> probed peaks behind segment_size: auto
+        self.pack_limits: dict[str, int] = {}  # pack: auto: trial id -> its largest pack
+        self.pack_notes: dict[str, str] = {}  # trial id -> the pack probe's peaks behind it
         self.configs: dict[str, dict[str, Any]] = {}  # trial id -> its plan's params()
         self.done: list[Summary] = []  # completed in an earlier run: not run again
         self.rank: dict[str, int] = {}  # grid/random: the spec's order
@@ -284,6 +292,15 @@ class SweepRun:
               and (self.out / plan.id / "adapters.safetensors").exists())
         return {**old, "skipped": True} if ok else None
 
+    def rules(self, concurrent: int) -> TrialRules:
+        """The spec's rules at ``concurrent`` trials at a time; under ``pack: auto``, each
+        trial's pack as the probe sized it (up to the largest of them)."""
+        rules = dataclasses.replace(self.spec.rules, max_concurrent=concurrent)
+        if not self.pack_limits:
+            return rules
+        return dataclasses.replace(rules, pack=max(self.pack_limits.values()),
+                                   pack_limits=tuple(sorted(self.pack_limits.items())))
+
     def resolve(self, plans: list[TrialPlan]) -> list[TrialPlan]:
         """Every key still auto replaced by the probed size that fits the budget."""
         if not any(p.auto for p in plans):
@@ -304,8 +321,14 @@ class SweepRun:
                                              if k.startswith("param/")}
         skip = {d["trial_id"] for d in self.done}
         todo = [p for p in planned if p.id not in skip]
+        if self.spec.pack is AUTO:  # only the trials to run are packed, so sized
+            self.pack_limits, self.pack_notes = size_packs(
+                todo, self.spec.memory_budget_gb, self.placement, self.fingerprint,
+                self.out / "probes.json")
         self.plan_counts = {"trials": len(planned) + len(refused), "cached": len(self.done),
                             "to_run": len(todo)}
+        if self.pack_limits:
+            self.plan_counts["pack_auto"] = max(self.pack_limits.values())
         self.done += refused
         return ListSource(todo), None
 
@@ -351,6 +374,8 @@ class SweepRun:
             r.update({f"param/{k}": v for k, v in config.items()})
             if r["trial_id"] in self.notes:
                 r["segment_size_probe_gb"] = self.notes[r["trial_id"]]
+            if r["trial_id"] in self.pack_notes:
+                r["pack_probe_gb"] = self.pack_notes[r["trial_id"]]
         return ordered
 
 

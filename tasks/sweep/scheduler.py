@@ -168,7 +168,8 @@ def pack_worker(source: TrialSource, shared: Attempts, rules: TrialRules, wrap: 
     trains as a lone trial does."""
     listed = list(iter(source.ask, None))  # every trial first (a spec packs a listed sweep)
     asked(listed)  # rows in the order trials were asked, whatever packs they join
-    packs = ListSource(group_packs(listed, rules.pack))  # type: ignore[arg-type]
+    grouped = group_packs(listed, rules.pack, dict(rules.pack_limits))
+    packs = ListSource(grouped)  # type: ignore[arg-type]
     runner = PackRetrying(PackActor(shared), shared.live, rules.retries, rules.retry_delay_s)
     lone = Retrying(OneActor(shared), shared.live, rules.retries, rules.retry_delay_s)
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from engine.losses import ACROSS_LOSSES, LOSSES, OWNERS, shared_metrics, validation_metrics
 from engine.settings.config import DEFAULT_LOSS, TrainConfig
+from tasks.sweep.trial_plan import AUTO
 
 PRUNING_DEFAULTS = {"startup_trials": 2, "warmup_steps": 0}
 
@@ -29,22 +30,28 @@ def check_kind(kind: str, search: str, autos: list[str], report_to: Any) -> None
                         "drop report_to or use kind: train")
 
 
-def check_pack(pack: int, search: str, kind: str, ranks: int, autos: list[str],
+def check_pack(pack: Any, search: str, kind: str, ranks: int, autos: list[str],
                budget: float) -> None:
-    """A spec's ``pack`` > 1 where packs can run (tasks/sweep/packs.py): listed trials
-    (grid or random: Optuna asks one trial at a time), one process each (no gangs), a
-    training sweep, no ``auto`` size (the memory probe measures one adapter; a pack holds
-    k copies of its activations) and no memory budget (a trial's, which a pack's process
-    would hold for all of its trials)."""
-    if pack <= 1:
+    """A spec's ``pack`` > 1 or ``auto`` where packs can run (tasks/sweep/packs.py): listed
+    trials (grid or random: Optuna asks one trial at a time), one process each (no gangs),
+    a training sweep, no ``auto`` segment size (its probe measures one adapter; a pack holds
+    k copies of its activations). ``memory_budget_gb`` is what ``auto`` fits packs to
+    (tasks/sweep/pack_sizes.py); with a fixed N it is refused: a trial's budget, which a
+    pack's process would hold for all of its trials."""
+    auto = pack is AUTO
+    if auto and budget <= 0:
+        raise SpecError("pack: auto needs memory_budget_gb > 0 (what each pack's process "
+                        "must fit in)")
+    if not auto and pack <= 1:
         return
     for wrong, why in ((search == "optuna", "search: optuna asks trials one at a time"),
                        (kind == "memory", "kind: memory measures one process per point"),
                        (ranks > 1, "ranks_per_trial > 1: a pack trains in one process"),
                        (bool(autos), f"{autos[0] if autos else ''}: auto fits one adapter, "
                                      "not a pack's copies"),
-                       (budget > 0, "memory_budget_gb is a trial's; a pack's process "
-                                    "holds several")):
+                       (budget > 0 and not auto, "memory_budget_gb is a trial's; a pack's "
+                                                 "process holds several (pack: auto fits "
+                                                 "packs to it)")):
         if wrong:
             raise SpecError(f"pack: {pack}: {why}; give pack: 1")
 

@@ -17,9 +17,10 @@
     time_limit_s: 600       # per trial; 0 = none
     retries: 2              # re-runs of a trial whose process or node died
     retry_delay_s: 5
-    memory_budget_gb: 0     # per trial: MLX's memory limit, and what segment_size: auto fits
+    memory_budget_gb: 0     # per process: MLX's memory limit, what segment_size/pack: auto fit
     ranks_per_trial: 1      # > 1: each trial data parallel over that many GPUs (Macs)
-    pack: 1                 # > 1: trials sharing their steps trained that many to a process
+    pack: 1                 # > 1: trials sharing their steps trained that many to a process;
+                            # auto: as many as fit memory_budget_gb (tasks/sweep/pack_sizes.py)
     seed: 0
     evaluation: {scorers: [exact], prompts: 64, max_tokens: 32}   # tasks/eval/generation_eval.py
     rank_by: gen/valid/exact    # what the leaderboard ranks on (default: metric)
@@ -71,7 +72,7 @@ from tasks.sweep.spec_values import (
     number_of,
     space_dist,
 )
-from tasks.sweep.trial_plan import AUTO, AUTO_KEYS, TrialPlan, own_loss_fields
+from tasks.sweep.trial_plan import AUTO, AUTO_KEYS, Auto, TrialPlan, own_loss_fields
 from tasks.sweep.trial_rules import TrialRules
 from tasks.track.report_to import ReportTo
 
@@ -119,7 +120,7 @@ class SweepSpec:
     kind: str = "train"  # train | memory
     probe_batches: int = 8
     ranks_per_trial: int = 1  # > 1: a trial is a gang of ranks (tasks/sweep/gang.py)
-    pack: int = 1  # > 1: trials that share their steps trained together (tasks/sweep/packs.py)
+    pack: int | Auto = 1  # > 1 (or AUTO, sized by a probe): trials trained together
     evaluation: GenerationSettings = field(default_factory=GenerationSettings)
     rank_by: str = ""  # the leaderboard's metric ("": metric)
     export: ExportSettings = field(default_factory=ExportSettings)  # the pipeline's GGUF
@@ -128,8 +129,9 @@ class SweepSpec:
     @property
     def rules(self) -> TrialRules:
         """How its trials run: at once, time limit, retries, ranks, the metric reported."""
+        pack = 1 if self.pack is AUTO else self.pack  # auto: sized once probed (SweepRun)
         return TrialRules(self.max_concurrent, self.time_limit_s, self.retries,
-                          self.retry_delay_s, self.ranks_per_trial, self.metric, self.pack)
+                          self.retry_delay_s, self.ranks_per_trial, self.metric, pack)
 
     @property
     def ranking(self) -> Ranking:
@@ -272,8 +274,9 @@ def _parse(data: Any) -> SweepSpec:
     counts = {key: _setting(data, key, default, integer=True, minimum=minimum)
               for key, default, minimum in (("num_samples", 1, 1), ("max_concurrent", 1, 1),
                                             ("retries", 2, 0), ("probe_batches", 8, 1),
-                                            ("seed", 0, 0), ("ranks_per_trial", 1, 1),
-                                            ("pack", 1, 1))}
+                                            ("seed", 0, 0), ("ranks_per_trial", 1, 1))}
+    pack = AUTO if data.get("pack") == "auto" else _setting(data, "pack", 1, integer=True,
+                                                            minimum=1)
     seconds = {key: _setting(data, key, default)
                for key, default in (("time_limit_s", 0), ("retry_delay_s", 5),
                                     ("memory_budget_gb", 0))}
@@ -305,12 +308,12 @@ def _parse(data: Any) -> SweepSpec:
     check_kind(kind, search, autos, report_to)
     if counts["ranks_per_trial"] > 1:
         check_ranks(counts["ranks_per_trial"], kind, fixed, grid, space)
-    check_pack(counts["pack"], search, kind, counts["ranks_per_trial"], autos, budget)
+    check_pack(pack, search, kind, counts["ranks_per_trial"], autos, budget)
     spec = SweepSpec(
         name=data["name"], model=data["model"], data=data["data"], fixed=fixed, grid=grid,
         space={k: space_dist(k, v) for k, v in space.items()}, search=search, metric=metric,
         mode=mode, pruning=pruning, kind=kind, evaluation=evaluation, rank_by=rank_by,
-        export=export, report_to=report_to, **counts, **seconds)
+        export=export, report_to=report_to, pack=pack, **counts, **seconds)
     _check_runnable(spec)
     return spec
 

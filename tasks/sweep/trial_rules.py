@@ -13,7 +13,9 @@ class TrialRules:
     a lost process retried ``retries`` times, ``retry_delay_s`` apart; ``ranks_per_trial``
     > 1: each trial a gang of that many ranks (tasks/sweep/gang.py); ``metric``: what each
     trial reports to an Optuna study; ``pack`` > 1: trials that share their steps trained
-    up to that many at a time in one process (tasks/sweep/packs.py)."""
+    up to that many at a time in one process (tasks/sweep/packs.py); ``pack_limits``: a
+    trial's own largest pack, by trial id, where ``pack: auto`` measured it
+    (tasks/sweep/pack_sizes.py)."""
 
     max_concurrent: int = 1
     time_limit_s: float = 0.0
@@ -22,3 +24,4 @@ class TrialRules:
     ranks_per_trial: int = 1
     metric: str = "val/loss"
     pack: int = 1
+    pack_limits: tuple[tuple[str, int], ...] = ()
