@@ -62,8 +62,9 @@ def plan_line(counts: dict[str, Any]) -> str:
     trials = counts["trials"]
     if counts.get("search") == "optuna":
         return f"{trials} trials asked of Optuna, on {counts.get('slots', 1)} slot(s)"
-    packs = f", in packs of up to {counts['pack_auto']} (pack: auto)" if "pack_auto" in counts \
-        else ""
+    packs = {None: "", 1: ", each alone (pack: auto: no pack of two fits memory_budget_gb)"
+             }.get(counts.get("pack_auto"), f", in packs of up to {counts.get('pack_auto')} "
+                                            "(pack: auto)")
     return (f"{trials} trials: {counts.get('cached', 0)} cached, "
             f"{counts.get('to_run', trials)} to run on {counts.get('slots', 1)} slot(s)"
             f"{packs}")
