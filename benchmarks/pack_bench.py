@@ -10,6 +10,11 @@ are each size's time over the time of one trial after another; each packed size'
 trials alone (``parity``). One short lone run goes first, untimed, so that no row pays
 for the process's first compiles. ``--mlp-chunk`` and ``--memory-limit-gb`` apply to
 every trial, alone or packed.
+
+``--pack auto --memory-limit-gb G`` runs what a sweep's ``pack: auto`` runs: the pack probe
+(engine/train/pack_probe.py) over up to 8 such trials under that limit, its pick (the
+largest pack whose peak stayed within G GiB), then that pack trained as ``train_pack``
+trains it, its peak beside the probe's.
 """
 
 from __future__ import annotations
@@ -23,7 +28,12 @@ from typing import Any
 
 
 def pack_sizes(text: str) -> list[int]:
-    """``1,2,4`` as sizes (ValueError naming the flag for anything else)."""
+    """``1,2,4`` as sizes (ValueError naming the flag for anything else); ``auto``: the
+    sizes its probe may try."""
+    if text == "auto":
+        from engine.train.pack_probe import PACK_AUTO_MAX
+
+        return list(range(1, PACK_AUTO_MAX + 1))
     try:
         sizes = [int(s) for s in text.split(",")]
     except ValueError:
@@ -128,4 +138,28 @@ def run(a: argparse.Namespace, model: Path, data: Path, work: Path) -> int:
               f"peak {r['peak_gb']:6.2f} GB{drift}")
     for k, v in ratios.items():
         print(f"{k:>16}  {v:.2f}x")
+    return 0
+
+
+def run_auto(a: argparse.Namespace, model: Path, data: Path, work: Path) -> int:
+    """``--pack auto``: the probe's rows and pick under ``--memory-limit-gb``, then the
+    picked pack trained, its peak (GiB, as the probe's) beside the probe's."""
+    from engine.train.pack_probe import largest_pack, probe_packs
+
+    if a.memory_limit_gb <= 0:
+        raise ValueError("--pack auto: give --memory-limit-gb (the budget it fits packs to)")
+    cfgs = trials(a, model, data, work / "auto")
+    probed = probe_packs(cfgs, a.memory_limit_gb)
+    pick = max(1, largest_pack(probed, a.memory_limit_gb))
+    trained = pack_row(pick, cfgs[:pick], a.warmup)
+    trained["peak_gib"] = trained["peak_gb"] * 1e9 / 2**30
+    if a.json:
+        print(json.dumps({"config": vars(a), "probe": probed, "pick": pick, "trained": trained}))
+        return 0
+    for r in probed:
+        said = f"peak {r['peak_gb']:7.3f} GiB" if "peak_gb" in r else r["error"]
+        print(f"probe pack {r['pack']}  {said}")
+    print(f"pick {pick} within {a.memory_limit_gb:g} GiB; trained: peak "
+          f"{trained['peak_gib']:.3f} GiB, {trained['wall_s']:.1f} s, steady "
+          f"{trained['tokens_per_s'] / 1e3:.1f}k tok/s (every adapter's)")
     return 0

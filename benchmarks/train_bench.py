@@ -84,8 +84,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-repeats", type=int, default=3,
                    help="--profile: profiled steps a row (after one that compiles).")
     p.add_argument("--pack", help="Pack sizes, e.g. 1,2,4: the same k trials (k the "
-                                  "largest) in packs of each size, one after another "
-                                  "(benchmarks/pack_bench.py).")
+                                  "largest) in packs of each size, one after another; "
+                                  "auto: the pack probe's pick under --memory-limit-gb, "
+                                  "trained (benchmarks/pack_bench.py).")
     p.add_argument("--work", help="Keep the model and data here (default: a temporary dir).")
     p.add_argument("--json", action="store_true", help="Print one JSON object.")
     return p
@@ -250,10 +251,11 @@ def main(argv: list[str]) -> int:
             work = Path(a.work or tmp)
             claim_work(work, a)
             model, data = _model_and_data(a, work)
-            if a.pack:  # the same trials in packs of each size
+            if a.pack:  # the same trials in packs of each size, or the probe's pick
                 from benchmarks import pack_bench
 
-                return pack_bench.run(a, model, data, work)
+                run = pack_bench.run_auto if a.pack == "auto" else pack_bench.run
+                return run(a, model, data, work)
             if a.preset or a.row:  # the trainer under named configurations
                 from benchmarks import trainer_rows
 

@@ -161,6 +161,30 @@ def test_train_bench_packs_the_same_trials(tmp_path, capsys, monkeypatch) -> Non
     assert "--pack 0,2: sizes are at least 1" in capsys.readouterr().err
 
 
+def test_train_bench_pack_auto_trains_the_probes_pick(tmp_path, capsys, monkeypatch) -> None:
+    """`pomona bench train --pack auto --memory-limit-gb G`: the probe's rows (peaks
+    growing with the pack), its pick within G, and that pack trained as one. Without a
+    limit: one line. Would catch: a pick the probe did not measure, or the pick not trained."""
+    from benchmarks.train_bench import main
+    from engine.train import pack_trainer
+
+    packs: list[int] = []
+    real = pack_trainer.train_pack
+    monkeypatch.setattr(pack_trainer, "train_pack",
+                        lambda cfgs, *a, **k: packs.append(len(cfgs)) or real(cfgs, *a, **k))
+    args = ["--seq", "48", "--pairs", "2", "--layers", "2", "--hidden", "64", "--heads", "4",
+            "--kv-heads", "2", "--intermediate", "128", "--vocab", "512", "--dtype", "float32",
+            "--warmup", "1", "--steps", "2", "--head-chunk", "32", "--work", str(tmp_path),
+            "--pack", "auto"]
+    assert main(args) == 2
+    assert "--pack auto: give --memory-limit-gb" in capsys.readouterr().err
+    assert main([*args, "--memory-limit-gb", "100", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    peaks = [r["peak_gb"] for r in out["probe"]]
+    assert len(peaks) == 8 and all(a < b for a, b in zip(peaks, peaks[1:], strict=False))
+    assert out["pick"] == 8 and packs == [8] and out["trained"]["peak_gib"] > 0
+
+
 def test_train_bench_never_writes_into_a_foreign_folder(tmp_path, capsys) -> None:
     """--work gets a model, pairs.jsonl and run/: a folder that is not one of its own is
     refused and left as it was; a bad count is one line, exit 2."""

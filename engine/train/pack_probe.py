@@ -25,6 +25,10 @@ import mlx.core as mx
 
 from engine.settings.config import TrainConfig
 
+# Trials a probe packs at most: 8 adapters' copies of a batch are 8 batches' activations,
+# past the sizes the packs measured so far paid at (docs/performance.md, "Packed trials").
+PACK_AUTO_MAX = 8
+
 
 def probe_packs(cfgs: Sequence[TrainConfig], budget_gb: float = 0.0,
                 batches: str | int = "worst") -> list[dict[str, Any]]:

@@ -22,16 +22,12 @@ from typing import Any
 
 from engine.host.atomic import atomic_write_text
 from engine.host.command_queue import queue_env
-from engine.train.pack_probe import largest_pack, probe_packs
+from engine.train.pack_probe import PACK_AUTO_MAX, largest_pack, probe_packs
 from tasks.nodes.placement import Placement
 from tasks.nodes.trial_inputs import SweepFiles, fetched
 from tasks.sweep.memory_probe import probe_key
 from tasks.sweep.packs import group_packs
 from tasks.sweep.trial_plan import TrialPlan
-
-# Trials a probe packs at most: 8 adapters' copies of a batch are 8 batches' activations,
-# where the packs measured so far stopped paying (docs/performance.md, "Packed trials").
-PACK_AUTO_MAX = 8
 
 
 def heaviest_first(plans: list[TrialPlan]) -> list[TrialPlan]:
