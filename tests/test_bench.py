@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -181,7 +182,7 @@ def test_train_bench_pack_auto_trains_the_probes_pick(tmp_path, capsys, monkeypa
     assert main([*args, "--memory-limit-gb", "100", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     peaks = [r["peak_gb"] for r in out["probe"]]
-    assert len(peaks) == 8 and all(a < b for a, b in zip(peaks, peaks[1:], strict=False))
+    assert len(peaks) == 8 and all(a < b for a, b in itertools.pairwise(peaks))
     assert out["pick"] == 8 and packs == [8] and out["trained"]["peak_gib"] > 0
 
 
