@@ -1,6 +1,7 @@
 """End-to-end training benchmark: the real trainer against TRL's ORPOTrainer, one run.
 
     pomona bench train --seq 4096 [--pairs 1] [--steps 8] [--warmup 3] [--trl] [--json]
+    pomona bench train --seq 4096 --peer mlx-lm-lora      # a peer on the same MLX build
     pomona bench train --preset e4b --seq 2048 --row plain --row levers [--profile]
     pomona bench train --seq 1024 --pairs 8 --pack 1,2,4   # packed trials (pack_bench.py)
 
@@ -25,6 +26,10 @@ checkpointing, in fresh processes. MFU: the FLOPs of the pairs as two plain forw
 backwards (4 per frozen weight per token, the head at the loss positions, causal
 attention ×3) over the step time and ``--peak-tflops`` — the same useful work for every
 row, so a row that saves work (prefix sharing) shows it as a higher MFU.
+
+Peers (``--peer mlx-lm-lora``): another trainer on the same model directory and pairs
+file, with and without its checkpointing, in fresh processes (benchmarks/mlx_lm_lora_orpo.py:
+mlx-lm-lora's ``train_orpo``, its own ORPO, said in each row's ``semantics``).
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ from benchmarks.shapes import PRESETS
 from benchmarks.trainer_timing import bench_config, engine_step_of, timed_train
 
 ROOT = Path(__file__).resolve().parents[1]
+# --peer NAME: (the module that runs it in a fresh process, the package it needs)
+PEERS = {"mlx-lm-lora": ("benchmarks.mlx_lm_lora_orpo", "mlx_lm_lora")}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -65,6 +72,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--trl", action="store_true", help="Also run TRL (torch + trl installed).")
+    p.add_argument("--peer", action="append", default=[], choices=sorted(PEERS),
+                   help="Also run a peer trainer on the same model and pairs, with and "
+                        "without its checkpointing (fresh processes): mlx-lm-lora's "
+                        "train_orpo (benchmarks/mlx_lm_lora_orpo.py).")
     p.add_argument("--peak-tflops", type=float, default=0.0,
                    help="The device's dense matmul peak for MFU (H200 bf16: 681); 0 = none.")
     p.add_argument("--preset", choices=sorted(PRESETS),
@@ -178,6 +189,30 @@ def trl_rows(a: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def peer_rows(a: argparse.Namespace, model: Path, data: Path) -> list[dict[str, Any]]:
+    """Each ``--peer`` on the bench's own model and pairs, with and without its
+    checkpointing, each in a fresh process (its peak its own); an error row where it is
+    not installed or fails."""
+    rows = []
+    for peer in a.peer:
+        module, package = PEERS[peer]
+        if not importlib.util.find_spec(package):
+            rows.append({"name": peer, "error": f"{package} is not installed here (pip "
+                                                "install 'pomona[bench]')"})
+            continue
+        for gc in ([], ["--grad-checkpoint"]):
+            cmd = [sys.executable, "-m", module, "--model", str(model), "--data", str(data),
+                   "--pairs", str(a.pairs), "--warmup", str(a.warmup), "--steps",
+                   str(a.steps), "--json", *gc]
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+            if proc.returncode:
+                rows.append({"name": peer + ("_gc" if gc else ""),
+                             "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300]})
+            else:
+                rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return rows
+
+
 def useful_flops(a: argparse.Namespace) -> float:
     """FLOPs of one step's pairs as two plain forwards + backwards to the activations
     (LoRA's own are negligible): 4 per frozen layer weight per token, the head at the
@@ -263,6 +298,7 @@ def main(argv: list[str]) -> int:
                 trainer_rows.report(a, rows)
                 return 0
             rows = [pomona_row(a, work, model, data), engine_row(a, work, model, data)]
+            rows += peer_rows(a, model, data)  # while the model and pairs are on disk
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

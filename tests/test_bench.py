@@ -104,16 +104,18 @@ def test_ops_bench_splits_the_attention_block() -> None:
 def test_train_bench_runs_the_real_trainer(tmp_path, capsys) -> None:
     """`pomona bench train`: the trainer's steady-state step on pairs of exactly --seq
     tokens (tokens/s counts both sequences of every pair), its phases, the engine's own
-    step beside it, and TRL's row says why it is missing here rather than vanishing."""
+    step beside it, mlx-lm-lora's train_orpo on the same model and pairs (with and without
+    its checkpointing, its semantics said), and TRL's row says why it is missing here
+    rather than vanishing."""
     from benchmarks.train_bench import main
 
     args = ["--seq", "96", "--pairs", "2", "--layers", "2", "--hidden", "64", "--heads", "4",
             "--kv-heads", "2", "--intermediate", "128", "--vocab", "512", "--dtype", "float32",
             "--warmup", "1", "--steps", "2", "--head-chunk", "32", "--peak-tflops", "1",
-            "--trl", "--json", "--work", str(tmp_path)]
+            "--trl", "--peer", "mlx-lm-lora", "--json", "--work", str(tmp_path)]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    pomona, engine, trl = out["rows"]
+    pomona, engine, peer, peer_gc, trl = out["rows"]
     assert pomona["name"] == "pomona" and pomona["pairs"] == 2 and len(pomona["steps_s"]) == 2
     assert pomona["tokens_per_s"] == pytest.approx(2 * 96 * 2 / pomona["step_s"])
     assert pomona["mfu"] > 0 and pomona["peak_mb"] > 0
@@ -124,6 +126,13 @@ def test_train_bench_runs_the_real_trainer(tmp_path, capsys) -> None:
     assert engine["name"] == "engine" and len(engine["steps_s"]) == 2 and engine["shared"]
     assert out["ratios"]["trainer_step_vs_engine_step"] == pytest.approx(
         pomona["step_s"] / engine["step_s"])
+    assert (peer["name"], peer_gc["name"]) == ("mlx-lm-lora", "mlx-lm-lora_gc"), peer
+    for row in (peer, peer_gc):  # the same pairs: both sequences' 96 inputs counted
+        assert row["seq"] == 96 and len(row["steps_s"]) == 2 and row["peak_mb"] > 0
+        assert row["tokens_per_s"] == pytest.approx(2 * 96 * 2 / row["step_s"])
+        assert "response" in row["semantics"] and row["mfu"] > 0
+    assert out["ratios"]["pomona_vs_mlx-lm-lora"] == pytest.approx(
+        pomona["tokens_per_s"] / peer["tokens_per_s"])
     assert trl["name"] == "trl" and "not installed" in trl["error"]
     assert (tmp_path / "run" / "adapters.safetensors").exists()  # the trainer really ran
 

@@ -1,0 +1,134 @@
+"""mlx-lm-lora's ORPO trainer (``train_orpo``) on the benchmark's model and pairs: the peer
+on the MLX backend a Mac user would otherwise train with.
+
+    python3 -m benchmarks.mlx_lm_lora_orpo --model DIR --data pairs.jsonl --pairs 1 \
+        --warmup 3 --steps 8 [--grad-checkpoint] --json
+
+Runs in a fresh process (``pomona bench train --peer mlx-lm-lora`` starts it), on the same
+MLX build as Pomona. The model is loaded with mlx-lm, LoRA r16 (scale 2.0) on q/k/v/o
+through mlx-lm's ``linear_to_lora_layers``, as Pomona's bench row has it; each pair is
+handed over already tokenized (prompt + chosen, prompt + rejected, the prompt's length),
+since its ``ORPODataset`` renders text through a chat template. Its ORPO is its own: the
+NLL and the odds use the mean log-prob of the response alone (Pomona's bench row: NLL over
+prompt and response), so the rows time each trainer's own loss, not one loss.
+
+Step time = the median of ``1 / iterations_per_second`` over the reports after
+``--warmup`` (one report a step: batching, forward, backward and the Adam update inside);
+tokens/s counts both sequences' inputs, as Pomona's bench does (mlx-lm-lora's own figure
+counts response tokens only). Peak = MLX's peak over the timed steps. On a CPU, where
+``mx.device_info()`` has no ``max_recommended_working_set_size`` and ``train_orpo`` would
+stop on it, the process reports 0 for it (a wired limit means nothing there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+KEYS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.mlx_lm_lora_orpo",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="An mlx-lm model directory.")
+    p.add_argument("--data", required=True, help="The bench's pairs.jsonl (token ids).")
+    p.add_argument("--pairs", type=int, default=1, help="Pairs per step (its batch size).")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--grad-checkpoint", action="store_true",
+                   help="Its gradient checkpointing (mlx-lm's, per layer).")
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def rows_of(path: Path) -> list[dict[str, Any]]:
+    """The pairs as ``iterate_orpo_batches`` reads them: whole sequences and the prompt's
+    length, so the response alone is scored (its masks start there)."""
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            prompt = r["prompt_ids"]
+            out.append({"chosen": prompt + r["chosen_ids"],
+                        "rejected": prompt + r["rejected_ids"],
+                        "chosen_prompt_length": len(prompt),
+                        "rejected_prompt_length": len(prompt)})
+    return out
+
+
+def device_info_for_cpu() -> None:
+    """``train_orpo`` reads ``max_recommended_working_set_size``, which a CPU device lacks."""
+    import mlx.core as mx
+
+    real = mx.device_info
+    if "max_recommended_working_set_size" not in real():
+        mx.device_info = lambda: {**real(), "max_recommended_working_set_size": 0}
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    import mlx.core as mx
+    import mlx.optimizers as optim
+    from mlx_lm import load
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm_lora import __version__
+    from mlx_lm_lora.trainer.orpo_trainer import ORPOTrainingArgs, train_orpo
+
+    device_info_for_cpu()
+    model, _ = load(a.model)
+    model.freeze()
+    linear_to_lora_layers(model, len(model.layers),
+                          {"rank": 16, "scale": 2.0, "dropout": 0.0, "keys": KEYS})
+    data = rows_of(Path(a.data))
+    longest = max(len(r["chosen"]) for r in data)
+    steps: list[float] = []
+    peaks: list[float] = []
+
+    class Heard:  # its reports, one a step
+        def on_train_loss_report(self, info: dict[str, Any]) -> None:
+            if info["iteration"] == a.warmup:
+                mx.reset_peak_memory()  # the timed steps' peak from here
+            elif info["iteration"] > a.warmup:
+                steps.append(1.0 / info["iterations_per_second"])
+                peaks.append(mx.get_peak_memory())
+
+        def on_val_loss_report(self, info: dict[str, Any]) -> None:
+            pass
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = ORPOTrainingArgs(batch_size=a.pairs, iters=a.warmup + a.steps,
+                                steps_per_report=1, steps_per_eval=10**9,
+                                steps_per_save=10**9, max_seq_length=longest,
+                                adapter_file=str(Path(tmp) / "adapters.safetensors"),
+                                grad_checkpoint=a.grad_checkpoint)
+        train_orpo(model, optim.Adam(learning_rate=1e-5), data, None, args=args,
+                   training_callback=Heard())
+    step_s = statistics.median(steps)
+    seq = longest - 1  # a sequence of seq + 1 tokens feeds seq inputs
+    return {"name": "mlx-lm-lora" + ("_gc" if a.grad_checkpoint else ""),
+            "version": __version__, "seq": seq, "pairs": a.pairs, "step_s": step_s,
+            "tokens_per_s": 2 * seq * a.pairs / step_s, "steps_s": steps,
+            "peak_mb": max(peaks) / 2**20,
+            "semantics": "ORPO as mlx-lm-lora computes it: NLL and odds over the response's "
+                         "mean log-prob"}
+
+
+def main(argv: list[str]) -> int:
+    a = parser().parse_args(argv)
+    row = run(a)
+    if a.json:
+        print(json.dumps(row))
+    else:
+        print(f"{row['name']}: {row['step_s'] * 1e3:.1f} ms/step, "
+              f"{row['tokens_per_s'] / 1e3:.1f}k tok/s, peak {row['peak_mb'] / 1024:.2f} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
