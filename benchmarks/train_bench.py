@@ -25,7 +25,9 @@ pairs per step through ``benchmarks/trl_orpo.py``, with and without gradient
 checkpointing, in fresh processes. MFU: the FLOPs of the pairs as two plain forwards and
 backwards (4 per frozen weight per token, the head at the loss positions, causal
 attention ×3) over the step time and ``--peak-tflops`` — the same useful work for every
-row, so a row that saves work (prefix sharing) shows it as a higher MFU.
+row, so a row that saves work (prefix sharing) shows it as a higher MFU; ``mfu_computed``
+counts what each row computes instead (Pomona's shared prompt once, a peer's every token):
+how well each uses the device on the tokens it runs.
 
 Peers (``--peer mlx-lm-lora``): another trainer on the same model directory and pairs
 file, with and without its checkpointing, in fresh processes (benchmarks/mlx_lm_lora_orpo.py:
@@ -213,17 +215,28 @@ def peer_rows(a: argparse.Namespace, model: Path, data: Path) -> list[dict[str, 
     return rows
 
 
-def useful_flops(a: argparse.Namespace) -> float:
+def useful_flops(a: argparse.Namespace, shared: float = 0.0) -> float:
     """FLOPs of one step's pairs as two plain forwards + backwards to the activations
     (LoRA's own are negligible): 4 per frozen layer weight per token, the head at the
-    response and NLL positions, causal attention (QKᵀ and PV, ×3 with the backward)."""
+    response and NLL positions, causal attention (QKᵀ and PV, ×3 with the backward).
+    ``shared``: the share of pairs whose prompt runs once (the prefix-shared forward: the
+    prompt's tokens once, each response attending to it), what such a step computes."""
     d_head = a.hidden // a.heads
     layer = (a.hidden * (a.heads + 2 * a.kv_heads) * d_head + a.heads * d_head * a.hidden
              + 3 * a.hidden * a.intermediate)
-    tokens = 2 * a.seq * a.pairs
+    prompt = a.seq * 4 // 5  # of each sequence's seq inputs
+    response = a.seq - prompt
+    tokens = {False: 2 * a.seq, True: prompt + 2 * response}  # per pair
+    keys = {False: 2 * a.seq * a.seq / 2,  # keys each query attends to, summed
+            True: prompt * prompt / 2 + 2 * (response * prompt + response * response / 2)}
     loss_tokens = (a.seq + (a.seq + 1 - a.seq * 4 // 5)) * a.pairs  # full NLL + rejected
-    attention = 3 * 4 * a.seq * (a.seq / 2) * a.heads * d_head * 2 * a.pairs * a.layers
-    return 4 * layer * a.layers * tokens + 4 * a.hidden * a.vocab * loss_tokens + attention
+
+    def of(one: bool) -> float:
+        attention = 3 * 4 * keys[one] * a.heads * d_head * a.pairs * a.layers
+        return (4 * layer * a.layers * tokens[one] * a.pairs
+                + 4 * a.hidden * a.vocab * loss_tokens + attention)
+
+    return (1 - shared) * of(False) + shared * of(True)
 
 
 SHAPE = ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "dtype", "preset",
@@ -308,6 +321,9 @@ def main(argv: list[str]) -> int:
     for r in rows:
         if "step_s" in r and a.peak_tflops:
             r["mfu"] = flops / r["step_s"] / (a.peak_tflops * 1e12)
+            # what the row computes: Pomona's shared prompts once; a peer's every token
+            shared = r.get("prefix_share_rate", 1.0 if r.get("shared") else 0.0)
+            r["mfu_computed"] = useful_flops(a, shared) / r["step_s"] / (a.peak_tflops * 1e12)
     by = {r["name"]: r for r in rows if "error" not in r}
     ratios = {f"pomona_vs_{n}": by["pomona"]["tokens_per_s"] / r["tokens_per_s"]
               for n, r in by.items() if n not in ("pomona", "engine")}
@@ -320,7 +336,8 @@ def main(argv: list[str]) -> int:
         print(f"{r['name']:>10}  " + (r.get("error") or
               f"{r['step_s'] * 1e3:8.1f} ms/step  {r['tokens_per_s'] / 1e3:7.1f}k tok/s  "
               f"peak {r['peak_mb'] * 2**20 / 1e9:6.2f} GB"
-              + (f"  MFU {r['mfu']:.0%}" if "mfu" in r else "")))
+              + (f"  MFU {r['mfu']:.0%} (of what it computes: {r['mfu_computed']:.0%})"
+                 if "mfu" in r else "")))
         if "phases_ms" in r:
             print(" " * 12 + "  ".join(f"{k} {v:.1f} ms" for k, v in r["phases_ms"].items()))
     for k, v in ratios.items():

@@ -119,6 +119,8 @@ def test_train_bench_runs_the_real_trainer(tmp_path, capsys) -> None:
     assert pomona["name"] == "pomona" and pomona["pairs"] == 2 and len(pomona["steps_s"]) == 2
     assert pomona["tokens_per_s"] == pytest.approx(2 * 96 * 2 / pomona["step_s"])
     assert pomona["mfu"] > 0 and pomona["peak_mb"] > 0
+    # its prompts ran once: less computed than the plain passes the MFU counts
+    assert pomona["prefix_share_rate"] == 1 and 0 < pomona["mfu_computed"] < pomona["mfu"]
     phases = pomona["phases_ms"]  # where the trainer's step goes, each phase timed
     assert set(phases) == {"batches", "step_grads", "update", "wait"}
     assert 0 < phases["step_grads"] < pomona["step_s"] * 1e3 and phases["update"] > 0
@@ -131,6 +133,7 @@ def test_train_bench_runs_the_real_trainer(tmp_path, capsys) -> None:
         assert row["seq"] == 96 and len(row["steps_s"]) == 2 and row["peak_mb"] > 0
         assert row["tokens_per_s"] == pytest.approx(2 * 96 * 2 / row["step_s"])
         assert "response" in row["semantics"] and row["mfu"] > 0
+        assert row["mfu_computed"] == pytest.approx(row["mfu"])  # it computes every token
     assert out["ratios"]["pomona_vs_mlx-lm-lora"] == pytest.approx(
         pomona["tokens_per_s"] / peer["tokens_per_s"])
     assert trl["name"] == "trl" and "not installed" in trl["error"]
