@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/cuda_wheels.sh                # once, here: MLX's CUDA build into .whl/
 #   # TRL's pure-Python wheels into .trlwhl/ (the GPU machine has torch, transformers, peft):
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .trlwhl trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19  # the GPU host runs 3.12 (multiprocess is per version)
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .trlwhl trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 mlx-lm-lora==5.10.2  # the GPU host runs 3.12 (multiprocess is per version)
 #   bash benchmarks/h200.sh SECTION... OUT_DIR   # on the GPU machine, .whl and .trlwhl carried
 #   # (through the device tool, whose $OUT returns 8 files: OUT_DIR=/tmp/r, then
 #   #  tar czf $OUT/results.tgz -C /tmp/r .)
@@ -12,7 +12,7 @@
 # micro-batch against two forwards), profile-2k, engine-8k|engine-4k|engine-2k (memory
 # rows and prefix rows at segment sizes 0/1/2/4), q4 (a 4-bit base), gemma4 (Gemma 4 E4B's
 # text decoder at 8k, 4-bit and bf16: plain, checkpoint, seg1, seg2, seg1p), train (the real
-# trainer end to end beside TRL: pomona bench train --trl), e4b-train (the trainer on the
+# trainer end to end beside TRL and mlx-lm-lora: pomona bench train --trl --peer mlx-lm-lora), e4b-train (the trainer on the
 # E4B shape, levers against plain, and under a memory limit: bench train --preset e4b), timeline (the 4k trainer's and
 # engine's steps kernel by kernel, text), trl (ORPOTrainer + PEFT, with and without
 # gradient checkpointing, 4k and 8k). Every other result is one JSON file in OUT_DIR. Model: 16 layers, hidden 2048, GQA 32/8, intermediate 5632, vocab 32000, bf16.
@@ -92,7 +92,8 @@ for section in "${@:1:$#-1}"; do
       for shape in "2048 1" "4096 1" "8192 1" "1024 8"; do
         set -- $shape
         (source .whl/activate.sh && PYTHONPATH="/tmp/trl:$PYTHONPATH" python3 -m \
-          benchmarks train --seq "$1" --pairs "$2" --trl --peak-tflops 681 --json) \
+          benchmarks train --seq "$1" --pairs "$2" --trl --peer mlx-lm-lora --peak-tflops 681 \
+          --json) \
           > "$out/train_$1x$2.json" || echo "bench train $1x$2 failed" >&2
       done ;;
     trl)  # torch only: MLX stays off the path (transformers imports mlx when it can)
