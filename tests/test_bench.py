@@ -140,22 +140,31 @@ def test_train_bench_runs_the_real_trainer(tmp_path, capsys) -> None:
     assert (tmp_path / "run" / "adapters.safetensors").exists()  # the trainer really ran
 
 
-def test_train_bench_packs_the_same_trials(tmp_path, capsys, monkeypatch) -> None:
+PACK_SHAPE = ["--seq", "48", "--pairs", "2", "--layers", "2", "--hidden", "64", "--heads",
+              "4", "--kv-heads", "2", "--intermediate", "128", "--vocab", "512", "--dtype",
+              "float32", "--warmup", "1", "--steps", "2", "--head-chunk", "32"]
+
+
+@pytest.fixture
+def packs(monkeypatch) -> list[int]:
+    """The size of each pack ``train_pack`` trains, as it trains it."""
+    from engine.train import pack_trainer
+
+    sizes: list[int] = []
+    real = pack_trainer.train_pack
+    monkeypatch.setattr(pack_trainer, "train_pack",
+                        lambda cfgs, *a, **k: sizes.append(len(cfgs)) or real(cfgs, *a, **k))
+    return sizes
+
+
+def test_train_bench_packs_the_same_trials(tmp_path, capsys, packs) -> None:
     """`pomona bench train --pack 1,2`: the same two trials alone and as one pack, each
     size's wall time and steady tokens/s (every adapter's) side by side, and the ratio;
     each trial really trained, in its own folder, the pack row as one pack. A bad size is
     one line."""
     from benchmarks.train_bench import main
-    from engine.train import pack_trainer
 
-    packs: list[int] = []
-    real = pack_trainer.train_pack
-    monkeypatch.setattr(pack_trainer, "train_pack",
-                        lambda cfgs, *a, **k: packs.append(len(cfgs)) or real(cfgs, *a, **k))
-
-    args = ["--seq", "48", "--pairs", "2", "--layers", "2", "--hidden", "64", "--heads", "4",
-            "--kv-heads", "2", "--intermediate", "128", "--vocab", "512", "--dtype", "float32",
-            "--warmup", "1", "--steps", "2", "--head-chunk", "32", "--work", str(tmp_path)]
+    args = [*PACK_SHAPE, "--work", str(tmp_path)]
     assert main([*args, "--pack", "1,2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [(r["pack"], r["trials"]) for r in out["rows"]] == [(1, 2), (2, 2)]
@@ -174,21 +183,13 @@ def test_train_bench_packs_the_same_trials(tmp_path, capsys, monkeypatch) -> Non
     assert "--pack 0,2: sizes are at least 1" in capsys.readouterr().err
 
 
-def test_train_bench_pack_auto_trains_the_probes_pick(tmp_path, capsys, monkeypatch) -> None:
+def test_train_bench_pack_auto_trains_the_probes_pick(tmp_path, capsys, packs) -> None:
     """`pomona bench train --pack auto --memory-limit-gb G`: the probe's rows (peaks
     growing with the pack), its pick within G, and that pack trained as one. Without a
     limit: one line. Would catch: a pick the probe did not measure, or the pick not trained."""
     from benchmarks.train_bench import main
-    from engine.train import pack_trainer
 
-    packs: list[int] = []
-    real = pack_trainer.train_pack
-    monkeypatch.setattr(pack_trainer, "train_pack",
-                        lambda cfgs, *a, **k: packs.append(len(cfgs)) or real(cfgs, *a, **k))
-    args = ["--seq", "48", "--pairs", "2", "--layers", "2", "--hidden", "64", "--heads", "4",
-            "--kv-heads", "2", "--intermediate", "128", "--vocab", "512", "--dtype", "float32",
-            "--warmup", "1", "--steps", "2", "--head-chunk", "32", "--work", str(tmp_path),
-            "--pack", "auto"]
+    args = [*PACK_SHAPE, "--work", str(tmp_path), "--pack", "auto"]
     assert main(args) == 2
     assert "--pack auto: give --memory-limit-gb" in capsys.readouterr().err
     assert main([*args, "--memory-limit-gb", "100", "--json"]) == 0
