@@ -146,8 +146,6 @@ def run_auto(a: argparse.Namespace, model: Path, data: Path, work: Path) -> int:
     picked pack trained, its peak (GiB, as the probe's) beside the probe's."""
     from engine.train.pack_probe import largest_pack, probe_packs
 
-    if a.memory_limit_gb <= 0:
-        raise ValueError("--pack auto: give --memory-limit-gb (the budget it fits packs to)")
     cfgs = trials(a, model, data, work / "auto")
     probed = probe_packs(cfgs, a.memory_limit_gb)
     pick = max(1, largest_pack(probed, a.memory_limit_gb))

@@ -183,11 +183,7 @@ def trl_rows(a: argparse.Namespace) -> list[dict[str, Any]]:
                "--batch", str(a.pairs), "--layers", str(a.layers), "--vocab", str(a.vocab),
                "--warmup", str(a.warmup), "--steps", str(a.steps), "--json", *gc]
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode:
-            rows.append({"name": "trl" + ("_gc" if gc else ""),
-                         "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300]})
-        else:
-            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        rows.append(peer_row("trl" + ("_gc" if gc else ""), proc))
     return rows
 
 
@@ -207,20 +203,30 @@ def peer_rows(a: argparse.Namespace, model: Path, data: Path) -> list[dict[str, 
                    "--pairs", str(a.pairs), "--warmup", str(a.warmup), "--steps",
                    str(a.steps), "--json", *gc]
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-            if proc.returncode:
-                rows.append({"name": peer + ("_gc" if gc else ""),
-                             "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300]})
-            else:
-                rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            rows.append(peer_row(peer + ("_gc" if gc else ""), proc))
     return rows
 
 
-def useful_flops(a: argparse.Namespace, shared: float = 0.0) -> float:
+def peer_row(name: str, proc: subprocess.CompletedProcess) -> dict[str, Any]:
+    """A peer's process's row (TRL's too): its last line's JSON, or an error row saying
+    why not."""
+    lines = proc.stdout.strip().splitlines()
+    if not proc.returncode and lines:
+        try:
+            return json.loads(lines[-1])
+        except json.JSONDecodeError:
+            return {"name": name, "error": f"its last line is no JSON: {lines[-1][:200]}"}
+    return {"name": name, "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300]}
+
+
+def useful_flops(a: argparse.Namespace, shared: float = 0.0, all_logits: bool = False
+                 ) -> float:
     """FLOPs of one step's pairs as two plain forwards + backwards to the activations
     (LoRA's own are negligible): 4 per frozen layer weight per token, the head at the
     response and NLL positions, causal attention (QKᵀ and PV, ×3 with the backward).
     ``shared``: the share of pairs whose prompt runs once (the prefix-shared forward: the
-    prompt's tokens once, each response attending to it), what such a step computes."""
+    prompt's tokens once, each response attending to it), what such a step computes;
+    ``all_logits``: the head at every position, as a trainer that computes all logits."""
     d_head = a.hidden // a.heads
     layer = (a.hidden * (a.heads + 2 * a.kv_heads) * d_head + a.heads * d_head * a.hidden
              + 3 * a.hidden * a.intermediate)
@@ -229,7 +235,8 @@ def useful_flops(a: argparse.Namespace, shared: float = 0.0) -> float:
     tokens = {False: 2 * a.seq, True: prompt + 2 * response}  # per pair
     keys = {False: 2 * a.seq * a.seq / 2,  # keys each query attends to, summed
             True: prompt * prompt / 2 + 2 * (response * prompt + response * response / 2)}
-    loss_tokens = (a.seq + (a.seq + 1 - a.seq * 4 // 5)) * a.pairs  # full NLL + rejected
+    loss_tokens = (2 * a.seq if all_logits  # else: full NLL + the rejected response
+                   else a.seq + (a.seq + 1 - a.seq * 4 // 5)) * a.pairs
 
     def of(one: bool) -> float:
         attention = 3 * 4 * keys[one] * a.heads * d_head * a.pairs * a.layers
@@ -289,6 +296,9 @@ def main(argv: list[str]) -> int:
             from benchmarks.pack_bench import pack_sizes
 
             pack_sizes(a.pack)  # refused before any model is made
+            if a.pack == "auto" and a.memory_limit_gb <= 0:
+                raise ValueError("--pack auto: give --memory-limit-gb (the budget it fits "
+                                 "packs to)")
         if a.preset or a.row:
             from benchmarks.trainer_rows import row_env, row_fields
 
@@ -317,13 +327,21 @@ def main(argv: list[str]) -> int:
         return 2
     if a.trl:
         rows += trl_rows(a)
+    return report(a, rows)
+
+
+def report(a: argparse.Namespace, rows: list[dict[str, Any]]) -> int:
+    """The rows with their MFUs, side by side, and Pomona's ratios to each other row."""
     flops = useful_flops(a)
     for r in rows:
         if "step_s" in r and a.peak_tflops:
             r["mfu"] = flops / r["step_s"] / (a.peak_tflops * 1e12)
-            # what the row computes: Pomona's shared prompts once; a peer's every token
+            # what the row computes: Pomona's shared prompts once and the head at its loss
+            # positions; a peer's every token, logits at every position
+            ours = r["name"] in ("pomona", "engine")
             shared = r.get("prefix_share_rate", 1.0 if r.get("shared") else 0.0)
-            r["mfu_computed"] = useful_flops(a, shared) / r["step_s"] / (a.peak_tflops * 1e12)
+            r["mfu_computed"] = (useful_flops(a, shared, all_logits=not ours) / r["step_s"]
+                                 / (a.peak_tflops * 1e12))
     by = {r["name"]: r for r in rows if "error" not in r}
     ratios = {f"pomona_vs_{n}": by["pomona"]["tokens_per_s"] / r["tokens_per_s"]
               for n, r in by.items() if n not in ("pomona", "engine")}

@@ -133,7 +133,7 @@ def test_train_bench_runs_the_real_trainer(tmp_path, capsys) -> None:
         assert row["seq"] == 96 and len(row["steps_s"]) == 2 and row["peak_mb"] > 0
         assert row["tokens_per_s"] == pytest.approx(2 * 96 * 2 / row["step_s"])
         assert "response" in row["semantics"] and row["mfu"] > 0
-        assert row["mfu_computed"] == pytest.approx(row["mfu"])  # it computes every token
+        assert row["mfu_computed"] > row["mfu"]  # every token, logits at every position
     assert out["ratios"]["pomona_vs_mlx-lm-lora"] == pytest.approx(
         pomona["tokens_per_s"] / peer["tokens_per_s"])
     assert trl["name"] == "trl" and "not installed" in trl["error"]

@@ -35,7 +35,9 @@ def test_pack_reaches_the_rules_and_defaults_to_one() -> None:
     ({"pack": "auto", "memory_budget_gb": 8, "fixed": {"segment_size": "auto"}},
      "pack: auto: fixed.segment_size: auto fits one adapter"),
     ({"pack": "auto", "memory_budget_gb": 8, "kind": "memory"}, "pack: auto: kind: memory"),
-    ({"pack": "several"}, "pack='several': expected an integer"),
+    ({"pack": "several"}, "pack='several': expected an integer >= 1 or auto"),
+    ({"pack": "auto", "memory_budget_gb": 8, "fixed": {"memory_limit_gb": 4}},
+     "fixed.memory_limit_gb: pack: auto fits each pack to memory_budget_gb"),
 ])
 def test_pack_is_refused_where_packs_cannot_run(more: dict, said: str) -> None:
     """Would catch: a spec accepted whose packs the scheduler would refuse once Ray is up,
@@ -44,12 +46,15 @@ def test_pack_is_refused_where_packs_cannot_run(more: dict, said: str) -> None:
         parse_spec({**BASE, "pack": 2, **more})
 
 
+def _fields(batch_size: int, rank: int, i: int) -> dict:
+    return {"model": "m", "data": "d", "out": f"o/t{i}", "batch_size": batch_size,
+            "lora_rank": rank, "learning_rate": 1e-4 * (i + 1)}
+
+
 def _plans(batch_sizes: list[int], ranks: list[int]) -> list:
     from tasks.sweep.trial_plan import TrialPlan
 
-    return [TrialPlan.make(f"t{i}", {"model": "m", "data": "d", "out": f"o/t{i}",
-                                     "batch_size": b, "lora_rank": r,
-                                     "learning_rate": 1e-4 * (i + 1)})
+    return [TrialPlan.make(f"t{i}", _fields(b, r, i))
             for i, (b, r) in enumerate(zip(batch_sizes, ranks, strict=True))]
 
 
@@ -57,24 +62,33 @@ def test_auto_sizes_each_class_of_trials_from_its_probe(tmp_path) -> None:
     """Cached probe rows (no Ray: nothing to measure) size each class that packs: a class
     up to its largest pack within the budget, one over it alone, and a trial that packs
     with none left out. Rows probed under a smaller budget that stopped early do not answer
-    for a larger one. Would catch: one size for every class, a pack past the budget, a
-    lone class sized, or a short cached probe reused."""
+    for a larger one; the key is the class's heaviest trial's, with what a pack shares.
+    Would catch: one size for every class, a pack past the budget (or past the first over
+    it), a lone class sized, a short cached probe reused, or two segment sizes sharing a
+    probe."""
     import json
 
-    from tasks.sweep.pack_sizes import covers, heaviest_first, pack_key, size_packs
+    from engine.train.pack_probe import largest_pack
+    from tasks.sweep.pack_sizes import covers, heaviest, pack_key, size_packs
+    from tasks.sweep.trial_plan import TrialPlan
 
     plans = _plans([2, 2, 2, 4], [4, 8, 4, 4])
-    cls = heaviest_first(plans[:3])
-    assert cls[0].id == "t1"  # rank 8 first: any k hold at most what the first k hold
+    assert heaviest(plans[:3]).id == "t1"  # rank 8: k copies of it bound any k of the class
     rows = [{"pack": k, "peak_gb": float(k)} for k in (1, 2, 3)]
     cache = tmp_path / "probes.json"
-    cache.write_text(json.dumps({pack_key(cls, "fp"): rows}))
+    cache.write_text(json.dumps({pack_key(plans[1], "fp"): rows}))
     limits, notes = size_packs(plans, 2.3, None, "fp", cache)  # 2 GiB fits, 3 does not
     assert limits == {"t0": 2, "t1": 2, "t2": 2} and "t3" not in limits
     assert json.loads(notes["t0"]) == {"1": 1.0, "2": 2.0, "3": 3.0}
     assert size_packs(plans, 0.9, None, "fp", cache)[0]["t0"] == 1  # none fits: alone
     assert size_packs(plans, 3.0, None, "fp", cache)[0]["t0"] == 3
     assert covers(rows[:2], 3, 1.5) and not covers(rows[:2], 3, 2.3) and not covers(None, 3, 9)
+    noisy = [{"pack": 1, "peak_gb": 1.0}, {"pack": 2, "peak_gb": 2.5}, {"pack": 3, "peak_gb": 2.0}]
+    assert largest_pack(noisy, 2.3) == 1  # past the first over: never picked
+    other = _plans([2], [8])[0]  # another learning rate and folder
+    assert pack_key(other, "fp") == pack_key(plans[1], "fp")  # the same memory, one probe
+    segmented = TrialPlan.make("t9", {**_fields(2, 8, 0), "segment_size": 2})
+    assert pack_key(segmented, "fp") != pack_key(plans[1], "fp")
 
 
 def test_packs_keep_to_each_trials_own_limit() -> None:

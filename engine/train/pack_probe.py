@@ -58,10 +58,15 @@ def probe_packs(cfgs: Sequence[TrainConfig], budget_gb: float = 0.0,
 
 
 def largest_pack(rows: list[dict[str, Any]], budget_gb: float) -> int:
-    """The largest k whose probed peak stayed within ``budget_gb``; 0 where none did (a
-    pack of one went over it too)."""
-    fitting = [r["pack"] for r in rows if "peak_gb" in r and r["peak_gb"] <= budget_gb]
-    return max(fitting, default=0)
+    """The largest k below the first pack whose probed peak passed ``budget_gb`` (or that
+    failed): a larger pack that measured under it holds more all the same. 0 where a pack
+    of one went over it too."""
+    fitting = 0
+    for r in rows:
+        if "peak_gb" not in r or r["peak_gb"] > budget_gb:
+            break
+        fitting = r["pack"]
+    return fitting
 
 
 def _measure_pack(cfgs: list[TrainConfig], batches: str | int) -> dict[str, Any]:

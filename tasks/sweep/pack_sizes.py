@@ -3,91 +3,89 @@
 The trials to run are grouped into the classes that can pack together (tasks/sweep/packs.py
 ``group_packs``). Each class of two or more is probed once (cached in ``<sweep>/probes.json``,
 beside the segment sizes' probes): one Ray task on the trials' own placement, in a fresh
-process started as its packs are (MLX's queue capped), trains packs of its first 1, 2, ...
-trials (engine/train/pack_probe.py) under the budget as MLX's memory limit, as its packs
-will train, heaviest first (largest LoRA rank, dropout's masks, KTO's KL pass), so any k of
-the class hold no more than the k it measured. Its trials then pack up to the largest k
-whose peak stayed within the budget. Unlike ``segment_size: auto``'s probe (run without a
-limit, so its pick keeps 10 % headroom), this one ran under the limit its pack trains
-under: the peak it saw is the one the pack holds. Where even one went over, they train
-alone, under that limit, as ``pack: 1`` would.
+process started as its packs are (MLX's queue capped), trains packs of 1, 2, ... copies
+of the class's heaviest trial (engine/train/pack_probe.py: dropout's masks, then KTO's KL
+pass, then the LoRA rank) under its memory limit, as its packs will train. Each adapter
+adds its own share to a step, so k of the class hold no more than k copies of its
+heaviest. Its trials then pack up to the largest k whose peak stayed within the budget.
+Unlike ``segment_size: auto``'s probe (run without a limit, so its pick keeps 10 %
+headroom), this one ran under the limit its packs train under: the peak it saw is the one
+a pack holds. Where even one went over, they train alone, under that limit, as
+``pack: 1`` would.
 """
-
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from engine.host.atomic import atomic_write_text
 from engine.host.command_queue import queue_env
 from engine.train.pack_probe import PACK_AUTO_MAX, largest_pack, probe_packs
+from engine.train.pack_steps import SHARED
 from tasks.nodes.placement import Placement
 from tasks.nodes.trial_inputs import SweepFiles, fetched
 from tasks.sweep.memory_probe import probe_key
 from tasks.sweep.packs import group_packs
 from tasks.sweep.trial_plan import TrialPlan
 
-
-def heaviest_first(plans: list[TrialPlan]) -> list[TrialPlan]:
-    """``plans`` with those that hold the most memory first: any k of them hold at most
-    what the first k do."""
-    return sorted(plans, key=lambda p: (-p.config.lora_rank, -(p.config.lora_dropout > 0),
-                                        -p.config.loss.needs_kl))
+log = logging.getLogger("pomona.sweep")
 
 
-def pack_key(plans: list[TrialPlan], fingerprint: str) -> str:
-    """The probe cache's key of a pack of ``plans`` in this order: each one's settings
-    that change a step's memory (``probe_key``), and the limit it is measured under."""
-    body = ["pack", plans[0].config.memory_limit_gb,
-            *(probe_key(p.config.to_dict(), fingerprint) for p in plans)]
-    return "pack-" + hashlib.sha256(json.dumps(body).encode()).hexdigest()[:16]
+def heaviest(plans: list[TrialPlan]) -> TrialPlan:
+    """The trial whose adapter adds most to a step's memory: dropout (a masked copy of
+    each adapted projection's input), then KTO's KL pass, then the LoRA rank."""
+    return max(plans, key=lambda p: (p.config.lora_dropout > 0, p.config.loss.needs_kl,
+                                     p.config.lora_rank))
+
+
+def pack_key(plan: TrialPlan, fingerprint: str) -> str:
+    """The probe cache's key of packs of ``plan``'s copies: its settings that change a
+    step's memory (``probe_key``), what a pack shares (``SHARED``: the segment size too)
+    and the limit it is measured under."""
+    shared = {name: str(getattr(plan.config, name)) for name in SHARED}
+    body = ["pack", plan.config.memory_limit_gb, shared,
+            probe_key(plan.config.to_dict(), fingerprint)]
+    return "pack-" + hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def covers(rows: list[dict[str, Any]] | None, size: int, budget_gb: float) -> bool:
-    """Whether cached probe ``rows`` of a pack of up to ``size`` answer for ``budget_gb``:
+    """Whether cached probe ``rows`` answer for packs of up to ``size`` under ``budget_gb``:
     every size measured, or the last one over this budget too (a probe under a smaller
     budget stopped before the sizes a larger one may fit)."""
     if not rows:
         return False
     last = rows[-1]
-    return len(rows) >= size or "error" in last or last["peak_gb"] > budget_gb
+    return len(rows) >= size or last.get("peak_gb", 0.0) > budget_gb
 
 
-def _run_pack_probe(configs: list[dict[str, Any]], inputs: list[dict[str, Any] | None],
+def _run_pack_probe(config: dict[str, Any], size: int, inputs: dict[str, Any] | None,
                     budget_gb: float) -> list[dict[str, Any]]:
-    """In the probe's fresh process: the pack probe's rows, from the trials' configs as
-    ``TrainConfig.to_dict`` sent them, on this node's copies of their inputs."""
+    """In the probe's fresh process: the pack probe's rows over up to ``size`` copies of
+    the trial's config as ``TrainConfig.to_dict`` sent it (each its own folder, which the
+    probe never writes), on this node's copies of its inputs."""
     from engine.settings.config import TrainConfig
 
-    cfgs = [TrainConfig.from_dict({**c, **fetched(i)}) for c, i in zip(configs, inputs,
-                                                                      strict=True)]
-    return probe_packs(cfgs, budget_gb)
+    cfg = TrainConfig.from_dict({**config, **fetched(inputs)})
+    return probe_packs([cfg.replace(out=f"{cfg.out}.probe-{i}") for i in range(size)],
+                       budget_gb)
 
 
 def size_packs(plans: list[TrialPlan], budget_gb: float, placement: Placement,
                fingerprint: str, cache: Path) -> tuple[dict[str, int], dict[str, str]]:
-    """Each trial's largest pack (by id), and the probed peaks (GB by pack size, JSON) it
-    was chosen from; a trial that packs with no other is left out of both."""
-    import ray
-
+    """Each trial's largest pack (by id), and the probed peaks (GiB by pack size, JSON) it
+    was chosen from; a trial that packs with no other is left out of both. A probe that
+    failed short of the budget is said in a warning and not cached: the next run probes
+    again."""
     known: dict[str, list[dict[str, Any]]] = (json.loads(cache.read_text())
                                               if cache.exists() else {})
-    classes = [heaviest_first(c) for c in group_packs(plans, len(plans)) if len(c) > 1]
-    keyed = [(pack_key(c[:PACK_AUTO_MAX], fingerprint), c) for c in classes]
-    todo = {key: c[:PACK_AUTO_MAX] for key, c in keyed
-            if not covers(known.get(key), len(c[:PACK_AUTO_MAX]), budget_gb)}
-    if todo:
-        files = SweepFiles()
-        refs = {key: placement.fresh_task(_run_pack_probe, queue_env(budget_gb)).remote(
-            [p.config.to_dict() for p in probed],
-            [files.for_config(p.config) for p in probed], budget_gb)
-            for key, probed in todo.items()}
-        for key, ref in refs.items():
-            known[key] = ray.get(ref)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(cache, json.dumps(known, indent=2, sort_keys=True) + "\n")
+    classes = [c for c in group_packs(plans, len(plans)) if len(c) > 1]
+    keyed = [(pack_key(heaviest(c), fingerprint), c) for c in classes]
+    todo = {key: c for key, c in keyed
+            if not covers(known.get(key), min(len(c), PACK_AUTO_MAX), budget_gb)}
+    _probe(todo, known, budget_gb, placement, cache)
     limits, notes = {}, {}
     for key, members in keyed:
         rows = known[key]
@@ -97,3 +95,31 @@ def size_packs(plans: list[TrialPlan], budget_gb: float, placement: Placement,
         for plan in members:
             limits[plan.id], notes[plan.id] = size, peaks
     return limits, notes
+
+
+def _probe(todo: dict[str, list[TrialPlan]], known: dict[str, list[dict[str, Any]]],
+           budget_gb: float, placement: Placement, cache: Path) -> None:
+    """Each class of ``todo`` probed on the placement (one fresh task each, at once), its
+    rows into ``known`` and, unless a pack failed, into ``cache`` as they come."""
+    import ray
+
+    files = SweepFiles()
+    refs = {}
+    for key, members in todo.items():
+        plan = heaviest(members)
+        refs[key] = placement.fresh_task(_run_pack_probe, queue_env(
+            plan.config.memory_limit_gb)).remote(plan.config.to_dict(),
+                                                 min(len(members), PACK_AUTO_MAX),
+                                                 files.for_config(plan.config), budget_gb)
+    for key, ref in refs.items():
+        known[key] = rows = ray.get(ref)
+        if "error" in rows[-1]:
+            ids = ", ".join(p.id for p in todo[key])
+            log.warning(f"warning: pack: auto: a pack of {rows[-1]['pack']} of trials {ids} "
+                        f"failed in its probe ({rows[-1]['error']}); they pack up to "
+                        f"{max(1, largest_pack(rows, budget_gb))}")
+            continue
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        saved = json.loads(cache.read_text()) if cache.exists() else {}
+        atomic_write_text(cache, json.dumps({**saved, key: rows}, indent=2, sort_keys=True)
+                          + "\n")

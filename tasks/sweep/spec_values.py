@@ -17,7 +17,7 @@ import numpy as np
 from engine.losses import OWNERS
 from engine.settings.config import TrainConfig, field_type
 from tasks.sweep.spec_rules import SpecError
-from tasks.sweep.trial_plan import AUTO, parse_auto
+from tasks.sweep.trial_plan import AUTO, Auto, parse_auto
 
 KINDS = ("choice", "uniform", "loguniform", "int")
 # TrainConfig's fields and each loss's own settings (engine/losses/), by their flat names.
@@ -120,3 +120,18 @@ def number_of(value: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return number if math.isfinite(number) else None
+
+
+def pack_of(raw: Any, fixed: dict, grid: dict, space: dict) -> int | Auto:
+    """A spec's ``pack``: an integer >= 1, or ``auto`` (which sets each pack's memory limit
+    from ``memory_budget_gb``: a trial's own ``memory_limit_gb`` would split the two)."""
+    if raw != "auto":
+        number = number_of(raw)
+        if number is None or number < 1 or not number.is_integer():
+            raise SpecError(f"pack={raw!r}: expected an integer >= 1 or auto")
+        return int(number)
+    for where, section in (("fixed", fixed), ("grid", grid), ("space", space)):
+        if "memory_limit_gb" in section:
+            raise SpecError(f"{where}.memory_limit_gb: pack: auto fits each pack to "
+                            "memory_budget_gb, its memory limit; drop it")
+    return AUTO

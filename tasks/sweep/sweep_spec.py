@@ -70,6 +70,7 @@ from tasks.sweep.spec_values import (
     check_value,
     distinct,
     number_of,
+    pack_of,
     space_dist,
 )
 from tasks.sweep.trial_plan import AUTO, AUTO_KEYS, Auto, TrialPlan, own_loss_fields
@@ -275,8 +276,7 @@ def _parse(data: Any) -> SweepSpec:
               for key, default, minimum in (("num_samples", 1, 1), ("max_concurrent", 1, 1),
                                             ("retries", 2, 0), ("probe_batches", 8, 1),
                                             ("seed", 0, 0), ("ranks_per_trial", 1, 1))}
-    pack = AUTO if data.get("pack") == "auto" else _setting(data, "pack", 1, integer=True,
-                                                            minimum=1)
+    pack = pack_of(data.get("pack", 1), fixed, grid, space)
     seconds = {key: _setting(data, key, default)
                for key, default in (("time_limit_s", 0), ("retry_delay_s", 5),
                                     ("memory_budget_gb", 0))}
