@@ -124,3 +124,32 @@ def test_a_packed_sweep_flow_keeps_a_task_run_per_trial(prefect_api, ray_cluster
         again_runs = [t.name for t in client.read_task_runs()
                       if t.flow_run_id == again.state_details.flow_run_id]
         assert not [n for n in again_runs if not n.startswith("reference-")]  # all cached
+
+
+def test_pomonas_warnings_reach_the_flow_runs_log(prefect_api) -> None:
+    """A tracker's and the sweep's warning lines, logged inside ``in_run_log`` (as
+    sweep_stage logs a failed pack probe), are on the flow run's log once each. Would
+    catch: a pack probe's failure said only on a console no one watches."""
+    import logging
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    from tasks.prefect.run_log import in_run_log
+
+    @flow(name="warns")
+    def warns() -> None:
+        with in_run_log():
+            logging.getLogger("pomona.sweep").warning("warning: pack: auto: probe failed")
+            logging.getLogger("pomona.track").warning("warning: mlflow: down")
+            logging.getLogger("pomona.other").warning("warning: not shown")
+
+    state = warns(return_state=True)
+    APILogHandler().flush()
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(
+            any_=[state.state_details.flow_run_id])))
+    said = [log.message for log in logs if log.message.startswith("warning: ")]
+    assert sorted(said) == ["warning: mlflow: down", "warning: pack: auto: probe failed"]

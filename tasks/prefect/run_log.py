@@ -1,6 +1,7 @@
 """Pomona's own warnings on the Prefect run's log: a tracker that is down
-(tasks/track/tracker.py logs to ``pomona.track``) is one line in the UI, on the flow or
-task run it happened in, and on the console through Prefect's handler, once."""
+(tasks/track/tracker.py logs to ``pomona.track``) or a pack probe that failed
+(tasks/sweep/pack_sizes.py, ``pomona.sweep``) is one line in the UI, on the flow or task
+run it happened in, and on the console through Prefect's handler, once."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from contextlib import contextmanager
 
 from prefect import get_run_logger
 
-SHOWN = ("pomona.track",)
+SHOWN = ("pomona.track", "pomona.sweep")
 
 
 class _ToRunLog(logging.Handler):
