@@ -2,7 +2,7 @@
 on the MLX backend a Mac user would otherwise train with.
 
     python3 -m benchmarks.mlx_lm_lora_orpo --model DIR --data pairs.jsonl --pairs 1 \
-        --warmup 3 --steps 8 [--grad-checkpoint] --json
+        --warmup 3 --steps 8 [--grad-checkpoint]     # its row as one JSON line
 
 Runs in a fresh process (``pomona bench train --peer mlx-lm-lora`` starts it), on the same
 MLX build as Pomona. The model is loaded with mlx-lm, LoRA r16 (scale 2.0) on q/k/v/o
@@ -44,7 +44,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--grad-checkpoint", action="store_true",
                    help="Its gradient checkpointing (mlx-lm's, per layer).")
-    p.add_argument("--json", action="store_true")
     return p
 
 
@@ -120,13 +119,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    a = parser().parse_args(argv)
-    row = run(a)
-    if a.json:
-        print(json.dumps(row))
-    else:
-        print(f"{row['name']}: {row['step_s'] * 1e3:.1f} ms/step, "
-              f"{row['tokens_per_s'] / 1e3:.1f}k tok/s, peak {row['peak_mb'] / 1024:.2f} GiB")
+    print(json.dumps(run(parser().parse_args(argv))))  # the row, as the last line
     return 0
 
 

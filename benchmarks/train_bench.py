@@ -201,7 +201,7 @@ def peer_rows(a: argparse.Namespace, model: Path, data: Path) -> list[dict[str, 
         for gc in ([], ["--grad-checkpoint"]):
             cmd = [sys.executable, "-m", module, "--model", str(model), "--data", str(data),
                    "--pairs", str(a.pairs), "--warmup", str(a.warmup), "--steps",
-                   str(a.steps), "--json", *gc]
+                   str(a.steps), *gc]
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             rows.append(peer_row(peer + ("_gc" if gc else ""), proc))
     return rows
