@@ -73,10 +73,11 @@ def test_auto_sizes_each_class_of_trials_from_its_probe(tmp_path) -> None:
     from tasks.sweep.trial_plan import TrialPlan
 
     plans = _plans([2, 2, 2, 4], [4, 8, 4, 4])
-    assert heaviest(plans[:3]).id == "t1"  # rank 8: k copies of it bound any k of the class
+    probed = heaviest(plans[:3])  # rank 8: k copies of it bound any k of the class
+    assert (probed.lora_rank, probed.learning_rate) == (8, plans[0].config.learning_rate)
     rows = [{"pack": k, "peak_gb": float(k)} for k in (1, 2, 3)]
     cache = tmp_path / "probes.json"
-    cache.write_text(json.dumps({pack_key(plans[1], "fp"): rows}))
+    cache.write_text(json.dumps({pack_key(probed, "fp"): rows}))
     limits, notes = size_packs(plans, 2.3, None, "fp", cache)  # 2 GiB fits, 3 does not
     assert limits == {"t0": 2, "t1": 2, "t2": 2} and "t3" not in limits
     assert json.loads(notes["t0"]) == {"1": 1.0, "2": 2.0, "3": 3.0}
@@ -85,10 +86,13 @@ def test_auto_sizes_each_class_of_trials_from_its_probe(tmp_path) -> None:
     assert covers(rows[:2], 3, 1.5) and not covers(rows[:2], 3, 2.3) and not covers(None, 3, 9)
     noisy = [{"pack": 1, "peak_gb": 1.0}, {"pack": 2, "peak_gb": 2.5}, {"pack": 3, "peak_gb": 2.0}]
     assert largest_pack(noisy, 2.3) == 1  # past the first over: never picked
-    other = _plans([2], [8])[0]  # another learning rate and folder
-    assert pack_key(other, "fp") == pack_key(plans[1], "fp")  # the same memory, one probe
-    segmented = TrialPlan.make("t9", {**_fields(2, 8, 0), "segment_size": 2})
-    assert pack_key(segmented, "fp") != pack_key(plans[1], "fp")
+    other = plans[1].config  # another learning rate and folder
+    assert pack_key(other, "fp") == pack_key(probed, "fp")  # the same memory, one probe
+    segmented = TrialPlan.make("t9", {**_fields(2, 8, 0), "segment_size": 2}).config
+    assert pack_key(segmented, "fp") != pack_key(probed, "fp")
+    kto = TrialPlan.make("t8", {**_fields(2, 4, 8), "loss": "kto", "lora_dropout": 0.1})
+    mixed = heaviest([plans[1], kto])  # the KL pass, rank 8 and dropout at once
+    assert (mixed.loss.kind, mixed.lora_rank, mixed.lora_dropout) == ("kto", 8, 0.1)
 
 
 def test_packs_keep_to_each_trials_own_limit() -> None:
@@ -99,4 +103,15 @@ def test_packs_keep_to_each_trials_own_limit() -> None:
     ids = lambda packs: [[t.id for t in p] for p in packs]  # noqa: E731
     limits = {"t0": 2, "t1": 2, "t2": 2, "t3": 3, "t4": 3}
     assert ids(group_packs(plans, 3, limits)) == [["t0", "t1"], ["t2"], ["t3", "t4"]]
+    # pack: auto cuts the classes it sized, in order, never packing across two of them:
+    # DPO trials of two references fit the ORPO ones, not each other
+    from tasks.sweep.trial_plan import TrialPlan
+
+    r1, n1, n2, r2 = (TrialPlan.make(tid, {**_fields(2, 4, i), **more}) for i, (tid, more) in
+                      enumerate([("r1", {"loss": "dpo", "reference_logps": "a.arrow"}),
+                                 ("n1", {}), ("n2", {}),
+                                 ("r2", {"loss": "dpo", "reference_logps": "b.arrow"})]))
+    two = {"r1": 2, "n1": 2, "n2": 2}  # r2 packs with none of its class: no limit
+    assert ids(group_packs([r1, n1, n2, r2], 2)) == [["r1", "n1"], ["n2", "r2"]]
+    assert ids(group_packs([r1, n1, n2, r2], 2, two)) == [["r1", "n1"], ["n2"], ["r2"]]
     assert ids(group_packs(plans, 3)) == [["t0", "t1", "t2"], ["t3", "t4"]]

@@ -4,10 +4,12 @@ The trials to run are grouped into the classes that can pack together (tasks/swe
 ``group_packs``). Each class of two or more is probed once (cached in ``<sweep>/probes.json``,
 beside the segment sizes' probes): one Ray task on the trials' own placement, in a fresh
 process started as its packs are (MLX's queue capped), trains packs of 1, 2, ... copies
-of the class's heaviest trial (engine/train/pack_probe.py: dropout's masks, then KTO's KL
-pass, then the LoRA rank) under its memory limit, as its packs will train. Each adapter
-adds its own share to a step, so k of the class hold no more than k copies of its
-heaviest. Its trials then pack up to the largest k whose peak stayed within the budget.
+of a trial made to hold at least what any of the class's adapters holds (``heaviest``: a
+KL-reading member's loss, the class's largest LoRA rank and dropout) under its memory
+limit, as its packs will train (engine/train/pack_probe.py). Each adapter adds its own
+share to a step, so k of the class hold no more than k such copies. The class then
+packs in order, up to the largest k whose peak stayed within the budget
+(tasks/sweep/packs.py ``group_packs`` with the limits: never across classes).
 Unlike ``segment_size: auto``'s probe (run without a limit, so its pick keeps 10 %
 headroom), this one ran under the limit its packs train under: the peak it saw is the one
 a pack holds. Where even one went over, they train alone, under that limit, as
@@ -23,6 +25,7 @@ from typing import Any
 
 from engine.host.atomic import atomic_write_text
 from engine.host.command_queue import queue_env
+from engine.settings.config import TrainConfig
 from engine.train.pack_probe import PACK_AUTO_MAX, largest_pack, probe_packs
 from engine.train.pack_steps import SHARED
 from tasks.nodes.placement import Placement
@@ -34,20 +37,22 @@ from tasks.sweep.trial_plan import TrialPlan
 log = logging.getLogger("pomona.sweep")
 
 
-def heaviest(plans: list[TrialPlan]) -> TrialPlan:
-    """The trial whose adapter adds most to a step's memory: dropout (a masked copy of
-    each adapted projection's input), then KTO's KL pass, then the LoRA rank."""
-    return max(plans, key=lambda p: (p.config.lora_dropout > 0, p.config.loss.needs_kl,
-                                     p.config.lora_rank))
+def heaviest(plans: list[TrialPlan]) -> TrainConfig:
+    """A trial of ``plans`` made to hold at least what any of their adapters holds: the
+    loss of one that reads KL partners (a pack runs that pass for every adapter once one
+    needs it), the largest LoRA rank and dropout (a masked copy of each adapted
+    projection's input)."""
+    base = next((p for p in plans if p.config.loss.needs_kl), plans[0]).config
+    return base.replace(lora_rank=max(p.config.lora_rank for p in plans),
+                        lora_dropout=max(p.config.lora_dropout for p in plans))
 
 
-def pack_key(plan: TrialPlan, fingerprint: str) -> str:
-    """The probe cache's key of packs of ``plan``'s copies: its settings that change a
+def pack_key(cfg: TrainConfig, fingerprint: str) -> str:
+    """The probe cache's key of packs of ``cfg``'s copies: its settings that change a
     step's memory (``probe_key``), what a pack shares (``SHARED``: the segment size too)
     and the limit it is measured under."""
-    shared = {name: str(getattr(plan.config, name)) for name in SHARED}
-    body = ["pack", plan.config.memory_limit_gb, shared,
-            probe_key(plan.config.to_dict(), fingerprint)]
+    shared = {name: str(getattr(cfg, name)) for name in SHARED}
+    body = ["pack", cfg.memory_limit_gb, shared, probe_key(cfg.to_dict(), fingerprint)]
     return "pack-" + hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -66,8 +71,6 @@ def _run_pack_probe(config: dict[str, Any], size: int, inputs: dict[str, Any] | 
     """In the probe's fresh process: the pack probe's rows over up to ``size`` copies of
     the trial's config as ``TrainConfig.to_dict`` sent it (each its own folder, which the
     probe never writes), on this node's copies of its inputs."""
-    from engine.settings.config import TrainConfig
-
     cfg = TrainConfig.from_dict({**config, **fetched(inputs)})
     return probe_packs([cfg.replace(out=f"{cfg.out}.probe-{i}") for i in range(size)],
                        budget_gb)
@@ -78,13 +81,16 @@ def size_packs(plans: list[TrialPlan], budget_gb: float, placement: Placement,
     """Each trial's largest pack (by id), and the probed peaks (GiB by pack size, JSON) it
     was chosen from; a trial that packs with no other is left out of both. A probe that
     failed short of the budget is said in a warning and not cached: the next run probes
-    again."""
+    again. Classes whose probes are one (the same memory) share it, sized to the largest."""
     known: dict[str, list[dict[str, Any]]] = (json.loads(cache.read_text())
                                               if cache.exists() else {})
     classes = [c for c in group_packs(plans, len(plans)) if len(c) > 1]
     keyed = [(pack_key(heaviest(c), fingerprint), c) for c in classes]
-    todo = {key: c for key, c in keyed
-            if not covers(known.get(key), min(len(c), PACK_AUTO_MAX), budget_gb)}
+    todo: dict[str, list[list[TrialPlan]]] = {}
+    for key, members in keyed:
+        todo.setdefault(key, []).append(members)
+    todo = {key: cs for key, cs in todo.items() if not covers(
+        known.get(key), min(max(len(c) for c in cs), PACK_AUTO_MAX), budget_gb)}
     _probe(todo, known, budget_gb, placement, cache)
     limits, notes = {}, {}
     for key, members in keyed:
@@ -97,24 +103,26 @@ def size_packs(plans: list[TrialPlan], budget_gb: float, placement: Placement,
     return limits, notes
 
 
-def _probe(todo: dict[str, list[TrialPlan]], known: dict[str, list[dict[str, Any]]],
+def _probe(todo: dict[str, list[list[TrialPlan]]], known: dict[str, list[dict[str, Any]]],
            budget_gb: float, placement: Placement, cache: Path) -> None:
-    """Each class of ``todo`` probed on the placement (one fresh task each, at once), its
-    rows into ``known`` and, unless a pack failed, into ``cache`` as they come."""
+    """Each key of ``todo`` (its classes) probed on the placement, one fresh task each, at
+    once: its rows into ``known`` and, unless a pack failed, into ``cache`` as they come."""
     import ray
 
     files = SweepFiles()
     refs = {}
-    for key, members in todo.items():
-        plan = heaviest(members)
-        refs[key] = placement.fresh_task(_run_pack_probe, queue_env(
-            plan.config.memory_limit_gb)).remote(plan.config.to_dict(),
-                                                 min(len(members), PACK_AUTO_MAX),
-                                                 files.for_config(plan.config), budget_gb)
+    for key, cs in todo.items():
+        cfg = heaviest([p for c in cs for p in c])
+        refs[key] = placement.fresh_task(_run_pack_probe, queue_env(cfg.memory_limit_gb)).remote(
+            cfg.to_dict(), min(max(len(c) for c in cs), PACK_AUTO_MAX),
+            files.for_config(cfg), budget_gb)
     for key, ref in refs.items():
-        known[key] = rows = ray.get(ref)
+        try:
+            known[key] = rows = ray.get(ref)
+        except ray.exceptions.RayError as err:  # its process failed outside the probe
+            known[key] = rows = [{"pack": 1, "error": str(err).splitlines()[0][:300]}]
         if "error" in rows[-1]:
-            ids = ", ".join(p.id for p in todo[key])
+            ids = ", ".join(p.id for c in todo[key] for p in c)
             log.warning(f"warning: pack: auto: a pack of {rows[-1]['pack']} of trials {ids} "
                         f"failed in its probe ({rows[-1]['error']}); they pack up to "
                         f"{max(1, largest_pack(rows, budget_gb))}")

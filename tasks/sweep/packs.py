@@ -34,18 +34,19 @@ def fits(pack: list[TrialPlan]) -> bool:
 
 def group_packs(trials: list[TrialPlan], size: int,
                 limits: Mapping[str, int] | None = None) -> list[list[TrialPlan]]:
-    """``trials`` in packs of up to ``size`` (and of up to each member's own limit, by
-    trial id, where ``limits`` holds one: ``pack: auto``), in order: each joins the first
-    open pack it fits, else starts one (a trial that fits none trains as a pack of one)."""
-    limits = limits or {}
+    """``trials`` in packs of up to ``size``, in order: each joins the first open pack it
+    fits, else starts one (a trial that fits none trains as a pack of one). ``limits``
+    (``pack: auto``, by trial id: its class's size, tasks/sweep/pack_sizes.py): the
+    classes grouped so without a size, each cut in order at its own limit, so that no pack
+    holds trials of two classes (which one probe never measured together)."""
     packs: list[list[TrialPlan]] = []
-
-    def open_to(pack: list[TrialPlan], trial: TrialPlan) -> bool:
-        room = min(limits.get(t.id, size) for t in [*pack, trial])
-        return len(pack) < min(size, room) and fits([*pack, trial])
-
+    if limits:
+        for cls in group_packs(trials, len(trials)):
+            cut = min(size, limits.get(cls[0].id, size))
+            packs += [cls[i:i + cut] for i in range(0, len(cls), cut)]
+        return packs
     for trial in trials:
-        home = next((p for p in packs if open_to(p, trial)), None)
+        home = next((p for p in packs if len(p) < size and fits([*p, trial])), None)
         if home is None:
             packs.append([trial])
         else:
