@@ -115,18 +115,25 @@ def test_packed_trials_on_private_disks_equal_lone_ones(lab: Lab, lab_dataset: s
     """Issue 56: six trials with ``pack: 4``, a pack of four on one worker and of two on
     the other (inputs sent by content, each trial's files pulled back apart), train as
     the same six trials do with ``pack: 1``: every trial's best validation and final loss
-    within the pack parity 1e-5."""
+    within the pack parity 1e-5. Two of them with ``pack: auto``: probed on a worker from
+    the inputs sent by content, packed as the probe allows, the same results."""
     rates = "[1.0e-3, 6.0e-4, 3.0e-4, 1.0e-4, 6.0e-5, 3.0e-5]"
-    for name, pack in (("packed", 4), ("lone", 1)):
+    for name, pack, grid in (("packed", "4", rates), ("lone", "1", rates),
+                             ("auto", "auto\\nmemory_budget_gb: 100", "[1.0e-3, 6.0e-4]")):
         lab.run("head", ["sh", "-c", f"sed -e 's#name: lab#name: {name}#' -e "
                          f"'s#max_concurrent: 2#max_concurrent: 2\\npack: {pack}#' -e "
-                         f"'s#learning_rate: \\[1.0e-3, 3.0e-4\\]#learning_rate: {rates}#' "
+                         f"'s#learning_rate: \\[1.0e-3, 3.0e-4\\]#learning_rate: {grid}#' "
                          f"ds.yaml > {name}.yaml"])
         pomona(lab, "head", "sweep", f"/tmp/lab/{name}.yaml", "--address", lab.address,
                "--resource", "mlx_gpu", "--out", f"/tmp/lab/{name}")
     got = {n: board(lab.get("head", f"/tmp/lab/{n}", tmp_path / n) / "results.parquet")
-           for n in ("packed", "lone")}
-    packed, lone = got["packed"], got["lone"]
+           for n in ("packed", "lone", "auto")}
+    packed, lone, auto = got["packed"], got["lone"], got["auto"]
+    assert [r["pack_size"] for r in auto.values()] == [2, 2], auto  # 100 GiB fits both
+    assert all(len(json.loads(r["pack_probe_gb"])) == 2 for r in auto.values())
+    for tid, row in auto.items():
+        assert row["status"] == "completed"
+        assert row["final_loss"] == pytest.approx(lone[tid]["final_loss"], rel=1e-5), tid
     assert set(packed) == set(lone) and len(lone) == 6
     assert all(r["status"] == "completed" for r in [*packed.values(), *lone.values()])
     assert sorted(r["pack_size"] for r in packed.values()) == [2, 2, 4, 4, 4, 4], packed
