@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -78,7 +77,7 @@ def _measure_pack(cfgs: list[TrainConfig], batches: str | int) -> dict[str, Any]
     from engine.forward.prefix import pair_batch
     from engine.train.pack_steps import PackStepper
     from engine.train.prepared import prepare_pack
-    from engine.train.probe import probe_batches
+    from engine.train.probe import after_warmup, probe_batches
 
     prepared = prepare_pack(cfgs)
     model, stack, cfg = prepared[0].model, prepared[0].stack, cfgs[0]
@@ -89,15 +88,7 @@ def _measure_pack(cfgs: list[TrainConfig], batches: str | int) -> dict[str, Any]
     updates = [make_adapter_update(model, functools.partial(live.index, i), make_optimizer(c),
                                    c.grad_clip) for i, c in enumerate(cfgs)]
     stepper = PackStepper(model, stack, cfgs, updates, live)
-    order = iter([layouts[0], *layouts])
-    steps = stepper.steps(lambda: [next(order)], 0, len(layouts))
-    next(steps)  # the warm-up: kernels, allocator, the updates' compile
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    t0 = time.perf_counter()
-    for _ in steps:
-        pass
-    seconds = time.perf_counter() - t0
+    order = iter([layouts[0], *layouts])  # the first again: the warm-up
+    peak_gb, seconds = after_warmup(stepper.steps(lambda: [next(order)], 0, len(layouts)))
     tokens = sum(pair_batch(b).tokens for b in layouts)
-    return {"peak_gb": mx.get_peak_memory() / 2**30, "step_s": seconds / len(layouts),
-            "tokens": tokens}
+    return {"peak_gb": peak_gb, "step_s": seconds / len(layouts), "tokens": tokens}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -92,17 +93,24 @@ def _measured(model, stack, chosen: list, c: TrainConfig, pad_id: int,
                       make_update(model, make_optimizer(c), c.grad_clip))
     order = iter([layouts[0], *layouts * repeats])
     steps = stepper.steps(lambda: [next(order)], 0, len(layouts) * repeats)
-    next(steps)  # the warm-up
+    peak_gb, seconds = after_warmup(steps)
+    seconds /= repeats
+    tokens = sum(pair_batch(b).tokens for b in layouts)
+    return {"peak_gb": peak_gb, "step_s": seconds / len(layouts),
+            "tokens": tokens, "tokens_per_sec": tokens / max(seconds, 1e-9),
+            "shared_rate": sum(isinstance(b, PrefixBatch) for b in layouts) / len(layouts)}
+
+
+def after_warmup(steps: Iterator[Any]) -> tuple[float, float]:
+    """The peak (GiB) and seconds of ``steps`` after their first, the warm-up (kernels,
+    allocator, the update's compile), which both leave out."""
+    next(steps)
     mx.clear_cache()
     mx.reset_peak_memory()
     t0 = time.perf_counter()
     for _ in steps:
         pass
-    seconds = (time.perf_counter() - t0) / repeats
-    tokens = sum(pair_batch(b).tokens for b in layouts)
-    return {"peak_gb": mx.get_peak_memory() / 2**30, "step_s": seconds / len(layouts),
-            "tokens": tokens, "tokens_per_sec": tokens / max(seconds, 1e-9),
-            "shared_rate": sum(isinstance(b, PrefixBatch) for b in layouts) / len(layouts)}
+    return mx.get_peak_memory() / 2**30, time.perf_counter() - t0
 
 
 def largest_fitting(peaks: dict[int, float], budget_gb: float) -> int | None:
