@@ -109,6 +109,7 @@ def test_pomona_sweep_makes_the_reference_before_its_trials(
     result = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(tmp_path / "out"),
                                       "--no-prefect"])
     assert result.exit_code == 0, result.output
+    assert "2 trials: 0 cached, 2 to run" in result.output, result.output
     assert "reference log-probs computed" in result.output, result.output
     made = result.output.index("reference log-probs computed")
     assert made < result.output.index("completed"), result.output  # before any trial ended

@@ -52,13 +52,13 @@ def test_a_model_remade_in_place_reruns_its_trials(ray_cluster, tiny_data, tmp_p
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     model = init_model(TINY, tmp_path / "model")
     spec = parse_spec({"name": "s", "model": str(model), "data": str(tiny_data),
-                       "max_concurrent": 2, "fixed": FIXED, "grid": {"seed": [0, 1]}})
+                       "max_concurrent": 2, "fixed": FIXED, "grid": {"seed": [0]}})
     out = tmp_path / "sweep"
-    assert [r["skipped"] for r in run_sweep(spec, out)] == [False, False]
-    assert [r["skipped"] for r in run_sweep(spec, out)] == [True, True]
+    assert [r["skipped"] for r in run_sweep(spec, out)] == [False]
+    assert [r["skipped"] for r in run_sweep(spec, out)] == [True]
     init_model(replace(TINY, seed=7), model, overwrite=True)
     again = run_sweep(spec, out)
-    assert [(r["status"], r["skipped"]) for r in again] == [("completed", False)] * 2
+    assert [(r["status"], r["skipped"]) for r in again] == [("completed", False)]
 
 
 def test_sweep_flow_results_are_never_pickled(prefect_api, ray_cluster, tiny_model, tiny_data,

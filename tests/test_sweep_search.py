@@ -41,9 +41,10 @@ def test_optuna_prunes_a_hopeless_trial(ray_cluster, tiny_model, tiny_data, tmp_
     assert all(r["mlx_queue_mb"] is None for r in done)  # no limit: MLX's own queue
     table = pq.read_table(tmp_path / "results.parquet").to_pylist()
     assert sorted(r["trial_id"] for r in table) == sorted(r["trial_id"] for r in rows)
-    # A re-run asks the same seeded sampler: completed trials come from the cache.
-    again = run_sweep(spec, tmp_path)
-    assert any(r.get("skipped") for r in again)
+    # A re-run asks the same seeded sampler: its first (startup, never pruned) sample is
+    # the first run's, from the cache (one sample: the pruned ones would train again).
+    [again] = run_sweep(parse_spec({**raw, "num_samples": 1}), tmp_path)
+    assert again["skipped"] and again["trial_id"] == rows[0]["trial_id"], again
 
 
 def test_segment_size_auto_fits_the_budget(ray_cluster, tiny_model, tiny_data, tmp_path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -132,28 +131,15 @@ def test_sweep_refuses_a_cluster_without_the_gpus_it_needs() -> None:
     assert check_cluster(Placement(), {"CPU": 2.0}, expected=4) == 2  # CPU slots: fewer run
 
 
-def test_pomona_sweep_cli(tiny_model, tiny_data, tmp_path) -> None:
-    import subprocess
-    import sys
+def test_pomona_sweep_of_a_missing_spec_is_one_line(tmp_path) -> None:
+    """A spec path that is not there: exit 2 naming it, before any Ray starts. (A sweep
+    through the CLI that trains: test_reference_file.py, and `pomona demo` as a process.)"""
+    from typer.testing import CliRunner
 
-    spec = tmp_path / "s.yaml"
-    spec.write_text(f"name: cli\nmodel: {tiny_model}\ndata: {tiny_data}\nmax_concurrent: 2\n"
-                    "fixed: {steps: 2, batch_size: 2, lora_rank: 4, val_every: 0}\n"
-                    "grid: {seed: [0, 1]}\n")
-    import tempfile
+    from cli.main import app
 
-    ray_tmp = tempfile.mkdtemp(prefix="pr", dir="/tmp")  # AF_UNIX paths: 107 bytes at most
-    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.run([sys.executable, "-m", "cli.main", "sweep", str(spec), "--out",
-                           str(tmp_path / "out")], capture_output=True, text=True,
-                          timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "2 trials: 0 cached, 2 to run" in proc.stdout
-    rows = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()
-    assert [r["status"] for r in rows] == ["completed", "completed"]
-    bad = subprocess.run([sys.executable, "-m", "cli.main", "sweep", str(tmp_path / "no.yaml")],
-                         capture_output=True, text=True, timeout=120, env=env)
-    assert bad.returncode == 2 and "no.yaml" in bad.stdout
+    bad = CliRunner().invoke(app, ["sweep", str(tmp_path / "no.yaml")])
+    assert bad.exit_code == 2 and "no.yaml" in bad.output, bad.output
 
 
 def test_non_finite_and_time_limited_trials_are_reported(ray_cluster, tiny_model, tiny_data,
