@@ -8,6 +8,11 @@ the pair), in the layout it gets there — q/k/v arrive as transposed views
 ``*_contig`` rows feed the same op a contiguous copy to tell layout costs from op costs.
 ``q_proj_base`` is the frozen matmul alone, ``q_proj_mlx_lm`` mlx-lm's own LoRA call
 (float32 factors times a bf16 input) against the engine's (``q_proj``).
+``lora_*`` rows take the LoRA factors as inputs too, so their fwd+bwd holds the factors'
+gradients: ``lora_q`` is the engine's call, ``lora_q_addmm`` the same sum with the
+low-rank product added in the GEMM's epilogue (``mx.addmm``: no separate scale and add
+passes over [B, L, out]), ``lora_qkv`` the engine's three q/k/v calls and
+``lora_qkv_shared_a`` one ``x @ [A_q | A_k | A_v]`` (x read once) then three addmm.
 ``fwd+bwd`` is ``mx.vjp`` with respect to the op's array inputs (the LoRA projections'
 parameter gradients are left out: rank 16, a small share). ``block`` rows are the whole
 attention block (norm, projections, rope, attention, output projection); ``block_norope``
@@ -71,6 +76,7 @@ def ops(layer, a: argparse.Namespace) -> dict[str, tuple[Callable, list[mx.array
             attn.rope = rope
 
     return {
+        **lora_ops(attn, x),
         "norm": (layer.input_layernorm, [x]),
         "q_proj": (attn.q_proj, [x]),
         "q_proj_base": (attn.q_proj.linear, [x]),  # the frozen matmul alone
@@ -88,6 +94,36 @@ def ops(layer, a: argparse.Namespace) -> dict[str, tuple[Callable, list[mx.array
     }
 
 
+def lora_ops(attn, x: mx.array) -> dict[str, tuple[Callable, list[mx.array]]]:
+    """The LoRA variants of q (and q/k/v) on ``x``, factors as inputs (module docstring)."""
+    projs = [attn.q_proj, attn.k_proj, attn.v_proj]
+    factors = [t for p in projs for t in (p.lora_a, p.lora_b)]
+    scales = [p.scale for p in projs]
+
+    def engine(i: int, t: mx.array, a: mx.array, b: mx.array) -> mx.array:
+        a, b = a.astype(t.dtype), b.astype(t.dtype)  # engine/model/load.py's call
+        return projs[i].linear(t) + scales[i] * ((t @ a) @ b)
+
+    def addmm(i: int, t: mx.array, low: mx.array, b: mx.array) -> mx.array:
+        return mx.addmm(projs[i].linear(t), low, b.astype(t.dtype), alpha=scales[i])
+
+    def qkv(t, *ab):
+        return mx.concatenate([engine(i, t, ab[2 * i], ab[2 * i + 1]) for i in range(3)], -1)
+
+    def qkv_shared(t, *ab):
+        a = mx.concatenate(ab[0::2], axis=1).astype(t.dtype)
+        lows = mx.split(t @ a, 3, axis=-1)
+        return mx.concatenate([addmm(i, t, lows[i], ab[2 * i + 1]) for i in range(3)], -1)
+
+    return {
+        "lora_q": (lambda t, a, b: engine(0, t, a, b), [x, *factors[:2]]),
+        "lora_q_addmm": (lambda t, a, b: addmm(0, t, t @ a.astype(t.dtype), b),
+                         [x, *factors[:2]]),
+        "lora_qkv": (qkv, [x, *factors]),
+        "lora_qkv_shared_a": (qkv_shared, [x, *factors]),
+    }
+
+
 def op_rows(layer, a: argparse.Namespace) -> list[dict[str, Any]]:
     """Every op's forward and forward+backward milliseconds."""
     rows = []
@@ -99,7 +135,7 @@ def op_rows(layer, a: argparse.Namespace) -> list[dict[str, Any]]:
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
     for r in rows:
-        print(f"{r['op']:>14}  fwd {r['fwd_ms']:8.3f} ms  fwd+bwd {r['fwd_bwd_ms']:8.3f} ms  "
+        print(f"{r['op']:>17}  fwd {r['fwd_ms']:8.3f} ms  fwd+bwd {r['fwd_bwd_ms']:8.3f} ms  "
               f"bwd {r['fwd_bwd_ms'] - r['fwd_ms']:8.3f} ms", flush=True)
 
 

@@ -97,8 +97,35 @@ def test_ops_bench_splits_the_attention_block() -> None:
     out = bench("ops", *TOY, "--seq", "64")
     ops = [r["op"] for r in out["rows"]]
     assert {"q_proj", "q_proj_base", "q_proj_mlx_lm", "rope_q", "sdpa", "o_proj", "block",
-            "block_norope"} <= set(ops)
+            "block_norope", "lora_q", "lora_q_addmm", "lora_qkv", "lora_qkv_shared_a"} <= set(ops)
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in out["rows"])
+
+
+def test_ops_bench_lora_variants_compute_the_engines_projection() -> None:
+    """The fused LoRA rows time the same maths as the engine's call: outputs and the
+    gradients of x and every factor equal (float32, B nonzero; 1e-5 of the largest, the
+    addmm epilogue rounds once where the plain sum rounds thrice)."""
+    import argparse
+
+    import mlx.core as mx
+
+    from benchmarks.bench_args import parse
+    from benchmarks.bench_model import build_model
+    from benchmarks.ops_bench import lora_ops
+
+    a = parse([*TOY[:-3], "--seq", "16", "--dtype", "float32"], "ops", "")
+    _, stack = build_model(argparse.Namespace(**{**vars(a), "layers": 1}))
+    attn = stack.layers[0].self_attn
+    for i, p in enumerate((attn.q_proj, attn.k_proj, attn.v_proj)):
+        p.lora_b = mx.random.normal(p.lora_b.shape, key=mx.random.key(i)) * 0.1
+    x = mx.random.normal((2, 16, 64), key=mx.random.key(9))
+    rows = lora_ops(attn, x)
+    for plain, fused in (("lora_q", "lora_q_addmm"), ("lora_qkv", "lora_qkv_shared_a")):
+        (f, args), (g, _) = rows[plain], rows[fused]
+        cot = mx.random.normal(f(*args).shape, key=mx.random.key(3))
+        want, got = mx.vjp(f, args, [cot]), mx.vjp(g, args, [cot])
+        for w, o in zip([*want[0], *want[1]], [*got[0], *got[1]], strict=True):
+            assert float(mx.abs(w - o).max()) <= 1e-5 * float(mx.abs(w).max()), (plain, fused)
 
 
 def test_train_bench_runs_the_real_trainer(tmp_path, capsys) -> None:
