@@ -9,12 +9,13 @@ the pair), in the layout it gets there — q/k/v arrive as transposed views
 ``q_proj_base`` is the frozen matmul alone, ``q_proj_mlx_lm`` mlx-lm's own LoRA call
 (float32 factors times a bf16 input) against the engine's (``q_proj``).
 ``lora_*`` rows take the LoRA factors as inputs too, so their fwd+bwd holds the factors'
-gradients: ``lora_q`` is the engine's call, ``lora_q_addmm`` the same sum with the
-low-rank product added in the GEMM's epilogue (``mx.addmm``: no separate scale and add
-passes over [B, L, out]), ``lora_qkv`` the engine's three q/k/v calls and
+gradients: ``lora_q`` is the engine's call, ``lora_q_addmm`` the same sum with the frozen
+output and the scale folded into the epilogue of the rank-r ``(x @ A) @ B`` GEMM
+(``mx.addmm``: no separate scale and add passes over [B, L, out]; the frozen GEMM itself is
+unchanged), ``lora_qkv`` the engine's three q/k/v calls and
 ``lora_qkv_shared_a`` one ``x @ [A_q | A_k | A_v]`` (x read once) then three addmm.
-``fwd+bwd`` is ``mx.vjp`` with respect to the op's array inputs (the LoRA projections'
-parameter gradients are left out: rank 16, a small share). ``block`` rows are the whole
+``fwd+bwd`` is ``mx.vjp`` with respect to the op's array inputs (the ``*_proj`` rows leave
+the LoRA parameter gradients out: rank 16, a small share). ``block`` rows are the whole
 attention block (norm, projections, rope, attention, output projection); ``block_norope``
 replaces rope by the identity, so block − block_norope is what rope costs in place.
 """

@@ -102,9 +102,10 @@ def test_ops_bench_splits_the_attention_block() -> None:
 
 
 def test_ops_bench_lora_variants_compute_the_engines_projection() -> None:
-    """The fused LoRA rows time the same maths as the engine's call: outputs and the
-    gradients of x and every factor equal (float32, B nonzero; 1e-5 of the largest, the
-    addmm epilogue rounds once where the plain sum rounds thrice)."""
+    """The LoRA rows time the engine's call (its class's output, 1e-6 of the largest) and
+    the fused ones the same maths: outputs and the gradients of x and every factor equal
+    (float32, B nonzero so A's gradient is too; 1e-5 of the largest, the addmm epilogue
+    rounds once where the plain sum rounds thrice)."""
     import argparse
 
     import mlx.core as mx
@@ -120,6 +121,11 @@ def test_ops_bench_lora_variants_compute_the_engines_projection() -> None:
         p.lora_b = mx.random.normal(p.lora_b.shape, key=mx.random.key(i)) * 0.1
     x = mx.random.normal((2, 16, 64), key=mx.random.key(9))
     rows = lora_ops(attn, x)
+    (q, q_args), (qkv, qkv_args) = rows["lora_q"], rows["lora_qkv"]
+    engine = [attn.q_proj(x), mx.concatenate([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)],
+                                             -1)]
+    for want, got in zip(engine, [q(*q_args), qkv(*qkv_args)], strict=True):  # its own class
+        assert float(mx.abs(want - got).max()) <= 1e-6 * float(mx.abs(want).max())
     for plain, fused in (("lora_q", "lora_q_addmm"), ("lora_qkv", "lora_qkv_shared_a")):
         (f, args), (g, _) = rows[plain], rows[fused]
         cot = mx.random.normal(f(*args).shape, key=mx.random.key(3))

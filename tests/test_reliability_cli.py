@@ -105,6 +105,7 @@ def test_sweep_spec_mistakes_are_one_line_before_ray_starts(tmp_path: Path) -> N
         assert message in line and (str(spec) in line or "not found" in line), line
     assert not (tmp_path / "out").exists()
     assert str(tmp_path) in one_error("sweep", str(tmp_path))  # a directory, not a spec
+    assert "no.yaml" in one_error("sweep", str(tmp_path / "no.yaml"))  # not there at all
 
 
 def test_pipeline_input_mistakes_are_one_line(tmp_path: Path) -> None:

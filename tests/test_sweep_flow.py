@@ -22,9 +22,10 @@ def test_sweep_flow_runs_each_trial_as_a_task_run(prefect_api, ray_cluster, tiny
     data = uncached_copy(tiny_data, tmp_path / "pairs.jsonl")
     spec = tmp_path / "flow.yaml"
     spec.write_text(f"name: Flow_Test\nmodel: {tiny_model}\ndata: {data}\n"
-                    "max_concurrent: 2\nfixed: {steps: 2, batch_size: 2, lora_rank: 4, "
+                    "max_concurrent: 1\nfixed: {steps: 2, batch_size: 2, lora_rank: 4, "
                     "val_every: 1, val_batches: 1}\ngrid: {loss: [orpo, dpo]}\n"
                     "metric: val/nll_loss\n")  # the loss searched like any key
+    # One slot: the second trial's task run waits its turn (a queued trial, as on a lab)
     state = sweep_flow(str(spec), str(tmp_path / "out"), return_state=True)
     assert state.is_completed(), state
     rows = state.result()

@@ -131,17 +131,6 @@ def test_sweep_refuses_a_cluster_without_the_gpus_it_needs() -> None:
     assert check_cluster(Placement(), {"CPU": 2.0}, expected=4) == 2  # CPU slots: fewer run
 
 
-def test_pomona_sweep_of_a_missing_spec_is_one_line(tmp_path) -> None:
-    """A spec path that is not there: exit 2 naming it, before any Ray starts. (A sweep
-    through the CLI that trains: test_reference_file.py, and `pomona demo` as a process.)"""
-    from typer.testing import CliRunner
-
-    from cli.main import app
-
-    bad = CliRunner().invoke(app, ["sweep", str(tmp_path / "no.yaml")])
-    assert bad.exit_code == 2 and "no.yaml" in bad.output, bad.output
-
-
 def test_non_finite_and_time_limited_trials_are_reported(ray_cluster, tiny_model, tiny_data,
                                                          tmp_path) -> None:
     base = _trials(tiny_model, tiny_data, tmp_path, 1)[0][1]
