@@ -107,9 +107,9 @@ def test_a_batch_the_ranks_cannot_split_is_refused(tiny_model: Path, tmp_path: P
     """Every rank refuses before training, naming the setting (mlx.launch itself exits 0
     whatever its ranks do: the ranks' own exit codes say it)."""
     data = write_pairs_jsonl(uneven_pairs(12), tmp_path / "pairs.jsonl", split="train")
-    run = train(tiny_model, data, tmp_path / "out", 4, "--batch-size", "6")
+    run = train(tiny_model, data, tmp_path / "out", 2, "--batch-size", "5")
     text = run.stdout + run.stderr
-    assert "batch_size=6 does not split over 4 ranks" in text
+    assert "batch_size=5 does not split over 2 ranks" in text
     assert "exited with code 2" in text and not (tmp_path / "out" / "adapters.safetensors").exists()
 
 
