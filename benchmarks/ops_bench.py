@@ -14,6 +14,10 @@ output and the scale folded into the epilogue of the rank-r ``(x @ A) @ B`` GEMM
 (``mx.addmm``: no separate scale and add passes over [B, L, out]; the frozen GEMM itself is
 unchanged), ``lora_qkv`` the engine's three q/k/v calls and
 ``lora_qkv_shared_a`` one ``x @ [A_q | A_k | A_v]`` (x read once) then three addmm.
+``layer`` is the whole decoder layer (attention and MLP, its LoRA factors as inputs) and
+``layer_compiled`` the same under ``mx.compile`` (forward, and forward + vjp, each traced
+once): what compiling a segment's functions would save per layer, kernels fused and host
+work replayed.
 ``fwd+bwd`` is ``mx.vjp`` with respect to the op's array inputs (the ``*_proj`` rows leave
 the LoRA parameter gradients out: rank 16, a small share). ``block`` rows are the whole
 attention block (norm, projections, rope, attention, output projection); ``block_norope``
@@ -125,12 +129,34 @@ def lora_ops(attn, x: mx.array) -> dict[str, tuple[Callable, list[mx.array]]]:
     }
 
 
+def layer_fn(layer) -> tuple[Callable, list[mx.array]]:
+    """``layer`` as a function of (x, its LoRA factors), and those factors."""
+    loras = [m for _, m in layer.named_modules() if hasattr(m, "lora_a")]
+    factors = [t for m in loras for t in (m.lora_a, m.lora_b)]
+
+    def fn(t: mx.array, *ab: mx.array) -> mx.array:
+        for m, a, b in zip(loras, ab[0::2], ab[1::2], strict=True):
+            m.lora_a, m.lora_b = a, b
+        try:
+            return layer(t, "causal", None)
+        finally:  # the module holds its own arrays again (a trace leaves none behind)
+            for m, a, b in zip(loras, factors[0::2], factors[1::2], strict=True):
+                m.lora_a, m.lora_b = a, b
+
+    return fn, factors
+
+
 def op_rows(layer, a: argparse.Namespace) -> list[dict[str, Any]]:
     """Every op's forward and forward+backward milliseconds."""
     rows = []
     for name, (fn, args) in ops(layer, a).items():
         rows.append({"op": name, "fwd_ms": _timed(fn, args, a.repeats),
                      "fwd_bwd_ms": _timed(_vjp(fn), args, a.repeats)})
+    fn, factors = layer_fn(layer)
+    x = mx.random.normal((2, a.seq, a.hidden), key=mx.random.key(4)).astype(getattr(mx, a.dtype))
+    for name, wrap in (("layer", lambda f: f), ("layer_compiled", mx.compile)):
+        rows.append({"op": name, "fwd_ms": _timed(wrap(fn), [x, *factors], a.repeats),
+                     "fwd_bwd_ms": _timed(wrap(_vjp(fn)), [x, *factors], a.repeats)})
     return rows
 
 

@@ -97,7 +97,8 @@ def test_ops_bench_splits_the_attention_block() -> None:
     out = bench("ops", *TOY, "--seq", "64")
     ops = [r["op"] for r in out["rows"]]
     assert {"q_proj", "q_proj_base", "q_proj_mlx_lm", "rope_q", "sdpa", "o_proj", "block",
-            "block_norope", "lora_q", "lora_q_addmm", "lora_qkv", "lora_qkv_shared_a"} <= set(ops)
+            "block_norope", "lora_q", "lora_q_addmm", "lora_qkv", "lora_qkv_shared_a", "layer",
+            "layer_compiled"} <= set(ops)
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in out["rows"])
 
 
@@ -132,6 +133,37 @@ def test_ops_bench_lora_variants_compute_the_engines_projection() -> None:
         want, got = mx.vjp(f, args, [cot]), mx.vjp(g, args, [cot])
         for w, o in zip([*want[0], *want[1]], [*got[0], *got[1]], strict=True):
             assert float(mx.abs(w - o).max()) <= 1e-5 * float(mx.abs(w).max()), (plain, fused)
+
+
+def test_ops_bench_compiled_layer_computes_the_layer() -> None:
+    """``layer`` is the decoder layer itself and ``layer_compiled`` the same maths: output
+    and the gradients of x and every LoRA factor within 1e-5 of the largest (float32; the
+    fused kernels round in another order), and the traced calls leave the layer holding
+    its own factors."""
+    import argparse
+
+    import mlx.core as mx
+
+    from benchmarks.bench_args import parse
+    from benchmarks.bench_model import build_model
+    from benchmarks.ops_bench import layer_fn
+
+    a = parse([*TOY[:-3], "--seq", "16", "--dtype", "float32"], "ops", "")
+    _, stack = build_model(argparse.Namespace(**{**vars(a), "layers": 1}))
+    layer = stack.layers[0]
+    for i, (_, m) in enumerate(n for n in layer.named_modules() if hasattr(n[1], "lora_b")):
+        m.lora_b = mx.random.normal(m.lora_b.shape, key=mx.random.key(i)) * 0.1
+    fn, factors = layer_fn(layer)
+    x = mx.random.normal((2, 16, 64), key=mx.random.key(9))
+    assert mx.array_equal(fn(x, *factors), layer(x, "causal", None))
+    cot = mx.random.normal((2, 16, 64), key=mx.random.key(3))
+    both = lambda *p: mx.vjp(fn, list(p), [cot])  # noqa: E731
+    want, got = both(x, *factors), mx.compile(both)(x, *factors)
+    assert all(float(mx.abs(g).max()) > 0 for g in want[1][1:])  # the factors are wired in
+    for w, o in zip([*want[0], *want[1]], [*got[0], *got[1]], strict=True):
+        assert float(mx.abs(w - o).max()) <= 1e-5 * float(mx.abs(w).max())
+    loras = [m for _, m in layer.named_modules() if hasattr(m, "lora_a")]
+    assert all(m.lora_b is b for m, b in zip(loras, factors[1::2], strict=True))
 
 
 def test_train_bench_runs_the_real_trainer(tmp_path, capsys) -> None:
