@@ -131,7 +131,9 @@ def lora_ops(attn, x: mx.array) -> dict[str, tuple[Callable, list[mx.array]]]:
 
 def layer_fn(layer) -> tuple[Callable, list[mx.array]]:
     """``layer`` as a function of (x, its LoRA factors), and those factors."""
-    loras = [m for _, m in layer.named_modules() if hasattr(m, "lora_a")]
+    from engine.model.load import lora_modules
+
+    loras = [m for _, m in lora_modules(layer)]
     factors = [t for m in loras for t in (m.lora_a, m.lora_b)]
 
     def fn(t: mx.array, *ab: mx.array) -> mx.array:

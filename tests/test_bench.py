@@ -102,24 +102,42 @@ def test_ops_bench_splits_the_attention_block() -> None:
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in out["rows"])
 
 
-def test_ops_bench_lora_variants_compute_the_engines_projection() -> None:
-    """The LoRA rows time the engine's call (its class's output, 1e-6 of the largest) and
-    the fused ones the same maths: outputs and the gradients of x and every factor equal
-    (float32, B nonzero so A's gradient is too; 1e-5 of the largest, the addmm epilogue
-    rounds once where the plain sum rounds thrice)."""
+def toy_layer():
+    """The ops bench's one-layer toy model (float32), every LoRA B nonzero (so that A's
+    gradient is too): its decoder layer."""
     import argparse
 
     import mlx.core as mx
 
     from benchmarks.bench_args import parse
     from benchmarks.bench_model import build_model
-    from benchmarks.ops_bench import lora_ops
+    from engine.model.load import lora_modules
 
     a = parse([*TOY[:-3], "--seq", "16", "--dtype", "float32"], "ops", "")
     _, stack = build_model(argparse.Namespace(**{**vars(a), "layers": 1}))
-    attn = stack.layers[0].self_attn
-    for i, p in enumerate((attn.q_proj, attn.k_proj, attn.v_proj)):
-        p.lora_b = mx.random.normal(p.lora_b.shape, key=mx.random.key(i)) * 0.1
+    for i, (_, m) in enumerate(lora_modules(stack.layers[0])):
+        m.lora_b = mx.random.normal(m.lora_b.shape, key=mx.random.key(i)) * 0.1
+    return stack.layers[0]
+
+
+def assert_vjps_close(want, got, rtol: float) -> None:
+    """Two ``mx.vjp`` results (outputs, gradients) within ``rtol`` of each array's largest."""
+    import mlx.core as mx
+
+    for w, o in zip([*want[0], *want[1]], [*got[0], *got[1]], strict=True):
+        assert float(mx.abs(w - o).max()) <= rtol * float(mx.abs(w).max())
+
+
+def test_ops_bench_lora_variants_compute_the_engines_projection() -> None:
+    """The LoRA rows time the engine's call (its class's output, 1e-6 of the largest) and
+    the fused ones the same maths: outputs and the gradients of x and every factor equal
+    (float32, B nonzero so A's gradient is too; 1e-5 of the largest, the addmm epilogue
+    rounds once where the plain sum rounds thrice)."""
+    import mlx.core as mx
+
+    from benchmarks.ops_bench import lora_ops
+
+    attn = toy_layer().self_attn
     x = mx.random.normal((2, 16, 64), key=mx.random.key(9))
     rows = lora_ops(attn, x)
     (q, q_args), (qkv, qkv_args) = rows["lora_q"], rows["lora_qkv"]
@@ -130,9 +148,7 @@ def test_ops_bench_lora_variants_compute_the_engines_projection() -> None:
     for plain, fused in (("lora_q", "lora_q_addmm"), ("lora_qkv", "lora_qkv_shared_a")):
         (f, args), (g, _) = rows[plain], rows[fused]
         cot = mx.random.normal(f(*args).shape, key=mx.random.key(3))
-        want, got = mx.vjp(f, args, [cot]), mx.vjp(g, args, [cot])
-        for w, o in zip([*want[0], *want[1]], [*got[0], *got[1]], strict=True):
-            assert float(mx.abs(w - o).max()) <= 1e-5 * float(mx.abs(w).max()), (plain, fused)
+        assert_vjps_close(mx.vjp(f, args, [cot]), mx.vjp(g, args, [cot]), 1e-5)
 
 
 def test_ops_bench_compiled_layer_computes_the_layer() -> None:
@@ -140,19 +156,12 @@ def test_ops_bench_compiled_layer_computes_the_layer() -> None:
     and the gradients of x and every LoRA factor within 1e-5 of the largest (float32; the
     fused kernels round in another order), and the traced calls leave the layer holding
     its own factors."""
-    import argparse
-
     import mlx.core as mx
 
-    from benchmarks.bench_args import parse
-    from benchmarks.bench_model import build_model
     from benchmarks.ops_bench import layer_fn
+    from engine.model.load import lora_modules
 
-    a = parse([*TOY[:-3], "--seq", "16", "--dtype", "float32"], "ops", "")
-    _, stack = build_model(argparse.Namespace(**{**vars(a), "layers": 1}))
-    layer = stack.layers[0]
-    for i, (_, m) in enumerate(n for n in layer.named_modules() if hasattr(n[1], "lora_b")):
-        m.lora_b = mx.random.normal(m.lora_b.shape, key=mx.random.key(i)) * 0.1
+    layer = toy_layer()
     fn, factors = layer_fn(layer)
     x = mx.random.normal((2, 16, 64), key=mx.random.key(9))
     assert mx.array_equal(fn(x, *factors), layer(x, "causal", None))
@@ -160,9 +169,8 @@ def test_ops_bench_compiled_layer_computes_the_layer() -> None:
     both = lambda *p: mx.vjp(fn, list(p), [cot])  # noqa: E731
     want, got = both(x, *factors), mx.compile(both)(x, *factors)
     assert all(float(mx.abs(g).max()) > 0 for g in want[1][1:])  # the factors are wired in
-    for w, o in zip([*want[0], *want[1]], [*got[0], *got[1]], strict=True):
-        assert float(mx.abs(w - o).max()) <= 1e-5 * float(mx.abs(w).max())
-    loras = [m for _, m in layer.named_modules() if hasattr(m, "lora_a")]
+    assert_vjps_close(want, got, 1e-5)
+    loras = [m for _, m in lora_modules(layer)]
     assert all(m.lora_b is b for m, b in zip(loras, factors[1::2], strict=True))
 
 
