@@ -30,6 +30,7 @@ from engine.model.source import source_kind
 from flows.sweep_flow import sweep_stage
 from tasks.board.board_settings import BoardOptions, Ranking
 from tasks.board.leaderboard import rank_trials
+from tasks.board.results_table import MISSING, read_results
 from tasks.data.tokenize_options import TokenizeOptions
 from tasks.eval.generation_eval import (
     GenerationSettings,
@@ -207,9 +208,10 @@ def leaderboard_flow(sweep_dir: str, model: str, data: str, metric: str = "val/l
     score ``gen/valid/<label>``: higher is better, ties broken by val/loss);
     ``generations``: the generation settings (None: the defaults); ``scorers_checked``: the
     caller tried them on the data already (`pomona leaderboard` does, before the flow starts)."""
-    import pyarrow.parquet as pq
-
-    results = pq.read_table(Path(sweep_dir) / "results.parquet").to_pylist()
+    results = read_results(Path(sweep_dir))  # its own trials' adapters, never elsewhere
+    for row in results:
+        if row["status"] == MISSING:
+            get_run_logger().warning("%s: %s", row["trial_id"], row["reason"])
     out_dir = Path(out) if out else Path(sweep_dir)
     settings = generations or GenerationSettings()
     if not scorers_checked:

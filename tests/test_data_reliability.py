@@ -322,3 +322,34 @@ def test_a_broken_dataset_is_never_a_cache_hit(tiny_model, tmp_path) -> None:
     shard.write_bytes(whole[: len(whole) // 2])
     result = tokenize(tiny_model, src, out, "--no-preprocess")
     assert "cache hit" not in result.output and "a shard cannot be read" in result.output
+
+
+def test_a_shard_edited_in_place_is_refused_by_every_reader(tiny_model, tmp_path) -> None:
+    """Issue 67, case 4: with chosen and rejected swapped in a shard (the manifest kept) a
+    sweep said "2 cached" and `pomona train` trained on it without a word; the manifest's
+    SHA-256 of each shard was never checked outside tokenize. Would catch: any reader
+    (train, score, preprocess, the sweep's data key) opening the shards unchecked."""
+    from tasks.sweep.run import data_fingerprint
+
+    src, out = jsonl(tmp_path / "in.jsonl", explicit(30)), tmp_path / "ds"
+    assert tokenize(tiny_model, src, out, "--no-preprocess").exit_code == 0
+    fingerprint = data_fingerprint(str(out))
+    shard = out / read_manifest(out)["shards"][0]
+    whole, table = shard.read_bytes(), pq.read_table(shard)
+    swapped = table.set_column(table.schema.get_field_index("chosen_ids"), "chosen_ids",
+                               table.column("rejected_ids")).set_column(
+        table.schema.get_field_index("rejected_ids"), "rejected_ids", table.column("chosen_ids"))
+    pq.write_table(swapped, shard)
+    needles = (shard.name, "edited since tokenize")
+    train = ["train", "--model", str(tiny_model), "--data", str(out), "--out",
+             str(tmp_path / "run"), "--steps", "1"]
+    result = CliRunner().invoke(app, train)  # after the model's load check lines
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert [x for x in result.output.splitlines() if x.startswith("error: ")] == [
+        result.output.strip().splitlines()[-1]] and all(n in result.output for n in needles)
+    error_line(CliRunner().invoke(app, ["data", "preprocess", str(out)]), *needles)
+    with pytest.raises(ValueError, match="edited since tokenize"):
+        data_fingerprint(str(out))  # what a sweep keys its cache on: refused, never cached
+    assert not (tmp_path / "run" / "adapters.safetensors").exists()
+    shard.write_bytes(whole)  # the bytes tokenize wrote: read again as before
+    assert data_fingerprint(str(out)) == fingerprint

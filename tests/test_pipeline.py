@@ -4,6 +4,7 @@ tokenize → preprocess → sweep → evaluate → leaderboard; a second run hit
 from __future__ import annotations
 
 import json
+import shutil
 
 import mlx.core as mx
 import mlx_lm
@@ -149,14 +150,24 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
     from flows.pipeline import leaderboard_flow
     from tasks.eval.generation_eval import NO_GENERATION
 
-    alone = leaderboard_flow(str(out / "sweep"), str(tiny_model), str(out / "data"),
+    # Issue 67 case 3: on a copy of the sweep (one trial's adapter deleted from the copy
+    # alone), the board reads the copy's adapters: the deleted one is missing, never ranked
+    # (an absolute path in results.parquet had evaluated, ranked and souped the original's).
+    copy = tmp_path / "copied-sweep"
+    shutil.copytree(out / "sweep", copy)
+    gone, kept = sorted(r["trial_id"] for r in trials)
+    (copy / gone / "adapters.safetensors").unlink()
+    alone = leaderboard_flow(str(copy), str(tiny_model), str(out / "data"),
                              metric="val/loss", out=str(tmp_path / "alone"),
                              generations=NO_GENERATION,
                              soup_k=0)
-    board2 = pq.read_table(tmp_path / "alone" / "leaderboard.parquet").to_pylist()
-    assert sorted(r["trial_id"] for r in board2) == sorted([*(r["trial_id"] for r in trials),
-                                                            "base"])
-    assert alone["best_trial"] in {r["trial_id"] for r in trials}
+    board2 = {r["trial_id"]: r for r in
+              pq.read_table(tmp_path / "alone" / "leaderboard.parquet").to_pylist()}
+    assert sorted(board2) == sorted([gone, kept, "base"])
+    assert board2[gone]["status"] == "missing" and board2[gone]["rank"] is None
+    assert str(copy / gone) in board2[gone]["reason"]
+    assert alone["best_trial"] == kept and board2[kept]["rank"] == 1
+    assert (out / "sweep" / gone / "adapters.safetensors").is_file()  # the original's kept
 
 
 @pytest.mark.unit  # a pure function: the fast tier runs it

@@ -191,6 +191,10 @@ def check_file(out: str | Path, ours: Callable[[Path], bool], what: str, *,
     if out.is_dir():
         raise RefusedOutput(f"{flag} {out}: is a folder; {flag} takes the path of {what} "
                             "to write (a file name in it, say)")
+    above = next((p for p in out.parents if p.exists() or p.is_symlink()), None)
+    if above is not None and not above.is_dir():
+        raise RefusedOutput(f"{flag} {out}: {above} is a file, not a folder; choose a path "
+                            "in a folder")
     if out.exists() and out.stat().st_size and not ours(out):
         raise RefusedOutput(f"{flag} {out}: exists and is not {what} Pomona wrote; refusing "
                             f"to overwrite it. Choose another {flag}")

@@ -23,11 +23,11 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from engine.host.atomic import written
 from engine.losses import LOSSES, LossSpec, spec_of
+from engine.model.adapter_file import ADAPTER_FILE, CONFIG_FILE, read_adapter_weights
 from engine.model.content_key import adapter_fingerprint
 from engine.model.load import LoraSpec
 from engine.settings.reference_kind import BASE, AdapterRef, Reference, parse_reference
 
-ADAPTER_FILE, CONFIG_FILE = "adapters.safetensors", "adapter_config.json"
 log = logging.getLogger(__name__)
 
 
@@ -110,7 +110,7 @@ def load_adapter_weights(model: nn.Module, adapter_dir: Path) -> None:
     path = Path(adapter_dir) / ADAPTER_FILE
     if not path.exists():
         raise FileNotFoundError(f"no {ADAPTER_FILE} in {adapter_dir}")
-    weights = mx.load(str(path))
+    weights = read_adapter_weights(adapter_dir)  # readable and finite, or one line
     ours = dict(tree_flatten(model.trainable_parameters()))
     problems = [f"{k}: not a LoRA parameter of this model" for k in weights if k not in ours]
     problems += [f"{k}: shape {tuple(v.shape)} != {tuple(ours[k].shape)}"

@@ -16,9 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from engine.host.flags import check_choices, flag_field
-from engine.host.outputs import check_file
+from engine.host.outputs import RefusedOutput, check_file
 from engine.model.adapters import ADAPTER_FILE, CONFIG_FILE
-from engine.model.gguf_export import TYPES, check_expressible, fuse, gguf_arch, write_gguf
+from engine.model.gguf_export import (
+    TYPES,
+    check_expressible,
+    exported_here,
+    fuse,
+    gguf_arch,
+    write_gguf,
+)
 from engine.model.source import model_dir, read_config, source_kind
 
 BEST = "best-adapter"  # where a sweep or a pipeline puts the adapter it ranked first
@@ -84,11 +91,19 @@ def base_of(adapter: Path, model: str | None) -> str:
         raise ValueError(f"{adapter / CONFIG_FILE}: not valid JSON ({err})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{adapter / CONFIG_FILE}: not the JSON object mlx-lm writes")
-    model = model or config.get("model")
-    if not model:
-        raise ValueError(f"{adapter / CONFIG_FILE}: names no base model; pass --model")
-    if not Path(model).exists():
-        raise ValueError(f"{model}: the base model is not here; pass --model")
+    if model:
+        if not Path(model).exists():
+            raise ValueError(f"--model {model}: no such file or folder")
+    else:
+        model = config.get("model")
+        if not model:
+            raise ValueError(f"{adapter / CONFIG_FILE}: names no base model; pass --model")
+        if not isinstance(model, str):
+            raise ValueError(f"{adapter / CONFIG_FILE}: \"model\" is {model!r}, not a path; "
+                             "pass --model")
+        if not Path(model).exists():
+            raise ValueError(f"{model}: the base model {adapter / CONFIG_FILE} names is not "
+                             "here; pass --model")
     recorded = (config.get("pomona") or {}).get("model_key")
     if recorded and model_fingerprint(model) != recorded:
         raise ValueError(f"{adapter} was trained on another model than {model} (its "
@@ -112,10 +127,19 @@ def export(target: str | Path, out: str | Path, model: str | None = None,
         raise ValueError(f"--type {kind}: expected one of {', '.join(TYPES)}")
     adapter = adapter_of(Path(target))
     base = base_of(adapter, model)
+    out = Path(out)
+    if out.is_file() and out.stat().st_size and not ours(out) and exported_here(out):
+        raise RefusedOutput(f"--gguf {out}: exists (an earlier export wrote it); refusing to "
+                            "replace it. Remove it or choose another --gguf")
     check_file(out, ours, "a file", inputs=[target, base], flag="--gguf")
     exportable(base)  # a family or setting it cannot write: refused before any load
     fused = fuse(base, adapter)
-    return write_gguf(Path(out), fused, kind, tokenizer_source(base))
+    try:  # minutes on a real model: a file may have appeared at ``out`` meanwhile
+        return write_gguf(out, fused, kind, tokenizer_source(base), ours)
+    except FileExistsError:
+        raise RefusedOutput(f"--gguf {out}: a file appeared there while this export ran "
+                            "(another export?); it is kept as it is and nothing was written. "
+                            "Choose another --gguf") from None
 
 
 def tokenizer_source(base: str) -> Path:

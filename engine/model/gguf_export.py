@@ -20,13 +20,14 @@ an existing file is never written over (engine/host/outputs.py, ``check_file``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from engine.host.atomic import write_atomic
+from engine.host.atomic import clean_stale, no_replace, write_atomic
 from engine.model.gguf_archs import (
     ARCHS,
     ROPE_FREQS,
@@ -177,9 +178,11 @@ FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16",
               "q8_0": "MOSTLY_Q8_0"}
 
 
-def write_gguf(out: Path, fused: Fused, kind: str, tokenizer_from: Path) -> Path:
+def write_gguf(out: Path, fused: Fused, kind: str, tokenizer_from: Path,
+               ours: Callable[[Path], bool] = lambda _: False) -> Path:
     """``fused`` written to ``out`` as a GGUF of type ``kind``, the tokenizer copied from
-    ``tokenizer_from``'s GGUF source or built from its tokenizer.json."""
+    ``tokenizer_from``'s GGUF source or built from its tokenizer.json. Published only where
+    no file is at ``out`` by then, or one ``ours`` recognises (OSError otherwise)."""
     import gguf
 
     arch = gguf_arch(fused.config)
@@ -206,7 +209,8 @@ def write_gguf(out: Path, fused: Fused, kind: str, tokenizer_from: Path) -> Path
         writer.write_tensors_to_file()
         writer.close()
 
-    return write_atomic(out, write, suffix=".gguf")
+    clean_stale(out, ".gguf")  # a killed export's whole-model temporaries
+    return write_atomic(out, write, suffix=".gguf", publish=no_replace(ours))
 
 
 def exported_here(path: Path) -> bool:

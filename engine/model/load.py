@@ -19,13 +19,27 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from engine.model.adapter_file import check_adapter_folder, check_whole, one_line
 from engine.model.source import hub_error, local_model, source_kind
 
 
 def load_model(model: str, adapter_path: str | None = None) -> tuple[nn.Module, Any]:
     """``mlx_lm.load`` of a local directory, a ``.gguf`` file (its cached import) or a
     Hugging Face repo id (engine/model/source.py), with an error that names the model:
-    offline, a mistyped path otherwise ends as a hub connection error."""
+    offline, a mistyped path otherwise ends as a hub connection error. An adapter is read
+    whole or refused in one line (engine/model/adapter_file.py)."""
+    if adapter_path is None:
+        return _load(model, None)
+    weights = check_adapter_folder(adapter_path)  # readable, finite: before any weight loads
+    try:
+        loaded = _load(model, adapter_path)
+    except ValueError as err:
+        raise one_line(err) from None
+    check_whole(loaded[0], weights, adapter_path)
+    return loaded
+
+
+def _load(model: str, adapter_path: str | None) -> tuple[nn.Module, Any]:
     import mlx_lm
 
     if source_kind(model) != "repo":

@@ -24,6 +24,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from engine.data.shards import check_shards
 from engine.host.digests import sha256_file
 from engine.host.outputs import RefusedOutput, entries
 from engine.host.scratch import process_alive
@@ -60,34 +61,9 @@ def read_table(path: Path) -> pa.Table:
     manifest = read_manifest(path)
     if manifest is None:
         raise FileNotFoundError(f"{path}: not a complete Pomona dataset (no valid {MANIFEST})")
+    check_shards(Path(path), manifest)  # edited since tokenize: never re-split as if not
     tables = [pq.read_table(Path(path) / s, memory_map=True) for s in manifest["shards"]]
     return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
-
-
-def shards_problem(path: Path, manifest: dict[str, Any]) -> str | None:
-    """What is wrong with the shards of the dataset at ``path`` against its ``manifest``
-    (one missing, cut short or changed), or None. A manifest from before shards carried
-    their size and digest (``shard_files``) is checked by the rows each shard's footer
-    counts."""
-    listed = manifest.get("shard_files")
-    for name in manifest.get("shards", []):
-        shard = Path(path) / name
-        if not shard.is_file():
-            return f"its shard {name} is missing"
-        if isinstance(listed, dict) and name in listed:
-            want, size = listed[name], shard.stat().st_size
-            if size != want.get("bytes"):
-                return f"its shard {name} holds {size} bytes, the manifest says {want['bytes']}"
-            if sha256_file(shard) != want.get("sha256"):
-                return f"its shard {name} changed since it was written (SHA-256 differs)"
-    if isinstance(listed, dict):
-        return None
-    try:
-        rows = sum(pq.read_metadata(Path(path) / n).num_rows for n in manifest["shards"])
-    except (OSError, KeyError, TypeError, pa.ArrowException) as err:
-        return f"a shard cannot be read ({err})"
-    total = (manifest.get("rows") or {}).get("total")
-    return None if rows == total else f"its shards hold {rows} rows, the manifest says {total}"
 
 
 def check_replaceable(out: Path) -> None:

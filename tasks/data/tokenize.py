@@ -26,11 +26,12 @@ from typing import Any
 import numpy as np
 
 from engine.data.pairs import split_counts, split_notes, stable_split
+from engine.data.shards import shards_problem
 from engine.host.atomic import atomic_write_bytes
-from engine.host.digests import file_digest, file_digests, tokenizer_hash
+from engine.host.digests import file_digest, file_digests, sha256_file, tokenizer_hash
 from engine.host.outputs import RefusedOutput, check_apart, replacing
 from engine.model.source import model_dir, read_config
-from tasks.data.dataset_dir import check_replaceable, read_manifest, shards_problem, write_dataset
+from tasks.data.dataset_dir import check_replaceable, read_manifest, write_dataset
 from tasks.data.pair_encoder import PairEncoder
 from tasks.data.preference_rows import Conversation, Reject, list_files, read_conversations
 from tasks.data.render import ChatTemplate, Truncation, render, truncate
@@ -318,7 +319,8 @@ def _cache_hit(out: Path, fp: str, options: TokenizeOptions, started: float
                ) -> TokenizeReport | None:
     """The report of a dataset at ``out`` that already holds fingerprint ``fp``, whole."""
     manifest = read_manifest(out)
-    if manifest is None or manifest.get("fingerprint") != fp or shards_problem(out, manifest):
+    if (manifest is None or manifest.get("fingerprint") != fp
+            or shards_problem(out, manifest, sha256_file)):
         return None
     return TokenizeReport(str(out), fp, True, manifest["rows"]["total"], manifest["rejects"],
                           manifest["truncation"], seconds=time.perf_counter() - started,
@@ -332,7 +334,7 @@ def _tokenize_into(out: Path, inputs: Path, files: list[Path], folder: Path,
                    started: float) -> TokenizeReport:
     """Tokenize and write the dataset at ``out`` (its writer's lock held)."""
     manifest = read_manifest(out)
-    broken = shards_problem(out, manifest) if manifest is not None else None
+    broken = shards_problem(out, manifest, sha256_file) if manifest is not None else None
     notes = [f"{out}: {broken}; tokenizing again"] if broken else []
     check_replaceable(out)  # before the work, not only when writing (write_dataset checks)
     hf_tok = _load_tokenizer(folder)

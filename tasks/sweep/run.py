@@ -27,6 +27,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from engine.data.shards import check_shards
 from engine.host.digests import file_digest
 from engine.host.outputs import claim, mark_kind, reading
 from engine.model.content_key import adapter_fingerprint, model_fingerprint, reference_key
@@ -34,7 +35,7 @@ from engine.model.source import source_kind
 from engine.settings.config import TrainConfig
 from engine.settings.reference_kind import BASE
 from tasks.board.ranked_metric import metric_value
-from tasks.board.results_table import write_results
+from tasks.board.results_table import FINISHED, RESULTS, read_results, write_results
 from tasks.nodes.placement import Placement
 from tasks.nodes.preflight import preflight
 from tasks.sweep.attempts import EventHook
@@ -53,7 +54,6 @@ from tasks.track.tracker import Tracker
 # every validation reports logps/accuracies and logps/margin (what boards rank on). 0.5.0:
 # keyed on every effective setting (TrialPlan.params), defaults included, not the spec's.
 CODE_VERSION = "0.5.0"
-FINISHED = ("completed", "degenerate")  # trained to the end: cached on re-runs
 
 
 def plan_line(counts: dict[str, Any]) -> str:
@@ -78,6 +78,7 @@ def data_fingerprint(data: str) -> str:
     manifest = path / "manifest.json"
     if manifest.exists():
         m = json.loads(manifest.read_text())
+        check_shards(path, m)  # an edited shard under a kept manifest: refused, not cached
         options = m.get("options", {})
         split = [m.get("preprocessed"), options.get("valid_fraction"),
                  options.get("test_fraction")]
@@ -174,10 +175,9 @@ def check_cluster(placement: Placement, resources: dict[str, float], expected: i
 
 
 def previous_results(out: Path) -> dict[str, dict[str, Any]]:
-    path = out / "results.parquet"
-    if not path.exists():
+    if not (out / RESULTS).exists():
         return {}
-    return {r["trial_id"]: r for r in pq.read_table(path).to_pylist()}
+    return {r["trial_id"]: r for r in read_results(out)}  # adapters resolved in ``out``
 
 
 def run_sweep(spec: SweepSpec, out: Path, placement: Placement | None = None,
@@ -280,7 +280,7 @@ class SweepRun:
         """Every trial's row (cached, reused, run now) to results.parquet, atomically."""
         with self.lock:
             ordered = self.finish(rows, self.source)
-            write_results(ordered, self.out / "results.parquet")
+            write_results(ordered, self.out / RESULTS, sweep=True)
         return ordered
 
     def cached(self, plan: TrialPlan) -> Summary | None:

@@ -272,7 +272,7 @@ def run_trials(source: TrialSource | list[TrialPlan] | list[tuple[str, dict[str,
     interrupted = run_workers(worker, rules.max_concurrent, live)
     rows = [summaries[t] for t in order if t in summaries]
     if results is not None:
-        write_results(rows, results)
+        write_results(rows, results, sweep=True)
     if interrupted:
         raise TrialsInterrupted(rows)
     return rows

@@ -1,0 +1,65 @@
+"""Issue 67 case 3: a sweep's results.parquet names each trial's adapter relative to the
+sweep folder, and reading it resolves them there. An absolute path followed a copied
+sweep back to the original's adapters (a trial deleted from the copy was ranked from the
+original) and left a moved one with tracebacks and stale paths that no re-run mended. The
+board's side, on a real copied sweep: tests/test_pipeline.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from tasks.board.leaderboard import rank_trials
+from tasks.board.results_table import MISSING, read_results, write_results
+from tasks.sweep.run import previous_results
+
+pytestmark = pytest.mark.unit
+
+
+def adapter_in(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    for name in ("adapters.safetensors", "adapter_config.json"):
+        (folder / name).write_text("{}")
+    return folder
+
+
+def test_rows_name_adapters_in_their_own_sweep_wherever_it_moved(tmp_path: Path) -> None:
+    old = tmp_path / "old-sweep"
+    rows = [{"trial_id": t, "status": "completed", "adapter": str(adapter_in(old / t)),
+             "best/val/loss": loss} for t, loss in (("t-a", 0.5), ("t-b", 0.4))]
+    rows.append({"trial_id": "t-c", "status": "failed", "adapter": str(old / "t-c"),
+                 "reason": "diverged"})
+    write_results(rows, old / "results.parquet", sweep=True)
+    assert [r["adapter"] for r in pq.read_table(old / "results.parquet").to_pylist()] == [
+        "t-a", "t-b", "t-c"]  # relative: the trial's folder name
+    moved = tmp_path / "moved"
+    old.rename(moved)
+    (moved / "t-b" / "adapters.safetensors").unlink()
+    got = {r["trial_id"]: r for r in read_results(moved)}
+    assert got["t-a"]["adapter"] == str(moved / "t-a")
+    assert got["t-b"]["status"] == MISSING and got["t-b"]["adapter"] is None
+    assert str(moved / "t-b") in got["t-b"]["reason"]
+    assert got["t-c"]["status"] == "failed" and got["t-c"]["adapter"] is None
+    ranked = {r["trial_id"]: r.get("rank") for r in rank_trials(
+        list(got.values()), {}, "val/loss", "min")}
+    assert ranked == {"t-a": 1, "t-b": None, "t-c": None}
+    # a re-run there: t-b is not cached (its adapter is gone), t-a's row points here
+    before = previous_results(moved)
+    assert before["t-b"]["status"] == MISSING and before["t-a"]["adapter"] == str(moved / "t-a")
+
+
+def test_a_table_an_earlier_version_wrote_with_absolute_paths_reads_in_place(
+        tmp_path: Path) -> None:
+    """Tables written before the change hold absolute paths: the trial's folder in the
+    sweep being read is what counts, never the path recorded."""
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    adapter_in(original / "t-a")
+    adapter_in(copy / "t-a")
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"trial_id": ["t-a"], "status": ["completed"],
+                             "adapter": [str(original / "t-a")]}), copy / "results.parquet")
+    [row] = read_results(copy)
+    assert row["adapter"] == str(copy / "t-a")
