@@ -85,7 +85,7 @@ def train_tracked(values: dict[str, Any], names: list[str]) -> int:
     from engine.host.flags import command_line
     from tasks.sweep.trial_plan import settings_of
     from tasks.track.report_to import ReportTo
-    from tasks.track.sinks import missing_client
+    from tasks.track.sinks import tracker_problem
     from tasks.track.train_run import track_train
 
     try:
@@ -94,7 +94,7 @@ def train_tracked(values: dict[str, Any], names: list[str]) -> int:
             raise ValueError(f"--config {values['config']}: with --report-to, a file that "
                              "can be read twice (not a pipe or /dev/stdin)")
         cfg = train_config(values)
-        if problem := missing_client(report_to):
+        if problem := tracker_problem(report_to):
             raise ValueError(problem)
     except ValueError as err:
         raise fail(str(err)) from None

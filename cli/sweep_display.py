@@ -119,9 +119,14 @@ def run_sweep_cli(console: Console, spec_path: Path, out: Path | None, cluster: 
         console.print(f"[bold yellow]interrupted:[/] running trials cancelled; results so far "
                       f"in {out / 'results.parquet'}")
         raise typer.Exit(code=130) from None
-    except (SpecError, RefusedOutput, RayAddressError, RuntimeError, FileNotFoundError) as err:
+    except (SpecError, RefusedOutput, RayAddressError, RuntimeError, FileNotFoundError,
+            ValueError) as err:  # ValueError: a dataset edited or split the old way
         console.print(f"[bold red]error:[/] {err}")
         raise typer.Exit(code=2) from err
+    except OSError as err:  # a full disk: what finished is kept, and a re-run keeps it
+        console.print(f"[bold red]error:[/] {err}; the finished trials' adapters are in "
+                      f"{out}/<trial id>/, and a re-run there keeps them")
+        raise typer.Exit(code=1) from err
     console.print(results_table(spec, rows, out))
     if (why := why_unranked(rows, spec.metric)) is not None:  # ran, but chose nothing
         console.print(f"[bold red]error:[/] sweep {spec.name}: {why}")

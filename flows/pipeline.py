@@ -14,7 +14,6 @@ leave their results as files persist no task result, evaluations persist theirs 
 
 from __future__ import annotations
 
-import dataclasses
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -22,10 +21,11 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.states import Failed, State
 
-from engine.host.outputs import claim
+from engine.host.outputs import RefusedOutput, claim
 from engine.losses import LossSpec
 from engine.model.adapters import trained_loss
-from engine.model.export import exportable
+from engine.model.export import ExportSettings, exportable
+from engine.model.gguf_export import exported_here
 from engine.model.source import source_kind
 from flows.sweep_flow import sweep_stage
 from tasks.board.board_settings import BoardOptions, Ranking
@@ -41,6 +41,7 @@ from tasks.eval.generation_eval import (
 from tasks.nodes.cluster import Cluster
 from tasks.nodes.placement import Placement
 from tasks.prefect.pipeline_tasks import (
+    GGUF_NAME,
     aggregate_task,
     eval_settings,
     evaluation_for,
@@ -54,7 +55,7 @@ from tasks.prefect.pipeline_tasks import (
 from tasks.sweep.run import is_sweep_dir
 from tasks.sweep.sweep_spec import SpecError, load_spec
 from tasks.track.report_to import with_report_to
-from tasks.track.sinks import missing_client
+from tasks.track.sinks import tracker_problem
 
 
 def is_pipeline_dir(path: Path) -> bool:
@@ -93,8 +94,8 @@ def check_pipeline_inputs(raw: str, model: str, spec: str, out: str | None = Non
     fails on the raw data's first rows, or a spec's ``export`` of a family no GGUF holds),
     not a failed flow run."""
     check_prompts_flag(generations)
-    parsed = with_report_to(load_spec(spec), report_to)
-    if problem := missing_client(parsed.report_to):
+    parsed = with_report_to(load_spec(spec, {"model": model, "data": raw}), report_to)
+    if problem := tracker_problem(parsed.report_to):
         raise SpecError(problem)
     settings = parsed.evaluation.with_prompts(generations)
     if not Path(raw).exists():
@@ -105,7 +106,18 @@ def check_pipeline_inputs(raw: str, model: str, spec: str, out: str | None = Non
     check_scorers_on_raw(settings, raw)  # a ScorerError (a ValueError) before any server
     if out is not None:
         with claim_pipeline(out, raw, model, spec):
-            pass  # the flow claims it again while it runs
+            check_export_target(Path(out), parsed.export)
+            # the flow claims it again while it runs
+
+
+def check_export_target(out: Path, export: ExportSettings) -> None:
+    """RefusedOutput (one line) where the spec's ``export:`` would write its GGUF over a
+    file in ``out`` that no export wrote: said before the sweep, not after it."""
+    path = out / GGUF_NAME
+    if export.gguf and path.is_file() and path.stat().st_size and not exported_here(path):
+        raise RefusedOutput(f"{path}: a file Pomona did not write, where the spec's "
+                            f"export: {{gguf: {export.gguf}}} would write the best adapter; "
+                            "move it, or choose another --out")
 
 
 @flow(name="pomona-pipeline", result_serializer="json")
@@ -128,12 +140,13 @@ def pipeline(raw: str, model: str, spec: str, out: str, cluster: Cluster | None 
             return tokenized  # the flow run fails with the data's message
         data = tokenized.result()
         preprocess_task(data["path"])
-        sweep = with_report_to(dataclasses.replace(load_spec(spec), model=model,
-                                                   data=data["path"]), report_to)
+        sweep = with_report_to(load_spec(spec, {"model": model, "data": data["path"]}),
+                               report_to)
         settings = sweep.evaluation.with_prompts(generations)
         check_scorers_on_data(settings, model, data["path"])  # a broken scorer: no trial ran
         if sweep.export.gguf:
             exportable(model)  # a family no GGUF holds: said now, not after the sweep
+            check_export_target(out_dir, sweep.export)  # a user's file there: said now too
         with cluster.session():  # opened once, for the sweep and the board
             results = sweep_stage(sweep, out_dir / "sweep", cluster.placement)
             if not any(r["status"] == "completed" for r in results):  # nothing to rank

@@ -312,7 +312,7 @@ SPEC = ("name: lab\nmodel: unused\ndata: unused\nmax_concurrent: 2\n"
 
 
 def stocked_lab(root: Path, model: Path, data: Path):
-    """A started Lab whose head holds ``model``, 120 sort pairs and ``SPEC`` under
+    """A started Lab whose head holds ``model``, 121 sort pairs and ``SPEC`` under
     /tmp/lab, its nodes' kernels compiled on ``data`` (tokenized pairs for ``model``)
     (generator: stopped after); pytest.skip where namespaces are not allowed."""
     import pytest
@@ -322,7 +322,9 @@ def stocked_lab(root: Path, model: Path, data: Path):
     why = namespaces_allowed()
     if why:
         pytest.skip(f"no simulated lab: {why}")
-    raw = write_rows(list(synth_rows("sort", 120, seed=0)), root / "raw" / "sort.jsonl")
+    # 121 rows: an odd train split (101 pairs by prompt), so the gang test's epoch ends on a
+    # micro-batch of one pair for two ranks
+    raw = write_rows(list(synth_rows("sort", 121, seed=0)), root / "raw" / "sort.jsonl")
     (root / "spec.yaml").write_text(SPEC)
     lab = Lab(root)
     lab.warm_kernels(model, data)

@@ -216,14 +216,15 @@ def test_stable_split_survives_added_rows(tiny_model, tmp_path) -> None:
 
 
 def test_fingerprint_cache(tiny_model, tiny_qwen2, tmp_path) -> None:
-    src = jsonl(tmp_path / "c.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"}])
+    # one row: its prompt must hash to train (a dataset with no train rows is refused)
+    src = jsonl(tmp_path / "c.jsonl", [{"prompt": "q", "chosen": "a", "rejected": "b"}])
     out = tmp_path / "cache"
     first = tokenize_dataset(src, str(tiny_model), out)
     assert not first.cache_hit
     assert tokenize_dataset(src, str(tiny_model), out).cache_hit
     assert not tokenize_dataset(src, str(tiny_model), out,
                                 TokenizeOptions(max_length=64)).cache_hit  # options changed
-    jsonl(src, [{"prompt": "p", "chosen": "a", "rejected": "c"}])
+    jsonl(src, [{"prompt": "q", "chosen": "a", "rejected": "c"}])
     assert not tokenize_dataset(src, str(tiny_model), out).cache_hit  # content changed
     assert not tokenize_dataset(src, str(tiny_qwen2), out).cache_hit  # tokenizer changed
 
@@ -304,7 +305,8 @@ def test_data_cli_tokenize_and_stats(tiny_model, tmp_path) -> None:
 
 def test_over_long_row_identical_after_truncation_is_rejected(tiny_model, tmp_path) -> None:
     rows = [{"id": "a", "prompt": "Sort: 1 2 3 9", "chosen": " 1 2 3 9", "rejected": " 1 2 9 3"},
-            {"id": "b", "prompt": "Sort: 2 1", "chosen": " 1 2", "rejected": " 2 1"}]
+            {"id": "b", "prompt": "Sort: 3 1", "chosen": " 1 3", "rejected": " 3 1"}]
+    # (the kept row's prompt hashes to train: a dataset with no train rows is refused)
     opts = TokenizeOptions(chat_template="off", max_length=8, max_bad_fraction=0.5)
     report = tokenize_dataset(jsonl(tmp_path / "l.jsonl", rows), str(tiny_model),
                               tmp_path / "l", opts)

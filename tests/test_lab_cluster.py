@@ -88,6 +88,7 @@ def test_a_gang_across_two_nodes_equals_one_process(lab: Lab, lab_dataset: str,
 
     manifest = json.loads(lab.run("head", ["cat", "/tmp/lab/ds/manifest.json"]).stdout)
     batch = manifest["rows"]["train"] - 1  # an epoch: one batch of N-1 pairs, one of 1
+    assert batch % 2 == 0, f"{manifest['rows']}: the lab's data needs an odd train split"
     for name, ranks in (("gang", 2), ("one", 1)):
         lab.run("head", ["sh", "-c", f"sed -e 's#name: lab#name: {name}#' -e "
                          f"'s#max_concurrent: 2#max_concurrent: 1\\nranks_per_trial: {ranks}#' "

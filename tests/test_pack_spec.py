@@ -60,7 +60,7 @@ def _plans(batch_sizes: list[int], ranks: list[int]) -> list:
 
 def test_auto_sizes_each_class_of_trials_from_its_probe(tmp_path) -> None:
     """Cached probe rows (no Ray: nothing to measure) size each class that packs: a class
-    up to its largest pack within the budget, one over it alone, and a trial that packs
+    up to its largest pack within the budget, one over it even alone refused, and a trial that packs
     with none left out. Rows probed under a smaller budget that stopped early do not answer
     for a larger one; the key is the class's heaviest trial's, with what a pack shares.
     Would catch: one size for every class, a pack past the budget (or past the first over
@@ -81,7 +81,9 @@ def test_auto_sizes_each_class_of_trials_from_its_probe(tmp_path) -> None:
     limits, notes = size_packs(plans, 2.3, None, "fp", cache)  # 2 GiB fits, 3 does not
     assert limits == {"t0": 2, "t1": 2, "t2": 2} and "t3" not in limits
     assert json.loads(notes["t0"]) == {"1": 1.0, "2": 2.0, "3": 3.0}
-    assert size_packs(plans, 0.9, None, "fp", cache)[0]["t0"] == 1  # none fits: alone
+    # issue 67 case 12: a budget even one trial exceeds trained every trial; it stops now
+    with pytest.raises(SpecError, match=r"trials t0, t1, t2: even alone a trial peaks at 1 GB"):
+        size_packs(plans, 0.9, None, "fp", cache)
     assert size_packs(plans, 3.0, None, "fp", cache)[0]["t0"] == 3
     assert covers(rows[:2], 3, 1.5) and not covers(rows[:2], 3, 2.3) and not covers(None, 3, 9)
     noisy = [{"pack": 1, "peak_gb": 1.0}, {"pack": 2, "peak_gb": 2.5}, {"pack": 3, "peak_gb": 2.0}]

@@ -221,3 +221,49 @@ def test_training_that_goes_non_finite_is_one_line(monkeypatch) -> None:
     monkeypatch.setattr(trainer, "train", diverges)
     line = one_error("train", "--model", "m", "--data", "d")
     assert line.startswith("error: step 3: loss nan on pairs ['a', 'b']; nothing saved"), line
+
+
+# Issue 67 --------------------------------------------------------------------------------
+
+def test_a_key_twice_an_empty_spec_and_a_pipelines_own_keys(tmp_path: Path,
+                                                           tiny_model: Path) -> None:
+    """Cases 13 and 14 and a low one: `pomona train --config` took the last of a key given
+    twice (the sweep spec refused the same file); `pomona pipeline` required `model:` and
+    `data:`, which its help says it replaces; an empty spec said "expected a mapping, got
+    NoneType"."""
+    config = tmp_path / "run.yaml"
+    config.write_text("steps: 3\nlearning_rate: 1e-4\nsteps: 5\n")
+    line = one_error("train", "--config", str(config), "--model", "m", "--data", "d")
+    assert f"{config}: key 'steps' given twice (line 3)" in line, line
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("")
+    assert "the spec is empty" in one_error("sweep", str(spec))
+    from flows.pipeline import check_pipeline_inputs
+
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n')
+    spec.write_text("name: p\ngrid: {learning_rate: [1e-4]}\n")  # no model, no data
+    check_pipeline_inputs(str(raw), str(tiny_model), str(spec))  # accepted: both given
+
+
+def test_a_pipeline_whose_export_would_replace_a_users_file_is_refused_first(
+        tmp_path: Path, tiny_model: Path) -> None:
+    """Case 8: `pomona pipeline` into its own folder, where best-adapter.gguf was the user's
+    file, refused only after the whole sweep and evaluation (180 lines, 3 tracebacks,
+    naming `--gguf`, leaderboard.md and best-adapter/ rewritten by then)."""
+    import json
+
+    raw, spec, out = tmp_path / "raw.jsonl", tmp_path / "spec.yaml", tmp_path / "out"
+    raw.write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n')
+    spec.write_text("name: p\nexport: {gguf: q8_0}\n")
+    out.mkdir()
+    (out / ".pomona").write_text(json.dumps({"kind": "pipeline"}))  # an earlier pipeline's
+    (out / "best-adapter.gguf").write_text("the user's own model\n")
+    (out / "leaderboard.md").write_text("# the earlier board\n")
+    line = one_error("pipeline", str(raw), str(tiny_model), str(spec), "--out", str(out))
+    assert f"{out / 'best-adapter.gguf'}: a file Pomona did not write" in line, line
+    assert "export: {gguf: q8_0}" in line and "--gguf" not in line, line
+    assert (out / "best-adapter.gguf").read_text() == "the user's own model\n"
+    assert (out / "leaderboard.md").read_text() == "# the earlier board\n"
+    assert sorted(p.name for p in out.iterdir()) == [".pomona", "best-adapter.gguf",
+                                                     "leaderboard.md"]

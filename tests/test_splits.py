@@ -328,3 +328,68 @@ def test_leaderboard_with_nothing_held_out_is_one_line(tmp_path) -> None:
     lines = [x for x in result.output.splitlines() if x.strip()]
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert f"{data}: no valid and no test rows, nothing to evaluate on" in lines[0]
+
+
+@pytest.mark.integration
+def test_a_prompts_pairs_share_one_split_and_an_old_split_is_refused(
+        tiny_model, tmp_path) -> None:
+    """Issue 67, case 5: splits hashed each row's id, so with 60 prompts of 5 pairs each (the
+    shape of UltraFeedback or HH-RLHF) 31 prompts had pairs in more than one split: test,
+    "which no choice read", was partly trained on. Would catch: a split drawn from the id
+    (or the row), whitespace in a prompt giving it another split, a ``group`` field
+    ignored, and a dataset split the old way read, preprocessed or cached without a word."""
+    from engine.data.shards import SPLIT_BY
+    from engine.host.digests import sha256_file
+    from tasks.data.dataset_dir import read_table
+    from tasks.data.preprocess import preprocess_dataset
+    from tasks.data.tokenize import TokenizeOptions, tokenize_dataset
+    from tasks.sweep.run import data_fingerprint
+
+    rows = [{"id": f"q{q}-{k}", "prompt": f"Sort: {q} 0" + " " * (k % 2),  # spacing varies
+             "chosen": f" 0 {q}", "rejected": f" {q} {k} 0"}
+            for q in range(1, 61) for k in range(5)]
+    rows += [{"id": f"g{i}", "group": "same", "prompt": f"Tell {i}", "chosen": " yes",
+              "rejected": " no"} for i in range(8)]
+    src = tmp_path / "rows.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "ds"
+    opts = TokenizeOptions(valid_fraction=0.2, test_fraction=0.2)
+    tokenize_dataset(src, str(tiny_model), out, opts)
+    t = read_table(out).to_pydict()
+    by_prompt: dict[str, set[str]] = {}
+    for row_id, split in zip(t["id"], t["split"], strict=True):
+        by_prompt.setdefault(row_id.split("-")[0] if "-" in row_id else "same", set()).add(split)
+    assert all(len(s) == 1 for s in by_prompt.values()), by_prompt
+    assert set().union(*by_prompt.values()) == {"train", "valid", "test"}  # all drawn
+    pairs = load_pairs(out)
+    assert sum(map(len, (pairs.train, pairs.valid, pairs.test))) == len(rows)
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["split_by"] == SPLIT_BY
+    del manifest["split_by"]  # as a Pomona before this change wrote it
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    for read in (lambda: load_pairs(out), lambda: preprocess_dataset(out),
+                 lambda: data_fingerprint(str(out))):
+        with pytest.raises(ValueError, match=r"before splits kept each prompt's pairs "
+                                             r"together.*Tokenize it again"):
+            read()
+    # An old dataset's row-hash splits, as the old code drew them: re-tokenizing says how
+    # many rows moved.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for shard in manifest["shards"]:
+        table = pq.read_table(out / shard)
+        old = [stable_split(i, 0.2, 0.2) for i in table.column("id").to_pylist()]
+        pq.write_table(table.set_column(table.schema.get_field_index("split"), "split",
+                                        pa.array(old)), out / shard)
+        manifest["shard_files"][shard] = {"bytes": (out / shard).stat().st_size,
+                                          "sha256": sha256_file(out / shard)}
+    manifest["code_version"], manifest["fingerprint"] = "2", "fingerprinted by code 2"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    moved = sum(a != b for a, b in zip(
+        [stable_split(i, 0.2, 0.2) for i in t["id"]], t["split"], strict=True))
+    report = tokenize_dataset(src, str(tiny_model), out, opts)
+    note = next(n for n in report.notes if "re-split by prompt" in n)
+    assert f"{moved} of {len(rows)} rows moved split" in note and moved > 0, note
+    assert read_table(out).to_pydict()["split"] == t["split"]

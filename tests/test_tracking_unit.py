@@ -28,6 +28,36 @@ def test_report_to_parses_lists_one_name_and_none() -> None:
         ReportTo.parse(["mlfow"], "--report-to")
     with pytest.raises(ValueError, match="names a tracker twice"):
         ReportTo.parse(["mlflow", "mlflow"])
+    with pytest.raises(ValueError, match=r"--report-to: none .* cannot be combined .*mlflow"):
+        ReportTo.parse(["none", "mlflow"], "--report-to")  # issue 67: it contradicted itself
+
+
+def test_an_mlflow_store_that_is_unset_or_unwritable_is_one_line_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 67, cases 10 and 11: with MLFLOW_TRACKING_URI unset or empty, report_to:
+    [mlflow] silently wrote mlflow.db and mlruns/ into the checkout; sqlite:////proc/x.db
+    stalled a sweep about 100 s in SQLAlchemy's retries. Both are said before anything
+    starts, in well under a second."""
+    import time
+
+    from tasks.track.sinks import tracker_problem
+
+    mlflow = ReportTo(("mlflow",))
+    monkeypatch.chdir(tmp_path)
+    for unset in ("", "  "):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", unset)
+        assert "MLFLOW_TRACKING_URI is not set" in tracker_problem(mlflow)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert f"into {tmp_path}" in tracker_problem(mlflow) and not list(tmp_path.iterdir())
+    started = time.monotonic()
+    for uri in ("sqlite:////proc/x.db", f"sqlite:///{tmp_path}"):  # no file can be, a folder
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        assert f"MLFLOW_TRACKING_URI={uri}: no database can be written" in tracker_problem(
+            mlflow)
+    assert time.monotonic() - started < 1
+    for fine in (f"sqlite:///{tmp_path}/new/mlflow.db", "http://127.0.0.1:9"):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", fine)
+        assert tracker_problem(mlflow) is None
 
 
 def test_a_spec_names_its_trackers() -> None:

@@ -59,9 +59,14 @@ def test_a_failing_trial_is_reported_and_the_rest_complete(ray_cluster, tiny_mod
 
 
 def test_sweep_reruns_exactly_what_changed(ray_cluster, tiny_model, tiny_data,
-                                           tmp_path) -> None:
+                                           tmp_path, monkeypatch) -> None:
+    """And issue 67 case 9: results.parquet lost to a full disk (its write failing while
+    the trials' adapters and summaries were whole) made the re-run train every finished
+    trial again: each is recognised from the row it left in its own folder."""
+    import errno
     import shutil
 
+    import tasks.sweep.run as sweep_run
     from tasks.sweep.run import run_sweep
     from tasks.sweep.sweep_spec import parse_spec
 
@@ -77,8 +82,19 @@ def test_sweep_reruns_exactly_what_changed(ray_cluster, tiny_model, tiny_data,
     assert {r["param/segment_size"] for r in table} == {0, 2}
     again = run_sweep(parse_spec(raw), out)
     assert all(r["skipped"] for r in again)
+
+    def full_disk(rows, path, **_):
+        raise OSError(errno.ENOSPC, f"cannot write {path}: no space left on its disk")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(sweep_run, "write_results", full_disk)
+        with pytest.raises(OSError, match="no space left"):
+            run_sweep(parse_spec({**raw, "grid": {"segment_size": [0, 1]}}), out)
+    (out / "results.parquet").unlink()  # as a disk that was full left it: never written
     changed = run_sweep(parse_spec({**raw, "grid": {"segment_size": [0, 1]}}), out)
-    assert [r["skipped"] for r in changed] == [True, False]  # only the new point runs
+    assert [r["skipped"] for r in changed] == [True, True]  # seg 1 finished, its row lost
+    assert [r["status"] for r in changed] == ["completed"] * 2
+    assert {r["adapter"] for r in changed} == {str(out / r["trial_id"]) for r in changed}
     lines = Path(data).read_text().splitlines(keepends=True)
     Path(data).write_text("".join(lines[1:]))  # the same path, different data: all re-run
     redone = run_sweep(parse_spec({**raw, "grid": {"segment_size": [0, 1]}}), out)

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from engine.data.batch import Pair
-from engine.data.shards import check_shards
+from engine.data.shards import check_dataset
 from engine.data.splits import MAX_BAD_FRACTION, TEST_FRACTION, VALID_FRACTION, check_fractions
 from engine.data.token_ids import ID_COLUMNS, BadId, bad_id_rows, check_id_types, int_lists
 from engine.host.outputs import reading
@@ -114,7 +114,7 @@ def _read_table(path: Path):
         except (FileNotFoundError, KeyError, json.JSONDecodeError) as err:
             raise FileNotFoundError(f"{path}: not a complete dataset directory (no valid "
                                     "manifest.json); run `pomona data tokenize` first") from err
-        check_shards(path)  # the bytes tokenize wrote, not a shard edited since
+        check_dataset(path)  # the bytes tokenize wrote, split by prompt
         files = [path / s for s in shards]
         fmt = "parquet" if not files or files[0].suffix == ".parquet" else "ipc"
         return _readable(path, lambda: ds.dataset([str(f) for f in files], format=fmt).to_table())

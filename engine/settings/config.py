@@ -287,7 +287,8 @@ def read_yaml(path: str | Path, what: str) -> Any:
     import yaml
 
     try:
-        return yaml.safe_load(Path(path).read_text())
+        text = Path(path).read_text()
+        data = yaml.safe_load(text)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such {what}") from None
     except (OSError, UnicodeDecodeError) as err:
@@ -297,6 +298,27 @@ def read_yaml(path: str | Path, what: str) -> Any:
         line = f" (line {mark.line + 1})" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err).replace("\n", " ")
         raise ValueError(f"{path}: not valid YAML{line}: {problem}") from None
+    refuse_duplicate_keys(path, text)
+    return data
+
+
+def refuse_duplicate_keys(path: str | Path, text: str) -> None:
+    """ValueError naming a key a mapping of the file gives twice (YAML keeps the last)."""
+    import yaml
+
+    nodes = [yaml.compose(text)]
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, yaml.MappingNode):
+            seen: set[str] = set()
+            for key, value in node.value:
+                if key.value in seen:
+                    raise ValueError(f"{path}: key {key.value!r} given twice (line "
+                                     f"{key.start_mark.line + 1}); keep one")
+                seen.add(key.value)
+                nodes.append(value)
+        elif isinstance(node, yaml.SequenceNode):
+            nodes.extend(node.value)
 
 
 _KINDS = {"loss": f"one of {tuple(LOSSES)}", "reference": "base or an adapter directory",

@@ -33,6 +33,7 @@ SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 SCHEMA = pa.schema([
     ("id", pa.string()),
+    ("group", pa.string()),  # the split key: the row's group field, else its prompt's hash
     ("prompt_ids", pa.list_(pa.int32())),
     ("chosen_ids", pa.list_(pa.int32())),
     ("rejected_ids", pa.list_(pa.int32())),
@@ -56,12 +57,14 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
     return manifest if manifest.get("schema_version") == SCHEMA_VERSION else None
 
 
-def read_table(path: Path) -> pa.Table:
-    """All shards of a dataset directory, memory-mapped."""
+def read_table(path: Path, check: bool = True) -> pa.Table:
+    """All shards of a dataset directory, memory-mapped; ``check``: the shards the manifest
+    recorded, or ValueError (engine/data/shards.py)."""
     manifest = read_manifest(path)
     if manifest is None:
         raise FileNotFoundError(f"{path}: not a complete Pomona dataset (no valid {MANIFEST})")
-    check_shards(Path(path), manifest)  # edited since tokenize: never re-split as if not
+    if check:
+        check_shards(Path(path), manifest)  # edited since tokenize: never re-split as if not
     tables = [pq.read_table(Path(path) / s, memory_map=True) for s in manifest["shards"]]
     return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import unicodedata
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ class Conversation:
     prompt: str | Messages
     chosen: str | Messages
     rejected: str | Messages
+    group: str = ""  # the split key: the row's ``group`` field, else its normalised prompt
 
 
 @dataclass(frozen=True)
@@ -281,7 +283,31 @@ def validate(row: Any, layout: str, source: str, line: int) -> Conversation:
         raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
     if chosen == rejected:
         raise BadRow("chosen_equals_rejected")
-    return Conversation(row_id, source, line, layout, system, prompt, chosen, rejected)
+    return Conversation(row_id, source, line, layout, system, prompt, chosen, rejected,
+                        split_group(row, system, prompt))
+
+
+def split_group(row: dict, system: str | None, prompt: str | Messages) -> str:
+    """The key a row's split is drawn from, so a prompt's pairs never straddle train and
+    test: its ``group`` field (a string or an integer), else a hash of its prompt with the
+    system turn, normalised (NFC, runs of whitespace as one space). Implicit text rows,
+    whose prompt is the common prefix of the two answers, may want ``group``."""
+    if "group" in row and row["group"] is not None:
+        value = row["group"]
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            raise BadRow("wrong_type:group")
+        if not str(value).strip():
+            raise BadRow("empty_field:group")
+        return "g:" + _utf8(str(value), "group")
+
+    def norm(text: str) -> str:
+        return " ".join(unicodedata.normalize("NFC", text).split())
+
+    turns = [["system", norm(system)]] if system else []
+    turns += ([["user", norm(prompt)]] if isinstance(prompt, str)
+              else [[m["role"], norm(m["content"])] for m in prompt])
+    body = json.dumps(turns, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    return "p:" + hashlib.sha256(body).hexdigest()[:16]
 
 
 def _attempt(raw: Any, layout: str, source: str, line: int) -> Conversation | BadRow:

@@ -3,10 +3,10 @@
 Per row: ``prefix_shared`` — chosen and rejected begin with the same prompt tokens, so the
 engine can run one forward over [prompt | chosen | rejected] — and the tokens that sharing
 saves (the prompt, computed once instead of twice). Exact duplicate pairs are removed and
-counted. The split is a stable hash of ``id``: adding rows never moves old rows. A dataset
-tokenized before the test split existed gets one here (its manifest names no
-``test_fraction``, so the default applies): test rows come out of train, valid keeps its
-rows. ``out`` (default: in place) may only be a new or empty folder or another Pomona dataset.
+counted. The split is a stable hash of each row's ``group`` (its prompt, or the row's own
+``group`` field), so a prompt's pairs share one split and adding rows never moves old
+rows; a dataset tokenized before that rule is refused (engine/data/shards.py). ``out``
+(default: in place) may only be a new or empty folder or another Pomona dataset.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.data.pairs import split_counts, split_notes, stable_split
+from engine.data.shards import check_dataset
 from engine.data.splits import TEST_FRACTION, check_fractions
 from engine.host.outputs import check_apart, reading, replacing
 from tasks.data.dataset_dir import check_replaceable, read_manifest, read_table, write_dataset
@@ -55,6 +56,7 @@ def _preprocess(path: Path, out: Path, valid_fraction: float | None,
     manifest = read_manifest(path)
     if manifest is None:
         raise FileNotFoundError(f"{path}: not a complete Pomona dataset (no valid manifest)")
+    check_dataset(path, manifest)  # its rows carry the group each split is drawn from
     if out.resolve() != path.resolve():  # in place replaces the input, by design
         check_apart(out, [path])
         check_replaceable(out)
@@ -78,7 +80,7 @@ def _preprocess(path: Path, out: Path, valid_fraction: float | None,
         for k in cols:
             keep[k].append(cols[k][i])
         keep["prefix_shared"][-1] = shared
-        keep["split"][-1] = stable_split(cols["id"][i], valid, test)
+        keep["split"][-1] = stable_split(cols["group"][i], valid, test)  # by prompt
         saved += p if shared else 0
         two_forward += 2 * p + c + r
     n = len(keep["id"])

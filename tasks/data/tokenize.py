@@ -24,25 +24,32 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from engine.data.pairs import split_counts, split_notes, stable_split
-from engine.data.shards import shards_problem
+from engine.data.shards import SPLIT_BY, shards_problem
 from engine.host.atomic import atomic_write_bytes
 from engine.host.digests import file_digest, file_digests, sha256_file, tokenizer_hash
 from engine.host.outputs import RefusedOutput, check_apart, replacing
 from engine.model.source import model_dir, read_config
-from tasks.data.dataset_dir import check_replaceable, read_manifest, write_dataset
+from tasks.data.dataset_dir import (
+    check_replaceable,
+    read_manifest,
+    read_table,
+    write_dataset,
+)
 from tasks.data.pair_encoder import PairEncoder
 from tasks.data.preference_rows import Conversation, Reject, list_files, read_conversations
 from tasks.data.render import ChatTemplate, Truncation, render, truncate
 from tasks.data.tokenize_options import TokenizeOptions
 
-DATA_CODE_VERSION = "2"  # bump when rendering/tokenization changes what gets written
+# Bump when rendering/tokenization changes what gets written (3: split by prompt, SPLIT_BY).
+DATA_CODE_VERSION = "3"
 # config.json keys that hold a model's context length, across families.
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
                 "n_ctx", "max_sequence_length")
 OUTLIER_FACTOR = 4  # a pair this many times the p99 length is reported
-COLUMNS = ("id", "prompt_ids", "chosen_ids", "rejected_ids")
+COLUMNS = ("id", "group", "prompt_ids", "chosen_ids", "rejected_ids")
 Progress = Callable[[int, int], None]  # (rows read, tokens written so far)
 
 
@@ -153,6 +160,7 @@ def _tokenize_batch(convs: list[Conversation], encoder: PairEncoder,
             got.trunc["boundary_merged"] += 1
         got.where.append((c.source, c.line))
         got.rows["id"].append(c.id)
+        got.rows["group"].append(c.group)
         got.rows["prompt_ids"].append(pair.prompt_ids)
         got.rows["chosen_ids"].append(pair.chosen_ids)
         got.rows["rejected_ids"].append(pair.rejected_ids)
@@ -278,7 +286,7 @@ def _manifest(fp: str, folder: Path, options: TokenizeOptions, use_template: boo
     rows = got.rows
     return {
         "fingerprint": fp, "tokenizer": str(folder), "tokenizer_hash": tokenizer_hash(folder),
-        "code_version": DATA_CODE_VERSION, "options": asdict(options),
+        "code_version": DATA_CODE_VERSION, "options": asdict(options), "split_by": SPLIT_BY,
         "chat_template": use_template, "preprocessed": False,
         "sources": [{"path": str(f), "sha256": file_digest(f)} for f in files],
         "rows": {"total": len(rows["id"]), **split_counts(rows["split"]), "read": got.read},
@@ -329,6 +337,22 @@ def _cache_hit(out: Path, fp: str, options: TokenizeOptions, started: float
                                             options.test_fraction))
 
 
+def resplit_note(out: Path, manifest: dict[str, Any], got: _Collected) -> str | None:
+    """How many of the rows of the dataset at ``out``, tokenized before splits kept a
+    prompt's pairs together, move split now (None for a dataset split by prompt already)."""
+    if manifest.get("split_by") == SPLIT_BY:
+        return None
+    try:
+        old = read_table(out, check=False).select(["id", "split"]).to_pydict()
+    except (OSError, KeyError, pa.ArrowException):
+        return None
+    before = dict(zip(old["id"], old["split"], strict=True))
+    moved = sum(before.get(i, s) != s for i, s in zip(got.rows["id"], got.rows["split"],
+                                                        strict=True))
+    return (f"{out}: re-split by prompt, so a prompt's pairs share one split (it was split "
+            f"by row): {moved} of {len(got.rows['id'])} rows moved split")
+
+
 def _tokenize_into(out: Path, inputs: Path, files: list[Path], folder: Path,
                    options: TokenizeOptions, fp: str, progress: Progress | None,
                    started: float) -> TokenizeReport:
@@ -347,8 +371,10 @@ def _tokenize_into(out: Path, inputs: Path, files: list[Path], folder: Path,
     got = _read_and_tokenize(inputs, options, PairEncoder(hf_tok), template, progress)
     kept_path, failed_path = rejects_paths(out)
     _fail_if_unusable(got, inputs, files, options.max_bad_fraction, failed_path)
-    got.rows["split"] = [stable_split(i, options.valid_fraction, options.test_fraction)
-                         for i in got.rows["id"]]
+    got.rows["split"] = [stable_split(g, options.valid_fraction, options.test_fraction)
+                         for g in got.rows["group"]]  # a prompt's pairs in one split
+    if manifest is not None and not broken and (moved := resplit_note(out, manifest, got)):
+        notes.append(moved)
     notes += split_notes(split_counts(got.rows["split"]), options.valid_fraction,
                          options.test_fraction)  # refuses an empty train split
     got.rows["prefix_shared"] = [None] * len(got.rows["id"])  # set by preprocess

@@ -32,6 +32,7 @@ from tasks.nodes.placement import Placement
 from tasks.nodes.trial_inputs import SweepFiles, fetched
 from tasks.sweep.memory_probe import probe_key
 from tasks.sweep.packs import group_packs
+from tasks.sweep.sweep_spec import SpecError
 from tasks.sweep.trial_plan import TrialPlan
 
 log = logging.getLogger("pomona.sweep")
@@ -95,7 +96,13 @@ def size_packs(plans: list[TrialPlan], budget_gb: float, placement: Placement,
     limits, notes = {}, {}
     for key, members in keyed:
         rows = known[key]
-        size = max(1, largest_pack(rows, budget_gb))  # none fits: alone
+        alone = rows[0] if rows and rows[0].get("pack") == 1 else {}
+        if alone.get("peak_gb", 0.0) > budget_gb:  # as segment_size: auto stops
+            raise SpecError(f"trials {', '.join(p.id for p in members)}: even alone a trial "
+                            f"peaks at {alone['peak_gb']:.3g} GB in the pack probe, over "
+                            f"memory_budget_gb={budget_gb:g}; raise it, or leave pack: auto "
+                            "out")
+        size = max(1, largest_pack(rows, budget_gb))  # a probe that failed: alone
         peaks = json.dumps({str(r["pack"]): round(r["peak_gb"], 4) if "peak_gb" in r
                             else r.get("error", "") for r in rows})
         for plan in members:

@@ -27,7 +27,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.data.shards import check_shards
+from engine.data.shards import check_dataset
+from engine.host.atomic import atomic_write_text
 from engine.host.digests import file_digest
 from engine.host.outputs import claim, mark_kind, reading
 from engine.model.content_key import adapter_fingerprint, model_fingerprint, reference_key
@@ -46,7 +47,7 @@ from tasks.sweep.sweep_spec import PlanError, SpecError, SweepSpec, trial_id
 from tasks.sweep.trial import Summary
 from tasks.sweep.trial_plan import AUTO, TrialPlan, param_columns, settings_of
 from tasks.sweep.trial_rules import TrialRules
-from tasks.track.sinks import missing_client
+from tasks.track.sinks import tracker_problem
 from tasks.track.tracker import Tracker
 
 # Bump when training semantics change: invalidates cached trials. 0.3.0: the test split
@@ -70,6 +71,9 @@ def plan_line(counts: dict[str, Any]) -> str:
             f"{packs}")
 
 
+TRIAL_ROW = "trial.json"  # a finished trial's row, in its folder (SweepRun.keep_row)
+
+
 def data_fingerprint(data: str) -> str:
     """The dataset manifest's fingerprint with its split, or a hash of the data file.
     Preprocess re-splits in place keeping the fingerprint (an old dataset gains a test split
@@ -78,7 +82,7 @@ def data_fingerprint(data: str) -> str:
     manifest = path / "manifest.json"
     if manifest.exists():
         m = json.loads(manifest.read_text())
-        check_shards(path, m)  # an edited shard under a kept manifest: refused, not cached
+        check_dataset(path, m)  # an edited shard, an old split: refused, never cached
         options = m.get("options", {})
         split = [m.get("preprocessed"), options.get("valid_fraction"),
                  options.get("test_fraction")]
@@ -96,7 +100,7 @@ def check_inputs(spec: SweepSpec) -> None:
 
     source_kind(spec.model)  # a local path that is not there; a repo id is mlx-lm's
     data_fingerprint(spec.data)
-    if problem := missing_client(spec.report_to):  # said before a cluster starts
+    if problem := tracker_problem(spec.report_to):  # said before a cluster starts
         raise SpecError(problem)
     allowed = spec.fixed.get("allow_tokenizer_mismatch") or any(
         spec.grid.get("allow_tokenizer_mismatch", []))
@@ -273,8 +277,34 @@ class SweepRun:
                 self.finished.append(summary)
                 rows = list(self.finished)
             with contextlib.suppress(Exception):  # the final write reports it; trials go on
+                self.keep_row(summary)
                 self.write(rows)
         self.emit(kind, summary)
+
+    def keep_row(self, summary: Summary) -> None:
+        """A finished trial's row beside its adapter (``TRIAL_ROW``, with its cache key): a
+        re-run recognises the trial from its own folder when results.parquet could not
+        be written (a full disk)."""
+        tid = summary.get("trial_id")
+        if summary.get("status") in FINISHED and summary.get("adapter") and tid in self.keys:
+            row = {**summary, "cache_key": self.keys[tid]}
+            atomic_write_text(self.out / tid / TRIAL_ROW, json.dumps(row, default=str) + "\n")
+
+    def recovered(self, tid: str, key: str) -> Summary | None:
+        """The row ``keep_row`` left in trial ``tid``'s folder, where it holds ``key`` and
+        was written after the adapter it describes (an adapter pulled later, by a run of
+        another key whose row was lost, is not this row's)."""
+        folder = self.out / tid
+        try:
+            row = json.loads((folder / TRIAL_ROW).read_text())
+            fresh = ((folder / TRIAL_ROW).stat().st_mtime_ns
+                     >= (folder / "adapters.safetensors").stat().st_mtime_ns)
+        except (OSError, ValueError):
+            return None
+        if not (isinstance(row, dict) and fresh and row.get("cache_key") == key
+                and row.get("status") in FINISHED):
+            return None
+        return {**row, "adapter": str(folder)}
 
     def write(self, rows: list[Summary]) -> list[Summary]:
         """Every trial's row (cached, reused, run now) to results.parquet, atomically."""
@@ -286,11 +316,11 @@ class SweepRun:
     def cached(self, plan: TrialPlan) -> Summary | None:
         """The earlier finished result of exactly this trial (completed, or degenerate: the
         same inputs collapse again), if its adapter is on disk."""
-        self.keys[plan.id] = cache_key(plan.config, self.fingerprint, self.model_key)
+        key = self.keys[plan.id] = cache_key(plan.config, self.fingerprint, self.model_key)
         old = self.before.get(plan.id)
-        ok = (old and old.get("status") in FINISHED
-              and old.get("cache_key") == self.keys[plan.id]
-              and (self.out / plan.id / "adapters.safetensors").exists())
+        if not (old and old.get("status") in FINISHED and old.get("cache_key") == key):
+            old = self.recovered(plan.id, key)  # finished, its row lost with the table
+        ok = old and (self.out / plan.id / "adapters.safetensors").exists()
         return {**old, "skipped": True} if ok else None
 
     def rules(self, concurrent: int) -> TrialRules:

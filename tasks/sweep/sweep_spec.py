@@ -226,6 +226,8 @@ def parse_spec(data: dict[str, Any], source: str = "spec") -> SweepSpec:
 
 def _check_top(data: Any) -> None:
     """A mapping of known keys that names its run, model and data."""
+    if data is None:
+        raise SpecError("the spec is empty; expected a mapping with name, model and data")
     if not isinstance(data, dict):
         raise SpecError(f"expected a mapping, got {type(data).__name__}")
     unknown = sorted(set(data) - TOP_KEYS)
@@ -362,39 +364,22 @@ def _check_runnable(spec: SweepSpec) -> None:
         raise SpecError(f"no trial of this sweep can run: {first}")
 
 
-def load_spec(path: str | Path) -> SweepSpec:
-    """Read and validate a YAML spec file."""
+def load_spec(path: str | Path, given: dict[str, str] | None = None) -> SweepSpec:
+    """Read and validate a YAML spec file; ``given``: top keys the caller sets in place of
+    the file's (a pipeline's ``model`` and ``data``, which its spec may then leave out)."""
     from engine.settings.config import read_yaml
 
     try:
-        data = read_yaml(path, "sweep spec")
-        _refuse_duplicate_keys(Path(path))
+        data = read_yaml(path, "sweep spec")  # a key given twice refused there
     except FileNotFoundError:
         raise
     except ValueError as err:
         raise SpecError(str(err)) from None
+    if given and isinstance(data, dict):
+        data = {**data, **given}
     spec = parse_spec(data, str(path))
     if (size := spec.size()) > HUGE_SWEEP:  # a typo'd grid: hours of trials, a slow interrupt
         logging.getLogger("pomona.sweep").warning(
             f"warning: {path}: {size:,} trials planned (over {HUGE_SWEEP:,}); narrow "
             "the grid, or use search: random or optuna with num_samples")
     return spec
-
-
-def _refuse_duplicate_keys(path: Path) -> None:
-    """ValueError naming a key a mapping of the file gives twice (YAML keeps the last)."""
-    import yaml
-
-    nodes = [yaml.compose(path.read_text())]
-    while nodes:
-        node = nodes.pop()
-        if isinstance(node, yaml.MappingNode):
-            seen: set[str] = set()
-            for key, value in node.value:
-                if key.value in seen:
-                    raise ValueError(f"{path}: key {key.value!r} given twice (line "
-                                     f"{key.start_mark.line + 1}); keep one")
-                seen.add(key.value)
-                nodes.append(value)
-        elif isinstance(node, yaml.SequenceNode):
-            nodes.extend(node.value)

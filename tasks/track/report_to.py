@@ -45,6 +45,9 @@ class ReportTo:
         names = [n.strip().lower() for n in names]
         if names == ["none"]:
             return cls()
+        if "none" in names:
+            raise ValueError(f"{where}: none turns tracking off and cannot be combined with "
+                             f"trackers ({', '.join(n for n in names if n != 'none')})")
         try:
             return cls(tuple(names))
         except ValueError as err:

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import tempfile
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,14 +39,41 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-def missing_client(report_to: ReportTo) -> str | None:
-    """What to install when a tracker's client is missing (said before a cluster starts,
-    not at the first trial), else None."""
+def tracker_problem(report_to: ReportTo) -> str | None:
+    """What a tracker lacks, said before a cluster starts (not at the first trial): its
+    client, or for MLflow a store named (``mlflow_store_problem``); else None."""
     import importlib.util
 
     for name in report_to.targets:
         if importlib.util.find_spec(CLIENTS[name]) is None:
             return f"report_to: {name} needs its client ({CLIENTS[name]}): {INSTALL}"
+    if "mlflow" in report_to.targets:
+        return mlflow_store_problem(os.environ.get("MLFLOW_TRACKING_URI", ""))
+    return None
+
+
+def mlflow_store_problem(uri: str) -> str | None:
+    """Why MLflow cannot log to ``uri`` (MLFLOW_TRACKING_URI), found in a moment: unset,
+    MLflow writes ``mlflow.db`` and ``mlruns/`` into whatever folder the command runs in;
+    a SQLite file where no file can be made stalls it in minutes of SQLAlchemy retries."""
+    if not uri.strip():
+        return ("report_to: mlflow: MLFLOW_TRACKING_URI is not set, so MLflow would write "
+                f"mlflow.db and mlruns/ into {Path.cwd()}. Set it to your server "
+                "(http://host:5000) or a store (sqlite:////abs/path/mlflow.db)")
+    if not uri.startswith("sqlite:///") or uri.endswith(":memory:"):
+        return None
+    db = Path(uri[len("sqlite:///"):])
+    folder = next((p for p in (db.parent, *db.parent.parents) if p.exists()), Path("/"))
+    try:
+        if db.exists() and not db.is_file():
+            raise IsADirectoryError(errno.EISDIR, "not a file")
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".pomona-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        return (f"report_to: mlflow: MLFLOW_TRACKING_URI={uri}: no database can be written "
+                f"there ({folder}: {err.strerror or err}); name a file in a folder you can "
+                "write to")
     return None
 
 
