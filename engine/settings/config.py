@@ -28,6 +28,7 @@ from engine.losses import (
 from engine.settings.forward_options import ForwardOptions
 from engine.settings.ranking import MODES
 from engine.settings.reference_kind import BASE, AdapterRef, Base, Reference, parse_reference
+from engine.settings.yaml_file import read_yaml
 
 
 def _f(default: Any, help: str) -> Any:
@@ -278,47 +279,6 @@ def _routed(changes: dict[str, Any], loss: LossSettings) -> tuple[LossSettings, 
         raise ValueError(foreign_message(foreign[0], loss.kind))
     loss = dataclasses.replace(loss, **own) if own else loss
     return loss, {k: coerce(k, v) for k, v in changes.items() if k in names and k != "loss"}
-
-
-def read_yaml(path: str | Path, what: str) -> Any:
-    """``yaml.safe_load`` of a file; every problem (missing, unreadable, not YAML, a
-    Python tag) is one error naming the file and the line: FileNotFoundError or
-    ValueError."""
-    import yaml
-
-    try:
-        text = Path(path).read_text()
-        data = yaml.safe_load(text)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such {what}") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: cannot read: {err}") from None
-    except yaml.YAMLError as err:  # malformed, or a tag such as !!python/object
-        mark = getattr(err, "problem_mark", None)
-        line = f" (line {mark.line + 1})" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err).replace("\n", " ")
-        raise ValueError(f"{path}: not valid YAML{line}: {problem}") from None
-    refuse_duplicate_keys(path, text)
-    return data
-
-
-def refuse_duplicate_keys(path: str | Path, text: str) -> None:
-    """ValueError naming a key a mapping of the file gives twice (YAML keeps the last)."""
-    import yaml
-
-    nodes = [yaml.compose(text)]
-    while nodes:
-        node = nodes.pop()
-        if isinstance(node, yaml.MappingNode):
-            seen: set[str] = set()
-            for key, value in node.value:
-                if key.value in seen:
-                    raise ValueError(f"{path}: key {key.value!r} given twice (line "
-                                     f"{key.start_mark.line + 1}); keep one")
-                seen.add(key.value)
-                nodes.append(value)
-        elif isinstance(node, yaml.SequenceNode):
-            nodes.extend(node.value)
 
 
 _KINDS = {"loss": f"one of {tuple(LOSSES)}", "reference": "base or an adapter directory",

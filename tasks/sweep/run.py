@@ -28,7 +28,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from engine.data.shards import check_dataset
-from engine.host.atomic import atomic_write_text
 from engine.host.digests import file_digest
 from engine.host.outputs import claim, mark_kind, reading
 from engine.model.content_key import adapter_fingerprint, model_fingerprint, reference_key
@@ -46,6 +45,7 @@ from tasks.sweep.scheduler import ListSource, TrialsInterrupted, Wrap, run_trial
 from tasks.sweep.sweep_spec import PlanError, SpecError, SweepSpec, trial_id
 from tasks.sweep.trial import Summary
 from tasks.sweep.trial_plan import AUTO, TrialPlan, param_columns, settings_of
+from tasks.sweep.trial_row import keep_row, recovered
 from tasks.sweep.trial_rules import TrialRules
 from tasks.track.sinks import tracker_problem
 from tasks.track.tracker import Tracker
@@ -69,9 +69,6 @@ def plan_line(counts: dict[str, Any]) -> str:
     return (f"{trials} trials: {counts.get('cached', 0)} cached, "
             f"{counts.get('to_run', trials)} to run on {counts.get('slots', 1)} slot(s)"
             f"{packs}")
-
-
-TRIAL_ROW = "trial.json"  # a finished trial's row, in its folder (SweepRun.keep_row)
 
 
 def data_fingerprint(data: str) -> str:
@@ -277,34 +274,10 @@ class SweepRun:
                 self.finished.append(summary)
                 rows = list(self.finished)
             with contextlib.suppress(Exception):  # the final write reports it; trials go on
-                self.keep_row(summary)
+                keep_row(self.out, summary, self.keys.get(summary.get("trial_id")))
                 self.write(rows)
         self.emit(kind, summary)
 
-    def keep_row(self, summary: Summary) -> None:
-        """A finished trial's row beside its adapter (``TRIAL_ROW``, with its cache key): a
-        re-run recognises the trial from its own folder when results.parquet could not
-        be written (a full disk)."""
-        tid = summary.get("trial_id")
-        if summary.get("status") in FINISHED and summary.get("adapter") and tid in self.keys:
-            row = {**summary, "cache_key": self.keys[tid]}
-            atomic_write_text(self.out / tid / TRIAL_ROW, json.dumps(row, default=str) + "\n")
-
-    def recovered(self, tid: str, key: str) -> Summary | None:
-        """The row ``keep_row`` left in trial ``tid``'s folder, where it holds ``key`` and
-        was written after the adapter it describes (an adapter pulled later, by a run of
-        another key whose row was lost, is not this row's)."""
-        folder = self.out / tid
-        try:
-            row = json.loads((folder / TRIAL_ROW).read_text())
-            fresh = ((folder / TRIAL_ROW).stat().st_mtime_ns
-                     >= (folder / "adapters.safetensors").stat().st_mtime_ns)
-        except (OSError, ValueError):
-            return None
-        if not (isinstance(row, dict) and fresh and row.get("cache_key") == key
-                and row.get("status") in FINISHED):
-            return None
-        return {**row, "adapter": str(folder)}
 
     def write(self, rows: list[Summary]) -> list[Summary]:
         """Every trial's row (cached, reused, run now) to results.parquet, atomically."""
@@ -319,7 +292,7 @@ class SweepRun:
         key = self.keys[plan.id] = cache_key(plan.config, self.fingerprint, self.model_key)
         old = self.before.get(plan.id)
         if not (old and old.get("status") in FINISHED and old.get("cache_key") == key):
-            old = self.recovered(plan.id, key)  # finished, its row lost with the table
+            old = recovered(self.out, plan.id, key)  # finished, its row lost with the table
         ok = old and (self.out / plan.id / "adapters.safetensors").exists()
         return {**old, "skipped": True} if ok else None
 

@@ -367,7 +367,7 @@ def _check_runnable(spec: SweepSpec) -> None:
 def load_spec(path: str | Path, given: dict[str, str] | None = None) -> SweepSpec:
     """Read and validate a YAML spec file; ``given``: top keys the caller sets in place of
     the file's (a pipeline's ``model`` and ``data``, which its spec may then leave out)."""
-    from engine.settings.config import read_yaml
+    from engine.settings.yaml_file import read_yaml
 
     try:
         data = read_yaml(path, "sweep spec")  # a key given twice refused there
