@@ -107,6 +107,11 @@ def test_a_cut_or_garbage_adapter_file_and_a_bad_model_field_are_one_line(
     (adapter / CONFIG_FILE).write_text(json.dumps({**config, "model": 5}))
     assert '"model" is 5' in refused(capsys, *verbs(adapter, tiny_model, tiny_data,
                                                     tmp_path)[0])
+    sweep = tmp_path / "sweep"  # a sweep not ranked yet: no best-adapter/
+    sweep.mkdir()
+    (sweep / "results.parquet").write_bytes(b"")
+    assert "run `pomona leaderboard" in refused(capsys, "export", str(sweep), "--gguf",
+                                                 str(tmp_path / "z.gguf"))
     assert "--model /nonexistent: no such" in refused(
         capsys, "export", str(adapter), "--gguf", str(tmp_path / "y.gguf"), "--model",
         "/nonexistent")

@@ -45,3 +45,26 @@ def test_the_temporary_never_takes_a_users_file(tmp_path: Path) -> None:
         assert tmp != mine and tmp.exists() and tmp.read_text() == ""  # made new, empty
         tmp.write_text("png")
     assert mine.read_text() == "a user's" and target.read_text() == "png"
+
+
+def test_a_full_disk_is_said_as_such_and_nothing_is_left(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 67, low: an export to a full disk said ``[Errno None] … 16384 requested and
+    11976 written`` (numpy's ``tofile`` sets no errno). Would catch: the errno-less error
+    passed on as it is, or ENOSPC without the disk named full."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(100, 100, 0))
+    out = tmp_path / "model.gguf"
+    for err in (OSError("16384 requested and 11976 written"),
+                OSError(errno.ENOSPC, "No space left on device")):
+        def write(tmp: Path, err: OSError = err) -> None:
+            tmp.write_bytes(b"half")
+            raise err
+
+        with pytest.raises(OSError, match=f"cannot write {out}: no space left on its disk"):
+            write_atomic(out, write)
+        assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -142,7 +142,9 @@ def test_settings_that_train_nothing_or_the_wrong_thing_are_refused() -> None:
                           ("--lora-layers=0", "lora_layers=0: adapt the last N >= 1"),
                           ("--lora-layers=-2", "lora_layers=-2: adapt the last N >= 1"),
                           ("--pad-multiple=-2", "pad_multiple=-2: must be -1 (auto) or >= 0"),
-                          ("--min-lr-ratio=1.5", "min_lr_ratio=1.5: must be in [0, 1]")]:
+                          ("--min-lr-ratio=1.5", "min_lr_ratio=1.5: must be in [0, 1]"),
+                          # issue 67: 1e-300 is zero in float32 and trained nothing
+                          ("--learning-rate=1e-300", "learning_rate=1e-300: below float32")]:
         line = one_error("train", "--model", "m", "--data", "d", *flag.split())
         assert message in line, (flag, line)
 

@@ -76,6 +76,9 @@ def adapter_of(target: Path) -> Path:
             return folder
     if not target.exists():
         raise ValueError(f"{target}: no such file or folder")
+    if (target / "results.parquet").is_file():  # a sweep's folder, not ranked yet
+        raise ValueError(f"{target}: a sweep with no {BEST}/ yet; run `pomona leaderboard "
+                         f"{target} ...` first, which ranks its trials and writes it")
     raise ValueError(f"{target}: no adapter in it ({ADAPTER_FILE} and {CONFIG_FILE}, there "
                      f"or in {BEST}/): give a training run, an adapter or a sweep's folder")
 

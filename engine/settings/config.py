@@ -47,6 +47,7 @@ def check_choice(name: str, value: str) -> None:
 
 
 DEFAULT_LOSS = Orpo()
+FLOAT32_TINY = 1.1754944e-38  # numpy.finfo(float32).tiny: a smaller rate updates nothing
 REFERENCE_HELP = ("DPO's and KTO's reference model: base (the base model, no LoRA) or an "
                   "adapter directory for it (SFT, then DPO).")
 LOSS_HELP = ("The loss and its settings: " + "; ".join(cls.summary for cls in LOSSES.values())
@@ -187,6 +188,10 @@ class TrainConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0 (0 trains "
                                  "nothing: every update is zero)")
+            if getattr(self, name) < FLOAT32_TINY:  # 1e-300 is 0 in the float32 update
+                raise ValueError(f"{name}={getattr(self, name)}: below float32's smallest "
+                                 f"normal number ({FLOAT32_TINY:.3g}): every update rounds "
+                                 "to zero and trains nothing")
         if self.lora_layers == 0 or self.lora_layers < -1:
             raise ValueError(f"lora_layers={self.lora_layers}: adapt the last N >= 1 blocks, "
                              "or -1 for all of them")

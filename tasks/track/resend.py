@@ -25,8 +25,9 @@ def sweep_folder(run_dir: Path) -> Path:
     for folder in (run_dir, run_dir / "sweep"):
         if (folder / RESULTS).is_file() or (folder / LEDGER).is_file():
             return folder
-    raise FileNotFoundError(f"{run_dir}: no sweep's results here ({RESULTS}, or "
-                            f"sweep/{RESULTS} in a pipeline's folder)")
+    raise FileNotFoundError(f"{run_dir}: no run's results here (a sweep's {RESULTS}, a "
+                            f"pipeline's sweep/{RESULTS}, or the {LEDGER} of a `pomona train "
+                            "--report-to` run)")
 
 
 def track_run(run_dir: Path, report_to: ReportTo | None = None) -> dict[str, str]:
