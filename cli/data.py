@@ -63,8 +63,8 @@ def data_preprocess(
     valid_fraction: Annotated[float | None, typer.Option(
         help="Re-split with this share in valid (default: the dataset's).")] = None,
     test_fraction: Annotated[float | None, typer.Option(
-        help="Re-split with this share in test, taken from train (default: the dataset's; "
-             "0.1 for one tokenized before the test split).")] = None,
+        help="Re-split with this share in test, taken from train (default: the "
+             "dataset's).")] = None,
 ) -> None:
     """split_prefix, de-duplication and the stable train/valid/test split."""
     from cli.data_display import run_preprocess

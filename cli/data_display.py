@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from engine.data.shards import split_problem
 from tasks.data.dataset_dir import read_manifest
 from tasks.data.preprocess import preprocess_dataset
 from tasks.data.tokenize import TokenizeReport, rejects_paths, tokenize_dataset
@@ -113,6 +114,8 @@ def _stats_table(path: Path, m: dict) -> Table:
     table.add_row("rows (train / valid / test)", f"{rows['total']:,} ({rows['train']:,} / "
                                                  f"{rows['valid']:,} / {test})")
     table.add_row("rows read", f"{rows.get('read', rows['total']):,}")
+    table.add_row("split", "by prompt" if not split_problem(m) else
+                  "by row: tokenize again (a prompt's pairs may straddle train and test)")
     for reason, n in sorted(m.get("rejects", {}).items(), key=lambda kv: -kv[1]):
         table.add_row(f"rejected: {reason}", f"{n:,}")
     for reason, n in sorted(m.get("truncation", {}).items()):

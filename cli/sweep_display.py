@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from engine.host.atomic import FULL
 from engine.host.outputs import RefusedOutput
 from engine.settings.ranking import beats
 from tasks.board.leaderboard import why_unranked
@@ -124,8 +125,9 @@ def run_sweep_cli(console: Console, spec_path: Path, out: Path | None, cluster: 
         console.print(f"[bold red]error:[/] {err}")
         raise typer.Exit(code=2) from err
     except OSError as err:  # a full disk: what finished is kept, and a re-run keeps it
-        console.print(f"[bold red]error:[/] {err}; the finished trials' adapters are in "
-                      f"{out}/<trial id>/, and a re-run there keeps them")
+        kept = (f"; the finished trials' adapters are in {out}/<trial id>/, and a re-run "
+                "there keeps them") if err.errno in FULL else ""
+        console.print(f"[bold red]error:[/] {err}{kept}")
         raise typer.Exit(code=1) from err
     console.print(results_table(spec, rows, out))
     if (why := why_unranked(rows, spec.metric)) is not None:  # ran, but chose nothing

@@ -114,7 +114,8 @@ def check_export_target(out: Path, export: ExportSettings) -> None:
     """RefusedOutput (one line) where the spec's ``export:`` would write its GGUF over a
     file in ``out`` that no export wrote: said before the sweep, not after it."""
     path = out / GGUF_NAME
-    if export.gguf and path.is_file() and path.stat().st_size and not exported_here(path):
+    taken = path.is_symlink() or path.is_dir() or (path.is_file() and path.stat().st_size)
+    if export.gguf and taken and not (path.is_file() and exported_here(path)):
         raise RefusedOutput(f"{path}: a file Pomona did not write, where the spec's "
                             f"export: {{gguf: {export.gguf}}} would write the best adapter; "
                             "move it, or choose another --out")

@@ -145,18 +145,25 @@ def test_an_export_never_replaces_a_file_that_appeared_while_it_ran(
                                                    str(out))
     assert f"{out} is a file, not a folder" in refused(capsys, "export", str(adapter),
                                                        "--gguf", str(out / "x.gguf"))
+    empty = tmp_path / "empty.gguf"  # made by the user to be written: the check lets it in
+    empty.touch()
+    assert export(adapter, empty, kind="q8_0") == empty and exported_here(empty)
 
 
 def test_a_killed_exports_temporaries_are_cleaned_and_a_live_ones_kept(
         adapter: Path, tmp_path: Path) -> None:
     """Low case: SIGKILL mid-export left ``.NAME.PID-….tmp.gguf`` (a whole model's bytes)
-    that nothing removed. A dead pid's old one goes; this live process's stays."""
+    that nothing removed. A dead pid's old one goes; this live process's stays, and so
+    does another host's (its pid means nothing here)."""
+    from engine.host.atomic import HOST
+
     out = tmp_path / "out.gguf"
     dead = 2**22 + 17  # above Linux's default pid_max: no such process
-    stale = tmp_path / f".out.gguf.{dead}-0badcafe.tmp.gguf"
-    live = tmp_path / f".out.gguf.{os.getpid()}-0badcafe.tmp.gguf"
-    for tmp in (stale, live):
+    stale = tmp_path / f".out.gguf.{dead}-0badcafe{HOST}.tmp.gguf"
+    live = tmp_path / f".out.gguf.{os.getpid()}-0badcafe{HOST}.tmp.gguf"
+    elsewhere = tmp_path / f".out.gguf.{dead}-0badcafe{'0' * 6}.tmp.gguf"  # another host's
+    for tmp in (stale, live, elsewhere):
         tmp.write_bytes(b"half a model")
         os.utime(tmp, (1, 1))
     export(adapter, out, kind="q8_0")
-    assert not stale.exists() and live.exists() and exported_here(out)
+    assert not stale.exists() and live.exists() and elsewhere.exists() and exported_here(out)

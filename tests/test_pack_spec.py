@@ -81,9 +81,15 @@ def test_auto_sizes_each_class_of_trials_from_its_probe(tmp_path) -> None:
     limits, notes = size_packs(plans, 2.3, None, "fp", cache)  # 2 GiB fits, 3 does not
     assert limits == {"t0": 2, "t1": 2, "t2": 2} and "t3" not in limits
     assert json.loads(notes["t0"]) == {"1": 1.0, "2": 2.0, "3": 3.0}
-    # issue 67 case 12: a budget even one trial exceeds trained every trial; it stops now
-    with pytest.raises(SpecError, match=r"trials t0, t1, t2: even alone a trial peaks at 1 GB"):
-        size_packs(plans, 0.9, None, "fp", cache)
+    # issue 67 case 12: a budget even one trial exceeds trained every trial. Where the
+    # probed trial is one of the class (all of one rank) the sweep stops; where it is the
+    # class's blend (rank 8 for ranks 4 and 8), no real trial need exceed it: alone.
+    assert size_packs(plans, 0.9, None, "fp", cache)[0]["t0"] == 1
+    alike = _plans([2, 2], [8, 8])
+    cache.write_text(json.dumps({pack_key(heaviest(alike), "fp"): rows}))
+    with pytest.raises(SpecError, match=r"trials t0, t1: even alone a trial peaks at 1 GB"):
+        size_packs(alike, 0.9, None, "fp", cache)
+    cache.write_text(json.dumps({pack_key(probed, "fp"): rows}))
     assert size_packs(plans, 3.0, None, "fp", cache)[0]["t0"] == 3
     assert covers(rows[:2], 3, 1.5) and not covers(rows[:2], 3, 2.3) and not covers(None, 3, 9)
     noisy = [{"pack": 1, "peak_gb": 1.0}, {"pack": 2, "peak_gb": 2.5}, {"pack": 3, "peak_gb": 2.0}]

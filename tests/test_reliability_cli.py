@@ -237,6 +237,8 @@ def test_a_key_twice_an_empty_spec_and_a_pipelines_own_keys(tmp_path: Path,
     config.write_text("steps: 3\nlearning_rate: 1e-4\nsteps: 5\n")
     line = one_error("train", "--config", str(config), "--model", "m", "--data", "d")
     assert f"{config}: key 'steps' given twice (line 3)" in line, line
+    config.write_text("steps: &x [1, *x]\n")  # a recursive alias: walked once, not forever
+    assert "steps" in one_error("train", "--config", str(config), "--model", "m", "--data", "d")
     spec = tmp_path / "spec.yaml"
     spec.write_text("")
     assert "the spec is empty" in one_error("sweep", str(spec))

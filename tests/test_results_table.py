@@ -18,10 +18,17 @@ from tasks.sweep.run import previous_results
 pytestmark = pytest.mark.unit
 
 
-def adapter_in(folder: Path) -> Path:
+def adapter_in(folder: Path, value: float = 0.5) -> Path:
+    """An adapter folder as mlx-lm writes one: one factor, its config."""
+    import json
+
+    import mlx.core as mx
+
     folder.mkdir(parents=True)
-    for name in ("adapters.safetensors", "adapter_config.json"):
-        (folder / name).write_text("{}")
+    mx.save_safetensors(str(folder / "adapters.safetensors"),
+                        {"layers.0.q_proj.lora_a": mx.full((4, 2), value)})
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "lora", "lora_parameters": {"rank": 2, "scale": 1.0}}))
     return folder
 
 
@@ -31,9 +38,11 @@ def test_rows_name_adapters_in_their_own_sweep_wherever_it_moved(tmp_path: Path)
              "best/val/loss": loss} for t, loss in (("t-a", 0.5), ("t-b", 0.4))]
     rows.append({"trial_id": "t-c", "status": "failed", "adapter": str(old / "t-c"),
                  "reason": "diverged"})
+    rows.append({"trial_id": "t-d", "status": "completed", "best/val/loss": 0.3,
+                 "adapter": str(adapter_in(old / "t-d", float("nan")))})  # diverged on disk
     write_results(rows, old / "results.parquet", sweep=True)
     assert [r["adapter"] for r in pq.read_table(old / "results.parquet").to_pylist()] == [
-        "t-a", "t-b", "t-c"]  # relative: the trial's folder name
+        "t-a", "t-b", "t-c", "t-d"]  # relative: the trial's folder name
     moved = tmp_path / "moved"
     old.rename(moved)
     (moved / "t-b" / "adapters.safetensors").unlink()
@@ -42,9 +51,11 @@ def test_rows_name_adapters_in_their_own_sweep_wherever_it_moved(tmp_path: Path)
     assert got["t-b"]["status"] == MISSING and got["t-b"]["adapter"] is None
     assert str(moved / "t-b") in got["t-b"]["reason"]
     assert got["t-c"]["status"] == "failed" and got["t-c"]["adapter"] is None
+    # a NaN adapter costs its trial, not the board (its evaluation would refuse it)
+    assert got["t-d"]["status"] == MISSING and "NaN" in got["t-d"]["reason"]
     ranked = {r["trial_id"]: r.get("rank") for r in rank_trials(
         list(got.values()), {}, "val/loss", "min")}
-    assert ranked == {"t-a": 1, "t-b": None, "t-c": None}
+    assert ranked == {"t-a": 1, "t-b": None, "t-c": None, "t-d": None}
     # a re-run there: t-b is not cached (its adapter is gone), t-a's row points here
     before = previous_results(moved)
     assert before["t-b"]["status"] == MISSING and before["t-a"]["adapter"] == str(moved / "t-a")

@@ -131,9 +131,10 @@ def test_no_test_rows_show_as_missing_on_the_board_and_in_the_demo() -> None:
 @pytest.mark.integration
 def test_an_old_dataset_loads_without_test_rows_and_preprocess_carves_them(
         tiny_model, tmp_path) -> None:
-    """A dataset tokenized before the test split (no test rows, no test_fraction in its
-    manifest) loads with an empty test; preprocess carves test out of train, leaves valid's
-    rows where they were, and changes the data fingerprint trials are cached on."""
+    """A dataset whose manifest names no test_fraction (as one written before the test
+    split did; split by prompt, so still read) loads with an empty test; preprocess carves
+    test out of train, leaves valid's rows where they were, and changes the data
+    fingerprint trials are cached on."""
     from tasks.data.preprocess import preprocess_dataset
     from tasks.data.tokenize import TokenizeOptions, tokenize_dataset
     from tasks.sweep.run import data_fingerprint

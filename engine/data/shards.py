@@ -55,17 +55,21 @@ def shards_problem(path: Path, manifest: dict[str, Any],
     return None if rows == total else f"its shards hold {rows} rows, the manifest says {total}"
 
 
+def read_dataset_manifest(path: Path) -> dict[str, Any] | None:
+    """The manifest of the dataset folder ``path`` as a mapping, or None (no dataset here:
+    the reader's own error says so)."""
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
 def check_shards(path: Path, manifest: dict[str, Any] | None = None) -> None:
     """ValueError (one line, naming the dataset and the shard) unless the dataset folder
     ``path`` holds the shards its manifest (read when not given) recorded."""
-    if manifest is None:
-        try:
-            manifest = json.loads((Path(path) / MANIFEST).read_text())
-        except (OSError, ValueError):
-            return  # no dataset here: the reader's own error says so
-    if not isinstance(manifest, dict):
-        return
-    if (problem := shards_problem(Path(path), manifest)) is not None:
+    manifest = manifest if manifest is not None else read_dataset_manifest(path)
+    if isinstance(manifest, dict) and (problem := shards_problem(Path(path), manifest)):
         raise ValueError(f"{path}: {problem}; it was edited since tokenize. Tokenize it "
                          "again (`pomona data tokenize`) rather than edit its shards")
 
@@ -83,11 +87,7 @@ def split_problem(manifest: dict[str, Any]) -> str | None:
 def check_dataset(path: Path, manifest: dict[str, Any] | None = None) -> None:
     """``check_shards`` and the split rule: ValueError (one line) unless the dataset folder
     ``path`` is as tokenize wrote it, split by prompt."""
-    if manifest is None:
-        try:
-            manifest = json.loads((Path(path) / MANIFEST).read_text())
-        except (OSError, ValueError):
-            return  # no dataset here: the reader's own error says so
+    manifest = manifest if manifest is not None else read_dataset_manifest(path)
     if not isinstance(manifest, dict):
         return
     check_shards(path, manifest)

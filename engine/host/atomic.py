@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import errno
 import glob
+import hashlib
 import os
 import shutil
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,6 +24,9 @@ from typing import Any
 
 from engine.host.scratch import process_alive
 
+# This host, in every temporary's name: a stale one is told from another host's, live, on a
+# shared folder (a pid names a process on one host only).
+HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:6]
 Publish = Callable[[Path, Path], None]  # (tmp, path): put the written temporary at path
 FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -33,7 +38,8 @@ def temp_beside(path: str | Path, suffix: str = "") -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     while True:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp{suffix}")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}-{os.urandom(4).hex()}{HOST}"
+                             f".tmp{suffix}")
         try:
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             return tmp
@@ -77,10 +83,10 @@ def _claim_then_replace(tmp: Path, path: Path) -> None:
 def clean_stale(path: str | Path, suffix: str = "", older_s: float = 60.0) -> list[Path]:
     """Remove the temporaries ``temp_beside(path, suffix)`` made for a process that is dead
     now (killed mid-write: a whole model's bytes, never renamed on) and untouched for
-    ``older_s``; return them. A live writer's, or another host's in use, stays."""
+    ``older_s``; return them. A live writer's, and any other host's, stays."""
     path = Path(path)
     gone = []
-    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*-*.tmp{suffix}"):
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*-*{HOST}.tmp{suffix}"):
         pid = tmp.name[len(path.name) + 2:].split("-", 1)[0]
         try:
             if (not pid.isdigit() or process_alive(int(pid))

@@ -136,9 +136,15 @@ def export(target: str | Path, out: str | Path, model: str | None = None,
                             "replace it. Remove it or choose another --gguf")
     check_file(out, ours, "a file", inputs=[target, base], flag="--gguf")
     exportable(base)  # a family or setting it cannot write: refused before any load
+    empty = out.stat().st_ino if out.is_file() else None  # check_file let only empty in
+
+    def replaceable(path: Path) -> bool:  # ours, or the empty file that was there already
+        st = path.stat()
+        return ours(path) or (st.st_ino == empty and st.st_size == 0)
+
     fused = fuse(base, adapter)
     try:  # minutes on a real model: a file may have appeared at ``out`` meanwhile
-        return write_gguf(out, fused, kind, tokenizer_source(base), ours)
+        return write_gguf(out, fused, kind, tokenizer_source(base), replaceable)
     except FileExistsError:
         raise RefusedOutput(f"--gguf {out}: a file appeared there while this export ran "
                             "(another export?); it is kept as it is and nothing was written. "

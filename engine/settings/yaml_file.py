@@ -35,16 +35,19 @@ def refuse_duplicate_keys(path: str | Path, text: str) -> None:
     """ValueError naming a key a mapping of the file gives twice (YAML keeps the last)."""
     import yaml
 
-    nodes = [yaml.compose(text)]
+    nodes, walked = [yaml.compose(text)], set()
     while nodes:
         node = nodes.pop()
+        if id(node) in walked:  # an alias: its node is walked once (``a: &x [1, *x]``)
+            continue
+        walked.add(id(node))
         if isinstance(node, yaml.MappingNode):
-            seen: set[str] = set()
+            seen: set[tuple[str, str]] = set()
             for key, value in node.value:
-                if key.value in seen:
+                if (key.tag, key.value) in seen:  # 1 and "1" are two keys
                     raise ValueError(f"{path}: key {key.value!r} given twice (line "
                                      f"{key.start_mark.line + 1}); keep one")
-                seen.add(key.value)
+                seen.add((key.tag, key.value))
                 nodes.append(value)
         elif isinstance(node, yaml.SequenceNode):
             nodes.extend(node.value)

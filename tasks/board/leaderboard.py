@@ -88,6 +88,7 @@ def check_leaderboard_inputs(sweep_dir: Path, model: str, data: str, metric: str
     """Raise ValueError or FileNotFoundError (one line, naming the path or option) unless
     ``sweep_dir`` holds a finished sweep's results and ``data`` has rows to evaluate on:
     before any cluster or flow starts."""
+    from engine.data.shards import check_dataset
     from tasks.eval.evaluate import held_out_problem
 
     if not (Path(sweep_dir) / "results.parquet").is_file():
@@ -109,6 +110,8 @@ def check_leaderboard_inputs(sweep_dir: Path, model: str, data: str, metric: str
     source_kind(model)  # a local path that is not there; a repo id is mlx-lm's
     if not Path(data).exists():
         raise FileNotFoundError(f"--data {data}: no such dataset")
+    if Path(data).is_dir():
+        check_dataset(Path(data))  # edited since tokenize, or split the old way: said now
     if (problem := held_out_problem(data)) is not None:
         raise ValueError(problem)
 

@@ -4,7 +4,8 @@ values a user's swept parameters put in one column.
 A trial's files are where its folder is, ``<sweep>/<trial id>/``: the table records the
 adapter relative to the sweep folder, and ``read_results`` resolves it there, so a copied
 or moved sweep reads its own adapters, never the original's. A finished trial whose folder
-lacks its adapter reads as ``missing``, with the reason, and is never ranked.
+lacks its adapter, or holds one cut short, garbled or diverged (NaN), reads as ``missing``,
+with the reason, and is never ranked.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from engine.host.atomic import write_atomic
-from engine.model.adapter_file import ADAPTER_FILE, CONFIG_FILE
+from engine.model.adapter_file import ADAPTER_FILE, CONFIG_FILE, check_adapter_folder
 
 RESULTS = "results.parquet"
-MISSING = "missing"  # a finished trial whose folder no longer holds its adapter
+MISSING = "missing"  # a finished trial whose folder no longer holds a usable adapter
 FINISHED = ("completed", "degenerate")  # trained to the end: cached on re-runs
 
 
@@ -69,6 +70,13 @@ def located(sweep_dir: Path, row: dict[str, Any]) -> dict[str, Any]:
         return row
     folder = sweep_dir / str(row["trial_id"])
     if (folder / ADAPTER_FILE).is_file() and (folder / CONFIG_FILE).is_file():
+        if row.get("status") not in FINISHED:
+            return {**row, "adapter": str(folder)}
+        try:  # readable and finite: a broken one costs its trial, not the board
+            check_adapter_folder(folder)
+        except ValueError as err:
+            return {**row, "adapter": None, "status": MISSING,
+                    "reason": f"its adapter cannot be used: {err}"}
         return {**row, "adapter": str(folder)}
     if row.get("status") not in FINISHED:  # failed or cancelled: never ranked anyway
         return {**row, "adapter": None}

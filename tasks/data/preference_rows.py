@@ -294,6 +294,8 @@ def split_group(row: dict, system: str | None, prompt: str | Messages) -> str:
     whose prompt is the common prefix of the two answers, may want ``group``."""
     if "group" in row and row["group"] is not None:
         value = row["group"]
+        if isinstance(value, float) and value.is_integer():  # pandas' ints beside a NaN
+            value = int(value)
         if isinstance(value, bool) or not isinstance(value, (str, int)):
             raise BadRow("wrong_type:group")
         if not str(value).strip():

@@ -10,9 +10,9 @@ comparable across losses, ``logps/accuracies`` (share of pairs with ℓw > ℓr)
 ``logps/margin`` (ℓw − ℓr).
 Valid is what training reported and the sweep ranked on; test was never used to choose
 anything, so it is the number a leaderboard reports. A dataset with no test rows
-(tokenized before the test split, a ``split`` column naming only train/valid, or too few
-rows) gets ``eval/test/*`` = None, 0 rows, and its reason in ``eval/test/missing``: never
-the validation numbers under the test name. With a generation budget
+(a test fraction of 0, a ``split`` column naming only train/valid, or too few rows) gets
+``eval/test/*`` = None, 0 rows, and its reason in ``eval/test/missing``: never the
+validation numbers under the test name. With a generation budget
 (tasks/eval/generation_eval.py), the first prompts of each split are also completed greedily
 in batches and scored: ``gen/<split>/<scorer>`` with its 95 % interval, and the scored
 completions are the evaluation's ``generations`` rows (the driver writes them, once, as

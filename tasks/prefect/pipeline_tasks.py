@@ -138,14 +138,16 @@ def evaluation_key(context: Any, inputs: dict[str, Any]) -> str:
 
 
 def retry_evaluation(task: Any, task_run: Any, state: State) -> bool:
-    """Retry an evaluation that a node lost, never a scorer's mistake (it would fail the
-    same way again, three tracebacks later)."""
+    """Retry an evaluation that a node lost, never a scorer's mistake nor a refused input
+    (it would fail the same way again, three tracebacks later)."""
     try:
         state.result()
     except ScorerError:
         return False
-    except BaseException:  # whatever else failed (a node, a worker): worth a retry
-        return True
+    except BaseException as err:  # a node or a worker lost: worth a retry
+        # an input the evaluation refuses (an adapter not whole, a dataset edited): the
+        # same again, three loads later
+        return not isinstance(getattr(err, "cause", None) or err, ValueError)
     return True
 
 

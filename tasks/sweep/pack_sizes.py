@@ -97,12 +97,18 @@ def size_packs(plans: list[TrialPlan], budget_gb: float, placement: Placement,
     for key, members in keyed:
         rows = known[key]
         alone = rows[0] if rows and rows[0].get("pack") == 1 else {}
-        if alone.get("peak_gb", 0.0) > budget_gb:  # as segment_size: auto stops
+        real = all(pack_key(p.config, fingerprint) == key for p in members)
+        if alone.get("peak_gb", 0.0) > budget_gb and real:  # as segment_size: auto stops
             raise SpecError(f"trials {', '.join(p.id for p in members)}: even alone a trial "
                             f"peaks at {alone['peak_gb']:.3g} GB in the pack probe, over "
                             f"memory_budget_gb={budget_gb:g}; raise it, or leave pack: auto "
                             "out")
-        size = max(1, largest_pack(rows, budget_gb))  # a probe that failed: alone
+        if alone.get("peak_gb", 0.0) > budget_gb:
+            log.warning(f"warning: pack: auto: trials {', '.join(p.id for p in members)} "
+                        f"train alone: their probe (the class's largest rank, dropout and "
+                        f"loss at once) peaked at {alone['peak_gb']:.3g} GB alone, over "
+                        f"memory_budget_gb={budget_gb:g}")
+        size = max(1, largest_pack(rows, budget_gb))  # a failed probe, a blend over: alone
         peaks = json.dumps({str(r["pack"]): round(r["peak_gb"], 4) if "peak_gb" in r
                             else r.get("error", "") for r in rows})
         for plan in members:

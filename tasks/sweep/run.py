@@ -273,8 +273,9 @@ class SweepRun:
             with self.lock:
                 self.finished.append(summary)
                 rows = list(self.finished)
-            with contextlib.suppress(Exception):  # the final write reports it; trials go on
+            with contextlib.suppress(Exception):  # a re-run recognises the trial by it
                 keep_row(self.out, summary, self.keys.get(summary.get("trial_id")))
+            with contextlib.suppress(Exception):  # the final write reports it; trials go on
                 self.write(rows)
         self.emit(kind, summary)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tasks.track.ledger import LEDGER, TrackLedger
 from tasks.track.report_to import ReportTo
+from tasks.track.sinks import tracker_problem
 from tasks.track.sweep_files import BOARD, RESULTS, RunFolder, SweepFolder
 from tasks.track.tracker import Tracker
 
@@ -52,6 +53,8 @@ def track_run(run_dir: Path, report_to: ReportTo | None = None) -> dict[str, str
         board = next((f for f in (run_dir, folder) if (f / BOARD).is_file()), None)
         ledger.data["board"] = os.path.relpath(board.resolve(), folder.resolve()) if board \
             else None
+    if problem := tracker_problem(ReportTo(tuple(ledger.report_to))):
+        raise ValueError(problem)  # an MLflow store unset: never mlruns/ in the caller's folder
     ledger.save()
     lone = ledger.data.get("info", {}).get("kind") == "train"  # pomona train --report-to
     view = RunFolder(folder, ledger.data.get("row")) if lone else SweepFolder(folder)
