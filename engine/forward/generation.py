@@ -14,7 +14,7 @@ tokens (tests/test_generation.py: the same tokens on the real SmolLM2).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -45,39 +45,56 @@ def stop_ids(tokenizer) -> set[int]:
 def greedy_batch(model: nn.Module, tokenizer, prompts: Sequence[Sequence[int]],
                  max_tokens: int, batch_size: int = 32) -> Completions:
     """Greedy completions of ``prompts`` (token ids), ``batch_size`` decoded at a time."""
+    rows = [list(map(int, p)) for p in prompts]
+    groups = prefix_groups(rows)  # rows of one system turn share its prefill
+    tokens, _, generated, seconds = decode_groups(
+        model, tokenizer, [[rows[i] for i in g] for g in groups], max_tokens, batch_size,
+        lambda logits: mx.argmax(logits, axis=-1))
+    by_row = dict(zip([i for g in groups for i in g], tokens, strict=True))
+    tokens = [by_row[i] for i in range(len(rows))]
+    return Completions([tokenizer.decode(t) for t in tokens], tokens, generated, seconds)
+
+
+def decode_groups(model: nn.Module, tokenizer, groups: Sequence[Sequence[list[int]]],
+                  max_tokens: int, batch_size: int, sampler: Callable[[mx.array], mx.array],
+                  least: int = 8) -> tuple[list[list[int]], list[bool], int, float]:
+    """Every row of ``groups`` completed by ``sampler`` (mlx-lm's ``BatchGenerator``, the
+    model in eval mode), each group's shared prefix prefilled once (at least ``least``
+    tokens, else each row whole): per row, group by group, its tokens (the stop token
+    left out) and whether it stopped (False: cut at ``max_tokens``); the tokens decoded
+    and the seconds."""
     from mlx_lm.generate import BatchGenerator
 
-    if not prompts or max_tokens <= 0:
-        return Completions([""] * len(prompts), [[] for _ in prompts], 0, 0.0)
+    rows = [r for g in groups for r in g]
+    if not rows or max_tokens <= 0:
+        return [[] for _ in rows], [False] * len(rows), 0, 0.0
     stops = stop_ids(tokenizer)
     was_training, started = model.training, time.perf_counter()
     model.eval()
-    gen = BatchGenerator(model, stop_tokens=[[t] for t in sorted(stops)],
+    gen = BatchGenerator(model, stop_tokens=[[t] for t in sorted(stops)], sampler=sampler,
                          completion_batch_size=batch_size,
                          prefill_batch_size=min(batch_size, 8))
     try:
-        rows = [list(map(int, p)) for p in prompts]
-        uids = [0] * len(rows)
-        for group in prefix_groups(rows):  # rows of one system turn share its prefill
-            members = [rows[i] for i in group]
-            shared, caches = shared_prefix_caches(model, members)
-            ids = gen.insert([r[shared:] for r in members], [max_tokens] * len(members),
-                             caches=caches)
-            for i, uid in zip(group, ids, strict=True):
-                uids[i] = uid
+        uids: list[int] = []
+        for members in groups:
+            shared, caches = shared_prefix_caches(model, list(members), least)
+            uids += gen.insert([r[shared:] for r in members], [max_tokens] * len(members),
+                               caches=caches)
         out: dict[int, list[int]] = {u: [] for u in uids}
+        stopped: dict[int, bool] = dict.fromkeys(uids, False)
         generated = 0
         while responses := gen.next_generated():
             for r in responses:
                 generated += 1
-                if r.finish_reason != "stop":  # the stop token is not the answer's
+                if r.finish_reason == "stop":  # the stop token is not the answer's
+                    stopped[r.uid] = True
+                else:
                     out[r.uid].append(int(r.token))
     finally:
         gen.close()
         model.train(was_training)
-    tokens = [out[u] for u in uids]
-    return Completions([tokenizer.decode(t) for t in tokens], tokens, generated,
-                       time.perf_counter() - started)
+    return ([out[u] for u in uids], [stopped[u] for u in uids], generated,
+            time.perf_counter() - started)
 
 
 def greedy_one(model: nn.Module, tokenizer, prompt: Sequence[int], max_tokens: int

@@ -1,0 +1,99 @@
+"""GRPO's rollouts: G completions of each prompt sampled from the policy as it trains (the
+base with its adapter, in eval mode: no LoRA dropout), batched with mlx-lm's decoder
+(engine/forward/generation.py), each prompt prefilled once for its group and its KV cache
+copied to the G rows, as training shares the prompt.
+
+Sampling is TRL's: logits at ``temperature``, then ``top_p`` (nucleus), each step's draw
+from an explicit key split off ``seed``'s (no global RNG): the same seed, prompts and
+policy give the same completions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.forward.generation import decode_groups
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """How completions are sampled (TRL's GRPOConfig names), valid by construction."""
+
+    num_generations: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_completion_length: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_generations < 2:
+            raise ValueError(f"num_generations={self.num_generations}: a group needs at "
+                             "least 2 completions (its advantages compare them)")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature={self.temperature}: must be > 0 (GRPO samples; "
+                             "0 would give G equal completions)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.max_completion_length < 1:
+            raise ValueError(f"max_completion_length={self.max_completion_length}: must be "
+                             ">= 1")
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    """The completions of each prompt's group, group after group ([P·G] rows): their token
+    ids (the stop token left out), whether each stopped before ``max_completion_length``,
+    and the work it took."""
+
+    tokens: list[list[int]]
+    stopped: list[bool]
+    generated: int
+    seconds: float
+
+    @property
+    def tokens_per_sec(self) -> float:
+        return self.generated / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def clipped_ratio(self) -> float:
+        """TRL's ``completions/clipped_ratio``: the share cut at the length limit."""
+        return 1 - sum(self.stopped) / max(len(self.stopped), 1)
+
+    @property
+    def mean_length(self) -> float:
+        """TRL's ``completions/mean_length``."""
+        return sum(map(len, self.tokens)) / max(len(self.tokens), 1)
+
+
+def keyed_sampler(temperature: float, top_p: float, seed: int
+                  ) -> Callable[[mx.array], mx.array]:
+    """A sampler of log-probs [B, V] → tokens [B] at ``temperature`` and ``top_p``, each
+    call drawing with the next key split off ``seed``'s."""
+    from mlx_lm.sample_utils import apply_top_p
+
+    key = [mx.random.key(seed)]
+
+    def sample(logprobs: mx.array) -> mx.array:
+        key[0], draw = mx.random.split(key[0])
+        if top_p < 1:
+            logprobs = apply_top_p(logprobs, top_p)
+        return mx.random.categorical(logprobs * (1.0 / temperature), key=draw)
+
+    return sample
+
+
+def sample_groups(model: nn.Module, tokenizer, prompts: Sequence[Sequence[int]],
+                  settings: RolloutSettings, batch_size: int = 32) -> Rollouts:
+    """``settings.num_generations`` sampled completions of each of ``prompts`` (token ids),
+    ``batch_size`` rows decoded at a time."""
+    g = settings.num_generations
+    groups = [[list(map(int, p))] * g for p in prompts]  # one prefill a group: least=1
+    sampler = keyed_sampler(settings.temperature, settings.top_p, settings.seed)
+    tokens, stopped, generated, seconds = decode_groups(
+        model, tokenizer, groups, settings.max_completion_length, batch_size, sampler, least=1)
+    return Rollouts(tokens, stopped, generated, seconds)
