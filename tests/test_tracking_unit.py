@@ -295,3 +295,25 @@ def test_a_users_tracking_json_is_never_replaced(tmp_path: Path,
     refused = CliRunner().invoke(app, ["track", str(sweep), "--report-to", "tensorboard"])
     assert refused.exit_code == 2 and "refusing to replace it" in refused.output
     assert mine.read_text() == '{"my": "notes"}\n' and not (sweep / "tb").exists()
+
+
+def test_a_caught_up_trial_sends_the_params_a_live_one_does(tmp_path: Path) -> None:
+    """Issue 67, low: a trial caught up by `pomona track` had 39 params where a live one
+    had 41 (`resume` and `lora_keys`, None, were dropped). Through results.parquet, where
+    an ORPO trial's row also holds a KTO trial's columns as None: each trial's params are
+    its plan's, no more and no fewer."""
+    import pyarrow.parquet as pq
+
+    from tasks.board.results_table import write_results
+    from tasks.sweep.trial_plan import TrialPlan
+    from tasks.track.sweep_files import params_of
+
+    plans = [TrialPlan.make(f"t{i}", {"model": "m", "data": "d", "out": f"o/t{i}",
+                                      "loss": loss}) for i, loss in enumerate(["orpo", "kto"])]
+    write_results([{"trial_id": p.id, "status": "completed",
+                    **{f"param/{k}": v for k, v in p.params().items()}} for p in plans],
+                  tmp_path / "results.parquet")
+    rows = pq.read_table(tmp_path / "results.parquet").to_pylist()
+    for plan, row in zip(plans, rows, strict=True):
+        assert params_of(row) == plan.params(), plan.id
+    assert {"resume", "lora_keys"} <= set(params_of(rows[0]))

@@ -40,9 +40,13 @@ def trial_rows(sweep_dir: Path) -> dict[str, dict[str, Any]]:
 
 
 def params_of(row: dict[str, Any]) -> dict[str, Any]:
-    """A results row's settings (its ``param/`` columns), by name."""
-    return {k[len("param/"):]: v for k, v in row.items()
-            if k.startswith("param/") and v is not None}
+    """A results row's settings (its ``param/`` columns), by name, as a live trial sends
+    them: a setting that is None (``lora_keys``: every linear; ``resume``: none) is one; a
+    loss's own setting that is None is another loss's column, not this trial's."""
+    from engine.losses import OWNERS
+
+    named = {k[len("param/"):]: v for k, v in row.items() if k.startswith("param/")}
+    return {name: v for name, v in named.items() if v is not None or name not in OWNERS}
 
 
 def number(value: Any) -> float | None:
