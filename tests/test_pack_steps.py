@@ -3,9 +3,10 @@ trainer's own Stepper: per step the same loss, metric sums and gradient norm, an
 three steps the same adapter, for trials that differ in loss (ORPO, SimPO, SFT), learning
 rate and schedule, warm-up, clip (one clipping), weight decay, LoRA rank, scale and dropout.
 
-Tolerance: the parity one (tests/parity.py) on the weights, max |w − w_alone| ≤ 1e-5 ·
-max |w_alone| per tensor, and 1e-5 relative on each step's loss and norm (float32; the
-pack's batched matmuls block their sums otherwise, and AdamW carries that through 3 steps).
+Tolerance: tests/parity.py's PACK_WEIGHT_RTOL on the weights, ‖w − w_alone‖ ≤ 1e-3 ·
+‖w_alone‖ per tensor (the kernels' rounding, carried by AdamW: its comment), and 1e-5
+relative on each step's loss and norm (float32; the pack's batched matmuls block their sums
+otherwise, and AdamW carries that through 3 steps).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import mlx.core as mx
 import mlx_lm
 import pytest
 
@@ -29,6 +29,7 @@ from engine.train.pack_steps import SHARED, PackStepper, check_pack
 from engine.train.prepared import lora_spec
 from engine.train.steps import Stepper
 from tests.pairs import tokenized_pairs
+from tests.parity import assert_pack_weights
 
 pytestmark = pytest.mark.integration
 STEPS = 3
@@ -94,11 +95,7 @@ def test_each_adapter_of_a_pack_takes_its_lone_steps(tiny_model: Path) -> None:
                 assert got.sums[name] == pytest.approx(v, rel=1e-5, abs=1e-6), (i, name)
             clipped += i == 1 and want.grad_norm > cfg.grad_clip
             assert got.sums["shared_batches"] == want.sums["shared_batches"] == 1
-        mine = adapter_of(model, i)
-        assert set(mine) == set(weights)
-        for name, w in weights.items():
-            scale = float(mx.abs(w).max())
-            assert scale > 0 and float(mx.abs(mine[name] - w).max()) <= 1e-5 * scale, name
+        assert_pack_weights(adapter_of(model, i), weights, i)
     assert clipped >= 1  # the clip was live for the adapter that sets a small one (1)
 
 
