@@ -274,3 +274,29 @@ def test_train_on_a_full_disk_is_one_line_and_leaves_no_temporary(
         assert code == 2 and errors == lines[-1:], lines
         assert str(out / final) in errors[0], errors
         assert not [p.name for p in out.iterdir() if ".tmp" in p.name]
+
+
+@pytest.mark.unit
+def test_a_holder_caught_before_its_mark_is_written_is_still_named(tmp_path: Path) -> None:
+    """Issue 67, low: `pomona track` run twice at once said "pid unknown": the second read
+    the mark in the moment the first had truncated it, before writing its pid."""
+    import fcntl
+    import json
+    import threading
+
+    from engine.host.outputs import MARK, RefusedOutput, claim
+
+    out = tmp_path / "run"
+    out.mkdir()
+    fd = os.open(out / MARK, os.O_RDWR | os.O_CREAT, 0o644)  # the first holder: locked,
+    fcntl.flock(fd, fcntl.LOCK_EX)  # its mark still empty
+    writer = threading.Timer(0.05, lambda: os.pwrite(
+        fd, json.dumps({"kind": "run", "pid": 4242}).encode(), 0))
+    writer.start()
+    try:
+        with pytest.raises(RefusedOutput, match=r"another Pomona process \(pid 4242\)"):
+            with claim(out, ("run",)):
+                pass
+    finally:
+        writer.join()
+        os.close(fd)

@@ -30,6 +30,7 @@ import os
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -112,13 +113,18 @@ def _check_ours(out: Path, kinds: tuple[str, ...], legacy: Callable[[Path], bool
                             f"choose another {flag}")
 
 
-def _holder(out: Path, mark_file: str = MARK) -> str:
-    try:
-        mark = json.loads((out / mark_file).read_text())
-        pid, host = mark["pid"], mark.get("host")
-    except (OSError, ValueError, KeyError, TypeError):
-        return "pid unknown"
-    return f"pid {pid}" + (f" on {host}" if host and host != HOST else "")
+def _holder(out: Path, mark_file: str = MARK, tries: int = 10) -> str:
+    """Who holds the lock: its pid (and host). A holder writes its mark just after taking
+    the lock (truncated, then written): a reader in between waits a moment for it."""
+    for attempt in range(tries):
+        try:
+            mark = json.loads((out / mark_file).read_text())
+            pid, host = mark["pid"], mark.get("host")
+            return f"pid {pid}" + (f" on {host}" if host and host != HOST else "")
+        except (OSError, ValueError, KeyError, TypeError):
+            if attempt + 1 < tries:
+                time.sleep(0.02)
+    return "pid unknown"
 
 
 def _lock(out: Path, kinds: tuple[str, ...], flag: str) -> int:
