@@ -45,8 +45,10 @@ def reference_loss(logps, old, ref, mask, adv, beta, eps, eps_high, kind, batch_
         loss = masked.sum() / (mask.shape[0] * MAX_LEN)
     else:
         loss = masked.sum() / (batch_tokens or mask.sum())
-    clipped = ((ratio < 1 - eps) & (a < 0)) | ((ratio > 1 + eps_high) & (a > 0))
-    return loss, (kl * mask).sum() / mask.sum(), (clipped * mask).sum() / mask.sum()
+    low = (ratio < 1 - eps) & (a < 0)
+    high = (ratio > 1 + eps_high) & (a > 0)
+    share = [(m * mask).sum() / mask.sum() for m in (low | high, low, high)]
+    return loss, (kl * mask).sum() / mask.sum(), share
 
 
 def batch(seed: int) -> dict[str, np.ndarray]:
@@ -68,11 +70,12 @@ def test_advantages_are_trls(scale: str) -> None:
     got, metrics = group_advantages(mx.array(rewards), G, scale)
     want = reference_advantages(rewards, G, scale)
     np.testing.assert_allclose(np.array(got), want, rtol=1e-6, atol=1e-6)
-    assert float(metrics["frac_reward_zero_std"]) == pytest.approx(
-        np.mean(rewards.reshape(-1, G).std(axis=1) == 0))
+    # TRL's metrics: the groups' std, or under scale_rewards batch the batch's
+    stds = (np.full(GROUPS, rewards.std(ddof=1)) if scale == "batch"
+            else rewards.reshape(-1, G).std(axis=1, ddof=1))
+    assert float(metrics["frac_reward_zero_std"]) == pytest.approx(np.mean(stds == 0))
     assert float(metrics["reward"]) == pytest.approx(rewards.mean(), rel=1e-6)
-    assert float(metrics["reward_std"]) == pytest.approx(
-        rewards.reshape(-1, G).std(axis=1, ddof=1).mean(), rel=1e-6)
+    assert float(metrics["reward_std"]) == pytest.approx(stds.mean(), rel=1e-6)
     with pytest.raises(ValueError, match="num_generations=5"):
         group_advantages(mx.array(rewards), 5, scale)
 
@@ -96,8 +99,10 @@ def test_each_loss_type_is_trls_formula_in_float64(kind: str, eps_high: float) -
                                         0.2, eps_high or 0.2, kind, tokens)
         assert float(terms.loss) == pytest.approx(want, rel=1e-6, abs=1e-6), (kind, seed)
         assert float(terms.metrics["kl"]) == pytest.approx(kl, rel=1e-6, abs=1e-6)
-        assert float(terms.metrics["clip_ratio"]) == pytest.approx(clip, abs=1e-6)
-        assert 0 < clip < 1  # the clip was exercised on both sides of 1
+        for name, share in zip(("region", "low", "high"), clip, strict=True):
+            assert float(terms.metrics[f"clip_ratio/{name}_mean"]) == pytest.approx(
+                share, abs=1e-6), name
+        assert 0 < clip[1] < clip[0] and 0 < clip[2] < clip[0]  # both sides of the clip
 
 
 def softmax_policy_grads(kind: str) -> tuple[np.ndarray, np.ndarray, float]:

@@ -294,9 +294,9 @@ def test_a_holder_caught_before_its_mark_is_written_is_still_named(tmp_path: Pat
         fd, json.dumps({"kind": "run", "pid": 4242}).encode(), 0))
     writer.start()
     try:
-        with pytest.raises(RefusedOutput, match=r"another Pomona process \(pid 4242\)"):
-            with claim(out, ("run",)):
-                pass
+        with pytest.raises(RefusedOutput, match=r"another Pomona process \(pid 4242\)"), \
+                claim(out, ("run",)):
+            pass
     finally:
         writer.join()
         os.close(fd)

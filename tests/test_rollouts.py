@@ -74,3 +74,24 @@ def test_rollout_settings_are_refused_by_name() -> None:
                        ({"max_completion_length": 0}, "max_completion_length=0")):
         with pytest.raises(ValueError, match=named):
             RolloutSettings(**bad)
+
+
+@pytest.mark.unit
+def test_the_nucleus_is_taken_on_the_tempered_distribution() -> None:
+    """TRL (HF's warpers, vLLM) applies the temperature, then top_p: at T = 2 the
+    distribution (.5, .3, .2) flattens to (.41, .32, .26), whose top 0.8 holds all three
+    tokens; top_p first would keep two. Would catch the reverse order (mlx-lm's)."""
+    import math
+
+    import mlx.core as mx
+
+    from engine.forward.rollouts import Rollouts, keyed_sampler
+
+    logprobs = mx.log(mx.array([[0.5, 0.3, 0.2]] * 4000))
+    drawn = keyed_sampler(2.0, 0.8, seed=0)(logprobs).tolist()
+    share = drawn.count(2) / len(drawn)
+    want = math.sqrt(0.2) / sum(map(math.sqrt, (0.5, 0.3, 0.2)))
+    assert share == pytest.approx(want, abs=0.03), share
+    assert keyed_sampler(1.0, 0.8, seed=0)(logprobs).tolist().count(2) == 0  # .5 + .3 = .8
+    # TRL's completions/mean_length counts the stop token (its mask holds the first EOS)
+    assert Rollouts([[1, 2], [3]], [5, None], 4, 1.0).mean_length == 2.0  # (2 + 1 + 1) / 2

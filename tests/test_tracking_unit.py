@@ -317,3 +317,14 @@ def test_a_caught_up_trial_sends_the_params_a_live_one_does(tmp_path: Path) -> N
     for plan, row in zip(plans, rows, strict=True):
         assert params_of(row) == plan.params(), plan.id
     assert {"resume", "lora_keys"} <= set(params_of(rows[0]))
+
+
+def test_a_list_setting_is_one_text_live_and_caught_up() -> None:
+    """Review of issue 67's params: ``lora_keys`` went live as "('self_attn.q_proj',)" and
+    came back from results.parquet as a list ("['self_attn.q_proj']", or JSON text in a
+    column of mixed values): MLflow refuses a param sent again with another value."""
+    from tasks.track.mlflow_sink import param_text
+
+    live, table, mixed = ("self_attn.q_proj",), ["self_attn.q_proj"], '["self_attn.q_proj"]'
+    assert param_text(live) == param_text(table) == param_text(mixed) == mixed
+    assert param_text(None) == "None" and param_text(0.1) == "0.1"

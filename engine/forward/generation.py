@@ -57,17 +57,17 @@ def greedy_batch(model: nn.Module, tokenizer, prompts: Sequence[Sequence[int]],
 
 def decode_groups(model: nn.Module, tokenizer, groups: Sequence[Sequence[list[int]]],
                   max_tokens: int, batch_size: int, sampler: Callable[[mx.array], mx.array],
-                  least: int = 8) -> tuple[list[list[int]], list[bool], int, float]:
+                  least: int = 8) -> tuple[list[list[int]], list[int | None], int, float]:
     """Every row of ``groups`` completed by ``sampler`` (mlx-lm's ``BatchGenerator``, the
     model in eval mode), each group's shared prefix prefilled once (at least ``least``
     tokens, else each row whole): per row, group by group, its tokens (the stop token
-    left out) and whether it stopped (False: cut at ``max_tokens``); the tokens decoded
-    and the seconds."""
+    left out) and the stop token it ended at (None: cut at ``max_tokens``); the tokens
+    decoded and the seconds."""
     from mlx_lm.generate import BatchGenerator
 
     rows = [r for g in groups for r in g]
     if not rows or max_tokens <= 0:
-        return [[] for _ in rows], [False] * len(rows), 0, 0.0
+        return [[] for _ in rows], [None] * len(rows), 0, 0.0
     stops = stop_ids(tokenizer)
     was_training, started = model.training, time.perf_counter()
     model.eval()
@@ -81,13 +81,13 @@ def decode_groups(model: nn.Module, tokenizer, groups: Sequence[Sequence[list[in
             uids += gen.insert([r[shared:] for r in members], [max_tokens] * len(members),
                                caches=caches)
         out: dict[int, list[int]] = {u: [] for u in uids}
-        stopped: dict[int, bool] = dict.fromkeys(uids, False)
+        stopped: dict[int, int | None] = dict.fromkeys(uids)
         generated = 0
         while responses := gen.next_generated():
             for r in responses:
                 generated += 1
                 if r.finish_reason == "stop":  # the stop token is not the answer's
-                    stopped[r.uid] = True
+                    stopped[r.uid] = int(r.token)
                 else:
                     out[r.uid].append(int(r.token))
     finally:

@@ -3,9 +3,10 @@ base with its adapter, in eval mode: no LoRA dropout), batched with mlx-lm's dec
 (engine/forward/generation.py), each prompt prefilled once for its group and its KV cache
 copied to the G rows, as training shares the prompt.
 
-Sampling is TRL's: logits at ``temperature``, then ``top_p`` (nucleus), each step's draw
-from an explicit key split off ``seed``'s (no global RNG): the same seed, prompts and
-policy give the same completions.
+Sampling is TRL's: logits at ``temperature``, then ``top_p`` (nucleus) on the tempered
+distribution, each decode step's draw for the whole batch from an explicit key split off
+``seed``'s (no global RNG): the same seed, prompts, policy and ``batch_size`` (a row's draws
+depend on the rows decoded beside it) give the same completions on one mlx-lm version.
 """
 
 from __future__ import annotations
@@ -47,13 +48,17 @@ class RolloutSettings:
 @dataclass(frozen=True)
 class Rollouts:
     """The completions of each prompt's group, group after group ([P·G] rows): their token
-    ids (the stop token left out), whether each stopped before ``max_completion_length``,
-    and the work it took."""
+    ids (the stop token left out), the stop token each ended at (None: cut at
+    ``max_completion_length``), and the work it took."""
 
     tokens: list[list[int]]
-    stopped: list[bool]
+    stop_tokens: list[int | None]  # the stop token each ended at, None where cut at the limit
     generated: int
     seconds: float
+
+    @property
+    def stopped(self) -> list[bool]:
+        return [t is not None for t in self.stop_tokens]
 
     @property
     def tokens_per_sec(self) -> float:
@@ -66,8 +71,9 @@ class Rollouts:
 
     @property
     def mean_length(self) -> float:
-        """TRL's ``completions/mean_length``."""
-        return sum(map(len, self.tokens)) / max(len(self.tokens), 1)
+        """TRL's ``completions/mean_length``: its stop token counted (TRL's completion mask
+        holds the first EOS: the policy learns to end)."""
+        return (sum(map(len, self.tokens)) + sum(self.stopped)) / max(len(self.tokens), 1)
 
 
 def keyed_sampler(temperature: float, top_p: float, seed: int
@@ -80,9 +86,10 @@ def keyed_sampler(temperature: float, top_p: float, seed: int
 
     def sample(logprobs: mx.array) -> mx.array:
         key[0], draw = mx.random.split(key[0])
+        scaled = logprobs * (1.0 / temperature)  # temperature first, then the nucleus: TRL's
         if top_p < 1:
-            logprobs = apply_top_p(logprobs, top_p)
-        return mx.random.categorical(logprobs * (1.0 / temperature), key=draw)
+            scaled = apply_top_p(scaled - mx.logsumexp(scaled, axis=-1, keepdims=True), top_p)
+        return mx.random.categorical(scaled, key=draw)
 
     return sample
 
@@ -94,6 +101,6 @@ def sample_groups(model: nn.Module, tokenizer, prompts: Sequence[Sequence[int]],
     g = settings.num_generations
     groups = [[list(map(int, p))] * g for p in prompts]  # one prefill a group: least=1
     sampler = keyed_sampler(settings.temperature, settings.top_p, settings.seed)
-    tokens, stopped, generated, seconds = decode_groups(
+    tokens, stops, generated, seconds = decode_groups(
         model, tokenizer, groups, settings.max_completion_length, batch_size, sampler, least=1)
-    return Rollouts(tokens, stopped, generated, seconds)
+    return Rollouts(tokens, stops, generated, seconds)

@@ -56,8 +56,9 @@ def group_advantages(rewards: mx.array, num_generations: int,
     its outcome supervision): Â_i = r_i − mean(r of its group), divided by the group's std
     + 1e-4 (``group``), the batch's (``batch``) or nothing (``none``: Dr. GRPO). The std is
     Bessel-corrected, as torch's. Returns the advantages and TRL's reward metrics:
-    ``reward`` (the mean), ``reward_std`` (the groups' mean std), ``frac_reward_zero_std``
-    (groups whose G rewards are equal: no signal)."""
+    ``reward`` (the mean), ``reward_std`` (the groups' mean std; the batch's under
+    ``batch``), ``frac_reward_zero_std`` (groups whose G rewards are equal: no signal;
+    under ``batch``, 1 where the whole batch's are)."""
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards={scale_rewards!r}: expected one of {SCALE_REWARDS}")
     n = rewards.shape[0]
@@ -68,12 +69,12 @@ def group_advantages(rewards: mx.array, num_generations: int,
     mean = r.mean(axis=1, keepdims=True)
     std = mx.sqrt(((r - mean) ** 2).sum(axis=1, keepdims=True) / (num_generations - 1))
     advantages = r - mean
-    if scale_rewards == "group":
-        advantages = advantages / (std + STD_EPS)
-    elif scale_rewards == "batch":
+    if scale_rewards == "batch":  # TRL then logs the batch's std, and its zero, too
         flat = r.reshape(-1)
-        batch_std = mx.sqrt(((flat - flat.mean()) ** 2).sum() / max(n - 1, 1))
-        advantages = advantages / (batch_std + STD_EPS)
+        std = mx.broadcast_to(mx.sqrt(((flat - flat.mean()) ** 2).sum() / max(n - 1, 1)),
+                              std.shape)
+    if scale_rewards != "none":
+        advantages = advantages / (std + STD_EPS)
     metrics = {"reward": r.mean(), "reward_std": std.mean(),
                # torch.isclose(std, 0)'s atol, as TRL counts them
                "frac_reward_zero_std": (std[:, 0] <= 1e-8).astype(mx.float32).mean()}

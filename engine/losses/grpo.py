@@ -10,8 +10,9 @@ and the loss, over the completion mask M:
     bnpo:    Σ M·ℓ / Σ M                          the micro-batch's token mean
     dapo:    Σ M·ℓ / (the batch's tokens)         token mean over the whole optimizer batch
     dr_grpo: Σ M·ℓ / (N · max_completion_length)  a constant normaliser: no length bias
-Metrics (TRL's): ``kl`` (the token mean of KL, when β > 0) and ``clip_ratio`` (the share of
-tokens whose clipped term was taken), with its ``clip_ratio/low_mean`` and ``/high_mean``.
+Metrics (TRL's): ``kl`` (the token mean of KL, when β > 0), ``clip_ratio/region_mean`` (the
+share of tokens whose clipped term was taken), ``clip_ratio/low_mean`` (ρ < 1 − ε, Â < 0)
+and ``clip_ratio/high_mean`` (ρ > 1 + ε_high, Â > 0).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
 class Grpo(GroupLossSettings):
     kind = "grpo"
     summary = "grpo (G sampled completions per prompt, rewarded by a verifier)"
-    extras = ("kl", "clip_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean")
+    extras = ("kl", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean")
 
     grpo_beta: float = setting(0.0, "GRPO: β, the KL penalty against the reference (TRL's "
                                     "beta; 0 skips the reference pass).", minimum=0)
@@ -80,7 +81,7 @@ class Grpo(GroupLossSettings):
         below = (ratio < low) & (adv < 0)
         above = (ratio > high) & (adv > 0)
         metrics.update({
-            "clip_ratio": ((below | above) * mask).sum() / tokens,
+            "clip_ratio/region_mean": ((below | above) * mask).sum() / tokens,
             "clip_ratio/low_mean": (below * mask).sum() / tokens,
             "clip_ratio/high_mean": (above * mask).sum() / tokens})
         return GroupTerms(loss, {k: mx.stop_gradient(v) for k, v in metrics.items()})

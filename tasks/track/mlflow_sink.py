@@ -12,6 +12,7 @@ after MLflow's default minutes of retries (unless the user set them).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -30,6 +31,15 @@ from tasks.track.sweep_files import (
 PARAMS_A_BATCH, METRICS_A_BATCH, PARAM_LENGTH = 100, 1000, 6000
 # A server without a model registry answers these (the best adapter stays an artifact).
 NO_REGISTRY = ("ENDPOINT_NOT_FOUND", "FEATURE_DISABLED", "NOT_IMPLEMENTED")
+
+
+def param_text(value: Any) -> str:
+    """A param's value as MLflow holds it, one text however it arrives: a live trial's
+    tuple and results.parquet's list (or its JSON text) are the same list, and MLflow
+    refuses a param sent again with another value."""
+    if isinstance(value, list | tuple):
+        value = json.dumps(list(value), default=str)
+    return str(value)[:PARAM_LENGTH]
 
 
 def _now_ms() -> int:
@@ -109,7 +119,7 @@ class MlflowSink:
             t["run"] = self.client.create_run(part["experiment"], run_name=trial_id, tags={
                 **parent, "pomona.trial_id": trial_id}).info.run_id
             t["t0"] = _now_ms()
-        items = [Param(k, str(v)[:PARAM_LENGTH]) for k, v in sorted(params.items())]
+        items = [Param(k, param_text(v)) for k, v in sorted(params.items())]
         for i in range(0, len(items), PARAMS_A_BATCH):  # a param sent again: the same value
             self.client.log_batch(t["run"], params=items[i:i + PARAMS_A_BATCH])
 
