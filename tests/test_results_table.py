@@ -59,6 +59,29 @@ def test_rows_name_adapters_in_their_own_sweep_wherever_it_moved(tmp_path: Path)
     # a re-run there: t-b is not cached (its adapter is gone), t-a's row points here
     before = previous_results(moved)
     assert before["t-b"]["status"] == MISSING and before["t-a"]["adapter"] == str(moved / "t-a")
+    # a sweep's start reads no trial's weights (the board does): t-d is there, as it was
+    assert before["t-d"]["status"] == "completed" and "remove" in got["t-d"]["reason"]
+
+
+def test_a_trials_row_in_its_folder_is_recognised_and_never_a_users_file(
+        tmp_path: Path) -> None:
+    """Issue 67 case 9's row beside the adapter (tasks/sweep/trial_row.py): recognised with
+    its key only where written after the adapter; a user's trial.json is never replaced."""
+    import os
+
+    from tasks.sweep.trial_row import TRIAL_ROW, keep_row, recovered
+
+    folder = adapter_in(tmp_path / "t-a")
+    row = {"trial_id": "t-a", "status": "completed", "adapter": str(folder)}
+    keep_row(tmp_path, row, "k1")
+    assert recovered(tmp_path, "t-a", "k1")["adapter"] == str(folder)
+    assert recovered(tmp_path, "t-a", "k2") is None  # another key: trains again
+    os.utime(folder / TRIAL_ROW, (1, 1))  # an adapter pulled after the row: not this row's
+    assert recovered(tmp_path, "t-a", "k1") is None
+    users = adapter_in(tmp_path / "t-b") / TRIAL_ROW
+    users.write_text('{"my": "notes"}\n')
+    keep_row(tmp_path, {**row, "trial_id": "t-b"}, "k1")
+    assert users.read_text() == '{"my": "notes"}\n' and recovered(tmp_path, "t-b", "k1") is None
 
 
 def test_a_table_an_earlier_version_wrote_with_absolute_paths_reads_in_place(

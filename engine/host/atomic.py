@@ -56,8 +56,7 @@ def no_replace(ours: Callable[[Path], bool] = lambda _: False) -> Publish:
             os.link(tmp, path)  # EEXIST where a file is there: never swapped out
         except FileExistsError:
             if not ours(path):
-                raise FileExistsError(errno.EEXIST, "a file appeared there while this was "
-                                      "written; it is kept as it is") from None
+                raise _appeared() from None
             os.replace(tmp, path)
             return
         except OSError as err:
@@ -75,9 +74,13 @@ def _claim_then_replace(tmp: Path, path: Path) -> None:
     try:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     except FileExistsError:
-        raise FileExistsError(errno.EEXIST, "a file appeared there while this was written; "
-                              "it is kept as it is") from None
+        raise _appeared() from None
     os.replace(tmp, path)
+
+
+def _appeared() -> FileExistsError:
+    return FileExistsError(errno.EEXIST, "a file appeared there while this was written; it "
+                           "is kept as it is")
 
 
 def clean_stale(path: str | Path, suffix: str = "", older_s: float = 60.0) -> list[Path]:

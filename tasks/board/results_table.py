@@ -57,26 +57,29 @@ def relative(row: dict[str, Any]) -> dict[str, Any]:
     return {**row, "adapter": row["trial_id"]} if row.get("adapter") else row
 
 
-def read_results(sweep_dir: Path) -> list[dict[str, Any]]:
+def read_results(sweep_dir: Path, usable: bool = True) -> list[dict[str, Any]]:
     """``sweep_dir``'s rows, each trial's adapter resolved in ``sweep_dir/<trial id>``
     (whatever path an older table recorded); a finished trial without it there is
-    ``missing``, its adapter None and the reason said."""
+    ``missing``, its adapter None and the reason said. ``usable``: each adapter also read
+    whole and finite (the board's evaluations would refuse it); a sweep's start leaves
+    that to the board, not reading every trial's weights before its first trial."""
     rows = pq.read_table(Path(sweep_dir) / RESULTS).to_pylist()
-    return [located(Path(sweep_dir), r) for r in rows]
+    return [located(Path(sweep_dir), r, usable) for r in rows]
 
 
-def located(sweep_dir: Path, row: dict[str, Any]) -> dict[str, Any]:
+def located(sweep_dir: Path, row: dict[str, Any], usable: bool = True) -> dict[str, Any]:
     if not row.get("adapter"):
         return row
     folder = sweep_dir / str(row["trial_id"])
     if (folder / ADAPTER_FILE).is_file() and (folder / CONFIG_FILE).is_file():
-        if row.get("status") not in FINISHED:
+        if row.get("status") not in FINISHED or not usable:
             return {**row, "adapter": str(folder)}
         try:  # readable and finite: a broken one costs its trial, not the board
             check_adapter_folder(folder)
         except ValueError as err:
             return {**row, "adapter": None, "status": MISSING,
-                    "reason": f"its adapter cannot be used: {err}"}
+                    "reason": f"its adapter cannot be used: {err}; remove {folder} and "
+                              "re-run the sweep to train it again"}
         return {**row, "adapter": str(folder)}
     if row.get("status") not in FINISHED:  # failed or cancelled: never ranked anyway
         return {**row, "adapter": None}

@@ -178,7 +178,8 @@ def check_cluster(placement: Placement, resources: dict[str, float], expected: i
 def previous_results(out: Path) -> dict[str, dict[str, Any]]:
     if not (out / RESULTS).exists():
         return {}
-    return {r["trial_id"]: r for r in read_results(out)}  # adapters resolved in ``out``
+    # adapters resolved in ``out``: there or not, their weights read by the board alone
+    return {r["trial_id"]: r for r in read_results(out, usable=False)}
 
 
 def run_sweep(spec: SweepSpec, out: Path, placement: Placement | None = None,
