@@ -178,8 +178,7 @@ def check_cluster(placement: Placement, resources: dict[str, float], expected: i
 def previous_results(out: Path) -> dict[str, dict[str, Any]]:
     if not (out / RESULTS).exists():
         return {}
-    # adapters resolved in ``out``: there or not, their weights read by the board alone
-    return {r["trial_id"]: r for r in read_results(out, usable=False)}
+    return {r["trial_id"]: r for r in read_results(out, usable=False)}  # weights: the board's
 
 
 def run_sweep(spec: SweepSpec, out: Path, placement: Placement | None = None,
