@@ -130,8 +130,8 @@ class _Stderr(logging.StreamHandler):
 
 
 # Loggers whose INFO lines the CLI shows (--verify's figures); every logger's warnings show.
-SHOWN_INFO = ("engine.train.trainer", "engine.check.load_check", "engine.model.source",
-              "engine.train.reference")
+SHOWN_INFO = ("engine.train.trainer", "engine.train.grpo_trainer", "engine.check.load_check",
+              "engine.model.source", "engine.train.reference")
 
 
 def log_to_stderr() -> None:
@@ -151,6 +151,7 @@ def run_train(values: dict[str, Any]) -> int:
     limit started by a CLI re-runs as ``python -m engine train`` with MLX's queue capped."""
     from engine.check.load_check import VerifyFailed
     from engine.host.command_queue import ensure_queue
+    from engine.train.grpo_trainer import train_groups
     from engine.train.steps import NonFiniteLoss
     from engine.train.trainer import train
 
@@ -161,7 +162,8 @@ def run_train(values: dict[str, Any]) -> int:
         if replayable(values.get("config")):  # the same flags read the same config again
             ensure_queue(cfg.memory_limit_gb,
                          ["-m", "engine", "train", *command_line(train_flags(), values)])
-        result = train(cfg, [PrintMetrics(cfg.steps)])
+        trainer = train_groups if cfg.loss.on_groups else train  # GRPO samples, pairs don't
+        result = trainer(cfg, [PrintMetrics(cfg.steps)])
     except KeyboardInterrupt:  # Ctrl-C: how to go on, not a traceback
         print(f"interrupted; {resume_hint(cfg)}", file=sys.stderr)
         return 130

@@ -11,7 +11,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.losses import LOSSES, OWNERS, REGISTRY, Norms, pair_loss, spec_of, validation_metrics
+from engine.losses import (
+    LOSSES,
+    OWNERS,
+    PAIR_LOSSES,
+    REGISTRY,
+    Norms,
+    pair_loss,
+    spec_of,
+    validation_metrics,
+)
 from engine.settings.config import TrainConfig
 from tasks.sweep.spec_rules import SpecError
 from tasks.sweep.sweep_spec import parse_spec
@@ -25,7 +34,7 @@ def test_each_setting_belongs_to_one_loss() -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("kind", sorted(LOSSES))
+@pytest.mark.parametrize("kind", sorted(PAIR_LOSSES))
 def test_declared_metrics_are_the_ones_a_batch_reports(kind: str) -> None:
     """validation_metrics reads a loss's declared extras: they must be what pair_loss
     reports (a loss adding an extra it does not declare would go unranked)."""
@@ -107,18 +116,19 @@ def test_a_sweep_over_every_loss_trains_each_with_its_own_settings(
     from tasks.prefect.reference_task import reference_needs
     from tasks.sweep.run import run_sweep
 
-    own = {cls.kind: next(iter(dataclasses.fields(cls)), None) for cls in REGISTRY}
+    own = {cls.kind: next(iter(dataclasses.fields(cls)), None)
+           for cls in PAIR_LOSSES.values()}
     fixed = {f.name: f.default * 2 + 0.25 for f in own.values()
              if f is not None and isinstance(f.default, float)}
     spec = parse_spec({"name": "losses", "model": str(tiny_model), "data": str(tiny_data),
                        "metric": "val/logps/accuracies", "mode": "max", "max_concurrent": 2,
                        "fixed": {"steps": 2, "batch_size": 4, "lora_rank": 4, "val_every": 2,
                                  **fixed},
-                       "grid": {"loss": sorted(LOSSES)}})
+                       "grid": {"loss": sorted(PAIR_LOSSES)}})
     kinds = {cls.needs_kl for cls in REGISTRY if cls.needs_reference}
     assert sorted(r.kl for r, _ in reference_needs(spec)) == sorted(kinds)
     rows = run_sweep(spec, tmp_path)
-    assert [r["status"] for r in rows] == ["completed"] * len(LOSSES), [
+    assert [r["status"] for r in rows] == ["completed"] * len(PAIR_LOSSES), [
         r.get("reason") for r in rows]
     for r in rows:
         block = json.loads((tmp_path / r["trial_id"] / "adapter_config.json").read_text())

@@ -15,7 +15,7 @@ import pytest
 from engine.backward.segmented import value_and_grad
 from engine.data.batch import Pair, batch_norms, make_batch
 from engine.forward.prefix import PrefixBatch, split_prefix_batch
-from engine.losses import LOSSES, LossSpec, pair_loss, spec_of
+from engine.losses import PAIR_LOSSES, LossSpec, pair_loss, spec_of
 from tests.pairs import tokenized_pairs
 from tests.parity import assert_same, batch_loss, lora_model, with_reference
 
@@ -255,7 +255,7 @@ def test_scoring_shares_the_prefix_and_keeps_row_order(tiny_model: Path, head_ch
 
 
 # Every registered loss at its defaults (the response span), and variants of SimPO and DPO.
-LEVER_SPECS = [*(spec_of(kind, "response") for kind in sorted(LOSSES) if kind != "orpo"),
+LEVER_SPECS = [*(spec_of(kind, "response") for kind in sorted(PAIR_LOSSES) if kind != "orpo"),
                spec_of("simpo", simpo_nll_weight=0.5),
                spec_of("dpo", "response", dpo_beta=0.5, dpo_label_smoothing=0.1,
                        rpo_alpha=0.3),

@@ -1,6 +1,7 @@
-"""Preference losses, one file each under one protocol (engine/losses/base.py): ORPO (Hong
-et al. 2024), SimPO (Meng et al. 2024), DPO (Rafailov et al. 2023; IPO, Azar et al. 2023), CPO
-(Xu et al. 2024), KTO (Ethayarajh et al. 2024) and SFT.
+"""The losses, one file each under one protocol (engine/losses/base.py): the preference
+losses over pairs, ORPO (Hong et al. 2024), SimPO (Meng et al. 2024), DPO (Rafailov et al.
+2023; IPO, Azar et al. 2023), CPO (Xu et al. 2024), KTO (Ethayarajh et al. 2024) and SFT; and
+the group losses over sampled completions (engine/losses/group.py), GRPO's family.
 
 This registry is the one place that lists them. Adding a loss is one module holding a
 ``LossSettings`` subclass (its fields, rules, extras and maths) and its line in
@@ -23,6 +24,7 @@ from engine.losses.base import (
 )
 from engine.losses.cpo import Cpo
 from engine.losses.dpo import Dpo
+from engine.losses.grpo import Grpo
 from engine.losses.kto import Kto
 from engine.losses.orpo import Orpo, orpo_pair_terms
 from engine.losses.sft import Sft
@@ -35,9 +37,13 @@ from engine.losses.spec import (
     validation_metrics,
 )
 
-REGISTRY: tuple[type[LossSettings], ...] = (Orpo, Simpo, Sft, Dpo, Cpo, Kto)
+REGISTRY: tuple[type[LossSettings], ...] = (Orpo, Simpo, Sft, Dpo, Cpo, Kto, Grpo)
 
 LOSSES: dict[str, type[LossSettings]] = {cls.kind: cls for cls in REGISTRY}
+# The losses over preference pairs (what pair data, score, the board and sweeps train on);
+# the others train on sampled groups (engine/train/grpo_trainer.py).
+PAIR_LOSSES: dict[str, type[LossSettings]] = {
+    k: cls for k, cls in LOSSES.items() if not cls.on_groups}
 # Each loss field's name -> the loss that owns it (names are unique across losses).
 OWNERS: dict[str, type[LossSettings]] = {
     f: cls for cls in REGISTRY for f in cls.names()}
@@ -84,8 +90,8 @@ def spec_of(kind: str = "orpo", nll_span: str = "full", **fields: Any) -> LossSp
     return LossSpec(loss_named(kind, **fields), nll_span)
 
 
-__all__ = ["ACROSS_LOSSES", "ACROSS_NON_REFERENCE_LOSSES", "LOGP_CEILING", "LOSSES",
-           "NLL_SPANS", "OWNERS", "REGISTRY", "Dpo", "LossSettings", "LossSpec", "Norms",
+__all__ = ["ACROSS_LOSSES", "ACROSS_NON_REFERENCE_LOSSES", "LOGP_CEILING", "LOSSES", "NLL_SPANS",
+           "OWNERS", "PAIR_LOSSES", "REGISTRY", "Dpo", "Grpo", "LossSettings", "LossSpec", "Norms",
            "Orpo", "PairLogps", "PairTerms", "Sft", "Simpo", "foreign_message", "log1mexp",
            "loss_named", "mean_logps", "orpo_pair_terms", "pair_logps", "pair_loss",
            "per_pair_losses", "shared_metrics", "spec_of", "validation_metrics"]

@@ -153,9 +153,15 @@ class LossSettings:
     # Its rewards order pairs as mean log-probs do and its logps/* are means (ORPO's λ·ℓ,
     # SimPO's β·ℓ): trials of such losses rank on one scale (engine/losses: shared_metrics).
     mean_rewards: ClassVar[bool] = True
+    # Trains on groups of sampled completions of prompt rows (engine/losses/group.py), not
+    # on pairs: the trainer, the data it reads and what scores it differ.
+    on_groups: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         hints = _hints(type(self))
+        for f in dataclasses.fields(self):
+            if "items" in f.metadata and isinstance(getattr(self, f.name), list):
+                object.__setattr__(self, f.name, tuple(getattr(self, f.name)))  # as JSON reads
         for f in dataclasses.fields(self):
             _check_field(f, hints[f.name], getattr(self, f.name))
         self.check()
@@ -211,6 +217,9 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def _check_field(f: dataclasses.Field, hint: Any, value: Any) -> None:
     rules = f.metadata
+    if "items" in rules:  # a tuple of strings or numbers (GRPO's reward, its weights)
+        _check_items(f.name, value, rules["items"])
+        return
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{f.name}={value!r}: expected a number")
@@ -227,3 +236,18 @@ def _check_field(f: dataclasses.Field, hint: Any, value: Any) -> None:
                          "every update is zero)")
     if "below" in rules and not value < rules["below"]:
         raise ValueError(f"{f.name}={value}: must be below {rules['below']:g}")
+    if "maximum" in rules and value > rules["maximum"]:
+        raise ValueError(f"{f.name}={value}: must be <= {rules['maximum']:g}")
+
+
+def _check_items(name: str, value: Any, kind: type) -> None:
+    """A tuple field's items: strings, or finite numbers (not booleans)."""
+    if not isinstance(value, tuple):
+        raise ValueError(f"{name}={value!r}: expected a list")
+    for item in value:
+        ok = isinstance(item, str) and item.strip() if kind is str else (
+            isinstance(item, int | float) and not isinstance(item, bool)
+            and math.isfinite(item))
+        if not ok:
+            raise ValueError(f"{name}={list(value)!r}: {item!r} is not "
+                             + ("a name" if kind is str else "a finite number"))

@@ -45,6 +45,9 @@ class GroupLossSettings(LossSettings):
     """A loss over groups of sampled completions (GRPO's family): its settings validated as
     a pair loss's are, its maths ``group_terms``."""
 
+    on_groups = True
+    mean_rewards = False  # its val/ metrics are rewards of completions, not of pairs
+
     def group_terms(self, gl: GroupLogps, max_completion_length: int,
                     batch_tokens: float | None = None) -> GroupTerms:
         raise NotImplementedError(f"loss {self.kind} has no group terms")

@@ -111,6 +111,8 @@ def validation_metrics(spec: LossSpec | LossSettings) -> list[str]:
     """The ``val/*`` names a validation under ``spec`` reports (engine.forward.scoring.evaluate):
     the shared ones and the loss's declared extras."""
     loss = spec.loss if isinstance(spec, LossSpec) else spec
+    if loss.on_groups:  # greedy completions of the valid prompts, rewarded (and per scorer)
+        return ["val/completions/mean_length", "val/reward", "val/rows"]
     names = {"loss", "nll_loss", "rows", *LOGP_METRICS, *REWARD_METRICS, *loss.extras}
     return sorted(f"val/{k}" for k in names)
 

@@ -287,10 +287,10 @@ def _routed(changes: dict[str, Any], loss: LossSettings) -> tuple[LossSettings, 
 
 
 _KINDS = {"loss": f"one of {tuple(LOSSES)}", "reference": "base or an adapter directory",
-          "bool": "true or false", "int": "an integer",
-          "float": "a number",
+          "bool": "true or false", "int": "an integer", "float": "a number",
           "str": "a string", "str?": "a string or null",
-          "keys?": "a list of module paths or null"}
+          "keys?": "a list of module paths or null", "names": "a name or a list of names",
+          "floats": "a number or a list of numbers"}
 
 
 def field_type(name: str) -> Any:
@@ -304,7 +304,8 @@ def _kind(name: str) -> str:
     hint = str(field_type(name))
     return {"<class 'bool'>": "bool", "<class 'int'>": "int", "<class 'float'>": "float",
             "<class 'str'>": "str", "str | None": "str?",
-            "tuple[str, ...] | None": "keys?",
+            "tuple[str, ...] | None": "keys?", "tuple[str, ...]": "names",
+            "tuple[float, ...]": "floats",
             "<class 'engine.losses.base.LossSettings'>": "loss",
             "engine.settings.reference_kind.Base"
             " | engine.settings.reference_kind.AdapterRef": "reference"}[hint]
@@ -320,8 +321,10 @@ def _is_kind(value: Any, kind: str) -> bool:
     if kind in ("int", "float"):
         types = int if kind == "int" else (int, float)
         return isinstance(value, types) and not isinstance(value, bool)
-    if kind == "keys?" and isinstance(value, (list, tuple)):
+    if kind in ("keys?", "names") and isinstance(value, (list, tuple)):
         return all(isinstance(k, str) for k in value)
+    if kind == "floats":
+        return isinstance(value, tuple) and all(_number(v) is not None for v in value)
     return isinstance(value, str) or (value is None and kind.endswith("?"))
 
 
@@ -352,6 +355,13 @@ def coerce(name: str, value: Any) -> Any:
         return value
     if kind == "str?" and (value is None or isinstance(value, str)):
         return value
+    if kind in ("names", "floats"):  # GRPO's reward and reward_weights: one, or a list
+        items = tuple(value) if isinstance(value, list | tuple) else (value,)
+        numbers = tuple(_number(v) for v in items)
+        if kind == "names" and all(isinstance(v, str) for v in items):
+            return items
+        if kind == "floats" and None not in numbers:
+            return numbers
     if kind == "keys?":
         if value is None:
             return None

@@ -6,7 +6,7 @@ trial logs it on its Prefect task run, so the terminal and the UI say the same t
 
 The whole record stays in ``metrics.jsonl``; a line carries the few figures a run is
 watched by: the loss, the preference accuracy (the loss's own reward accuracy where it
-has one, else the log-prob one), the learning rate, throughput and peak memory.
+has one, else the log-prob one; GRPO's mean reward), the learning rate, throughput and peak memory.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ def progress_line(record: dict[str, Any], steps: int | None = None, name: str = 
         parts.append(f"loss {record[f'{prefix}loss']:.3g}")
     if (acc := _accuracy(record, prefix)) is not None:
         parts.append(f"acc {acc:.2f}")
+    if f"{prefix}reward" in record:  # a group loss's (GRPO): its completions' mean reward
+        parts.append(f"reward {record[f'{prefix}reward']:.3f}")
     if not prefix:
         if "learning_rate" in record:
             parts.append(f"lr {_short(record['learning_rate'])}")

@@ -26,7 +26,7 @@ MAY_CHANGE = frozenset({
     "best_mode", "checkpoint_every", "keep_checkpoints", "verify", "memory_limit_gb",
     "segment_size", "head_chunk", "mlp_chunk", "inflight", "prefix_share",
     "prefix_attention", "pad_multiple", "model", "data", "reference", "reference_logps",
-    "warm_start"})
+    "warm_start", "score_timeout_s"})
 # Inputs are compared by content, never by path (a moved model is the same model).
 CONTENT_FIELDS = ("model", "data", "warm_start", "reference")
 

@@ -169,6 +169,9 @@ def claim_run(cfg: TrainConfig) -> AbstractContextManager[Path]:
 def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
     """Train one adapter as ``cfg`` says; write it to ``cfg.out``; return a summary."""
     cfg.validate()
+    if cfg.loss.on_groups:  # sampled groups, not pairs: its own loop
+        raise ValueError(f"loss {cfg.loss.kind} trains on rollouts: "
+                         "engine.train.grpo_trainer.train_groups runs it")
     with memory_limit(cfg.memory_limit_gb), ExitStack() as held:
         run = set_up(cfg, held)
         loop(run, run.stepper.loss, train_batches(run), callbacks)

@@ -7,21 +7,19 @@ reward is Σ_k w_k · s_k(prompt, completion, row), each score in [0, 1]. The sc
 hold as they are: one that cannot be imported is refused when the reward is read, one that
 raises, returns a non-number or takes longer than ``score_timeout_s`` is a one-line
 ScorerError naming it and the row. The engine takes the result as a callable
-(``RewardFn``), the way mlx-lm's trainer takes its loss: it imports no scorer.
+(``RewardFn``), the way mlx-lm's trainer takes its loss: it imports no scorer, and finds
+``reward_function`` through the entry point pyproject.toml declares
+(engine/train/reward_source.py).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.train.reward_source import RewardFn
 from tasks.eval.scorers import Scorer, ScorerError, distinct, parse_scorer, score_rows
-
-# (prompts, completions, rows) -> (each completion's reward, each scorer's mean by metric)
-RewardFn = Callable[[list[str], list[str], list[dict[str, Any]]],
-                    tuple[list[float], dict[str, float]]]
 
 
 @dataclass(frozen=True)
@@ -69,3 +67,13 @@ class Reward:
             return totals, means
 
         return reward
+
+
+def reward_function(names: tuple[str, ...], weights: tuple[float, ...] | None,
+                    limit_s: float) -> RewardFn:
+    """The engine's reward resolver (entry point ``pomona.rewards``): the scorers ``names``,
+    weighted by ``weights`` (None: 1 each), as a ``RewardFn`` scoring within ``limit_s``."""
+    if weights and len(set(names)) < len(names):  # a mapping would keep one of them
+        raise ScorerError(f"reward: expected scorer names, each once, got {list(names)!r}")
+    value: Any = dict(zip(names, weights, strict=True)) if weights else list(names)
+    return Reward.parse(value, "reward").function(limit_s)

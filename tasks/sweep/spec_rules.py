@@ -96,6 +96,10 @@ def check_loss_settings(fixed: dict, grid: dict, space: dict) -> None:
     """A loss's own setting (``orpo_lambda``) is given only where a trial trains with that
     loss: each trial takes its own loss's settings (tasks/sweep/trial_plan.own_loss_fields)."""
     losses = spec_losses(fixed, grid, space)
+    if online := sorted(k for k in losses if k in LOSSES and LOSSES[k].on_groups):
+        raise SpecError(f"loss {online[0]}: a sweep trains pair losses only for now (its "
+                        "trials, board and evaluation read pairs); train it with `pomona "
+                        f"train --loss {online[0]} --reward ...`")
     for where, section in (("fixed", fixed), ("grid", grid), ("space", space)):
         for name in section:
             owner = OWNERS.get(name)

@@ -1,0 +1,194 @@
+"""GRPO's step on the plain forward: a batch of rollouts made into what the update reads
+(``Cycle``), and one optimizer update on it (``group_update``).
+
+A cycle is one step's prompts (``batch_size`` × ``grad_accum``), G completions each,
+sampled from the policy (engine/forward/rollouts.py), rewarded (``RewardFn``) and turned into
+group advantages (engine/losses/group.py); it serves μ = ``grpo_num_iterations`` updates,
+their ratio taken against the log-probs it was sampled under. Each row is
+``[prompt | completion]``, right-padded (causal attention: a pad after the row changes
+nothing before it), the completion mask 1 on its tokens and on the stop token it ended at
+(TRL's: the policy learns to end). The update is ``nn.value_and_grad`` over every row
+whole; the group-shared forward comes later (issue 68, step 3).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_map
+
+from engine.data.prompts import PromptRow
+from engine.forward.rollouts import Rollouts, sample_groups
+from engine.losses.group import GroupLogps, group_advantages
+from engine.losses.grpo import Grpo
+from engine.model.head import token_logps
+from engine.model.load import lora_modules
+from engine.train.reward_source import RewardFn
+from engine.train.steps import NonFiniteLoss
+
+
+@dataclass(frozen=True)
+class GroupBatch:
+    """One micro-batch of rollouts: rows [N, L] right-padded, the completion mask over the
+    predicted tokens [N, L − 1], advantages [N], and the sampling and reference log-probs
+    [N, L − 1] (None: μ = 1; β = 0)."""
+
+    ids: mx.array
+    mask: mx.array
+    advantages: mx.array
+    old: mx.array | None = None
+    ref: mx.array | None = None
+
+
+@dataclass
+class Cycle:
+    """One step's rollouts ready to update on: their micro-batches, the completion tokens
+    of all of them (DAPO's normaliser) and the rollout's metrics (TRL's names)."""
+
+    batches: list[GroupBatch]
+    tokens: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def completion_logps(model: nn.Module, ids: mx.array) -> mx.array:
+    """Each row's log-prob of each next token [N, L − 1] (the plain forward)."""
+    return token_logps(model(ids[:, :-1]), ids[:, 1:])
+
+
+@contextmanager
+def lora_off(model: nn.Module) -> Iterator[None]:
+    """Inside: the base model (every LoRA's scale 0: its update adds exactly nothing)."""
+    modules = [m for _, m in lora_modules(model)]
+    scales = [m.scale for m in modules]
+    for m in modules:
+        m.scale = 0.0
+    try:
+        yield
+    finally:
+        for m, s in zip(modules, scales, strict=True):
+            m.scale = s
+
+
+def group_rows(prompts: Sequence[PromptRow], rollouts: Rollouts, g: int, pad_id: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``[prompt | completion (+ its stop token)]`` [N, L] and their completion
+    masks over the predicted tokens [N, L − 1]."""
+    rows, spans = [], []
+    for i, (tokens, stop) in enumerate(zip(rollouts.tokens, rollouts.stop_tokens,
+                                           strict=True)):
+        prompt = list(prompts[i // g].prompt)
+        completion = tokens + ([stop] if stop is not None else [])
+        rows.append(prompt + completion)
+        spans.append((len(prompt), len(completion)))
+    width = max(len(r) for r in rows)
+    ids = np.full((len(rows), width), pad_id, dtype=np.int32)
+    mask = np.zeros((len(rows), width - 1), dtype=np.float32)
+    for i, (row, (p, c)) in enumerate(zip(rows, spans, strict=True)):
+        ids[i, : len(row)] = row
+        mask[i, p - 1 : p - 1 + c] = 1.0  # target t + 1 is predicted at t
+    return ids, mask
+
+
+def roll_out(model: nn.Module, tokenizer: Any, prompts: list[PromptRow], loss: Grpo,
+             reward: RewardFn, seed: int, batch_size: int, pad_id: int) -> Cycle:
+    """``prompts`` sampled G times each, rewarded and batched, ``batch_size`` prompts a
+    micro-batch; their sampling log-probs kept where μ > 1, the base's where β > 0."""
+    g = loss.num_generations
+    rollouts = sample_groups(model, tokenizer, [p.prompt for p in prompts], loss.rollout(seed),
+                             batch_size * g)
+    texts = [tokenizer.decode(t, skip_special_tokens=True) for t in rollouts.tokens]
+    rows = [p for p in prompts for _ in range(g)]
+    started = time.perf_counter()
+    rewards, means = reward([p.prompt_text for p in rows], texts, [p.row() for p in rows])
+    advantages, reward_stats = group_advantages(mx.array(rewards, dtype=mx.float32), g,
+                                                loss.grpo_scale_rewards)
+    metrics = {k: float(v) for k, v in reward_stats.items()} | means | {
+        "completions/mean_length": rollouts.mean_length,
+        "completions/clipped_ratio": rollouts.clipped_ratio,
+        "rollout_tokens_per_sec": rollouts.tokens_per_sec,
+        "reward_seconds": time.perf_counter() - started}
+    ids, mask = group_rows(prompts, rollouts, g, pad_id)
+    batches = []
+    for start in range(0, len(prompts) * g, batch_size * g):
+        part = slice(start, start + batch_size * g)
+        batches.append(reference_parts(model, loss, GroupBatch(
+            mx.array(ids[part]), mx.array(mask[part]), advantages[part])))
+    return Cycle(batches, int(mask.sum()), metrics)
+
+
+def reference_parts(model: nn.Module, loss: Grpo, batch: GroupBatch) -> GroupBatch:
+    """``batch`` with the log-probs its loss reads besides the policy's: those it was
+    sampled under (μ > 1: the ratio's denominator, fixed for the cycle) and the base's
+    (β > 0: the KL's reference), computed once, detached."""
+    old = ref = None
+    if loss.grpo_num_iterations > 1:
+        old = mx.stop_gradient(completion_logps(model, batch.ids))
+    if loss.grpo_beta > 0:
+        with lora_off(model):
+            ref = mx.stop_gradient(completion_logps(model, batch.ids))
+    mx.eval([a for a in (old, ref) if a is not None])
+    return GroupBatch(batch.ids, batch.mask, batch.advantages, old, ref)
+
+
+def group_objective(model: nn.Module, loss: Grpo) -> Callable[..., Any]:
+    """``f(batch, batch_tokens, scale) → ((loss, metrics), grads)`` of the LoRA."""
+    def objective(batch: GroupBatch, batch_tokens: float, scale: float
+                  ) -> tuple[mx.array, dict[str, mx.array]]:
+        logps = completion_logps(model, batch.ids)
+        terms = loss.group_terms(GroupLogps(logps, batch.mask, batch.advantages, batch.old,
+                                            batch.ref),
+                                 loss.max_completion_length, batch_tokens)
+        return terms.loss * scale, terms.metrics
+
+    return nn.value_and_grad(model, objective)
+
+
+def group_update(step: int, cycle: Cycle, objective: Callable[..., Any], loss: Grpo,
+                 update: Callable[[Any], mx.array]) -> tuple[float, dict[str, float], float]:
+    """One optimizer update on ``cycle``: each micro-batch's gradient summed (DAPO's
+    normaliser is the cycle's tokens; the other types' means over micro-batches), then the
+    compiled clip + AdamW (engine/backward/update.py). (loss, metrics, grad norm); a
+    non-finite loss or norm stops the run before the update is saved."""
+    dapo = loss.grpo_loss_type == "dapo"
+    scale = 1.0 if dapo else 1.0 / len(cycle.batches)
+    total, value, sums = None, 0.0, {}
+    for batch in cycle.batches:
+        (part, metrics), grads = objective(batch, float(cycle.tokens), scale)
+        total = grads if total is None else tree_map(mx.add, total, grads)
+        mx.eval(part, metrics, total)
+        value += float(part)
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + float(v) / len(cycle.batches)
+    norm = float(update(dict(tree_flatten(total))))
+    for name, x in (("loss", value), ("grad norm", norm)):
+        if not np.isfinite(x):
+            raise NonFiniteLoss(f"step {step}: {name} {x} on GRPO rollouts")
+    return value, sums, norm
+
+
+def prompt_batches(rows: list[PromptRow], size: int, seed: int, start: int = 0
+                   ) -> Iterator[list[PromptRow]]:
+    """Endless batches of ``size`` prompts, each epoch in its own order (a pure function of
+    the seed and the epoch: a resume needs no saved state), from the ``start``-th on."""
+    if not rows:
+        raise ValueError("no training prompts: the dataset's train split is empty")
+    epoch, index = 0, 0
+    while True:
+        order = np.random.default_rng([seed, epoch]).permutation(len(rows))
+        for s in range(0, len(order), size):
+            if index >= start:
+                yield [rows[i] for i in order[s : s + size]]
+            index += 1
+        epoch += 1
+
+
+def rollout_seed(seed: int, step: int) -> int:
+    """The seed of the rollouts made at ``step``: the run's seed and the step, mixed."""
+    return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])

@@ -1,0 +1,34 @@
+"""The reward a group loss trains on, as the engine takes it: a callable (``RewardFn``)
+from completions to rewards, the way mlx-lm's trainer takes its loss. The engine imports no
+scorer: the reward named in a run's settings (``reward``, ``reward_weights``) is built by
+the resolver installed under the entry-point group ``pomona.rewards`` (Pomona's own
+scorers, tasks/eval/rewards.py, declared in pyproject.toml), so ``python -m engine train``
+and ``pomona train`` read ``--reward`` the same way, with no Prefect and no Ray."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import Any
+
+from engine.losses.grpo import Grpo
+
+# (prompts, completions, rows) -> (each completion's reward, each scorer's mean by metric)
+RewardFn = Callable[[list[str], list[str], list[dict[str, Any]]],
+                    tuple[list[float], dict[str, float]]]
+GROUP = "pomona.rewards"
+EXAMPLE = "--reward task:parity (a synthetic task's verifier), contains, or python:mod:fn"
+
+
+def load_reward(loss: Grpo) -> RewardFn:
+    """``loss``'s reward, built by the installed resolver; ValueError (one line) when none
+    is named, none is installed, or the resolver refuses it (a scorer that cannot be
+    imported, a bad weight)."""
+    if not loss.reward:
+        raise ValueError(f"loss {loss.kind} learns from a reward: give one ({EXAMPLE})")
+    found = sorted(entry_points(group=GROUP), key=lambda e: e.name)
+    if not found:
+        raise ValueError(f"reward {list(loss.reward)}: no reward resolver is installed "
+                         f"(entry-point group {GROUP}; `pip install -e .` installs Pomona's)")
+    resolve = found[0].load()
+    return resolve(loss.reward, loss.reward_weights or None, loss.score_timeout_s)
