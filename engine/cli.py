@@ -219,8 +219,12 @@ def run_score(values: dict[str, Any]) -> int:
     try:  # the output first: a refused --out costs no model load nor scoring
         a = ScoreRequest(**{k: v for k, v in changes.items() if k not in OWNERS})
         check_file(a.out, is_score_file, "a score file", inputs=[a.data, a.model, a.adapter])
-        spec = score_loss(a.loss, {k: v for k, v in changes.items() if k in OWNERS},
-                          trained_loss(a.adapter) or LossSpec())
+        own = trained_loss(a.adapter) or LossSpec()
+        if own.loss.on_groups:  # GRPO's adapter: its pairs scored under the default loss
+            print(f"note: {a.adapter} was trained with loss {own.kind}, which scores no "
+                  f"pairs: its metrics are loss {DEFAULT_LOSS.kind}'s", file=sys.stderr)
+            own = LossSpec()
+        spec = score_loss(a.loss, {k: v for k, v in changes.items() if k in OWNERS}, own)
         reference = ReferenceSpec(a.model, a.data, parse_reference(a.reference) if a.reference
                                   else trained_reference(a.adapter), spec.needs_kl)
         options = a.forward

@@ -73,6 +73,13 @@ def test_the_demo_command_trains_and_reports_trls_names(tiny_model, parity, tmp_
     block = json.loads((tmp_path / "run" / "adapter_config.json").read_text())["pomona"]
     assert block["loss"] == "grpo" and block["reward"] == ["task:parity"]
     load_model(str(tiny_model), str(tmp_path / "run"))  # mlx-lm's adapter, whole
+    code, lines = pomona("score", "--model", str(tiny_model), "--adapter", str(tmp_path / "run"),
+                         "--data", str(parity), "--out", str(tmp_path / "s.jsonl"))
+    assert code == 0 and "which scores no pairs: its metrics are loss orpo's" in lines[0], lines
+    code, lines = pomona("score", "--model", str(tiny_model), "--data", str(parity), "--out",
+                         str(tmp_path / "t.jsonl"), "--loss", "grpo")
+    assert code == 2 and lines == ["error: --loss grpo: expected one of orpo, simpo, sft, dpo, "
+                                     "cpo, kto"], lines
 
 
 def test_a_random_model_learns_from_a_verifier_alone(tiny_model, parity, tmp_path) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.host.flags import check_choices, flag_field
-from engine.losses import LOSSES
+from engine.losses import PAIR_LOSSES
 from engine.settings.config import CHOICES, TrainConfig
 from engine.settings.forward_options import ForwardOptions
 
@@ -24,7 +24,7 @@ class ScoreRequest:
     data: str = flag_field("Tokenized pairs (dataset dir/.parquet/.jsonl).")
     out: str = flag_field("Output JSONL, one object per pair.")
     loss: str | None = flag_field("The loss column's loss (default: the adapter's own, else "
-                                  "orpo).", None, choices=tuple(LOSSES))
+                                  "orpo).", None, choices=tuple(PAIR_LOSSES))
     reference: str | None = flag_field("DPO's reference: base or an adapter directory. "
                                        "Default: the one the adapter trained against.", None)
     split: str = flag_field("Which pairs to score: train, valid (ranked on), test "
