@@ -63,14 +63,20 @@ def run_tokenize(console: Console, input: Path, model: str, out: Path,
                       f"(fingerprint {report.fingerprint[:12]}); nothing to do")
     else:
         bad = sum(report.rejects.values())
-        console.print(f"tokenized {report.rows:,} pairs ({report.tokens:,} tokens) in "
+        console.print(f"tokenized {report.rows:,} {_kind(out)} ({report.tokens:,} tokens) in "
                       f"{report.seconds:.1f} s, {report.tokens_per_sec:,.0f} tokens/s; "
                       f"{bad} rejected (see {escape(str(rejects_paths(out)[0]))})")
     _warn_outliers(console, report)
     _print_notes(console, report.notes)
-    if preprocess and not (report.cache_hit and (read_manifest(out) or {}).get("preprocessed")):
+    done = (read_manifest(out) or {}).get("preprocessed") and report.cache_hit
+    if preprocess and not done and _kind(out) == "pairs":  # prompts have no pairs to share
         run_preprocess(console, out, None, None, None, shown=set(report.notes))
     run_stats(console, out)
+
+
+def _kind(out: Path) -> str:
+    """What the dataset at ``out`` holds: pairs, or prompts (GRPO's)."""
+    return (read_manifest(out) or {}).get("kind", "pairs")
 
 
 def run_preprocess(console: Console, path: Path, out: Path | None,

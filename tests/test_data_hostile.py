@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from tasks.data.dataset_dir import read_manifest, read_table
-from tasks.data.preference_rows import content_id
+from tasks.data.row_fields import content_id
 
 pytestmark = pytest.mark.integration
 KEPT = "kept"

@@ -144,6 +144,16 @@ def _readable(path: Path, read: Callable[[], Any]) -> Any:
                          "columns hold lists of integers") from None
 
 
+PROMPT_COLUMN = "answer"  # what a prompts dataset holds beside prompt_ids (engine/data/prompts.py)
+
+
+def read_data(path: Path) -> Any:
+    """The table at ``path`` (a dataset folder, .parquet, .arrow or .jsonl), read while no
+    writer replaces a folder."""
+    with reading(path) if path.is_dir() else nullcontext():
+        return _read_table(path)
+
+
 def load_pairs(path: str | Path, valid_fraction: float = VALID_FRACTION,
                test_fraction: float = TEST_FRACTION, vocab: int | None = None,
                max_bad_fraction: float = MAX_BAD_FRACTION) -> PairSet:
@@ -156,9 +166,12 @@ def load_pairs(path: str | Path, valid_fraction: float = VALID_FRACTION,
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"data not found: {path}")
-    with reading(path) if path.is_dir() else nullcontext():  # no writer replaces it meanwhile
-        table = _read_table(path)
+    table = read_data(path)
     missing = [c for c in COLUMNS if c not in table.column_names]
+    if missing and PROMPT_COLUMN in table.column_names:  # prompts: GRPO's, not a pair loss's
+        raise ValueError(f"{path}: a prompts dataset (prompts and answers, no chosen or "
+                         "rejected response): a pair loss trains on pairs; train it with "
+                         "--loss grpo --reward SCORER")
     if missing:
         raise ValueError(f"{path}: missing column(s) {', '.join(missing)}; "
                          f"found {', '.join(table.column_names)}")

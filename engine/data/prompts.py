@@ -1,20 +1,37 @@
 """The prompts a group loss (GRPO) samples from: each row's prompt token ids and the answer a
 verifier checks completions against, split as the pairs were.
 
-From pair data a prompt's answer is its chosen response, decoded as evaluation decodes it
-(special tokens skipped); a prompt with several pairs is one row, its first pair's (rows
-of one prompt share a split: engine/data/shards.py ``SPLIT_BY``). What a reward reads of a
-row is ``row``: its id, the prompt and the answer as ``chosen`` (the scorers' field,
+Two sources: a prompts dataset (``pomona data tokenize`` of prompt rows: ``prompt_ids``, an
+``answer`` text, empty where the row gave none, and ``split``), or pair data, whose
+prompt's answer is its chosen response, decoded as evaluation decodes it (special tokens
+skipped); a prompt with several pairs is one row, its first pair's (rows of one prompt
+share a split: engine/data/shards.py ``SPLIT_BY``). What a reward reads of a row is
+``row``: its id, the prompt and the answer as ``chosen`` (the scorers' field,
 tasks/eval/scorers.py), with ``rejected`` empty.
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from engine.data.pairs import PairSet
+from engine.data.data_fit import model_vocab, tokenizer_problem
+from engine.data.pairs import (
+    PROMPT_COLUMN,
+    SPLITS,
+    PairSet,
+    check_bad_rows,
+    load_pairs,
+    read_data,
+    stable_split,
+)
+from engine.data.splits import MAX_BAD_FRACTION
+from engine.data.token_ids import bad_id_rows, check_id_types, int_lists
+
+PROMPT_IDS = ("prompt_ids",)
 
 
 @dataclass(frozen=True)
@@ -40,6 +57,14 @@ class PromptSet:
     valid: list[PromptRow] = field(default_factory=list)
     test: list[PromptRow] = field(default_factory=list)
     rejected: Counter = field(default_factory=Counter)
+    read: int = 0  # rows in the file, usable or not
+    first_bad: str = ""  # the first unusable row: "row 3 (id 'a'): why"
+
+    def skipped_note(self) -> str:
+        """How many rows were left out and why, or "" when none was."""
+        bad = sum(self.rejected.values())
+        why = ", ".join(f"{reason} ({n})" for reason, n in self.rejected.most_common())
+        return f"skipped {bad} of {self.read} rows: {why}; first: {self.first_bad}" if bad else ""
 
 
 def prompts_of_pairs(pairs: PairSet, tokenizer: Any) -> PromptSet:
@@ -57,4 +82,81 @@ def prompts_of_pairs(pairs: PairSet, tokenizer: Any) -> PromptSet:
                 continue
             seen.add(key)
             getattr(out, split).append(PromptRow(p.id, key, text(p.chosen), text(p.prompt)))
+    return out
+
+
+def prompts_for(data: str | Path, model: str, stack: Any, tokenizer: Any,
+                allow_tokenizer_mismatch: bool = False) -> PromptSet:
+    """``data``'s prompts for ``model``: a prompts dataset's rows, or a pair dataset's
+    prompts with their chosen responses as answers; ValueError when the dataset's
+    tokenizer is not the model's (unless allowed), ids outside the vocabulary counted."""
+    problem = tokenizer_problem(data, model)
+    if problem and not allow_tokenizer_mismatch:
+        raise ValueError(problem)
+    path = Path(data)
+    if not path.exists():
+        raise FileNotFoundError(f"data not found: {path}")
+    if not holds_prompts(path):
+        return prompts_of_pairs(load_pairs(path, vocab=model_vocab(stack)), tokenizer)
+    return prompts_of_table(read_data(path), path, tokenizer, model_vocab(stack))
+
+
+def holds_prompts(path: Path) -> bool:
+    """Whether ``path`` holds prompt rows (an ``answer`` column), read from its manifest or
+    its schema alone (its rows are read once, by the reader it calls for)."""
+    import pyarrow.parquet as pq
+
+    try:
+        if path.is_dir():
+            return json.loads((path / "manifest.json").read_text()).get("kind") == "prompts"
+        if path.suffix == ".parquet":
+            return PROMPT_COLUMN in pq.read_schema(path).names
+        if path.suffix == ".jsonl":
+            with path.open(encoding="utf-8") as f:
+                first = next((line for line in f if line.strip()), "{}")
+            return PROMPT_COLUMN in json.loads(first)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return False  # the pair reader says what is wrong with it, in one line
+    return False
+
+
+def prompts_of_table(table: Any, path: Path, tokenizer: Any, vocab: int | None,
+                     max_bad_fraction: float = MAX_BAD_FRACTION) -> PromptSet:
+    """A prompts dataset's rows by split (its ``split`` column, else a hash of the id);
+    a row with a bad id or an empty prompt counted, and too many of them refused."""
+    import pyarrow as pa
+
+    if "prompt_ids" not in table.column_names:
+        raise ValueError(f"{path}: missing column prompt_ids (found "
+                         f"{', '.join(table.column_names)}); tokenize text with `pomona data "
+                         "tokenize`")
+    kind = table.schema.field(PROMPT_COLUMN).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
+        raise ValueError(f"{path}: column {PROMPT_COLUMN} is {kind}, expected text (the "
+                         "answer a verifier reads) or null")
+    check_id_types(table, str(path), PROMPT_IDS)
+    bad = bad_id_rows(table, vocab, PROMPT_IDS)
+    prompts = int_lists(table.column("prompt_ids"))
+    answers = table.column(PROMPT_COLUMN).to_pylist()
+    ids = (table.column("id").to_pylist() if "id" in table.column_names
+           else [None] * table.num_rows)
+    splits = table.column("split").to_pylist() if "split" in table.column_names else None
+    out = PromptSet(read=table.num_rows)
+    for i in range(table.num_rows):
+        row_id = f"row-{i}" if ids[i] is None else str(ids[i])
+        reason = bad[i].reason if i in bad else (None if prompts[i] else "empty prompt")
+        if reason is not None:
+            out.rejected[reason] += 1
+            out.first_bad = out.first_bad or (
+                f"row {i} (id {row_id!r}): {bad[i].describe(vocab) if i in bad else reason}")
+            continue
+        split = (splits[i] if splits else None) or stable_split(row_id)
+        if split not in SPLITS:
+            raise ValueError(f"{path}: row {i} (id {row_id!r}) has split {split!r}; expected "
+                             f"one of {', '.join(SPLITS)}")
+        ids_ = tuple(prompts[i])
+        answer = "" if answers[i] is None else answers[i]
+        getattr(out, split).append(PromptRow(row_id, ids_, answer, tokenizer.decode(
+            list(ids_), skip_special_tokens=True)))
+    check_bad_rows(out, path, max_bad_fraction)
     return out

@@ -44,12 +44,12 @@ class BadId:
         return f"{self.column} holds a null id"
 
 
-def check_id_types(table: Any, source: str) -> None:
+def check_id_types(table: Any, source: str, columns: tuple[str, ...] = ID_COLUMNS) -> None:
     """Raise ValueError naming ``source`` and the column unless each id column holds lists
     of numbers (a string or nested list cannot be a token id)."""
     import pyarrow as pa
 
-    for name in ID_COLUMNS:
+    for name in columns:
         kind = table.schema.field(name).type
         listed = pa.types.is_list(kind) or pa.types.is_large_list(kind)
         item = kind.value_type if listed else None
@@ -59,12 +59,14 @@ def check_id_types(table: Any, source: str) -> None:
                              "token ids; tokenize text with `pomona data tokenize`")
 
 
-def bad_id_rows(table: Any, vocab: int | None) -> dict[int, BadId]:
-    """Row index → its first bad id, over the three id columns (``vocab`` None: only
-    what an int32 batch cannot hold counts as out of range)."""
+def bad_id_rows(table: Any, vocab: int | None, columns: tuple[str, ...] = ID_COLUMNS
+                ) -> dict[int, BadId]:
+    """Row index → its first bad id, over the id ``columns`` (a pair's three; a prompt
+    row's one) (``vocab`` None: only what an int32 batch cannot hold counts as out of
+    range)."""
     bound = vocab or INT32_IDS
     bad: dict[int, BadId] = {}
-    for name in ID_COLUMNS:
+    for name in columns:
         for row, problem in _column_problems(table.column(name), name, bound).items():
             bad.setdefault(row, problem)
     return bad

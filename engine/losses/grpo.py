@@ -52,6 +52,10 @@ class Grpo(GroupLossSettings):
     grpo_num_iterations: int = setting(1, "GRPO: μ, updates per batch of rollouts, against "
                                           "their sampling log-probs (TRL's num_iterations).",
                                        minimum=1)
+    grpo_max_resample_rounds: int = setting(3, "GRPO, loss type dapo: rounds a group whose G "
+                                               "rewards are all equal is sampled again "
+                                               "(DAPO's dynamic sampling; 0: off).",
+                                            minimum=0)
     grpo_scale_rewards: str = setting("group", "GRPO: divide advantages by the group's std "
                                                "(group), the batch's (batch) or not (none, "
                                                "Dr. GRPO) (TRL's scale_rewards).",

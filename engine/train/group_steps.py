@@ -57,9 +57,11 @@ class Cycle:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def completion_logps(model: nn.Module, ids: mx.array) -> mx.array:
-    """Each row's log-prob of each next token [N, L − 1] (the plain forward)."""
-    return token_logps(model(ids[:, :-1]), ids[:, 1:])
+def completion_logps(model: nn.Module, ids: mx.array, temperature: float) -> mx.array:
+    """Each row's log-prob of each next token [N, L − 1] under the policy the rollouts
+    were sampled from, its logits at ``temperature`` (TRL's): the plain forward."""
+    logits = model(ids[:, :-1])
+    return token_logps(logits / temperature if temperature != 1 else logits, ids[:, 1:])
 
 
 @contextmanager
@@ -96,24 +98,71 @@ def group_rows(prompts: Sequence[PromptRow], rollouts: Rollouts, g: int, pad_id:
     return ids, mask
 
 
-def roll_out(model: nn.Module, tokenizer: Any, prompts: list[PromptRow], loss: Grpo,
-             reward: RewardFn, seed: int, batch_size: int, pad_id: int) -> Cycle:
-    """``prompts`` sampled G times each, rewarded and batched, ``batch_size`` prompts a
-    micro-batch; their sampling log-probs kept where μ > 1, the base's where β > 0."""
+def rewarded(model: nn.Module, tokenizer: Any, prompts: list[PromptRow], loss: Grpo,
+             reward: RewardFn, seed: int, batch_size: int
+             ) -> tuple[Rollouts, list[float], dict[str, float]]:
+    """``prompts`` sampled G times each from ``seed`` and rewarded: the rollouts, each
+    completion's reward and each scorer's mean."""
     g = loss.num_generations
     rollouts = sample_groups(model, tokenizer, [p.prompt for p in prompts], loss.rollout(seed),
                              batch_size * g)
     texts = [tokenizer.decode(t, skip_special_tokens=True) for t in rollouts.tokens]
     rows = [p for p in prompts for _ in range(g)]
-    started = time.perf_counter()
     rewards, means = reward([p.prompt_text for p in rows], texts, [p.row() for p in rows])
-    advantages, reward_stats = group_advantages(mx.array(rewards, dtype=mx.float32), g,
-                                                loss.grpo_scale_rewards)
-    metrics = {k: float(v) for k, v in reward_stats.items()} | means | {
+    return rollouts, [float(r) for r in rewards], means
+
+
+def flat_groups(rewards: list[float], g: int) -> list[int]:
+    """The groups whose G rewards are equal (no advantage: no signal)."""
+    return [i for i in range(len(rewards) // g) if len(set(rewards[i * g:(i + 1) * g])) == 1]
+
+
+def resample_flat(model: nn.Module, tokenizer: Any, prompts: list[PromptRow], loss: Grpo,
+                  reward: RewardFn, seed: int, batch_size: int,
+                  drawn: tuple[Rollouts, list[float]]) -> tuple[Rollouts, list[float], int]:
+    """DAPO's dynamic sampling (Yu et al. 2025, §3.2): each group whose rewards are all
+    equal sampled again, up to ``grpo_max_resample_rounds`` rounds, a new group kept where
+    its rewards differ. (rollouts, rewards, groups replaced)."""
+    g, (rollouts, rewards) = loss.num_generations, drawn
+    tokens, stops, rewards = list(rollouts.tokens), list(rollouts.stop_tokens), list(rewards)
+    generated, seconds, replaced = rollouts.generated, rollouts.seconds, 0
+    for round_ in range(1, loss.grpo_max_resample_rounds + 1):
+        flat = flat_groups(rewards, g)
+        if not flat:
+            break
+        again, again_rewards, _ = rewarded(model, tokenizer, [prompts[i] for i in flat], loss,
+                                           reward, mix_seed(seed, round_), batch_size)
+        generated, seconds = generated + again.generated, seconds + again.seconds
+        for j, i in enumerate(flat):
+            new = slice(j * g, (j + 1) * g)
+            if len(set(again_rewards[new])) > 1:
+                old = slice(i * g, (i + 1) * g)
+                tokens[old], stops[old] = again.tokens[new], again.stop_tokens[new]
+                rewards[old], replaced = again_rewards[new], replaced + 1
+    return Rollouts(tokens, stops, generated, seconds), rewards, replaced
+
+
+def roll_out(model: nn.Module, tokenizer: Any, prompts: list[PromptRow], loss: Grpo,
+             reward: RewardFn, seed: int, batch_size: int, pad_id: int) -> Cycle:
+    """``prompts`` sampled G times each, rewarded (flat groups sampled again under dapo)
+    and batched, ``batch_size`` prompts a micro-batch; their sampling log-probs kept where
+    μ > 1, the base's where β > 0. The reward metrics are the first draw's: the policy's
+    own, whatever resampling then kept."""
+    g, started = loss.num_generations, time.perf_counter()
+    rollouts, first, means = rewarded(model, tokenizer, prompts, loss, reward, seed, batch_size)
+    _, stats = group_advantages(mx.array(first, dtype=mx.float32), g, loss.grpo_scale_rewards)
+    metrics = {k: float(v) for k, v in stats.items()} | means | {
         "completions/mean_length": rollouts.mean_length,
         "completions/clipped_ratio": rollouts.clipped_ratio,
-        "rollout_tokens_per_sec": rollouts.tokens_per_sec,
-        "reward_seconds": time.perf_counter() - started}
+        "rollout_tokens_per_sec": rollouts.tokens_per_sec}
+    rewards, replaced = first, 0
+    if loss.grpo_loss_type == "dapo" and loss.grpo_max_resample_rounds:
+        rollouts, rewards, replaced = resample_flat(model, tokenizer, prompts, loss, reward,
+                                                    seed, batch_size, (rollouts, first))
+        metrics["dynamic_sampling/replaced_groups"] = replaced
+    metrics["rollout_seconds"] = time.perf_counter() - started
+    advantages, _ = group_advantages(mx.array(rewards, dtype=mx.float32), g,
+                                     loss.grpo_scale_rewards)
     ids, mask = group_rows(prompts, rollouts, g, pad_id)
     batches = []
     for start in range(0, len(prompts) * g, batch_size * g):
@@ -129,10 +178,10 @@ def reference_parts(model: nn.Module, loss: Grpo, batch: GroupBatch) -> GroupBat
     (β > 0: the KL's reference), computed once, detached."""
     old = ref = None
     if loss.grpo_num_iterations > 1:
-        old = mx.stop_gradient(completion_logps(model, batch.ids))
+        old = mx.stop_gradient(completion_logps(model, batch.ids, loss.temperature))
     if loss.grpo_beta > 0:
         with lora_off(model):
-            ref = mx.stop_gradient(completion_logps(model, batch.ids))
+            ref = mx.stop_gradient(completion_logps(model, batch.ids, loss.temperature))
     mx.eval([a for a in (old, ref) if a is not None])
     return GroupBatch(batch.ids, batch.mask, batch.advantages, old, ref)
 
@@ -141,7 +190,7 @@ def group_objective(model: nn.Module, loss: Grpo) -> Callable[..., Any]:
     """``f(batch, batch_tokens, scale) → ((loss, metrics), grads)`` of the LoRA."""
     def objective(batch: GroupBatch, batch_tokens: float, scale: float
                   ) -> tuple[mx.array, dict[str, mx.array]]:
-        logps = completion_logps(model, batch.ids)
+        logps = completion_logps(model, batch.ids, loss.temperature)
         terms = loss.group_terms(GroupLogps(logps, batch.mask, batch.advantages, batch.old,
                                             batch.ref),
                                  loss.max_completion_length, batch_tokens)
@@ -176,19 +225,23 @@ def group_update(step: int, cycle: Cycle, objective: Callable[..., Any], loss: G
 def prompt_batches(rows: list[PromptRow], size: int, seed: int, start: int = 0
                    ) -> Iterator[list[PromptRow]]:
     """Endless batches of ``size`` prompts, each epoch in its own order (a pure function of
-    the seed and the epoch: a resume needs no saved state), from the ``start``-th on."""
-    if not rows:
-        raise ValueError("no training prompts: the dataset's train split is empty")
+    the seed and the epoch: a resume needs no saved state), from the ``start``-th on. An
+    epoch's tail short of ``size`` is left out, as TRL's sampler leaves it: a short step
+    would weigh its few prompts as a whole batch."""
+    if len(rows) < size:
+        raise ValueError(f"{len(rows)} train prompts, fewer than one step's {size} "
+                         "(batch_size × grad_accum): lower them, or give more prompts")
     epoch, index = 0, 0
     while True:
         order = np.random.default_rng([seed, epoch]).permutation(len(rows))
-        for s in range(0, len(order), size):
+        for s in range(0, len(order) - size + 1, size):
             if index >= start:
                 yield [rows[i] for i in order[s : s + size]]
             index += 1
         epoch += 1
 
 
-def rollout_seed(seed: int, step: int) -> int:
-    """The seed of the rollouts made at ``step``: the run's seed and the step, mixed."""
+def mix_seed(seed: int, step: int) -> int:
+    """A seed of its own for ``step`` (a step's rollouts, a resampling round's) from
+    ``seed``: the two mixed."""
     return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])

@@ -27,8 +27,7 @@ import mlx.core as mx
 
 from engine.backward.distributed import Ranks, init_ranks
 from engine.backward.update import make_optimizer, make_update
-from engine.data.data_fit import load_pairs_for
-from engine.data.prompts import PromptRow, PromptSet, prompts_of_pairs
+from engine.data.prompts import PromptRow, PromptSet, prompts_for
 from engine.forward.generation import greedy_batch
 from engine.losses.grpo import Grpo
 from engine.model.adapters import (
@@ -42,9 +41,9 @@ from engine.settings.reference_kind import BASE
 from engine.train.group_steps import (
     group_objective,
     group_update,
+    mix_seed,
     prompt_batches,
     roll_out,
-    rollout_seed,
 )
 from engine.train.ledger import Callback, better, emit, lora_blocks
 from engine.train.prepared import Prepared, prepare_training
@@ -122,7 +121,7 @@ def set_up(cfg: TrainConfig, held: ExitStack) -> GroupRun:
     if cfg.warm_start:
         load_adapter_weights(prepared.model, Path(cfg.warm_start))
     prompts = group_prompts(cfg, loss, prepared)
-    precheck(reward, prompts.train[:PRECHECK_ROWS])
+    precheck(reward, prompts.train)
     optimizer = make_optimizer(cfg)
     resumed = resumed_step(cfg, prepared.model, optimizer)
     prepare_out(Path(cfg.out), resumed)
@@ -135,10 +134,11 @@ def set_up(cfg: TrainConfig, held: ExitStack) -> GroupRun:
 
 
 def group_prompts(cfg: TrainConfig, loss: Grpo, prepared: Prepared) -> PromptSet:
-    """The run's prompts (a pair dataset's, its chosen responses the answers), refused
-    without a train split or where a prompt and a whole completion pass the context."""
-    pairs = load_pairs_for(cfg.data, cfg.model, prepared.stack, cfg.allow_tokenizer_mismatch)
-    prompts = prompts_of_pairs(pairs, prepared.tokenizer)
+    """The run's prompts (a prompts dataset's, or a pair dataset's with its chosen
+    responses the answers), refused without a train split or where a prompt and a whole
+    completion pass the context."""
+    prompts = prompts_for(cfg.data, cfg.model, prepared.stack, prepared.tokenizer,
+                          cfg.allow_tokenizer_mismatch)
     if not prompts.train:
         raise ValueError(f"{cfg.data}: no train prompts (every row is in valid or test)")
     context = prepared.stack.context
@@ -150,9 +150,17 @@ def group_prompts(cfg: TrainConfig, loss: Grpo, prepared: Prepared) -> PromptSet
     return prompts
 
 
-def precheck(reward: RewardFn, rows: list[PromptRow]) -> None:
-    """The reward tried on ``rows``, each answer as its completion, before step 1: a
-    scorer that fails on this data stops the run now, in one line naming it and the row."""
+def precheck(reward: RewardFn, train: list[PromptRow]) -> None:
+    """Before step 1: a reward that reads the answer refused where a train prompt has none
+    (every completion would score alike: no signal), then the reward tried on the first
+    rows, each answer as its completion: a scorer that fails on this data stops the run
+    now, in one line naming it and the row."""
+    reads = getattr(reward, "reads_answer", ())
+    if reads and (empty := [r for r in train if not r.answer]):
+        raise ValueError(f"{len(empty)} of {len(train)} train prompts have no answer (first: "
+                         f"id {empty[0].id!r}), and reward {reads[0]} reads it; give each row "
+                         "an answer, or a python: reward that needs none")
+    rows = train[:PRECHECK_ROWS]
     rewards, _ = reward([r.prompt_text for r in rows], [r.answer for r in rows],
                         [r.row() for r in rows])
     if len(rewards) != len(rows):
@@ -160,11 +168,10 @@ def precheck(reward: RewardFn, rows: list[PromptRow]) -> None:
 
 
 def best_of(cfg: TrainConfig) -> tuple[str, str]:
-    """The metric and mode a run's best evaluation is kept by: ``val/reward``, max, unless
-    another was given (``val/loss`` is the pair losses' default)."""
-    if cfg.best_metric == TrainConfig.best_metric:
-        return "val/reward", "max"
-    return cfg.best_metric, cfg.best_mode
+    """The metric and mode a run's best evaluation is kept by: ``val/reward`` unless
+    another was given (``val/loss`` is the pair losses' default); a reward's, the max."""
+    metric = "val/reward" if cfg.best_metric == TrainConfig.best_metric else cfg.best_metric
+    return metric, "max" if metric.startswith("val/reward") else cfg.best_mode
 
 
 def validate(run: GroupRun, step: int, callbacks: Sequence[Callback]) -> dict[str, Any]:
@@ -205,11 +212,11 @@ def loop(run: GroupRun, callbacks: Sequence[Callback]) -> None:
         if cycle is None or (step - 1) % mu == 0:
             prompts = next(batches)
             cycle = roll_out(model, run.prepared.tokenizer, prompts, loss, run.reward,
-                             rollout_seed(cfg.seed, step), cfg.batch_size, run.prepared.pad_id)
+                             mix_seed(cfg.seed, step), cfg.batch_size, run.prepared.pad_id)
             run.trained += len(prompts)
         t1 = time.perf_counter()
-        lr = float(run.optimizer.learning_rate)
         value, metrics, norm = group_update(step, cycle, objective, loss, run.update)
+        lr = float(run.optimizer.learning_rate)  # the rate this update used
         seconds = time.perf_counter() - t1
         run.tokens, run.seconds = run.tokens + cycle.tokens, run.seconds + seconds
         run.result.steps = step

@@ -13,7 +13,9 @@ from typing import Any
 
 from engine.losses.grpo import Grpo
 
-# (prompts, completions, rows) -> (each completion's reward, each scorer's mean by metric)
+# (prompts, completions, rows) -> (each completion's reward, each scorer's mean by metric).
+# A resolver may mark its function with ``reads_answer``, the names of its scorers that
+# read a row's answer: the trainer then refuses prompts without one before step 1.
 RewardFn = Callable[[list[str], list[str], list[dict[str, Any]]],
                     tuple[list[float], dict[str, float]]]
 GROUP = "pomona.rewards"

@@ -99,8 +99,9 @@ def check_replaceable(out: Path) -> None:
 
 
 def write_dataset(out: Path, rows: dict[str, list], manifest: dict[str, Any],
-                  shard_rows: int = 50_000) -> dict[str, Any]:
-    """Write ``rows`` (column → values, SCHEMA's columns) and ``manifest`` to ``out``."""
+                  shard_rows: int = 50_000, schema: pa.Schema = SCHEMA) -> dict[str, Any]:
+    """Write ``rows`` (column → values, ``schema``'s columns: a pair dataset's, or a prompts
+    dataset's) and ``manifest`` to ``out``."""
     out = Path(out)
     check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -108,7 +109,7 @@ def write_dataset(out: Path, rows: dict[str, list], manifest: dict[str, Any],
     tmp = out.with_name(f".{out.name}.tmp-{HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
-        table = pa.table({f.name: rows[f.name] for f in SCHEMA}, schema=SCHEMA)
+        table = pa.table({f.name: rows[f.name] for f in schema}, schema=schema)
         shards = []
         for i, start in enumerate(range(0, max(table.num_rows, 1), shard_rows)):
             name = f"shard-{i:05d}.parquet"

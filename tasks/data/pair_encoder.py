@@ -67,6 +67,13 @@ class PairEncoder:
         self._checked[key] = any(end == len(key[0]) for _, (_, end) in pieces)
         return self._checked[key]
 
+    def prompts(self, texts: list[str]) -> list[list[int]]:
+        """Prompt rows' token ids (BOS as a pair's prompt gets it)."""
+        if self.fast is None:
+            return [self._bos(self.tok.encode(t, add_special_tokens=False)) for t in texts]
+        return [self._bos(e.ids) for e in self.fast.encode_batch(texts,
+                                                                 add_special_tokens=False)]
+
     def pairs(self, rendered: list[Rendered]) -> list[Tokenized | None]:
         if self.fast is None:  # slow tokenizer: three plain encodes per pair
             enc = [self._bos(self.tok.encode(t, add_special_tokens=False))

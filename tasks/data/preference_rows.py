@@ -19,10 +19,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tasks.data.row_fields import (
+    BadRow,
+    Messages,
+    answer_field,
+    check_prompt_turns,
+    messages_field,
+    prompt_only,
+    row_id,
+    system_field,
+    text_field,
+    utf8,
+)
+
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
-LAYOUTS = ("explicit", "conversational", "implicit")
-ROLES = ("system", "user", "assistant")
-Messages = list[dict[str, str]]
+LAYOUTS = ("explicit", "conversational", "implicit", "prompts", "conversational-prompts")
+# Rows of a prompt alone (and the answer a verifier reads): what GRPO samples from.
+PROMPT_LAYOUTS = ("prompts", "conversational-prompts")
 
 
 @dataclass(frozen=True)
@@ -35,9 +48,14 @@ class Conversation:
     layout: str
     system: str | None
     prompt: str | Messages
-    chosen: str | Messages
-    rejected: str | Messages
+    chosen: str | Messages  # a prompt row's answer ("" when it gave none)
+    rejected: str | Messages  # "" in a prompt row
     group: str = ""  # the split key: the row's ``group`` field, else its normalised prompt
+
+    @property
+    def is_prompt(self) -> bool:
+        """A prompt row (GRPO's), not a pair."""
+        return self.layout in PROMPT_LAYOUTS
 
 
 @dataclass(frozen=True)
@@ -52,10 +70,6 @@ class Reject:
     def to_json(self) -> dict[str, Any]:
         raw = self.raw if isinstance(self.raw, (dict, list, str)) else repr(self.raw)
         return {"source": self.source, "line": self.line, "reason": self.reason, "raw": raw}
-
-
-class BadRow(ValueError):
-    """Raised inside validation; carries the reason code."""
 
 
 class UnreadableFile(ValueError):
@@ -147,47 +161,13 @@ def detect_layout(row: Any) -> str | None:
     if not isinstance(row, dict):
         return None
     if "prompt" in row:
-        return "conversational" if isinstance(row["prompt"], list) else "explicit"
+        kind = "conversational" if isinstance(row["prompt"], list) else "explicit"
+        if "chosen" not in row and "rejected" not in row:  # a prompt alone: GRPO's rows
+            return "conversational-prompts" if kind == "conversational" else "prompts"
+        return kind
     if "chosen" in row or "rejected" in row:
         return "implicit"
     return None
-
-
-def _utf8(value: str, name: str) -> str:
-    if value.isascii():  # most text; a scan without a copy
-        return value
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate ("\ud800" in JSON): no tokenizer takes it
-        raise BadRow(f"invalid_unicode:{name}") from None
-    return value
-
-
-def _text(row: dict, name: str) -> str:
-    if name not in row:
-        raise BadRow(f"missing_field:{name}")
-    value = row[name]
-    if not isinstance(value, str):
-        raise BadRow(f"wrong_type:{name}")
-    if not value.strip():
-        raise BadRow(f"empty_field:{name}")
-    return _utf8(value, name)
-
-
-def _messages(row: dict, name: str, min_items: int = 1) -> Messages:
-    if name not in row:
-        raise BadRow(f"missing_field:{name}")
-    value = row[name]
-    if not isinstance(value, list) or len(value) < min_items:
-        raise BadRow(f"wrong_type:{name}" if not isinstance(value, list) else f"empty_field:{name}")
-    out = []
-    for m in value:
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-            raise BadRow(f"wrong_type:{name}")
-        if m.get("role") not in ROLES:
-            raise BadRow("unknown_role")
-        out.append({"role": m["role"], "content": _utf8(m["content"], name)})
-    return out
 
 
 def common_prefix(a: Sequence, b: Sequence) -> int:
@@ -198,43 +178,6 @@ def common_prefix(a: Sequence, b: Sequence) -> int:
     return n
 
 
-def content_id(row: dict) -> str:
-    """A stable id from the row's content (for rows without one)."""
-    body = json.dumps({k: v for k, v in row.items() if k != "id"}, sort_keys=True,
-                      ensure_ascii=False)
-    # surrogatepass: a row with a lone surrogate still gets an id, then its reject reason
-    return "h-" + hashlib.sha256(body.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-
-
-def _row_id(row: dict) -> str:
-    if "id" not in row:
-        return content_id(row)
-    if isinstance(row["id"], bool) or not isinstance(row["id"], (str, int)):
-        raise BadRow("wrong_type:id")
-    if not str(row["id"]).strip():
-        raise BadRow("empty_field:id")
-    return _utf8(str(row["id"]), "id")
-
-
-def _system(row: dict) -> str | None:
-    if "system" not in row or row["system"] is None:
-        return None
-    if not isinstance(row["system"], str):
-        raise BadRow("wrong_type:system")
-    return _utf8(row["system"], "system") or None
-
-
-def _check_prompt_turns(prompt: Messages, system: str | None) -> None:
-    """A prompt's turns: a system turn only first, and the user's turn last (else the
-    template renders two assistant turns in a row)."""
-    if any(m["role"] == "system" for m in prompt[1:]):
-        raise BadRow("system_not_first")
-    if system is not None and prompt[0]["role"] == "system":
-        raise BadRow("system_conflict")
-    if prompt[-1]["role"] != "user":
-        raise BadRow("last_turn_not_user")
-
-
 def _implicit(row: dict, system: str | None
               ) -> tuple[str | Messages, str | Messages, str | Messages]:
     """Split chosen/rejected conversations at their longest common prefix."""
@@ -242,7 +185,7 @@ def _implicit(row: dict, system: str | None
         raise BadRow("unexpected_field:prompt")
     c, r = row.get("chosen"), row.get("rejected")
     if isinstance(c, list) and isinstance(r, list):
-        c, r = _messages(row, "chosen", 2), _messages(row, "rejected", 2)
+        c, r = messages_field(row, "chosen", 2), messages_field(row, "rejected", 2)
         n = common_prefix(c, r)
         if n == 0:
             raise BadRow("no_common_prompt")
@@ -250,9 +193,9 @@ def _implicit(row: dict, system: str | None
             raise BadRow("empty_response")
         if any(m["role"] != "assistant" for m in c[n:] + r[n:]):
             raise BadRow("response_not_assistant")
-        _check_prompt_turns(c[:n], system)
+        check_prompt_turns(c[:n], system)
         return c[:n], c[n:], r[n:]
-    c, r = _text(row, "chosen"), _text(row, "rejected")
+    c, r = text_field(row, "chosen"), text_field(row, "rejected")
     n = common_prefix(c, r)
     if n == 0:
         raise BadRow("no_common_prompt")
@@ -265,25 +208,27 @@ def validate(row: Any, layout: str, source: str, line: int) -> Conversation:
     """Check ``row`` against ``layout``; raise BadRow(reason) when it cannot be used."""
     if not isinstance(row, dict):
         raise BadRow("not_an_object")
-    row_id, system = _row_id(row), _system(row)
+    rid, system = row_id(row), system_field(row)
     if layout == "explicit":
-        prompt = _text(row, "prompt")
-        chosen, rejected = _text(row, "chosen"), _text(row, "rejected")
+        prompt = text_field(row, "prompt")
+        chosen, rejected = text_field(row, "chosen"), text_field(row, "rejected")
     elif layout == "conversational":
-        prompt = _messages(row, "prompt")
-        chosen, rejected = _messages(row, "chosen"), _messages(row, "rejected")
+        prompt = messages_field(row, "prompt")
+        chosen, rejected = messages_field(row, "chosen"), messages_field(row, "rejected")
         if any(m["role"] != "assistant" for m in chosen + rejected):
             raise BadRow("response_not_assistant")
         if any(not m["content"].strip() for m in chosen + rejected):
             raise BadRow("empty_response")
-        _check_prompt_turns(prompt, system)
+        check_prompt_turns(prompt, system)
     elif layout == "implicit":
         prompt, chosen, rejected = _implicit(row, system)
+    elif layout in PROMPT_LAYOUTS:
+        prompt, chosen, rejected = prompt_only(row, layout, system), answer_field(row), ""
     else:
         raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
-    if chosen == rejected:
+    if chosen == rejected and layout not in PROMPT_LAYOUTS:
         raise BadRow("chosen_equals_rejected")
-    return Conversation(row_id, source, line, layout, system, prompt, chosen, rejected,
+    return Conversation(rid, source, line, layout, system, prompt, chosen, rejected,
                         split_group(row, system, prompt))
 
 
@@ -300,7 +245,7 @@ def split_group(row: dict, system: str | None, prompt: str | Messages) -> str:
             raise BadRow("wrong_type:group")
         if not str(value).strip():
             raise BadRow("empty_field:group")
-        return "g:" + _utf8(str(value), "group")
+        return "g:" + utf8(str(value), "group")
 
     def norm(text: str) -> str:
         return " ".join(unicodedata.normalize("NFC", text).split())

@@ -57,6 +57,9 @@ def _preprocess(path: Path, out: Path, valid_fraction: float | None,
     if manifest is None:
         raise FileNotFoundError(f"{path}: not a complete Pomona dataset (no valid manifest)")
     check_dataset(path, manifest)  # its rows carry the group each split is drawn from
+    if manifest.get("kind") == "prompts":  # GRPO's rows: nothing of a pair's to share
+        raise ValueError(f"{path}: a prompts dataset (prompts and answers, no pairs): "
+                         "preprocess works on pairs; train on it as it is (--loss grpo)")
     if out.resolve() != path.resolve():  # in place replaces the input, by design
         check_apart(out, [path])
         check_replaceable(out)

@@ -128,22 +128,36 @@ def finish_split(chosen_full: Sequence[int], rejected_full: Sequence[int], k: in
     return Tokenized(list(chosen_full[:k]), chosen, rejected, boundary_merged=merged)
 
 
+def truncate_prompt(prompt: list[int], limits: Truncation, bos_id: int | None,
+                    room_for: int) -> tuple[list[int], list[str]]:
+    """A prompt cut to ``max_prompt_length`` and to ``max_length`` less ``room_for``
+    response tokens, keeping its end (and its BOS); the reasons (``truncated_prompt``)."""
+    budget = limits.max_prompt_length or len(prompt)
+    if limits.max_length:
+        budget = min(budget, limits.max_length - room_for)
+    if len(prompt) <= budget:
+        return prompt, []
+    keep_bos = bos_id is not None and prompt[:1] == [bos_id] and budget > 1
+    tail = prompt[len(prompt) - (budget - keep_bos):] if budget - keep_bos > 0 else []
+    return [bos_id] * keep_bos + tail, ["truncated_prompt"]
+
+
+def render_prompt(conv: Conversation, template: ChatTemplate | None) -> str:
+    """A prompt row's text as ``render`` renders a pair's prompt: through the chat template
+    with the generation prompt, or raw."""
+    if template is not None:
+        return template(prompt_messages(conv), add_generation_prompt=True)
+    prefix = f"{conv.system}\n\n" if conv.system else ""
+    return prefix + _text(conv.prompt)
+
+
 def truncate(t: Tokenized, limits: Truncation, bos_id: int | None
              ) -> tuple[Tokenized | None, list[str]]:
     """Apply ``limits``; return (pair or None when a response would be empty, reasons).
 
     The prompt keeps its end (and its BOS); each response is cut to what the prompt leaves.
     """
-    reasons: list[str] = []
-    prompt = t.prompt_ids
-    budget = limits.max_prompt_length or len(prompt)
-    if limits.max_length:
-        budget = min(budget, limits.max_length - 1)
-    if len(prompt) > budget:
-        keep_bos = bos_id is not None and prompt[:1] == [bos_id] and budget > 1
-        tail = prompt[len(prompt) - (budget - keep_bos):] if budget - keep_bos > 0 else []
-        prompt = [bos_id] * keep_bos + tail
-        reasons.append("truncated_prompt")
+    prompt, reasons = truncate_prompt(t.prompt_ids, limits, bos_id, room_for=1)
     room = limits.max_length - len(prompt) if limits.max_length else None
     chosen, rejected = t.chosen_ids, t.rejected_ids
     if room is not None and len(chosen) > room:

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 TASKS = ("sort", "reverse", "add", "add-small", "max", "parity", "mixed")
-LAYOUTS = ("explicit", "conversational", "implicit")
+LAYOUTS = ("explicit", "conversational", "implicit", "prompts", "conversational-prompts")
 NEAR_MISSES = ("substitute", "drop", "duplicate", "transpose")
 
 SYSTEM_PROMPT = "You are a careful assistant. Answer with the result only."
@@ -189,7 +189,13 @@ def explicit_prompt(row: SynthRow) -> str:
 
 
 def layout_row(row: SynthRow, layout: str, with_system: bool) -> dict:
-    """Render ``row`` in one of the three file layouts of datasets/README.md."""
+    """Render ``row`` in one of the file layouts of datasets/README.md: a pair's three,
+    or a prompt row (GRPO's: the pair's prompt, its chosen response as the answer)."""
+    if layout in ("prompts", "conversational-prompts"):
+        pair = layout_row(row, layout.removesuffix("prompts").rstrip("-") or "explicit",
+                          with_system)
+        return {**{k: v for k, v in pair.items() if k not in ("chosen", "rejected")},
+                "answer": row.chosen}
     if layout == "explicit":
         out = {"id": row.id, "prompt": explicit_prompt(row), "chosen": " " + row.chosen,
                "rejected": " " + row.rejected}
@@ -256,7 +262,8 @@ def synth_rows(
         yield out
 
 
-ROW_FIELDS = frozenset({"id", "prompt", "chosen", "rejected", "system", "split"})  # any layout's
+# Any layout's fields (a prompt row's answer too).
+ROW_FIELDS = frozenset({"id", "prompt", "chosen", "rejected", "system", "split", "answer"})
 
 
 def _read_rows(path: Path) -> list:

@@ -32,6 +32,7 @@ from engine.host.atomic import atomic_write_bytes
 from engine.host.digests import file_digest, file_digests, sha256_file, tokenizer_hash
 from engine.host.outputs import RefusedOutput, check_apart, replacing
 from engine.model.source import model_dir, read_config
+from tasks.data import prompt_tokens
 from tasks.data.dataset_dir import (
     check_replaceable,
     read_manifest,
@@ -85,11 +86,12 @@ class NoRows(ValueError):
 class _Collected:
     """What reading and tokenizing every row produced."""
 
-    rows: dict[str, list] = field(default_factory=lambda: {k: [] for k in COLUMNS})
+    rows: dict[str, list] = field(default_factory=lambda: {k: [] for k in (*COLUMNS, "answer")})
     where: list[tuple[str, int]] = field(default_factory=list)  # (source, line) per row
     rejects: list[Reject] = field(default_factory=list)
     trunc: Counter = field(default_factory=Counter)
     read: int = 0
+    kind: str | None = None  # pairs or prompts: its first row's (tasks/data/prompt_tokens.py)
 
 
 def fingerprint(files: list[Path], folder: Path, options: TokenizeOptions) -> str:
@@ -142,6 +144,10 @@ def _load_tokenizer(folder: Path) -> Any:
 
 def _tokenize_batch(convs: list[Conversation], encoder: PairEncoder,
                     template: ChatTemplate | None, limits: Truncation, got: _Collected) -> None:
+    convs = prompt_tokens.keep_one_kind(convs, got)
+    if got.kind == prompt_tokens.PROMPTS:
+        prompt_tokens.tokenize_prompts(convs, encoder, template, limits, got)
+        return
     rendered, kept = [], []
     for c in convs:
         try:
@@ -167,8 +173,9 @@ def _tokenize_batch(convs: list[Conversation], encoder: PairEncoder,
 
 
 def _count_tokens(rows: dict[str, list]) -> int:
-    """Tokens of both full sequences of every pair (what two forwards would process)."""
-    return sum(len(p) * 2 + len(c) + len(r) for p, c, r in
+    """Tokens of both full sequences of every pair (what two forwards would process); a
+    prompt row's prompt."""
+    return sum(len(p) * (1 + bool(r)) + len(c) + len(r) for p, c, r in
                zip(rows["prompt_ids"], rows["chosen_ids"], rows["rejected_ids"], strict=True))
 
 
@@ -292,8 +299,9 @@ def _manifest(fp: str, folder: Path, options: TokenizeOptions, use_template: boo
         "rows": {"total": len(rows["id"]), **split_counts(rows["split"]), "read": got.read},
         "rejects": dict(Counter(r.reason for r in got.rejects)), "truncation": dict(got.trunc),
         "token_lengths": {k: _length_stats(rows[f"{k}_ids"])
-                          for k in ("prompt", "chosen", "rejected")},
+                          for k in prompt_tokens.id_columns(got.kind)},
         "outliers": _outliers(got), "tokens": _count_tokens(rows),
+        **prompt_tokens.manifest_kind(got.kind),
     }
 
 
@@ -379,7 +387,8 @@ def _tokenize_into(out: Path, inputs: Path, files: list[Path], folder: Path,
                          options.test_fraction)  # refuses an empty train split
     got.rows["prefix_shared"] = [None] * len(got.rows["id"])  # set by preprocess
     manifest = _manifest(fp, folder, options, use_template, files, got)
-    write_dataset(out, got.rows, manifest)
+    rows, schema = prompt_tokens.columns(got.kind, got.rows)  # prompts: no responses
+    write_dataset(out, rows, manifest, schema=schema)
     _write_rejects(kept_path, got.rejects)  # after the dataset: the two always match
     if failed_path.exists():  # an earlier failure's report no longer applies (checked ours)
         failed_path.unlink()

@@ -15,6 +15,7 @@ ScorerError naming it and the row. The engine takes the result as a callable
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,4 +77,14 @@ def reward_function(names: tuple[str, ...], weights: tuple[float, ...] | None,
     if weights and len(set(names)) < len(names):  # a mapping would keep one of them
         raise ScorerError(f"reward: expected scorer names, each once, got {list(names)!r}")
     value: Any = dict(zip(names, weights, strict=True)) if weights else list(names)
-    return Reward.parse(value, "reward").function(limit_s)
+    parsed = Reward.parse(value, "reward")
+    fn = parsed.function(limit_s)
+    fn.reads_answer = tuple(s.spec for s in parsed.scorers if reads_answer(s))  # type: ignore[attr-defined]
+    return fn
+
+
+def reads_answer(scorer: Scorer) -> bool:
+    """Whether ``scorer`` compares a completion with the row's answer (``chosen``)."""
+    if scorer.kind == "regex":  # only a group is compared with it
+        return re.compile(scorer.arg).groups > 0
+    return scorer.kind in ("exact", "contains", "task")

@@ -25,7 +25,7 @@ import numpy as np
 from engine.host.outputs import RefusedOutput, entries
 from engine.host.scratch import work_folder
 from engine.model.gguf_check import expected_shapes
-from tasks.data.synthetic import LAYOUTS, synth_rows
+from tasks.data.synthetic import synth_rows
 from tasks.models.model_families import BOS, FAMILIES, IM_END, PAD, SPECIAL_TOKENS, ModelSpec
 
 MARK = "pomona_model.json"  # the spec a model was made from: what makes it Pomona's
@@ -49,13 +49,14 @@ CHAT_TEMPLATE = (
 # The tasks whose text the tiny tokenizer learns: those it was first trained on (a new task
 # in the corpus would change every tiny model's bytes, so every cache key made from one).
 CORPUS_TASKS = ("sort", "reverse", "add")
+CORPUS_LAYOUTS = ("explicit", "conversational", "implicit")  # the pair layouts, as ever
 
 
 def tokenizer_corpus(rows_per_file: int = 200) -> list[str]:
-    """Text the tokenizer is trained on: CORPUS_TASKS in every layout (seed 0)."""
+    """Text the tokenizer is trained on: CORPUS_TASKS in each pair layout (seed 0)."""
     texts: list[str] = []
     for task in CORPUS_TASKS:
-        for layout in LAYOUTS:
+        for layout in CORPUS_LAYOUTS:
             for row in synth_rows(task, rows_per_file, seed=0, layout=layout):
                 texts.append(json.dumps(row, ensure_ascii=False))
     return texts
