@@ -16,6 +16,7 @@ KINDS = {
                                "heads (a fresh process a row)."),
     "prefix": ("prefix_bench", "Two forwards against the shared forward, per prompt:response "
                                "ratio."),
+    "group": ("group_bench", "GRPO's update: G separate rows against the group-shared forward."),
     "attention": ("attention_bench", "MLX's fused attention at query:key shapes."),
     "profile": ("profile_bench", "Where one segmented step's time goes, stage by stage."),
     "ops": ("ops_bench", "One layer's blocks op by op, forward and backward."),

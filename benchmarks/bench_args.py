@@ -53,6 +53,9 @@ def parser() -> argparse.ArgumentParser:
                         "128 on CUDA, none elsewhere).")
     p.add_argument("--prefix", action="store_true",
                    help="profile: the pair in its split prefix-shared layout.")
+    p.add_argument("--generations", type=int, default=8, help="group: completions a prompt (G).")
+    p.add_argument("--completion", type=int, default=128, help="group: tokens a completion "
+                                                               "(the prompt: --seq).")
     p.add_argument("--shapes", default="", help="attention: query:key lengths, comma-separated.")
     p.add_argument("--json", action="store_true", help="Print one JSON object {rows: [...]}.")
     p.add_argument("--row", help=argparse.SUPPRESS)  # internal: measure one row, print JSON

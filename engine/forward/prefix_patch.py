@@ -6,7 +6,8 @@ is forked.
   they followed the prompt: the mask layout runs each rope at offset 0 and at offset
   −Rc per row (MLX's rope takes per-row offsets) and a select keeps the right one per
   token; the split layout ropes its two branches apart (the second continues from the
-  shared prefix).
+  shared prefix). The group layout (engine/forward/group_layout.py) runs it once per
+  completion, each at its own offset, and selects each completion's tokens.
 - Attention: mlx-lm's ``scaled_dot_product_attention`` is routed (engine/model/attention.py) so
   a layer given a ``SplitAttention`` or ``Window`` mask runs the engine's attention.
 - Masks: ``layout_masks`` yields a layout's masks per sliding window, with each token's
@@ -24,6 +25,7 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.data.batch import PairBatch
+from engine.forward.group_layout import GroupLayout
 from engine.forward.prefix import PrefixBatch
 from engine.model.attention import SplitAttention, install_routing, partition
 from engine.model.masks import BlockMasks, CausalMasks, Masks
@@ -33,6 +35,8 @@ class _RopeState:
     shift: mx.array | None = None  # [B] offsets for rejected tokens
     select: mx.array | None = None  # [B, 1, L, 1] True where the token is rejected
     split: SplitAttention | None = None  # split layout: the rejected branch is a suffix
+    # group layout: per completion, its [B] offsets and [B, 1, L, 1] tokens
+    branches: list[tuple[mx.array, mx.array]] | None = None
 
 
 class PrefixRope(nn.Module):
@@ -45,6 +49,11 @@ class PrefixRope(nn.Module):
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         st = self._state
+        if st.branches is not None:  # x: [B, H, L, D]; each completion at its own offset
+            out = self.inner(x, offset=0)
+            for shift, select in st.branches:
+                out = mx.where(select, self.inner(x, offset=shift), out)
+            return out
         if st.shift is None:
             return self.inner(x, offset=offset)
         if st.split is not None:  # the suffix from `first` continues from `shared`
@@ -113,10 +122,28 @@ def shared_positions(state: _RopeState, batch: PrefixBatch) -> Iterator[Masks]:
 
 
 @contextmanager
-def layout_masks(model: nn.Module, batch: PairBatch | PrefixBatch) -> Iterator[Masks]:
+def group_positions(state: _RopeState, layout: GroupLayout) -> Iterator[Masks]:
+    """Inside: ropes give each completion prompt-relative positions; yields the layout's
+    block-sparse masks, per sliding window, in those positions."""
+    state.branches = [(mx.array(layout.shifts[:, g]),
+                       mx.array(layout.branch == g + 1)[:, None, :, None])
+                      for g in range(layout.generations)]
+    try:
+        yield BlockMasks(layout.mask, layout.positions())
+    finally:
+        state.branches = None
+
+
+@contextmanager
+def layout_masks(model: nn.Module, batch: PairBatch | PrefixBatch | GroupLayout
+                 ) -> Iterator[Masks]:
     """The masks (per sliding window) and positions of ``batch``'s layout; for a shared
-    layout, the ropes give rejected tokens prompt-relative positions inside."""
-    if isinstance(batch, PrefixBatch):
+    layout, the ropes give rejected tokens (a group's completions) prompt-relative
+    positions inside."""
+    if isinstance(batch, GroupLayout):
+        with group_positions(install_prefix_rope(model), batch) as masks:
+            yield masks
+    elif isinstance(batch, PrefixBatch):
         with shared_positions(install_prefix_rope(model), batch) as masks:
             yield masks
     else:

@@ -8,11 +8,14 @@ their ratio taken against the log-probs it was sampled under. Each row is
 ``[prompt | completion]``, right-padded (causal attention: a pad after the row changes
 nothing before it), the completion mask 1 on its tokens and on the stop token it ended at
 (TRL's: the policy learns to end). The update is ``nn.value_and_grad`` over every row
-whole; the group-shared forward comes later (issue 68, step 3).
+whole (the plain forward), or over one row a group, ``[prompt | c1 | … | cG]``, the prompt
+computed once (the group-shared forward: engine/forward/group_layout.py), its hidden
+states gathered back into the plain rows: the head and the loss read the same arrays.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -25,9 +28,12 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from engine.data.prompts import PromptRow
+from engine.forward.group_layout import GroupLayout, group_layout, shares_group
+from engine.forward.prefix_patch import layout_masks
 from engine.forward.rollouts import Rollouts, sample_groups
 from engine.losses.group import GroupLogps, group_advantages
 from engine.losses.grpo import Grpo
+from engine.model.arch.stack import Stack
 from engine.model.head import token_logps
 from engine.model.load import lora_modules
 from engine.train.reward_source import RewardFn
@@ -36,15 +42,17 @@ from engine.train.steps import NonFiniteLoss
 
 @dataclass(frozen=True)
 class GroupBatch:
-    """One micro-batch of rollouts: rows [N, L] right-padded, the completion mask over the
-    predicted tokens [N, L − 1], advantages [N], and the sampling and reference log-probs
-    [N, L − 1] (None: μ = 1; β = 0)."""
+    """One micro-batch of rollouts: rows [N, L] right-padded, the row position predicting
+    each completion token [N, C] and their mask [N, C], advantages [N], and the sampling
+    and reference log-probs [N, C] (None: μ = 1; β = 0)."""
 
     ids: mx.array
+    at: mx.array
     mask: mx.array
     advantages: mx.array
     old: mx.array | None = None
     ref: mx.array | None = None
+    layout: GroupLayout | None = None  # the group-shared forward's; None: the plain one
 
 
 @dataclass
@@ -57,11 +65,20 @@ class Cycle:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def completion_logps(model: nn.Module, ids: mx.array, temperature: float) -> mx.array:
+def completion_logps(model: nn.Module, stack: Stack, batch: GroupBatch, temperature: float
+                     ) -> mx.array:
     """Each row's log-prob of each next token [N, L − 1] under the policy the rollouts
-    were sampled from, its logits at ``temperature`` (TRL's): the plain forward."""
-    logits = model(ids[:, :-1])
-    return token_logps(logits / temperature if temperature != 1 else logits, ids[:, 1:])
+    were sampled from, its logits at ``temperature`` (TRL's): the plain forward over the
+    rows, or the group-shared one gathered into them."""
+    targets = mx.take_along_axis(batch.ids, batch.at + 1, axis=1)
+    if batch.layout is None:  # the model's own call, every position's logits
+        logits = mx.take_along_axis(model(batch.ids[:, :-1]), batch.at[..., None], axis=1)
+    else:  # the completions' positions alone through the head
+        with layout_masks(model, batch.layout) as masks:
+            h = stack.hidden(mx.array(batch.layout.inputs), masks)
+        where = mx.take_along_axis(mx.array(batch.layout.gather), batch.at, axis=1)
+        logits = stack.head(h.reshape(-1, h.shape[-1])[where])
+    return token_logps(logits / temperature if temperature != 1 else logits, targets)
 
 
 @contextmanager
@@ -79,23 +96,25 @@ def lora_off(model: nn.Module) -> Iterator[None]:
 
 
 def group_rows(prompts: Sequence[PromptRow], rollouts: Rollouts, g: int, pad_id: int
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """Rows ``[prompt | completion (+ its stop token)]`` [N, L] and their completion
-    masks over the predicted tokens [N, L − 1]."""
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows ``[prompt | completion (+ its stop token)]`` [N, L]; for each completion token
+    j, the row position that predicts it [N, C] (token t + 1 is predicted at t; C the
+    longest completion) and the mask of real tokens [N, C]: the head runs on those
+    positions alone."""
     rows, spans = [], []
-    for i, (tokens, stop) in enumerate(zip(rollouts.tokens, rollouts.stop_tokens,
-                                           strict=True)):
+    for i, completion in enumerate(completions(rollouts)):
         prompt = list(prompts[i // g].prompt)
-        completion = tokens + ([stop] if stop is not None else [])
         rows.append(prompt + completion)
         spans.append((len(prompt), len(completion)))
-    width = max(len(r) for r in rows)
+    width, longest = max(len(r) for r in rows), max(c for _, c in spans)
     ids = np.full((len(rows), width), pad_id, dtype=np.int32)
-    mask = np.zeros((len(rows), width - 1), dtype=np.float32)
+    at = np.zeros((len(rows), longest), dtype=np.int32)
+    mask = np.zeros((len(rows), longest), dtype=np.float32)
     for i, (row, (p, c)) in enumerate(zip(rows, spans, strict=True)):
         ids[i, : len(row)] = row
-        mask[i, p - 1 : p - 1 + c] = 1.0  # target t + 1 is predicted at t
-    return ids, mask
+        at[i, :c] = p - 1 + np.arange(c)
+        mask[i, :c] = 1.0
+    return ids, at, mask
 
 
 def rewarded(model: nn.Module, tokenizer: Any, prompts: list[PromptRow], loss: Grpo,
@@ -143,11 +162,13 @@ def resample_flat(model: nn.Module, tokenizer: Any, prompts: list[PromptRow], lo
 
 
 def roll_out(model: nn.Module, tokenizer: Any, prompts: list[PromptRow], loss: Grpo,
-             reward: RewardFn, seed: int, batch_size: int, pad_id: int) -> Cycle:
+             reward: RewardFn, seed: int, batch_size: int, pad_id: int,
+             stack: Stack | None = None, prefix_share: str = "off") -> Cycle:
     """``prompts`` sampled G times each, rewarded (flat groups sampled again under dapo)
     and batched, ``batch_size`` prompts a micro-batch; their sampling log-probs kept where
-    μ > 1, the base's where β > 0. The reward metrics are the first draw's: the policy's
-    own, whatever resampling then kept."""
+    μ > 1, the base's where β > 0; each micro-batch laid out for the group-shared forward
+    where ``prefix_share`` says (``shares_group``; it reads ``stack``). The reward metrics
+    are the first draw's: the policy's own, whatever resampling then kept."""
     g, started = loss.num_generations, time.perf_counter()
     rollouts, first, means = rewarded(model, tokenizer, prompts, loss, reward, seed, batch_size)
     _, stats = group_advantages(mx.array(first, dtype=mx.float32), g, loss.grpo_scale_rewards)
@@ -163,34 +184,48 @@ def roll_out(model: nn.Module, tokenizer: Any, prompts: list[PromptRow], loss: G
     metrics["rollout_seconds"] = time.perf_counter() - started
     advantages, _ = group_advantages(mx.array(rewards, dtype=mx.float32), g,
                                      loss.grpo_scale_rewards)
-    ids, mask = group_rows(prompts, rollouts, g, pad_id)
+    ids, at, mask = group_rows(prompts, rollouts, g, pad_id)
     batches = []
     for start in range(0, len(prompts) * g, batch_size * g):
         part = slice(start, start + batch_size * g)
-        batches.append(reference_parts(model, loss, GroupBatch(
-            mx.array(ids[part]), mx.array(mask[part]), advantages[part])))
+        own = [p.prompt for p in prompts[start // g:(start + batch_size * g) // g]]
+        tails = completions(rollouts)[part]
+        share = stack is not None and shares_group([len(p) for p in own],
+                                                   [len(c) for c in tails], prefix_share)
+        layout = group_layout(own, tails, pad_id) if share else None
+        batches.append(reference_parts(model, stack, loss, GroupBatch(
+            mx.array(ids[part]), mx.array(at[part]), mx.array(mask[part]), advantages[part],
+            layout=layout)))
+    metrics["prefix_share_rate"] = sum(b.layout is not None for b in batches) / len(batches)
     return Cycle(batches, int(mask.sum()), metrics)
 
 
-def reference_parts(model: nn.Module, loss: Grpo, batch: GroupBatch) -> GroupBatch:
+def completions(rollouts: Rollouts) -> list[list[int]]:
+    """Each completion's tokens with the stop token it ended at (what the mask holds)."""
+    return [t + ([s] if s is not None else []) for t, s in
+            zip(rollouts.tokens, rollouts.stop_tokens, strict=True)]
+
+
+def reference_parts(model: nn.Module, stack: Stack, loss: Grpo, batch: GroupBatch
+                    ) -> GroupBatch:
     """``batch`` with the log-probs its loss reads besides the policy's: those it was
     sampled under (μ > 1: the ratio's denominator, fixed for the cycle) and the base's
     (β > 0: the KL's reference), computed once, detached."""
     old = ref = None
     if loss.grpo_num_iterations > 1:
-        old = mx.stop_gradient(completion_logps(model, batch.ids, loss.temperature))
+        old = mx.stop_gradient(completion_logps(model, stack, batch, loss.temperature))
     if loss.grpo_beta > 0:
         with lora_off(model):
-            ref = mx.stop_gradient(completion_logps(model, batch.ids, loss.temperature))
+            ref = mx.stop_gradient(completion_logps(model, stack, batch, loss.temperature))
     mx.eval([a for a in (old, ref) if a is not None])
-    return GroupBatch(batch.ids, batch.mask, batch.advantages, old, ref)
+    return dataclasses.replace(batch, old=old, ref=ref)
 
 
-def group_objective(model: nn.Module, loss: Grpo) -> Callable[..., Any]:
+def group_objective(model: nn.Module, stack: Stack, loss: Grpo) -> Callable[..., Any]:
     """``f(batch, batch_tokens, scale) → ((loss, metrics), grads)`` of the LoRA."""
     def objective(batch: GroupBatch, batch_tokens: float, scale: float
                   ) -> tuple[mx.array, dict[str, mx.array]]:
-        logps = completion_logps(model, batch.ids, loss.temperature)
+        logps = completion_logps(model, stack, batch, loss.temperature)
         terms = loss.group_terms(GroupLogps(logps, batch.mask, batch.advantages, batch.old,
                                             batch.ref),
                                  loss.max_completion_length, batch_tokens)

@@ -199,7 +199,7 @@ def loop(run: GroupRun, callbacks: Sequence[Callback]) -> None:
     cfg, loss, model = run.cfg, run.loss, run.prepared.model
     mu, per_step = loss.grpo_num_iterations, cfg.batch_size * cfg.grad_accum
     batches = prompt_batches(run.prompts.train, per_step, cfg.seed, run.start // mu)
-    objective = group_objective(model, loss)
+    objective = group_objective(model, run.prepared.stack, loss)
     settings = run_settings(cfg) if cfg.checkpoint_every else {}
     model.train()
     if run.prompts.valid and cfg.val_every and run.start == 0:
@@ -212,7 +212,8 @@ def loop(run: GroupRun, callbacks: Sequence[Callback]) -> None:
         if cycle is None or (step - 1) % mu == 0:
             prompts = next(batches)
             cycle = roll_out(model, run.prepared.tokenizer, prompts, loss, run.reward,
-                             mix_seed(cfg.seed, step), cfg.batch_size, run.prepared.pad_id)
+                             mix_seed(cfg.seed, step), cfg.batch_size, run.prepared.pad_id,
+                             run.prepared.stack, cfg.prefix_share)
             run.trained += len(prompts)
         t1 = time.perf_counter()
         value, metrics, norm = group_update(step, cycle, objective, loss, run.update)

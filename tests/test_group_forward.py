@@ -1,0 +1,118 @@
+"""Issue 68, step 3: the group-shared forward (engine/forward/group_layout.py), one row
+``[prompt | c1 | … | cG]`` a group, against G separate rows under plain
+``nn.value_and_grad`` over the model's own call, on every family's tiny model (sliding
+windows past their width, Gemma 4's shared K/V, MoE and multimodal checkpoints).
+
+Tolerance: GRPO's loss and metrics 1e-5 relative, each LoRA gradient within 1e-5 of its
+largest entry (tests/parity.py ``assert_same``; float32, the paths reorder attention's
+sums only), with μ > 1 ratios past the clip and β > 0, so every term carries gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from engine.check.load_check import checked_stack
+from engine.forward.group_layout import group_layout
+from engine.forward.rollouts import Rollouts
+from engine.losses.grpo import Grpo
+from engine.train.group_steps import GroupBatch, group_objective, group_rows
+from tasks.models.model_factory import init_model
+from tests.family_specs import BASE, MOE, SPECS, WINDOW
+from tests.parity import assert_same, with_lora
+
+G = 4
+LENGTHS = ((20, 1, 3 * WINDOW, 7), (5, 2 * WINDOW + 3, 9, 1))  # 1: only the stop token
+LOSS = Grpo(grpo_beta=0.04, grpo_num_iterations=2, grpo_loss_type="grpo", temperature=0.7,
+            num_generations=G)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Row:
+    prompt: tuple[int, ...]
+
+
+def groups(seed: int) -> tuple[list[_Row], Rollouts]:
+    """Two prompts (40 and 45 tokens) and G ragged completions of each, the last token
+    of some a stop token, some cut at the limit."""
+    rng = np.random.default_rng(seed)
+    prompts = [_Row(tuple(rng.integers(5, BASE.vocab, 40 + 5 * i).tolist())) for i in range(2)]
+    tokens, stops = [], []
+    for row in LENGTHS:
+        for n, length in enumerate(row):
+            stop = 2 if n % 2 == 0 else None
+            tokens.append(rng.integers(5, BASE.vocab, length - (stop is not None)).tolist())
+            stops.append(stop)
+    return prompts, Rollouts(tokens, stops, 0, 0.0)
+
+
+def batches(prompts, rollouts, seed: int) -> tuple[GroupBatch, GroupBatch]:
+    """The plain rows and the shared layout of the same rollouts, with advantages and the
+    sampling and reference log-probs drawn away from the policy's."""
+    ids, at, mask = group_rows(prompts, rollouts, G, pad_id=0)
+    rng = np.random.default_rng(seed)
+    n, t = mask.shape
+    extra = {"advantages": mx.array(rng.normal(0, 1, n).astype(np.float32)),
+             "old": mx.array(-rng.exponential(2.0, (n, t)).astype(np.float32)),
+             "ref": mx.array(-rng.exponential(2.0, (n, t)).astype(np.float32))}
+    plain = GroupBatch(mx.array(ids), mx.array(at), mx.array(mask), **extra)
+    stops = [t + ([s] if s is not None else []) for t, s in
+             zip(rollouts.tokens, rollouts.stop_tokens, strict=True)]
+    shared = dataclasses.replace(plain, layout=group_layout([p.prompt for p in prompts], stops))
+    return plain, shared
+
+
+def run(model, stack, batch: GroupBatch):
+    (loss, metrics), grads = group_objective(model, stack, LOSS)(batch, 0.0, 1.0)
+    mx.eval(loss, metrics, grads)
+    return loss, metrics, dict(tree_flatten(grads))
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("group-families")
+
+    def get(name: str):
+        model, _ = mlx_lm.load(str(init_model({**SPECS, **MOE}[name], root / name)))
+        return with_lora(model), checked_stack(model)[0]
+
+    return get
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("arch", sorted({**SPECS, **MOE}))
+def test_the_group_shared_forward_equals_g_separate_rows(arch: str, family) -> None:
+    """Catches a completion seeing another's tokens, a rope or sliding window counted in
+    concatenation positions, a gathered position off by one, a donor's K/V or a LoRA
+    gradient lost: each changes the loss or a gradient past the tolerance."""
+    model, stack = family(arch)
+    prompts, rollouts = groups(0)
+    plain, shared = batches(prompts, rollouts, 1)
+    assert shared.layout.fed < int(np.prod(plain.ids.shape))  # the prompt once a group
+    assert_same(run(model, stack, shared), run(model, stack, plain))
+
+
+@pytest.mark.unit
+def test_a_completion_that_sees_another_fails_parity(tiny_model) -> None:
+    """The test above can fail: a mask letting each completion see the one before it, or
+    positions counted along the concatenation, moves the loss."""
+    model, _ = mlx_lm.load(str(tiny_model))
+    model, stack = with_lora(model), checked_stack(model)[0]
+    prompts, rollouts = groups(2)
+    plain, shared = batches(prompts, rollouts, 3)
+    ref = float(run(model, stack, plain)[0])
+    assert float(run(model, stack, shared)[0]) == pytest.approx(ref, rel=1e-5)
+    leaky = shared.layout.mask.copy()
+    leaky[:, 0] |= np.tril(np.ones(leaky.shape[-2:], bool))  # all causal: c2 sees c1
+    broken = dataclasses.replace(shared.layout, mask=leaky)
+    assert abs(float(run(model, stack, dataclasses.replace(shared, layout=broken))[0])
+               - ref) > 1e-4 * abs(ref)
+    unshifted = dataclasses.replace(shared.layout, shifts=np.zeros_like(shared.layout.shifts))
+    assert abs(float(run(model, stack, dataclasses.replace(shared, layout=unshifted))[0])
+               - ref) > 1e-4 * abs(ref)
