@@ -78,12 +78,9 @@ def split_counts(splits: list[str]) -> dict[str, int]:
 
 
 @dataclass
-class PairSet:
-    """Pairs of one dataset, by split, with the reasons rows were left out."""
+class RowCounts:
+    """What reading a dataset left out: the reasons rows were refused, the rows read."""
 
-    train: list[Pair] = field(default_factory=list)
-    valid: list[Pair] = field(default_factory=list)
-    test: list[Pair] = field(default_factory=list)
     rejected: Counter = field(default_factory=Counter)
     read: int = 0  # rows in the file, usable or not
     first_bad: str = ""  # the first unusable row: "row 3 (id 'a'): why"
@@ -95,6 +92,15 @@ class PairSet:
             return ""
         why = ", ".join(f"{reason} ({n})" for reason, n in self.rejected.most_common())
         return f"skipped {bad} of {self.read} rows: {why}; first: {self.first_bad}"
+
+
+@dataclass
+class PairSet(RowCounts):
+    """Pairs of one dataset, by split, with the reasons rows were left out."""
+
+    train: list[Pair] = field(default_factory=list)
+    valid: list[Pair] = field(default_factory=list)
+    test: list[Pair] = field(default_factory=list)
 
     def split(self, name: str) -> list[Pair]:
         """The pairs of split ``name`` (train, valid or test)."""
@@ -202,7 +208,7 @@ def load_pairs(path: str | Path, valid_fraction: float = VALID_FRACTION,
     return out
 
 
-def check_bad_rows(pairs: PairSet, path: Path, limit: float = MAX_BAD_FRACTION) -> None:
+def check_bad_rows(pairs: RowCounts, path: Path, limit: float = MAX_BAD_FRACTION) -> None:
     """Raise ValueError when more than ``limit`` of ``pairs``' rows were unusable (the
     bad-row limit of ``pomona data tokenize``); otherwise log how many were left out."""
     bad = sum(pairs.rejected.values())

@@ -23,6 +23,7 @@ from engine.data.pairs import (
     PROMPT_COLUMN,
     SPLITS,
     PairSet,
+    RowCounts,
     check_bad_rows,
     load_pairs,
     read_data,
@@ -50,21 +51,12 @@ class PromptRow:
 
 
 @dataclass
-class PromptSet:
+class PromptSet(RowCounts):
     """A dataset's prompts by split, and the rows refused (by reason) when it was read."""
 
     train: list[PromptRow] = field(default_factory=list)
     valid: list[PromptRow] = field(default_factory=list)
     test: list[PromptRow] = field(default_factory=list)
-    rejected: Counter = field(default_factory=Counter)
-    read: int = 0  # rows in the file, usable or not
-    first_bad: str = ""  # the first unusable row: "row 3 (id 'a'): why"
-
-    def skipped_note(self) -> str:
-        """How many rows were left out and why, or "" when none was."""
-        bad = sum(self.rejected.values())
-        why = ", ".join(f"{reason} ({n})" for reason, n in self.rejected.most_common())
-        return f"skipped {bad} of {self.read} rows: {why}; first: {self.first_bad}" if bad else ""
 
 
 def prompts_of_pairs(pairs: PairSet, tokenizer: Any) -> PromptSet:
