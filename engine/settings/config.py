@@ -83,9 +83,10 @@ class TrainConfig:
     inflight: int = _f(2, "Segments evaluated at once in the segmented backward: 1 = least "
                           "memory; 2 = the device runs one while Python builds the next "
                           "(faster, more activations: docs/performance.md).")
-    prefix_share: str = _f("auto", "One forward over [prompt | chosen | rejected]: on, off, or "
-                                   "auto (where it was measured faster: "
-                                   "engine/forward/layout_policy.py, docs/performance.md).")
+    prefix_share: str = _f("auto", "One forward over [prompt | chosen | rejected] (GRPO: "
+                                   "[prompt | c1 | … | cG]): on, off, or auto (where it "
+                                   "was measured faster: engine/forward/layout_policy.py, "
+                                   "group_layout.py, docs/performance.md).")
     prefix_attention: str = _f("auto", "Shared forward's attention: split (two fused causal "
                                        "calls; on CUDA pad_multiple a multiple of 128), mask "
                                        "(block-sparse array) or auto (split, else mask where "
