@@ -28,7 +28,7 @@ from tests.family_specs import BASE, MOE, SPECS, WINDOW
 from tests.parity import assert_same, with_lora
 
 G = 4
-LENGTHS = ((20, 1, 3 * WINDOW, 7), (5, 2 * WINDOW + 3, 9, 1))  # 1: only the stop token
+LENGTHS = ((20, 1, 3 * WINDOW, 7), (5, 2 * WINDOW + 3, 9, 1))  # 1: feeds no token
 LOSS = Grpo(grpo_beta=0.04, grpo_num_iterations=2, grpo_loss_type="grpo", temperature=0.7,
             num_generations=G)
 
@@ -116,3 +116,18 @@ def test_a_completion_that_sees_another_fails_parity(tiny_model) -> None:
     unshifted = dataclasses.replace(shared.layout, shifts=np.zeros_like(shared.layout.shifts))
     assert abs(float(run(model, stack, dataclasses.replace(shared, layout=unshifted))[0])
                - ref) > 1e-4 * abs(ref)
+
+
+@pytest.mark.unit
+def test_the_rows_point_at_each_completion_token_and_its_predictor() -> None:
+    """``group_rows``' positions: completion token j is predicted at prompt length − 1 + j
+    and is the target there, whatever the stop token (both paths read them, so the
+    parity above could not see them off by one)."""
+    prompts, rollouts = groups(4)
+    ids, at, mask = group_rows(prompts, rollouts, G, pad_id=0)
+    for n, (tokens, stop) in enumerate(zip(rollouts.tokens, rollouts.stop_tokens,
+                                           strict=True)):
+        completion = tokens + ([stop] if stop is not None else [])
+        p, c = len(prompts[n // G].prompt), len(completion)
+        assert mask[n].sum() == c and list(at[n, :c]) == list(range(p - 1, p - 1 + c))
+        assert [int(ids[n, a + 1]) for a in at[n, :c]] == completion

@@ -217,7 +217,7 @@ def test_the_group_shared_update_trains_what_the_plain_one_trains(tiny_model, pa
         code, lines = pomona(*grpo_args(tiny_model, parity, out, "--reward",
                                         "python:tests.grpo_rewards:digits", "--steps", "1",
                                         "--val-every", "0", "--grpo-beta", "0.04",
-                                        "--prefix-share", share))
+                                        "--grad-accum", "2", "--prefix-share", share))
         assert code == 0, lines
         first[share] = records(out)[0]
         assert first[share]["prefix_share_rate"] == float(share == "on")

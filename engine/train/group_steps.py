@@ -67,7 +67,7 @@ class Cycle:
 
 def completion_logps(model: nn.Module, stack: Stack, batch: GroupBatch, temperature: float
                      ) -> mx.array:
-    """Each row's log-prob of each next token [N, L − 1] under the policy the rollouts
+    """Each completion token's log-prob [N, C] (``batch.at``) under the policy the rollouts
     were sampled from, its logits at ``temperature`` (TRL's): the plain forward over the
     rows, or the group-shared one gathered into them."""
     targets = mx.take_along_axis(batch.ids, batch.at + 1, axis=1)

@@ -99,8 +99,11 @@ def refuse_unsupported(cfg: TrainConfig, loss: Grpo) -> None:
                          f"{loss.grpo_num_iterations}: a checkpoint must fall at a cycle's end "
                          "(a resume samples the next cycle afresh); give a multiple")
     unread = [n for n in ("segment_size", "head_chunk", "mlp_chunk") if getattr(cfg, n)]
+    unread += [n for n, default in (("prefix_attention", "auto"), ("pad_multiple", -1))
+               if getattr(cfg, n) != default]  # the group layout is a block mask, unpadded
     if unread or cfg.verify:
-        log.warning("%s: not read by loss grpo yet (its update runs the plain forward)",
+        log.warning("%s: not read by loss grpo yet (its update is plain autograd, over "
+                    "the plain rows or the group layout's block mask)",
                     ", ".join([*unread, *(["verify"] if cfg.verify else [])]))
 
 
