@@ -146,6 +146,9 @@ has loaded, after its load check's lines), and no run is written."""
         errors = [x for x in lines if not x.startswith("load check")]  # the model's, said
         assert code == 2 and len(errors) == 1 and message in errors[0], (extra, lines)
         assert not (tmp_path / f"r{i}" / "adapters.safetensors").exists()
+    code, lines = pomona(*grpo_args(tiny_model, parity, tmp_path / "best", "--reward",
+                                    "task:parity", "--best-metric", "val/accuracy"))
+    assert code == 2 and "best_metric='val/accuracy': loss grpo reports" in lines[-1], lines
     code, lines = pomona(*grpo_args(tiny_model, parity, tmp_path / "few", "--reward",
                                     "task:parity", "--batch-size", "40"))
     assert code == 2 and "32 train prompts, fewer than one step's 40" in lines[-1], lines

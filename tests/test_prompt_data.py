@@ -124,3 +124,28 @@ def test_a_reward_that_reads_answers_refuses_prompts_without_one(tiny_model, tmp
     code, lines = pomona(*common, "--out", str(tmp_path / "b"), "--reward",
                          "python:tests.grpo_rewards:digits")
     assert code == 0, lines
+
+
+def test_a_prompts_table_in_any_file_form_is_read_as_prompts(tiny_model, tmp_path) -> None:
+    """A prompts dataset's shards as one .parquet or .arrow file are prompts to GRPO's
+    reader (not pairs missing their responses)."""
+    import mlx_lm
+    import pyarrow as pa
+
+    from engine.check.load_check import checked_stack
+    from engine.data.prompts import prompts_for
+
+    write_rows(list(synth_rows("parity", 30, seed=0, layout="prompts")), tmp_path / "raw.jsonl")
+    tokenize_dataset(tmp_path / "raw.jsonl", str(tiny_model), tmp_path / "ds")
+    table = pq.read_table(next((tmp_path / "ds").glob("shard-*.parquet")))
+    pq.write_table(table, tmp_path / "p.parquet")
+    with pa.OSFile(str(tmp_path / "p.arrow"), "wb") as sink, pa.ipc.new_file(
+            sink, table.schema) as writer:
+        writer.write_table(table)
+    model, tok = mlx_lm.load(str(tiny_model))
+    stack = checked_stack(model)[0]
+    for name in ("p.parquet", "p.arrow"):
+        got = prompts_for(tmp_path / name, str(tiny_model), stack, tok,
+                          allow_tokenizer_mismatch=True)
+        assert len(got.train) + len(got.valid) + len(got.test) == 30
+        assert all(r.answer in ("even", "odd") for r in got.train)

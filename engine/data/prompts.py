@@ -103,6 +103,11 @@ def holds_prompts(path: Path) -> bool:
             return json.loads((path / "manifest.json").read_text()).get("kind") == "prompts"
         if path.suffix == ".parquet":
             return PROMPT_COLUMN in pq.read_schema(path).names
+        if path.suffix == ".arrow":
+            import pyarrow as pa
+
+            with pa.memory_map(str(path)) as source:
+                return PROMPT_COLUMN in pa.ipc.open_file(source).schema.names
         if path.suffix == ".jsonl":
             with path.open(encoding="utf-8") as f:
                 first = next((line for line in f if line.strip()), "{}")

@@ -29,6 +29,7 @@ from engine.backward.distributed import Ranks, init_ranks
 from engine.backward.update import make_optimizer, make_update
 from engine.data.prompts import PromptRow, PromptSet, prompts_for
 from engine.forward.generation import greedy_batch
+from engine.losses import validation_metrics
 from engine.losses.grpo import Grpo
 from engine.model.adapters import (
     load_adapter_weights,
@@ -125,6 +126,7 @@ def set_up(cfg: TrainConfig, held: ExitStack) -> GroupRun:
         load_adapter_weights(prepared.model, Path(cfg.warm_start))
     prompts = group_prompts(cfg, loss, prepared)
     precheck(reward, prompts.train)
+    best_of(cfg)  # a best_metric it never reports: refused now
     optimizer = make_optimizer(cfg)
     resumed = resumed_step(cfg, prepared.model, optimizer)
     prepare_out(Path(cfg.out), resumed)
@@ -172,8 +174,13 @@ def precheck(reward: RewardFn, train: list[PromptRow]) -> None:
 
 def best_of(cfg: TrainConfig) -> tuple[str, str]:
     """The metric and mode a run's best evaluation is kept by: ``val/reward`` unless
-    another was given (``val/loss`` is the pair losses' default); a reward's, the max."""
+    another was given (``val/loss`` is the pair losses' default); a reward's, the max.
+    One this loss never reports is refused here, before any step, not at the end."""
     metric = "val/reward" if cfg.best_metric == TrainConfig.best_metric else cfg.best_metric
+    reported = validation_metrics(cfg.loss_spec())
+    if metric not in reported and not metric.startswith("val/rewards/"):
+        raise ValueError(f"best_metric={metric!r}: loss {cfg.loss.kind} reports {reported} "
+                         "and val/rewards/<scorer>/mean")
     return metric, "max" if metric.startswith("val/reward") else cfg.best_mode
 
 

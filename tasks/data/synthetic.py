@@ -29,6 +29,8 @@ import numpy as np
 
 TASKS = ("sort", "reverse", "add", "add-small", "max", "parity", "mixed")
 LAYOUTS = ("explicit", "conversational", "implicit", "prompts", "conversational-prompts")
+# A prompt row is its pair's prompt in this pair layout, the chosen response its answer.
+PAIR_LAYOUT_OF = {"prompts": "explicit", "conversational-prompts": "conversational"}
 NEAR_MISSES = ("substitute", "drop", "duplicate", "transpose")
 
 SYSTEM_PROMPT = "You are a careful assistant. Answer with the result only."
@@ -192,8 +194,7 @@ def layout_row(row: SynthRow, layout: str, with_system: bool) -> dict:
     """Render ``row`` in one of the file layouts of datasets/README.md: a pair's three,
     or a prompt row (GRPO's: the pair's prompt, its chosen response as the answer)."""
     if layout in ("prompts", "conversational-prompts"):
-        pair = layout_row(row, layout.removesuffix("prompts").rstrip("-") or "explicit",
-                          with_system)
+        pair = layout_row(row, PAIR_LAYOUT_OF[layout], with_system)
         return {**{k: v for k, v in pair.items() if k not in ("chosen", "rejected")},
                 "answer": row.chosen}
     if layout == "explicit":
