@@ -177,7 +177,7 @@ def test_dapo_samples_a_flat_group_again_until_its_rewards_differ(tiny_model, pa
     that had signal keep their completions."""
     from engine.data.prompts import prompts_for
     from engine.settings.config import TrainConfig
-    from engine.train.group_steps import flat_groups, resample_flat, rewarded
+    from engine.train.group_steps import Sampler, flat_groups, resample_flat, rewarded
     from engine.train.prepared import prepare_training
     from engine.train.reward_source import load_reward
 
@@ -187,10 +187,9 @@ def test_dapo_samples_a_flat_group_again_until_its_rewards_differ(tiny_model, pa
     prep = prepare_training(cfg)
     prompts = prompts_for(cfg.data, cfg.model, prep.stack, prep.tokenizer).train[:16]
     reward = load_reward(cfg.loss)
-    first, first_rewards, _ = rewarded(prep.model, prep.tokenizer, prompts, cfg.loss, reward,
-                                       7, 8)
-    rollouts, rewards, replaced = resample_flat(prep.model, prep.tokenizer, prompts, cfg.loss,
-                                                reward, 7, 8, (first, first_rewards))
+    sampler = Sampler(prep.model, prep.tokenizer, cfg.loss, reward, 8)
+    first, first_rewards, _ = rewarded(sampler, prompts, 7)
+    rollouts, rewards, replaced = resample_flat(sampler, prompts, 7, (first, first_rewards))
     before, after = flat_groups(first_rewards, 2), flat_groups(rewards, 2)
     assert before and replaced == len(before) - len(after) > 0 and set(after) <= set(before)
     for i in set(range(16)) - set(before):

@@ -117,17 +117,29 @@ def group_rows(prompts: Sequence[PromptRow], rollouts: Rollouts, g: int, pad_id:
     return ids, at, mask
 
 
-def rewarded(model: nn.Module, tokenizer: Any, prompts: list[PromptRow], loss: Grpo,
-             reward: RewardFn, seed: int, batch_size: int
+@dataclass(frozen=True)
+class Sampler:
+    """What draws and rewards a step's rollouts: the policy as it trains, its tokenizer,
+    the loss (G and the rollout settings), the reward and the prompts a micro-batch."""
+
+    model: nn.Module
+    tokenizer: Any
+    loss: Grpo
+    reward: RewardFn
+    batch_size: int
+
+
+def rewarded(sampler: Sampler, prompts: list[PromptRow], seed: int
              ) -> tuple[Rollouts, list[float], dict[str, float]]:
     """``prompts`` sampled G times each from ``seed`` and rewarded: the rollouts, each
     completion's reward and each scorer's mean."""
-    g = loss.num_generations
-    rollouts = sample_groups(model, tokenizer, [p.prompt for p in prompts], loss.rollout(seed),
-                             batch_size * g)
+    g, tokenizer = sampler.loss.num_generations, sampler.tokenizer
+    rollouts = sample_groups(sampler.model, tokenizer, [p.prompt for p in prompts],
+                             sampler.loss.rollout(seed), sampler.batch_size * g)
     texts = [tokenizer.decode(t, skip_special_tokens=True) for t in rollouts.tokens]
     rows = [p for p in prompts for _ in range(g)]
-    rewards, means = reward([p.prompt_text for p in rows], texts, [p.row() for p in rows])
+    rewards, means = sampler.reward([p.prompt_text for p in rows], texts,
+                                    [p.row() for p in rows])
     return rollouts, [float(r) for r in rewards], means
 
 
@@ -136,21 +148,20 @@ def flat_groups(rewards: list[float], g: int) -> list[int]:
     return [i for i in range(len(rewards) // g) if len(set(rewards[i * g:(i + 1) * g])) == 1]
 
 
-def resample_flat(model: nn.Module, tokenizer: Any, prompts: list[PromptRow], loss: Grpo,
-                  reward: RewardFn, seed: int, batch_size: int,
+def resample_flat(sampler: Sampler, prompts: list[PromptRow], seed: int,
                   drawn: tuple[Rollouts, list[float]]) -> tuple[Rollouts, list[float], int]:
     """DAPO's dynamic sampling (Yu et al. 2025, §3.2): each group whose rewards are all
     equal sampled again, up to ``grpo_max_resample_rounds`` rounds, a new group kept where
     its rewards differ. (rollouts, rewards, groups replaced)."""
-    g, (rollouts, rewards) = loss.num_generations, drawn
+    g, (rollouts, rewards) = sampler.loss.num_generations, drawn
     tokens, stops, rewards = list(rollouts.tokens), list(rollouts.stop_tokens), list(rewards)
     generated, seconds, replaced = rollouts.generated, rollouts.seconds, 0
-    for round_ in range(1, loss.grpo_max_resample_rounds + 1):
+    for round_ in range(1, sampler.loss.grpo_max_resample_rounds + 1):
         flat = flat_groups(rewards, g)
         if not flat:
             break
-        again, again_rewards, _ = rewarded(model, tokenizer, [prompts[i] for i in flat], loss,
-                                           reward, mix_seed(seed, round_), batch_size)
+        again, again_rewards, _ = rewarded(sampler, [prompts[i] for i in flat],
+                                           mix_seed(seed, round_))
         generated, seconds = generated + again.generated, seconds + again.seconds
         for j, i in enumerate(flat):
             new = slice(j * g, (j + 1) * g)
@@ -161,39 +172,47 @@ def resample_flat(model: nn.Module, tokenizer: Any, prompts: list[PromptRow], lo
     return Rollouts(tokens, stops, generated, seconds), rewards, replaced
 
 
-def roll_out(model: nn.Module, tokenizer: Any, prompts: list[PromptRow], loss: Grpo,
-             reward: RewardFn, seed: int, batch_size: int, pad_id: int,
-             stack: Stack | None = None, prefix_share: str = "off") -> Cycle:
-    """``prompts`` sampled G times each, rewarded (flat groups sampled again under dapo)
-    and batched, ``batch_size`` prompts a micro-batch; their sampling log-probs kept where
-    μ > 1, the base's where β > 0; each micro-batch laid out for the group-shared forward
-    where ``prefix_share`` says (``shares_group``; it reads ``stack``). The reward metrics
-    are the first draw's: the policy's own, whatever resampling then kept."""
-    g, started = loss.num_generations, time.perf_counter()
-    rollouts, first, means = rewarded(model, tokenizer, prompts, loss, reward, seed, batch_size)
-    _, stats = group_advantages(mx.array(first, dtype=mx.float32), g, loss.grpo_scale_rewards)
+def drawn_groups(sampler: Sampler, prompts: list[PromptRow], seed: int
+                 ) -> tuple[Rollouts, list[float], dict[str, float]]:
+    """``prompts`` sampled G times each and rewarded, flat groups sampled again under
+    dapo: (rollouts, rewards, metrics). The reward metrics are the first draw's: the
+    policy's own, whatever resampling then kept."""
+    loss, started = sampler.loss, time.perf_counter()
+    rollouts, first, means = rewarded(sampler, prompts, seed)
+    _, stats = group_advantages(mx.array(first, dtype=mx.float32), loss.num_generations,
+                                loss.grpo_scale_rewards)
     metrics = {k: float(v) for k, v in stats.items()} | means | {
         "completions/mean_length": rollouts.mean_length,
         "completions/clipped_ratio": rollouts.clipped_ratio,
         "rollout_tokens_per_sec": rollouts.tokens_per_sec}
-    rewards, replaced = first, 0
+    rewards = first
     if loss.grpo_loss_type == "dapo" and loss.grpo_max_resample_rounds:
-        rollouts, rewards, replaced = resample_flat(model, tokenizer, prompts, loss, reward,
-                                                    seed, batch_size, (rollouts, first))
+        rollouts, rewards, replaced = resample_flat(sampler, prompts, seed, (rollouts, first))
         metrics["dynamic_sampling/replaced_groups"] = replaced
     metrics["rollout_seconds"] = time.perf_counter() - started
+    return rollouts, rewards, metrics
+
+
+def roll_out(sampler: Sampler, prompts: list[PromptRow], seed: int, pad_id: int,
+             stack: Stack | None = None, prefix_share: str = "off") -> Cycle:
+    """``prompts`` drawn and rewarded (``drawn_groups``) and batched, ``batch_size``
+    prompts a micro-batch; their sampling log-probs kept where μ > 1, the base's where
+    β > 0; each micro-batch laid out for the group-shared forward where ``prefix_share``
+    says (``shares_group``; it reads ``stack``)."""
+    loss, g, size = sampler.loss, sampler.loss.num_generations, sampler.batch_size
+    rollouts, rewards, metrics = drawn_groups(sampler, prompts, seed)
     advantages, _ = group_advantages(mx.array(rewards, dtype=mx.float32), g,
                                      loss.grpo_scale_rewards)
     ids, at, mask = group_rows(prompts, rollouts, g, pad_id)
     batches = []
-    for start in range(0, len(prompts) * g, batch_size * g):
-        part = slice(start, start + batch_size * g)
-        own = [p.prompt for p in prompts[start // g:(start + batch_size * g) // g]]
+    for start in range(0, len(prompts) * g, size * g):
+        part = slice(start, start + size * g)
+        own = [p.prompt for p in prompts[start // g:(start + size * g) // g]]
         tails = completions(rollouts)[part]
         share = stack is not None and shares_group([len(p) for p in own],
                                                    [len(c) for c in tails], prefix_share)
         layout = group_layout(own, tails, pad_id) if share else None
-        batches.append(reference_parts(model, stack, loss, GroupBatch(
+        batches.append(reference_parts(sampler.model, stack, loss, GroupBatch(
             mx.array(ids[part]), mx.array(at[part]), mx.array(mask[part]), advantages[part],
             layout=layout)))
     metrics["prefix_share_rate"] = sum(b.layout is not None for b in batches) / len(batches)

@@ -40,6 +40,7 @@ from engine.model.adapters import (
 from engine.settings.config import TrainConfig
 from engine.settings.reference_kind import BASE
 from engine.train.group_steps import (
+    Sampler,
     group_objective,
     group_update,
     mix_seed,
@@ -210,6 +211,7 @@ def loop(run: GroupRun, callbacks: Sequence[Callback]) -> None:
     mu, per_step = loss.grpo_num_iterations, cfg.batch_size * cfg.grad_accum
     batches = prompt_batches(run.prompts.train, per_step, cfg.seed, run.start // mu)
     objective = group_objective(model, run.prepared.stack, loss)
+    sampler = Sampler(model, run.prepared.tokenizer, loss, run.reward, cfg.batch_size)
     settings = run_settings(cfg) if cfg.checkpoint_every else {}
     model.train()
     if run.prompts.valid and cfg.val_every and run.start == 0:
@@ -221,8 +223,7 @@ def loop(run: GroupRun, callbacks: Sequence[Callback]) -> None:
         t0 = time.perf_counter()
         if cycle is None or (step - 1) % mu == 0:
             prompts = next(batches)
-            cycle = roll_out(model, run.prepared.tokenizer, prompts, loss, run.reward,
-                             mix_seed(cfg.seed, step), cfg.batch_size, run.prepared.pad_id,
+            cycle = roll_out(sampler, prompts, mix_seed(cfg.seed, step), run.prepared.pad_id,
                              run.prepared.stack, cfg.prefix_share)
             run.trained += len(prompts)
         t1 = time.perf_counter()
