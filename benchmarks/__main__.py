@@ -17,6 +17,7 @@ KINDS = {
     "prefix": ("prefix_bench", "Two forwards against the shared forward, per prompt:response "
                                "ratio."),
     "group": ("group_bench", "GRPO's update: G separate rows against the group-shared forward."),
+    "grpo": ("grpo_bench", "A whole GRPO step (rollouts, reward, update) beside mlx-lm-lora's."),
     "attention": ("attention_bench", "MLX's fused attention at query:key shapes."),
     "profile": ("profile_bench", "Where one segmented step's time goes, stage by stage."),
     "ops": ("ops_bench", "One layer's blocks op by op, forward and backward."),

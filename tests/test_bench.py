@@ -387,3 +387,4 @@ def test_shape_refusals_are_one_line(tmp_path, capsys) -> None:
         lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
         assert len(lines) == 1 and message in lines[0], lines
     assert not (tmp_path / "new").exists() and os.listdir(taken) == ["notes.txt"]
+

@@ -230,3 +230,52 @@ def test_the_group_shared_update_trains_what_the_plain_one_trains(tiny_model, pa
     assert on["loss"] == pytest.approx(off["loss"], rel=1e-5, abs=1e-7)
     assert shares_group([512], [128] * 8, "auto") and not shares_group([32], [128] * 8, "auto")
     assert shares_group([32], [128] * 8, "on") and not shares_group([512], [128] * 8, "off")
+
+
+@pytest.mark.unit
+def test_an_adapter_as_the_kl_reference(tiny_model, parity, tmp_path) -> None:
+    """``--reference DIR`` with β > 0: a run warm-started from DIR begins at KL 0 (the
+    policy is its reference) where against the base it does not, the policy's own LoRA is
+    back after each reference pass (the update moved it), and a reference of another LoRA
+    rank is refused before step 1 in one line."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from engine.settings.config import TrainConfig
+    from engine.settings.reference_kind import AdapterRef
+    from engine.train.group_reference import kl_reference
+    from engine.train.prepared import prepare_training
+
+    common = ("--reward", "python:tests.grpo_rewards:digits", "--val-every", "0",
+              "--report-every", "1", "--grpo-beta", "0.04")
+    start = tmp_path / "start"
+    code, lines = pomona(*grpo_args(tiny_model, parity, start, *common, "--steps", "2",
+                                    "--learning-rate", "1e-2"))
+    assert code == 0, lines
+    kl = {}
+    for name, reference in (("self", str(start)), ("base", "base")):
+        code, lines = pomona(*grpo_args(tiny_model, parity, tmp_path / name, *common,
+                                        "--steps", "2", "--warm-start", str(start),
+                                        "--reference", reference, "--learning-rate", "1e-2"))
+        assert code == 0, lines
+        kl[name] = [r["kl"] for r in records(tmp_path / name)]
+    assert kl["self"][0] == pytest.approx(0.0, abs=1e-6) and kl["self"][1] > 0
+    assert kl["base"][0] > 1e-3
+    prep = prepare_training(TrainConfig(model=str(tiny_model), data=str(parity)).replace(
+        loss="grpo", reward="python:tests.grpo_rewards:digits"))
+    model, worn = prep.model, mx.load(str(start / "adapters.safetensors"))
+    own = dict(tree_flatten(model.trainable_parameters()))
+    model.train()
+    with kl_reference(AdapterRef(str(start)), model, str(tiny_model)).worn(model):
+        inside = dict(tree_flatten(model.trainable_parameters()))
+        assert all(mx.array_equal(inside[k], worn[k]).item() for k in worn)
+        assert not model.training
+        assert any(not mx.array_equal(inside[k], own[k]).item() for k in own)
+    after = dict(tree_flatten(model.trainable_parameters()))
+    assert model.training and all(after[k] is own[k] for k in own)
+    code, lines = pomona(*grpo_args(tiny_model, parity, tmp_path / "misfit", *common,
+                                    "--reference", str(start), "--lora-rank", "2"))
+    errors = [x for x in lines if not x.startswith("load check")]
+    assert code == 2 and len(errors) == 1, lines
+    assert f"reference adapter {start} for loss grpo" in errors[0], errors
+    assert not (tmp_path / "misfit" / "adapters.safetensors").exists()

@@ -107,6 +107,12 @@ def trained_reference(adapter_dir: str | Path | None) -> Reference:
 
 def load_adapter_weights(model: nn.Module, adapter_dir: Path) -> None:
     """Load adapter weights into a model that already has matching LoRA layers."""
+    model.update(tree_unflatten(list(fitting_adapter_weights(model, adapter_dir).items())))
+
+
+def fitting_adapter_weights(model: nn.Module, adapter_dir: Path) -> dict[str, mx.array]:
+    """The adapter's LoRA tensors, each checked against ``model``'s LoRA parameter of its
+    name and shape, all of them there: else one line naming the first misfit."""
     path = Path(adapter_dir) / ADAPTER_FILE
     if not path.exists():
         raise FileNotFoundError(f"no {ADAPTER_FILE} in {adapter_dir}")
@@ -121,7 +127,7 @@ def load_adapter_weights(model: nn.Module, adapter_dir: Path) -> None:
         raise ValueError(f"{path} does not fit this model/LoRA config ({len(problems)} "
                          f"tensors; first: {problems[0]}): give the LoRA settings it was "
                          "trained with")
-    model.update(tree_unflatten(list(weights.items())))
+    return weights
 
 
 def save_checkpoint(model: nn.Module, optimizer: Any, out: Path, step: int,

@@ -48,8 +48,8 @@ def check_choice(name: str, value: str) -> None:
 
 DEFAULT_LOSS = Orpo()
 FLOAT32_TINY = 1.1754944e-38  # numpy.finfo(float32).tiny: a smaller rate updates nothing
-REFERENCE_HELP = ("DPO's and KTO's reference model: base (the base model, no LoRA) or an "
-                  "adapter directory for it (SFT, then DPO).")
+REFERENCE_HELP = ("DPO's, KTO's and GRPO's (β > 0) reference model: base (the base model, "
+                  "no LoRA) or an adapter directory for it (SFT, then DPO or GRPO).")
 LOSS_HELP = ("The loss and its settings: " + "; ".join(cls.summary for cls in LOSSES.values())
              + " (engine/losses/). On the command line and in YAML: --loss NAME and that "
              "loss's own options (--orpo-lambda, ...).")

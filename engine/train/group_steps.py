@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +34,7 @@ from engine.losses.group import GroupLogps, group_advantages
 from engine.losses.grpo import Grpo
 from engine.model.arch.stack import Stack
 from engine.model.head import token_logps
-from engine.model.load import lora_modules
+from engine.train.group_reference import BASE_REFERENCE, KlReference
 from engine.train.reward_source import RewardFn
 from engine.train.steps import NonFiniteLoss
 
@@ -81,20 +80,6 @@ def completion_logps(model: nn.Module, stack: Stack, batch: GroupBatch, temperat
     return token_logps(logits / temperature if temperature != 1 else logits, targets)
 
 
-@contextmanager
-def lora_off(model: nn.Module) -> Iterator[None]:
-    """Inside: the base model (every LoRA's scale 0: its update adds exactly nothing)."""
-    modules = [m for _, m in lora_modules(model)]
-    scales = [m.scale for m in modules]
-    for m in modules:
-        m.scale = 0.0
-    try:
-        yield
-    finally:
-        for m, s in zip(modules, scales, strict=True):
-            m.scale = s
-
-
 def group_rows(prompts: Sequence[PromptRow], rollouts: Rollouts, g: int, pad_id: int
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows ``[prompt | completion (+ its stop token)]`` [N, L]; for each completion token
@@ -120,13 +105,15 @@ def group_rows(prompts: Sequence[PromptRow], rollouts: Rollouts, g: int, pad_id:
 @dataclass(frozen=True)
 class Sampler:
     """What draws and rewards a step's rollouts: the policy as it trains, its tokenizer,
-    the loss (G and the rollout settings), the reward and the prompts a micro-batch."""
+    the loss (G and the rollout settings), the reward, the prompts a micro-batch and the
+    KL's reference."""
 
     model: nn.Module
     tokenizer: Any
     loss: Grpo
     reward: RewardFn
     batch_size: int
+    reference: KlReference = BASE_REFERENCE  # β > 0: what the KL is taken against
 
 
 def rewarded(sampler: Sampler, prompts: list[PromptRow], seed: int
@@ -212,7 +199,7 @@ def roll_out(sampler: Sampler, prompts: list[PromptRow], seed: int, pad_id: int,
         share = stack is not None and shares_group([len(p) for p in own],
                                                    [len(c) for c in tails], prefix_share)
         layout = group_layout(own, tails, pad_id) if share else None
-        batches.append(reference_parts(sampler.model, stack, loss, GroupBatch(
+        batches.append(reference_parts(sampler, stack, GroupBatch(
             mx.array(ids[part]), mx.array(at[part]), mx.array(mask[part]), advantages[part],
             layout=layout)))
     metrics["prefix_share_rate"] = sum(b.layout is not None for b in batches) / len(batches)
@@ -225,16 +212,16 @@ def completions(rollouts: Rollouts) -> list[list[int]]:
             zip(rollouts.tokens, rollouts.stop_tokens, strict=True)]
 
 
-def reference_parts(model: nn.Module, stack: Stack, loss: Grpo, batch: GroupBatch
+def reference_parts(sampler: Sampler, stack: Stack | None, batch: GroupBatch
                     ) -> GroupBatch:
     """``batch`` with the log-probs its loss reads besides the policy's: those it was
-    sampled under (μ > 1: the ratio's denominator, fixed for the cycle) and the base's
-    (β > 0: the KL's reference), computed once, detached."""
-    old = ref = None
+    sampled under (μ > 1: the ratio's denominator, fixed for the cycle) and the
+    reference's (β > 0: the KL's, ``sampler.reference``), computed once, detached."""
+    model, loss, old, ref = sampler.model, sampler.loss, None, None
     if loss.grpo_num_iterations > 1:
         old = mx.stop_gradient(completion_logps(model, stack, batch, loss.temperature))
     if loss.grpo_beta > 0:
-        with lora_off(model):
+        with sampler.reference.worn(model):
             ref = mx.stop_gradient(completion_logps(model, stack, batch, loss.temperature))
     mx.eval([a for a in (old, ref) if a is not None])
     return dataclasses.replace(batch, old=old, ref=ref)

@@ -38,7 +38,7 @@ from engine.model.adapters import (
     save_checkpoint,
 )
 from engine.settings.config import TrainConfig
-from engine.settings.reference_kind import BASE
+from engine.train.group_reference import BASE_REFERENCE, KlReference, kl_reference
 from engine.train.group_steps import (
     Sampler,
     group_objective,
@@ -67,6 +67,7 @@ class GroupRun:
     prepared: Prepared
     prompts: PromptSet
     reward: RewardFn
+    reference: KlReference
     optimizer: Any
     update: Any
     start: int
@@ -93,9 +94,6 @@ def train_groups(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainR
 def refuse_unsupported(cfg: TrainConfig, loss: Grpo) -> None:
     """What this loss cannot run yet, refused before any work, and levers it does not
     read, said."""
-    if loss.grpo_beta > 0 and cfg.reference != BASE:
-        raise ValueError(f"reference {cfg.reference} with loss grpo: its KL is against the "
-                         "base model only (give --reference base, or --grpo-beta 0)")
     if cfg.checkpoint_every % loss.grpo_num_iterations:
         raise ValueError(f"checkpoint_every={cfg.checkpoint_every} with grpo_num_iterations="
                          f"{loss.grpo_num_iterations}: a checkpoint must fall at a cycle's end "
@@ -125,6 +123,8 @@ def set_up(cfg: TrainConfig, held: ExitStack) -> GroupRun:
     prepared = prepare_training(cfg)
     if cfg.warm_start:
         load_adapter_weights(prepared.model, Path(cfg.warm_start))
+    reference = (kl_reference(cfg.reference, prepared.model, cfg.model) if loss.grpo_beta > 0
+                 else BASE_REFERENCE)
     prompts = group_prompts(cfg, loss, prepared)
     precheck(reward, prompts.train)
     best_of(cfg)  # a best_metric it never reports: refused now
@@ -135,7 +135,7 @@ def set_up(cfg: TrainConfig, held: ExitStack) -> GroupRun:
     result = TrainResult(out=str(Path(cfg.out)), steps=resumed or 0,
                          trainable_params=prepared.trainable,
                          rejected_rows=dict(prompts.rejected), load_check=prepared.check)
-    return GroupRun(cfg, loss, ranks, prepared, prompts, reward, optimizer, update,
+    return GroupRun(cfg, loss, ranks, prepared, prompts, reward, reference, optimizer, update,
                     resumed or 0, result, started)
 
 
@@ -211,7 +211,8 @@ def loop(run: GroupRun, callbacks: Sequence[Callback]) -> None:
     mu, per_step = loss.grpo_num_iterations, cfg.batch_size * cfg.grad_accum
     batches = prompt_batches(run.prompts.train, per_step, cfg.seed, run.start // mu)
     objective = group_objective(model, run.prepared.stack, loss)
-    sampler = Sampler(model, run.prepared.tokenizer, loss, run.reward, cfg.batch_size)
+    sampler = Sampler(model, run.prepared.tokenizer, loss, run.reward, cfg.batch_size,
+                      run.reference)
     settings = run_settings(cfg) if cfg.checkpoint_every else {}
     model.train()
     if run.prompts.valid and cfg.val_every and run.start == 0:

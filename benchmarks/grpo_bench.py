@@ -1,0 +1,167 @@
+"""``bench grpo``: a whole GRPO step as a user runs it (rollouts, reward, update) beside
+mlx-lm-lora's ``train_grpo`` on the same model, prompts and reward, in one run.
+
+    pomona bench grpo --prompt 128 --completion 64 --generations 8 --prompts 2 \
+        [--peer mlx-lm-lora] [--json]
+
+Model: a random-init llama (``pomona model init``; ``--layers``, ``--hidden``, ...), LoRA r16
+(scale 2.0) on q/k/v/o of every layer for every row. Prompts: ``--prompts`` a step of
+``--prompt`` random tokens each, written once as prompts.jsonl (``id``, ``prompt_ids``,
+``answer``, ``split``), which both trainers read. Reward: ``contains`` (1 where the
+completion holds the row's answer). Every row samples ``--generations`` completions of at
+most ``--completion`` tokens at temperature 1, top-p and top-k off, β = 0 (no reference
+pass), one update a batch of rollouts; a random model seldom samples its stop token, so
+the rows generate the same tokens (``completion_tokens`` says how many).
+
+Rows, each in a fresh process (its peak its own):
+- ``pomona``: ``python -m engine train --loss grpo`` as a user gives it, the group-shared
+  forward where ``prefix_share: auto`` picks it, ``grpo_loss_type: grpo`` (the peer's) and
+  dynamic sampling off (it would sample flat groups again: work the peer does not do);
+- ``pomona_rows``: the same, ``prefix_share: off`` (a row a completion);
+- ``mlx-lm-lora`` (``--peer``): benchmarks/mlx_lm_lora_grpo.py.
+Step time = the median of the steps after ``--warmup`` (each step's wall time: rollouts,
+reward and update; a step's rollout time is said beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.train_bench import ROOT, peer_row
+
+ANSWER = "7"  # what ``contains`` looks for: a random model writes it now and then
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks grpo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, default, what in (
+            ("prompt", 128, "Tokens per prompt."), ("completion", 64, "Most tokens a completion."),
+            ("generations", 8, "Completions per prompt (G)."),
+            ("prompts", 2, "Prompts per step."), ("layers", 8, "Model layers."),
+            ("hidden", 512, "Hidden size."), ("heads", 8, "Attention heads."),
+            ("kv_heads", 4, "Key/value heads."), ("intermediate", 1408, "MLP width."),
+            ("vocab", 32000, "Vocabulary."), ("warmup", 2, "Steps before the timed ones."),
+            ("steps", 4, "Timed steps.")):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=what)
+    p.add_argument("--dtype", default="float32", help="bfloat16 on a GPU.")
+    p.add_argument("--peer", action="append", default=[], choices=["mlx-lm-lora"],
+                   help="Also run mlx-lm-lora's train_grpo (benchmarks/mlx_lm_lora_grpo.py).")
+    p.add_argument("--row", choices=["pomona", "pomona_rows"], help=argparse.SUPPRESS)
+    p.add_argument("--work", help=argparse.SUPPRESS)  # a child row's model and prompts
+    p.add_argument("--json", action="store_true", help="Print one JSON object.")
+    return p
+
+
+def model_and_prompts(a: argparse.Namespace, work: Path) -> tuple[Path, Path]:
+    """The bench's model and prompts.jsonl in ``work`` (made once)."""
+    import numpy as np
+
+    from tasks.models.model_factory import ModelSpec, init_model
+
+    model, data = work / "model", work / "prompts.jsonl"
+    if not model.exists():
+        init_model(ModelSpec(layers=a.layers, hidden=a.hidden, heads=a.heads,
+                             kv_heads=a.kv_heads, intermediate=a.intermediate, vocab=a.vocab,
+                             dtype=a.dtype, max_position=max(4096, a.prompt + a.completion)),
+                   model)
+    rng = np.random.default_rng(0)
+    rows = [{"id": f"p{i}", "prompt_ids": rng.integers(10, a.vocab, a.prompt).tolist(),
+             "answer": ANSWER, "split": "train"}
+            for i in range(a.prompts * (a.warmup + a.steps))]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return model, data
+
+
+def pomona_row(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The GRPO trainer's steady steps on the bench's prompts (this process)."""
+    from engine.settings.config import TrainConfig
+    from engine.train.grpo_trainer import train_groups
+
+    model, data = work / "model", work / "prompts.jsonl"
+    cfg = TrainConfig(model=str(model), data=str(data), out=str(work / f"run-{a.row}"),
+                      steps=a.warmup + a.steps, batch_size=a.prompts, report_every=1,
+                      val_every=0, learning_rate=1e-5, lora_rank=16, lora_scale=2.0,
+                      lora_keys=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                 "self_attn.o_proj"), warmup_steps=0,
+                      prefix_share="auto" if a.row == "pomona" else "off").replace(
+        loss="grpo", reward=("contains",), num_generations=a.generations,
+        max_completion_length=a.completion, grpo_loss_type="grpo",
+        grpo_max_resample_rounds=0)
+    records: list[dict[str, Any]] = []
+
+    class Collect:
+        def on_metrics(self, record: dict[str, Any]) -> None:
+            if record["split"] == "train":
+                records.append(record)
+
+    train_groups(cfg, [Collect()])
+    timed = records[a.warmup:]
+    return {"name": a.row, "prompts": a.prompts, "generations": a.generations,
+            "completion": a.completion,
+            "step_s": statistics.median(r["step_seconds"] for r in timed),
+            "steps_s": [r["step_seconds"] for r in timed],
+            "gen_s": statistics.median(r["rollout_seconds"] for r in timed),
+            "completion_tokens": statistics.mean(r["completions/mean_length"] for r in timed),
+            "prefix_share_rate": statistics.mean(r["prefix_share_rate"] for r in timed),
+            "peak_mb": max(r["peak_memory_gb"] for r in timed) * 1e9 / 2**20}
+
+
+def rows_of(a: argparse.Namespace, argv: list[str], work: Path) -> list[dict[str, Any]]:
+    """Each row in its own process, on the same model and prompts."""
+    rows = []
+    for name in ("pomona", "pomona_rows"):
+        proc = subprocess.run([sys.executable, "-m", "benchmarks", "grpo", *argv, "--row",
+                               name, "--work", str(work)], capture_output=True, text=True,
+                              cwd=ROOT)
+        rows.append(peer_row(name, proc))
+    for peer in a.peer:
+        if not importlib.util.find_spec("mlx_lm_lora"):
+            rows.append({"name": peer, "error": "mlx_lm_lora is not installed here (pip "
+                                                "install 'pomona[bench]')"})
+            continue
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.mlx_lm_lora_grpo", "--model",
+             str(work / "model"), "--data", str(work / "prompts.jsonl"), "--prompts",
+             str(a.prompts), "--generations", str(a.generations), "--completion",
+             str(a.completion), "--warmup", str(a.warmup), "--steps", str(a.steps)],
+            capture_output=True, text=True, cwd=ROOT)
+        rows.append(peer_row(peer, proc))
+    return rows
+
+
+def report(a: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """The rows side by side, and Pomona's step time over each other row's."""
+    by = {r["name"]: r for r in rows if "error" not in r}
+    ratios = {f"pomona_step_vs_{n}": by["pomona"]["step_s"] / r["step_s"]
+              for n, r in by.items() if n != "pomona" and "pomona" in by}
+    if a.json:
+        print(json.dumps({"config": vars(a), "rows": rows, "ratios": ratios}))
+        return
+    for r in rows:
+        print(f"{r['name']:>16}  " + (r.get("error") or
+              f"{r['step_s'] * 1e3:8.1f} ms/step (rollouts {r['gen_s'] * 1e3:7.1f} ms)  "
+              f"{r['completion_tokens']:5.1f} tokens a completion  "
+              f"peak {r['peak_mb'] * 2**20 / 1e9:5.2f} GB"))
+    for k, v in ratios.items():
+        print(f"{k:>30}  {v:.2f}x")
+
+
+def main(argv: list[str]) -> int:
+    a = parser().parse_args(argv)
+    if a.row:  # a child: one row on the parent's model and prompts
+        print(json.dumps(pomona_row(a, Path(a.work))))
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        model_and_prompts(a, Path(tmp))
+        rows = rows_of(a, argv, Path(tmp))
+    report(a, rows)
+    return 0
