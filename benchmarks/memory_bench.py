@@ -64,7 +64,7 @@ def _head_fn(name: str, stack, a: argparse.Namespace):
         tg = mx.array(targets)
         return lambda: mx.value_and_grad(lambda x: loss_fn(dense_logps(stack, x, tg)))(h)
     active = np.ones((n, t), bool)
-    return lambda: bounded_head_grad(stack, h, targets, active, loss_fn, a.head_chunk,
+    return lambda: bounded_head_grad(stack.head, h, targets, active, loss_fn, a.head_chunk,
                                      a.inflight)
 
 

@@ -18,6 +18,7 @@ sampling and reference log-probs near the policy's: see ``batches``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import mlx.core as mx
 import mlx_lm
@@ -29,6 +30,7 @@ from engine.check.load_check import checked_stack
 from engine.forward.group_layout import group_layout
 from engine.forward.rollouts import Rollouts
 from engine.losses.grpo import Grpo
+from engine.train.group_backward import staged_group_objective
 from engine.train.group_steps import GroupBatch, completion_logps, group_objective, group_rows
 from tasks.models.model_factory import init_model
 from tests.family_specs import BASE, MOE, SPECS, WINDOW
@@ -80,8 +82,12 @@ def batches(model, stack, prompts, rollouts, seed: int) -> tuple[GroupBatch, Gro
     return plain, shared
 
 
-def run(model, stack, batch: GroupBatch):
-    (loss, metrics), grads = group_objective(model, stack, LOSS)(batch, 0.0, 1.0)
+def run(model, stack, batch: GroupBatch, segment_size: int = 0, head_chunk: int = 0):
+    """(loss, metrics, grads) of one update on ``batch``: plain autograd, or the staged
+    backward (engine/train/group_backward.py) at ``segment_size`` and ``head_chunk``."""
+    objective = (staged_group_objective(model, stack, LOSS, segment_size, head_chunk)
+                 if segment_size or head_chunk else group_objective(model, stack, LOSS))
+    (loss, metrics), grads = objective(batch, 0.0, 1.0)
     mx.eval(loss, metrics, grads)
     return loss, metrics, dict(tree_flatten(grads))
 
@@ -109,13 +115,18 @@ def logp_gap(model, stack, got: GroupBatch, want: GroupBatch) -> float:
 def test_the_group_shared_forward_equals_g_separate_rows(arch: str, family) -> None:
     """Catches a completion seeing another's tokens, a rope or sliding window counted in
     concatenation positions, a gathered position off by one, a donor's K/V or a LoRA
-    gradient lost: each moves a log-prob, the loss or a gradient past the tolerance."""
+    gradient lost: each moves a log-prob, the loss or a gradient past the tolerance; and
+    the staged backward (segments of 1 with a bounded head of 16 rows, segments of 2 with
+    the dense head) on either layout gives the plain update's loss and gradients."""
     model, stack = family(arch)
     prompts, rollouts = groups(0)
     plain, shared = batches(model, stack, prompts, rollouts, 1)
     assert shared.layout.fed < int(np.prod(plain.ids.shape))  # the prompt once a group
     assert logp_gap(model, stack, shared, plain) <= LOGP_RTOL
-    assert_same(run(model, stack, shared), run(model, stack, plain), GROUP_GRAD_RTOL, LOSS_ABS)
+    ref = run(model, stack, plain)
+    assert_same(run(model, stack, shared), ref, GROUP_GRAD_RTOL, LOSS_ABS)
+    for batch, (k, chunk) in itertools.product((plain, shared), ((1, 16), (2, 0))):
+        assert_same(run(model, stack, batch, k, chunk), ref, GROUP_GRAD_RTOL, LOSS_ABS)
 
 
 @pytest.mark.unit
@@ -150,3 +161,17 @@ def test_the_rows_point_at_each_completion_token_and_its_predictor() -> None:
         p, c = len(prompts[n // G].prompt), len(completion)
         assert mask[n].sum() == c and list(at[n, :c]) == list(range(p - 1, p - 1 + c))
         assert [int(ids[n, a + 1]) for a in at[n, :c]] == completion
+
+
+@pytest.mark.unit
+def test_mlp_chunks_keep_the_staged_update_exact(tiny_model) -> None:
+    """``mlp_chunk`` (each MLP on 8-row chunks, recomputed in the backward) under the
+    staged backward on the group layout: the plain update's loss and gradients."""
+    from engine.model.recompute import mlp_chunks
+
+    model, _ = mlx_lm.load(str(tiny_model))
+    model, stack = with_lora(model), checked_stack(model)[0]
+    plain, shared = batches(model, stack, *groups(5), 6)
+    ref = run(model, stack, plain)
+    with mlp_chunks(stack.layers, 8):
+        assert_same(run(model, stack, shared, 1, 16), ref, GROUP_GRAD_RTOL, LOSS_ABS)

@@ -206,28 +206,32 @@ def test_dapo_samples_a_flat_group_again_until_its_rewards_differ(tiny_model, pa
 @pytest.mark.unit
 def test_the_group_shared_update_trains_what_the_plain_one_trains(tiny_model, parity,
                                                                    tmp_path) -> None:
-    """``--prefix-share on`` (one row a group) and ``off`` (a row a completion) take the
-    same first update on the same rollouts: its reward, loss and gradient norm (1e-5
+    """``--prefix-share on`` (one row a group), ``off`` (a row a completion) and ``on``
+    through the staged backward (segments of 1, a head of 16 rows) take the same first
+    update on the same rollouts: its reward, loss and gradient norm (1e-5
     relative; Adam's sign-like first step would turn a 1e-7 gradient into a whole
     learning rate, so the adapters are not compared), and ``auto`` shares only where the
     prompt outweighs the completions (shares_group)."""
     from engine.forward.group_layout import shares_group
 
     first = {}
-    for share in ("on", "off"):
-        out = tmp_path / share
+    for name, levers in (("on", ()), ("off", ()), ("staged", ("--segment-size", "1",
+                                                               "--head-chunk", "16"))):
+        out = tmp_path / name
+        share = "off" if name == "off" else "on"
         code, lines = pomona(*grpo_args(tiny_model, parity, out, "--reward",
                                         "python:tests.grpo_rewards:digits", "--steps", "1",
                                         "--val-every", "0", "--grpo-beta", "0.04",
-                                        "--grad-accum", "2", "--prefix-share", share))
+                                        "--grad-accum", "2", "--prefix-share", share, *levers))
         assert code == 0, lines
-        first[share] = records(out)[0]
-        assert first[share]["prefix_share_rate"] == float(share == "on")
-    on, off = first["on"], first["off"]
-    assert on["reward"] == off["reward"] and on["grad_norm"] > 0
-    for name in ("grad_norm", "kl"):
-        assert on[name] == pytest.approx(off[name], rel=1e-5), name
-    assert on["loss"] == pytest.approx(off["loss"], rel=1e-5, abs=1e-7)
+        first[name] = records(out)[0]
+        assert first[name]["prefix_share_rate"] == float(share == "on")
+    off = first["off"]
+    for on in (first["on"], first["staged"]):
+        assert on["reward"] == off["reward"] and on["grad_norm"] > 0
+        for name in ("grad_norm", "kl"):
+            assert on[name] == pytest.approx(off[name], rel=1e-5), name
+        assert on["loss"] == pytest.approx(off["loss"], rel=1e-5, abs=1e-7)
     assert shares_group([512], [128] * 8, "auto") and not shares_group([32], [128] * 8, "auto")
     assert shares_group([32], [128] * 8, "on") and not shares_group([512], [128] * 8, "off")
 

@@ -37,6 +37,8 @@ from engine.model.masks import Masks
 LossOfLogps = Callable[[mx.array], tuple[mx.array, dict[str, mx.array]]]
 Grads = dict[str, mx.array]
 Result = tuple[mx.array, dict[str, mx.array], Grads]
+# (last hidden state, the backward's queue) → (loss, metrics, dL/d(last hidden state))
+HeadGrad = Callable[[mx.array, InFlight], tuple[mx.array, dict[str, mx.array], mx.array]]
 
 
 def segment_ranges(n_layers: int, k: int) -> list[tuple[int, int]]:
@@ -153,48 +155,58 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, batch: PairBatch | 
     """
     prefix = batch if isinstance(batch, PrefixBatch) else None
     pairs = prefix.pairs if prefix else batch
+
+    def head(h_last: mx.array, flight: InFlight) -> tuple[mx.array, dict, mx.array]:
+        return _head_grad(stack, pairs, prefix, h_last, loss_of_logps, head_chunk, inflight,
+                          flight)
+
     with layout_masks(model, batch) as masks:
-        ranges = segment_ranges(len(stack.layers), segment_size or len(stack.layers))
         tokens = mx.array(prefix.inputs if prefix else pairs.inputs)
-        h = stack.embed(tokens)
-        side = stack.side(tokens, h, masks)
-        flight = InFlight(inflight)
-        flight.push(h, side)
-        phase_done("embed")
-        boundaries, states, segments = [h], {}, []
-        for s, e in ranges:  # forward: keep only boundary states, each evaluated
-            segments.append(Segment(stack, s, e, masks, side, states))
-            h, exported = segments[-1].forward(h, segments[-1].inputs)
-            states.update(exported)
-            # Bounded in-flight evaluation: one eval for the whole forward, or async_eval
-            # alone, kept every intermediate alive on CUDA (H200: 3.7x the peak).
-            flight.push(h, exported)
-            boundaries.append(h)
-            phase_done(f"forward {s}-{e}")
+        return staged_value_and_grad(stack, tokens, masks, head, segment_size, inflight)
 
-        # One queue from the embedding to the last segment's backward: no stage waits for
-        # the one before it to finish, and still at most ``inflight`` are queued.
-        h_last = boundaries.pop()
-        loss, metrics, cot = _head_grad(stack, pairs, prefix, h_last, loss_of_logps, head_chunk,
-                                        inflight, flight)
-        del h_last
-        phase_done("head")
 
-        grads: Grads = {}
-        state_cots: dict[int, State] = {}
-        # Segments below the lowest LoRA layer train nothing: the backward stops there.
-        first = next(j for j, seg in enumerate(segments) if seg.params)
-        for j in range(len(ranges) - 1, first - 1, -1):  # backward: one segment at a time
-            seg = segments[j]
-            cot, d_state, seg_grads = seg.vjp(boundaries.pop(), cot,
-                                              {d: state_cots.pop(d) for d in seg.exports},
-                                              input_grad=j > first)
-            _add_state(state_cots, d_state)
-            flight.push(*([cot] if cot is not None else []), seg_grads, d_state)
-            grads.update(seg_grads)
-            phase_done(f"backward {seg.start}-{seg.end}")
-        # Not drained: the last stages are queued (async_eval), and the trainer queues its
-        # update behind them before it waits; a caller that reads the grads waits there.
+def staged_value_and_grad(stack: Stack, tokens: mx.array, masks: Masks, head: HeadGrad,
+                          segment_size: int, inflight: int = 2) -> Result:
+    """The segmented backward over ``tokens`` under ``masks`` (the caller holds them for
+    the whole call: each segment's vjp recomputes its forward), ``head`` turning the last
+    hidden state into (loss, metrics, its cotangent): the pairs' head or a group loss's."""
+    ranges = segment_ranges(len(stack.layers), segment_size or len(stack.layers))
+    h = stack.embed(tokens)
+    side = stack.side(tokens, h, masks)
+    flight = InFlight(inflight)
+    flight.push(h, side)
+    phase_done("embed")
+    boundaries, states, segments = [h], {}, []
+    for s, e in ranges:  # forward: keep only boundary states, each evaluated
+        segments.append(Segment(stack, s, e, masks, side, states))
+        h, exported = segments[-1].forward(h, segments[-1].inputs)
+        states.update(exported)
+        # Bounded in-flight evaluation: one eval for the whole forward, or async_eval
+        # alone, kept every intermediate alive on CUDA (H200: 3.7x the peak).
+        flight.push(h, exported)
+        boundaries.append(h)
+        phase_done(f"forward {s}-{e}")
+
+    # One queue from the embedding to the last segment's backward: no stage waits for
+    # the one before it to finish, and still at most ``inflight`` are queued.
+    loss, metrics, cot = head(boundaries.pop(), flight)
+    phase_done("head")
+
+    grads: Grads = {}
+    state_cots: dict[int, State] = {}
+    # Segments below the lowest LoRA layer train nothing: the backward stops there.
+    first = next(j for j, seg in enumerate(segments) if seg.params)
+    for j in range(len(ranges) - 1, first - 1, -1):  # backward: one segment at a time
+        seg = segments[j]
+        cot, d_state, seg_grads = seg.vjp(boundaries.pop(), cot,
+                                          {d: state_cots.pop(d) for d in seg.exports},
+                                          input_grad=j > first)
+        _add_state(state_cots, d_state)
+        flight.push(*([cot] if cot is not None else []), seg_grads, d_state)
+        grads.update(seg_grads)
+        phase_done(f"backward {seg.start}-{seg.end}")
+    # Not drained: the last stages are queued (async_eval), and the trainer queues its
+    # update behind them before it waits; a caller that reads the grads waits there.
     return loss, metrics, grads
 
 
@@ -214,7 +226,7 @@ def _head_grad(stack: Stack, pairs: PairBatch, prefix: PrefixBatch | None, h_las
         return loss, metrics, cot
     active = (pairs.resp_mask > 0) | (pairs.nll_mask > 0)
     h_pairs = to_pair_layout(h_last, prefix) if prefix else h_last
-    loss, metrics, cot = bounded_head_grad(stack, h_pairs, pairs.targets, active,
+    loss, metrics, cot = bounded_head_grad(stack.head, h_pairs, pairs.targets, active,
                                            loss_of_logps, head_chunk, inflight, flight)
     if prefix:  # the gather's vjp: prompt positions collect both branches' gradients
         cot = from_pair_layout(cot, prefix)

@@ -52,7 +52,7 @@ def _logit_grads(logits: mx.array, y: mx.array) -> tuple[mx.array, mx.array]:
 
 
 def bounded_head_grad(
-    stack: Stack,
+    head: Callable[[mx.array], mx.array],
     h: mx.array,
     targets: np.ndarray,
     active: np.ndarray,
@@ -62,6 +62,7 @@ def bounded_head_grad(
     flight: InFlight | None = None,
 ) -> tuple[mx.array, dict[str, mx.array], mx.array]:
     """Loss, metrics and dL/dh for h [N, T, H], never holding more than ``chunk`` logits rows.
+``head``: hidden states to logits (a stack's ``head``; GRPO's over its temperature).
 
     ``active`` [N, T] bool marks tokens whose log-prob the loss reads; the others get no
     head work and zero gradient. ``inflight`` pieces of ``chunk / inflight`` rows are
@@ -83,8 +84,8 @@ def bounded_head_grad(
     lps, jacs = [], []
     for s, e in spans:  # at most ``chunk`` rows of logits alive at a time
         h_c, y = h_act[s:e], flat_targets[s:e]
-        lp, cot = _logit_grads(stack.head(h_c), y)
-        _, (jac,) = mx.vjp(stack.head, [h_c], [cot])
+        lp, cot = _logit_grads(head(h_c), y)
+        _, (jac,) = mx.vjp(head, [h_c], [cot])
         flight.push(lp, jac)
         lps.append(lp)
         jacs.append(jac)

@@ -38,10 +38,10 @@ from engine.model.adapters import (
     save_checkpoint,
 )
 from engine.settings.config import TrainConfig
+from engine.train.group_backward import objective_for
 from engine.train.group_reference import BASE_REFERENCE, KlReference, kl_reference
 from engine.train.group_steps import (
     Sampler,
-    group_objective,
     group_update,
     mix_seed,
     prompt_batches,
@@ -98,12 +98,11 @@ def refuse_unsupported(cfg: TrainConfig, loss: Grpo) -> None:
         raise ValueError(f"checkpoint_every={cfg.checkpoint_every} with grpo_num_iterations="
                          f"{loss.grpo_num_iterations}: a checkpoint must fall at a cycle's end "
                          "(a resume samples the next cycle afresh); give a multiple")
-    unread = [n for n in ("segment_size", "head_chunk", "mlp_chunk") if getattr(cfg, n)]
-    unread += [n for n, default in (("prefix_attention", "auto"), ("pad_multiple", -1))
-               if getattr(cfg, n) != default]  # the group layout is a block mask, unpadded
+    unread = [n for n, default in (("prefix_attention", "auto"), ("pad_multiple", -1))
+              if getattr(cfg, n) != default]  # the group layout is a block mask, unpadded
     if unread or cfg.verify:
-        log.warning("%s: not read by loss grpo yet (its update is plain autograd, over "
-                    "the plain rows or the group layout's block mask)",
+        log.warning("%s: not read by loss grpo yet (its forward runs the plain rows or "
+                    "the group layout's block mask, unpadded, and is not verified)",
                     ", ".join([*unread, *(["verify"] if cfg.verify else [])]))
 
 
@@ -210,7 +209,7 @@ def loop(run: GroupRun, callbacks: Sequence[Callback]) -> None:
     cfg, loss, model = run.cfg, run.loss, run.prepared.model
     mu, per_step = loss.grpo_num_iterations, cfg.batch_size * cfg.grad_accum
     batches = prompt_batches(run.prompts.train, per_step, cfg.seed, run.start // mu)
-    objective = group_objective(model, run.prepared.stack, loss)
+    objective = objective_for(model, run.prepared.stack, loss, cfg)
     sampler = Sampler(model, run.prepared.tokenizer, loss, run.reward, cfg.batch_size,
                       run.reference)
     settings = run_settings(cfg) if cfg.checkpoint_every else {}
