@@ -18,6 +18,8 @@ KINDS = {
                                "ratio."),
     "group": ("group_bench", "GRPO's update: G separate rows against the group-shared forward."),
     "grpo": ("grpo_bench", "A whole GRPO step (rollouts, reward, update) beside mlx-lm-lora's."),
+    "grpo-learn": ("grpo_learning", "GRPO from a verifier alone: held-out greedy scores before "
+                                    "and after, paired."),
     "attention": ("attention_bench", "MLX's fused attention at query:key shapes."),
     "profile": ("profile_bench", "Where one segmented step's time goes, stage by stage."),
     "ops": ("ops_bench", "One layer's blocks op by op, forward and backward."),

@@ -27,3 +27,16 @@ def test_grpo_bench_times_a_whole_step_beside_mlx_lm_lora() -> None:
     assert peer["name"] == "mlx-lm-lora-grpo" and "rollouts" in peer["semantics"]
     assert out["ratios"]["pomona_step_vs_mlx-lm-lora-grpo"] == pytest.approx(
         shared["step_s"] / peer["step_s"])
+
+
+def test_grpo_learn_scores_the_same_test_prompts_before_and_after(tmp_path) -> None:
+    """`pomona bench grpo-learn` at toy size: the warm start and each seed's GRPO adapter
+    score the same held-out prompts, with the paired test's counts."""
+    out = bench("grpo-learn", "--rows", "200", "--sft-steps", "2", "--steps", "2",
+                "--seeds", "0,1", "--work", str(tmp_path), "--json")
+    assert [r["seed"] for r in out["rows"]] == [0, 1]
+    for r in out["rows"]:
+        assert r["prompts"] == out["rows"][0]["prompts"] > 10  # a tenth held out for test
+        assert 0 <= r["start"] <= 1 and 0 <= r["end"] <= 1
+        assert r["wins"] + r["losses"] <= r["prompts"] and 0 < r["p"] <= 1
+    assert (tmp_path / "grpo-s1" / "adapters.safetensors").exists()
