@@ -20,7 +20,8 @@ Rows, each in a fresh process (its peak its own):
 - ``pomona_rows``: the same, ``prefix_share: off`` (a row a completion);
 - ``mlx-lm-lora`` (``--peer``): benchmarks/mlx_lm_lora_grpo.py.
 Step time = the median of the steps after ``--warmup`` (each step's wall time: rollouts,
-reward and update; a step's rollout time is said beside it).
+reward and update; beside it ``gen_s``: Pomona's rollouts with their reward, the peer's
+``generate_grpo`` alone).
 """
 
 from __future__ import annotations
@@ -125,8 +126,9 @@ def rows_of(a: argparse.Namespace, argv: list[str], work: Path) -> list[dict[str
         rows.append(peer_row(name, proc))
     for peer in a.peer:
         if not importlib.util.find_spec("mlx_lm_lora"):
-            rows.append({"name": peer, "error": "mlx_lm_lora is not installed here (pip "
-                                                "install 'pomona[bench]')"})
+            rows.append({"name": "mlx-lm-lora-grpo",
+                         "error": "mlx_lm_lora is not installed here (pip install "
+                                  "'pomona[bench]')"})
             continue
         proc = subprocess.run(
             [sys.executable, "-m", "benchmarks.mlx_lm_lora_grpo", "--model",

@@ -38,7 +38,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sft-steps", type=int, default=80, help="The warm start's steps.")
     p.add_argument("--steps", type=int, default=300, help="GRPO's steps.")
     p.add_argument("--learning-rate", type=float, default=5e-4)
-    p.add_argument("--grpo-beta", type=float, default=0.1,
+    p.add_argument("--grpo-beta", type=float, default=0.2,
                    help="The KL's weight against the warm start.")
     p.add_argument("--rows", type=int, default=2200, help="Parity rows (the demo's).")
     p.add_argument("--work", help="Keep the model, data and adapters here.")
@@ -94,15 +94,15 @@ def grpo(a: argparse.Namespace, model: Path, data: Path, start: Path, seed: int,
 
 def test_scores(model: Path, data: Path, adapter: Path) -> dict[str, float]:
     """Each test prompt's verifier score of ``adapter``'s greedy completion."""
-    from engine.check.load_check import checked_stack
     from engine.data.prompts import prompts_for
     from engine.forward.generation import greedy_batch
     from engine.losses.grpo import Grpo
-    from engine.model.load import load_model
+    from engine.train.prepared import prepare_scoring
     from engine.train.reward_source import load_reward
 
-    policy, tokenizer = load_model(str(model), str(adapter))
-    prompts = prompts_for(str(data), str(model), checked_stack(policy)[0], tokenizer).test
+    prepared = prepare_scoring(str(model), str(adapter))  # as evaluation loads an adapter
+    policy, tokenizer = prepared.model, prepared.tokenizer
+    prompts = prompts_for(str(data), str(model), prepared.stack, tokenizer).test
     done = greedy_batch(policy, tokenizer, [p.prompt for p in prompts], 6, 64)
     texts = [tokenizer.decode(t, skip_special_tokens=True) for t in done.tokens]
     rewards, _ = load_reward(Grpo(reward=(REWARD,)))([p.prompt_text for p in prompts], texts,

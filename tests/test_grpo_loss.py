@@ -163,3 +163,25 @@ def test_settings_are_refused_by_name() -> None:
     gl = GroupLogps(mx.zeros((4, 2)), mx.ones((4, 2)), mx.zeros((4,)))
     with pytest.raises(ValueError, match="needs reference log-probs"):
         Grpo(grpo_beta=0.1).group_terms(gl, 2)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind", LOSS_TYPES)
+def test_padding_log_probs_far_from_the_old_ones_stay_out_of_the_loss(kind: str) -> None:
+    """A padding position whose log-prob is 0 (the bounded head's) against an old or
+    reference log-prob of −200 (exp(200) overflows float32): the loss and its gradient
+    are finite and those of the same batch with the padding's log-probs equal."""
+    logps = mx.array([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]])
+    mask = mx.array([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    far = mx.array([[-1.2, -1.9, -200.0], [-0.4, -200.0, -200.0]])
+    near = mx.where(mask > 0, far, logps)
+    loss = Grpo(grpo_loss_type=kind, grpo_beta=0.04, grpo_num_iterations=2)
+
+    def value(lp, old):
+        gl = GroupLogps(lp, mask, mx.array([1.0, -1.0]), old, old)
+        return loss.group_terms(gl, 4).loss
+
+    got, grad = mx.value_and_grad(value)(logps, far)
+    want, want_grad = mx.value_and_grad(value)(logps, near)
+    assert np.isfinite(float(got)) and float(got) == pytest.approx(float(want), rel=1e-6)
+    assert np.allclose(np.array(grad), np.array(want_grad), atol=1e-7)

@@ -99,7 +99,10 @@ class Grpo(GroupLossSettings):
         logps, mask = gl.logps.astype(mx.float32), gl.mask.astype(mx.float32)
         adv = gl.advantages.astype(mx.float32)[:, None]  # [N, 1]
         old = mx.stop_gradient(logps) if gl.old_logps is None else gl.old_logps
-        ratio = mx.exp(logps - old)
+        # A padding position's log-probs are of no token (the bounded head leaves them 0):
+        # kept out of every exp, where 0 − old could overflow and 0 · inf poison the sums.
+        live = mask > 0
+        ratio = mx.exp(mx.where(live, logps - old, 0.0))
         low, high = 1 - self.grpo_epsilon, 1 + self.epsilon_high
         per_token = -mx.minimum(ratio * adv, mx.clip(ratio, low, high) * adv)
         tokens = mx.maximum(mask.sum(), 1.0)
@@ -108,7 +111,7 @@ class Grpo(GroupLossSettings):
             if gl.ref_logps is None:
                 raise ValueError("loss grpo with grpo_beta > 0 needs reference log-probs: "
                                  "none were attached to this batch")
-            delta = gl.ref_logps.astype(mx.float32) - logps
+            delta = mx.where(live, gl.ref_logps.astype(mx.float32) - logps, 0.0)
             kl = mx.exp(delta) - delta - 1
             per_token = per_token + self.grpo_beta * kl
             metrics["kl"] = mx.stop_gradient((kl * mask).sum() / tokens)

@@ -62,9 +62,9 @@ class KlReference:
                 yield
             return
         own, training = dict(tree_flatten(model.trainable_parameters())), model.training
-        model.update(tree_unflatten(list(self.weights.items())))
-        model.eval()
         try:
+            model.update(tree_unflatten(list(self.weights.items())))
+            model.eval()
             with lora_scaled(model, self.scale):
                 yield
         finally:
@@ -77,8 +77,9 @@ BASE_REFERENCE = KlReference()
 
 def kl_reference(reference: Reference, model: nn.Module, base: str) -> KlReference:
     """``reference`` made ready for ``model``'s LoRA: the base as it is; an adapter read,
-    checked to be trained on ``base`` (its recorded content key) and to fit the policy's
-    LoRA tensor for tensor (its rank, keys and layers), else one line naming it."""
+    checked to be trained on ``base`` (where its config records the base's content key, as
+    Pomona's do) and to fit the policy's LoRA tensor for tensor (its rank, keys and
+    layers), its scale given; else one line naming it."""
     if not isinstance(reference, AdapterRef):
         return BASE_REFERENCE
     folder = Path(reference.path).expanduser()
@@ -90,5 +91,8 @@ def kl_reference(reference: Reference, model: nn.Module, base: str) -> KlReferen
         raise ValueError(f"reference adapter {folder} for loss grpo: {err} (its KL pass "
                          "wears the reference's LoRA in the policy's own layers, so train "
                          "with the reference's --lora-rank, keys and layers)") from None
-    scale = float(config.get("lora_parameters", {}).get("scale", 1.0))
-    return KlReference(weights, scale, str(folder))
+    scale = (config.get("lora_parameters") or {}).get("scale")
+    if scale is None:  # mlx-lm's own loader needs it too
+        raise ValueError(f"reference adapter {folder}: its adapter_config.json gives no "
+                         "lora_parameters.scale, so its LoRA's strength is unknown")
+    return KlReference(weights, float(scale), str(folder))

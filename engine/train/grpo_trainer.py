@@ -98,6 +98,9 @@ def refuse_unsupported(cfg: TrainConfig, loss: Grpo) -> None:
         raise ValueError(f"checkpoint_every={cfg.checkpoint_every} with grpo_num_iterations="
                          f"{loss.grpo_num_iterations}: a checkpoint must fall at a cycle's end "
                          "(a resume samples the next cycle afresh); give a multiple")
+    if loss.grpo_beta == 0 and str(cfg.reference) != "base":
+        log.warning("reference %s: not read with grpo_beta 0 (no KL term); give "
+                    "--grpo-beta > 0 to pull the policy towards it", cfg.reference)
     unread = [n for n, default in (("prefix_attention", "auto"), ("pad_multiple", -1))
               if getattr(cfg, n) != default]  # the group layout is a block mask, unpadded
     if unread or cfg.verify:
