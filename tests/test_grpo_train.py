@@ -283,3 +283,23 @@ def test_an_adapter_as_the_kl_reference(tiny_model, parity, tmp_path) -> None:
     assert code == 2 and len(errors) == 1, lines
     assert f"reference adapter {start} for loss grpo" in errors[0], errors
     assert not (tmp_path / "misfit" / "adapters.safetensors").exists()
+
+
+@pytest.mark.unit
+def test_each_micro_batch_draws_its_own_dropout_masks(tiny_model, parity, tmp_path,
+                                                      monkeypatch) -> None:
+    """With LoRA dropout, every micro-batch of every step is seeded as the pair trainer
+    seeds it (``micro_seed``), so no two draw the same masks."""
+    from engine.model.load import micro_seed
+    from engine.train import grpo_trainer
+
+    seeds: list[int] = []
+    real = grpo_trainer.set_dropout_seed
+    monkeypatch.setattr(grpo_trainer, "set_dropout_seed",
+                        lambda model, seed: seeds.append(seed) or real(model, seed))
+    code, lines = pomona(*grpo_args(tiny_model, parity, tmp_path / "d", "--reward",
+                                    "python:tests.grpo_rewards:digits", "--steps", "2",
+                                    "--val-every", "0", "--grad-accum", "2",
+                                    "--lora-dropout", "0.1", "--seed", "3"))
+    assert code == 0, lines
+    assert seeds == [micro_seed(3, step, i) for step in (1, 2) for i in (0, 1)]

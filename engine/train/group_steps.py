@@ -241,15 +241,19 @@ def group_objective(model: nn.Module, stack: Stack, loss: Grpo) -> Callable[...,
 
 
 def group_update(step: int, cycle: Cycle, objective: Callable[..., Any], loss: Grpo,
-                 update: Callable[[Any], mx.array]) -> tuple[float, dict[str, float], float]:
+                 update: Callable[[Any], mx.array],
+                 reseed: Callable[[int], None] = lambda micro: None
+                 ) -> tuple[float, dict[str, float], float]:
     """One optimizer update on ``cycle``: each micro-batch's gradient summed (DAPO's
     normaliser is the cycle's tokens; the other types' means over micro-batches), then the
     compiled clip + AdamW (engine/backward/update.py). (loss, metrics, grad norm); a
-    non-finite loss or norm stops the run before the update is saved."""
+    non-finite loss or norm stops the run before the update is saved. ``reseed(i)`` runs
+    before micro-batch i: its LoRA dropout masks, the pair trainer's (``micro_seed``)."""
     dapo = loss.grpo_loss_type == "dapo"
     scale = 1.0 if dapo else 1.0 / len(cycle.batches)
     total, value, sums = None, 0.0, {}
-    for batch in cycle.batches:
+    for i, batch in enumerate(cycle.batches):
+        reseed(i)
         (part, metrics), grads = objective(batch, float(cycle.tokens), scale)
         total = grads if total is None else tree_map(mx.add, total, grads)
         mx.eval(part, metrics, total)

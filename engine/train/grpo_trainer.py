@@ -37,6 +37,7 @@ from engine.model.adapters import (
     prune_checkpoints,
     save_checkpoint,
 )
+from engine.model.load import micro_seed, set_dropout_seed
 from engine.settings.config import TrainConfig
 from engine.train.group_backward import objective_for
 from engine.train.group_reference import BASE_REFERENCE, KlReference, kl_reference
@@ -230,7 +231,9 @@ def loop(run: GroupRun, callbacks: Sequence[Callback]) -> None:
                              run.prepared.stack, cfg.prefix_share)
             run.trained += len(prompts)
         t1 = time.perf_counter()
-        value, metrics, norm = group_update(step, cycle, objective, loss, run.update)
+        value, metrics, norm = group_update(
+            step, cycle, objective, loss, run.update,
+            lambda micro, step=step: set_dropout_seed(model, micro_seed(cfg.seed, step, micro)))
         lr = float(run.optimizer.learning_rate)  # the rate this update used
         seconds = time.perf_counter() - t1
         run.tokens, run.seconds = run.tokens + cycle.tokens, run.seconds + seconds
