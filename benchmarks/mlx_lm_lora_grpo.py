@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-KEYS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
+from benchmarks.mlx_lm_lora_orpo import StepTimes, lora_model
 
 
 def parser() -> argparse.ArgumentParser:
@@ -118,49 +118,34 @@ def args_for(a: argparse.Namespace, longest: int, tmp: str) -> Any:
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
-    import mlx.core as mx
     import mlx.optimizers as optim
     import mlx_lm_lora.trainer.grpo_trainer as grpo
-    from mlx_lm import load
-    from mlx_lm.tuner.utils import linear_to_lora_layers
     from mlx_lm_lora import __version__
 
-    model, tokenizer = load(a.model)
-    model.freeze()
-    linear_to_lora_layers(model, len(model.layers),
-                          {"rank": 16, "scale": 2.0, "dropout": 0.0, "keys": KEYS})
+    model, tokenizer = lora_model(a.model)
     data = rows_of(Path(a.data))
     longest = max(len(r[0]) for r in data)  # no prompt is cut
     gens: list[float] = []
     time_rollouts(grpo, gens)
-    steps: list[float] = []
     gen_s: list[float] = []
     tokens: list[float] = []
-    peaks: list[float] = []
 
-    class Heard:  # its reports, one a step
-        def on_train_loss_report(self, info: dict[str, Any]) -> None:
-            if info["iteration"] == a.warmup:
-                mx.reset_peak_memory()  # the timed steps' peak from here
-            elif info["iteration"] > a.warmup:
-                steps.append(1.0 / info["iterations_per_second"])
-                gen_s.append(gens[-1])  # this step's rollouts (no eval runs between)
-                tokens.append(info["train_average_generated_tokens"])
-                peaks.append(mx.get_peak_memory())
+    def more(info: dict[str, Any]) -> None:
+        gen_s.append(gens[-1])  # this step's rollouts (no eval runs between)
+        tokens.append(info["train_average_generated_tokens"])
 
-        def on_val_loss_report(self, info: dict[str, Any]) -> None:
-            pass
-
+    heard = StepTimes(a.warmup, more)
     with tempfile.TemporaryDirectory() as tmp:
         grpo.train_grpo(model, reference(a), tokenizer, optim.Adam(learning_rate=1e-5),
                         data, None, reward_funcs=[contains_answer],
-                        args=args_for(a, longest, tmp), training_callback=Heard(),
+                        args=args_for(a, longest, tmp), training_callback=heard,
                         end_answer_token="")
     return {"name": "mlx-lm-lora-grpo", "version": __version__, "prompts": a.prompts,
             "generations": a.generations, "completion": a.completion,
-            "step_s": statistics.median(steps), "steps_s": steps,
+            "step_s": statistics.median(heard.steps), "steps_s": heard.steps,
             "gen_s": statistics.median(gen_s), "gens_s": gen_s,
-            "completion_tokens": statistics.mean(tokens), "peak_mb": max(peaks) / 2**20,
+            "completion_tokens": statistics.mean(tokens),
+            "peak_mb": max(heard.peaks) / 2**20,
             "semantics": "GRPO as mlx-lm-lora runs it: a step = KV-cached rollouts "
                          f"({a.prompts} decoded at once) + contains reward + one update; "
                          f"loss 'grpo', epsilon 1e-4 (ratio 1: one update a rollout), "

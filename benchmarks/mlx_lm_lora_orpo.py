@@ -71,34 +71,53 @@ def device_info_for_cpu() -> None:
         mx.device_info = lambda: {**real(), "max_recommended_working_set_size": 0}
 
 
-def run(a: argparse.Namespace) -> dict[str, Any]:
-    import mlx.core as mx
-    import mlx.optimizers as optim
+def lora_model(path: str) -> tuple[Any, Any]:
+    """The model at ``path`` as each mlx-lm-lora row trains it: mlx-lm's load, frozen, LoRA
+    r16 (scale 2.0) on q/k/v/o of every layer (Pomona's bench rows' LoRA)."""
     from mlx_lm import load
     from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model, tokenizer = load(path)
+    model.freeze()
+    linear_to_lora_layers(model, len(model.layers),
+                          {"rank": 16, "scale": 2.0, "dropout": 0.0, "keys": KEYS})
+    return model, tokenizer
+
+
+class StepTimes:
+    """mlx-lm-lora's per-step reports after ``warmup``: each step's seconds and MLX's peak
+    (reset when the warmup ends); ``more(info)``: what else a row reads from a report."""
+
+    def __init__(self, warmup: int, more: Any = None) -> None:
+        self.warmup, self.more = warmup, more
+        self.steps: list[float] = []
+        self.peaks: list[float] = []
+
+    def on_train_loss_report(self, info: dict[str, Any]) -> None:
+        import mlx.core as mx
+
+        if info["iteration"] == self.warmup:
+            mx.reset_peak_memory()  # the timed steps' peak from here
+        elif info["iteration"] > self.warmup:
+            self.steps.append(1.0 / info["iterations_per_second"])
+            self.peaks.append(mx.get_peak_memory())
+            if self.more is not None:
+                self.more(info)
+
+    def on_val_loss_report(self, info: dict[str, Any]) -> None:
+        pass
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    import mlx.optimizers as optim
     from mlx_lm_lora import __version__
     from mlx_lm_lora.trainer.orpo_trainer import ORPOTrainingArgs, train_orpo
 
     device_info_for_cpu()
-    model, _ = load(a.model)
-    model.freeze()
-    linear_to_lora_layers(model, len(model.layers),
-                          {"rank": 16, "scale": 2.0, "dropout": 0.0, "keys": KEYS})
+    model, _ = lora_model(a.model)
     data = rows_of(Path(a.data))
     longest = max(len(r["chosen"]) for r in data)
-    steps: list[float] = []
-    peaks: list[float] = []
-
-    class Heard:  # its reports, one a step
-        def on_train_loss_report(self, info: dict[str, Any]) -> None:
-            if info["iteration"] == a.warmup:
-                mx.reset_peak_memory()  # the timed steps' peak from here
-            elif info["iteration"] > a.warmup:
-                steps.append(1.0 / info["iterations_per_second"])
-                peaks.append(mx.get_peak_memory())
-
-        def on_val_loss_report(self, info: dict[str, Any]) -> None:
-            pass
+    heard = StepTimes(a.warmup)
 
     with tempfile.TemporaryDirectory() as tmp:
         args = ORPOTrainingArgs(batch_size=a.pairs, iters=a.warmup + a.steps,
@@ -107,13 +126,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                                 adapter_file=str(Path(tmp) / "adapters.safetensors"),
                                 grad_checkpoint=a.grad_checkpoint)
         train_orpo(model, optim.Adam(learning_rate=1e-5), data, None, args=args,
-                   training_callback=Heard())
-    step_s = statistics.median(steps)
+                   training_callback=heard)
+    steps, step_s = heard.steps, statistics.median(heard.steps)
     seq = longest - 1  # a sequence of seq + 1 tokens feeds seq inputs
     return {"name": "mlx-lm-lora" + ("_gc" if a.grad_checkpoint else ""),
             "version": __version__, "seq": seq, "pairs": a.pairs, "step_s": step_s,
             "tokens_per_s": 2 * seq * a.pairs / step_s, "steps_s": steps,
-            "peak_mb": max(peaks) / 2**20,
+            "peak_mb": max(heard.peaks) / 2**20,
             "semantics": "ORPO as mlx-lm-lora computes it: NLL and odds over the response's "
                          "mean log-prob"}
 
