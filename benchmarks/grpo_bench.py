@@ -157,13 +157,30 @@ def report(a: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         print(f"{k:>30}  {v:.2f}x")
 
 
+LEAST = {"prompt": 1, "completion": 1, "generations": 2, "prompts": 1, "layers": 1,
+         "hidden": 1, "heads": 1, "kv_heads": 1, "intermediate": 1, "warmup": 0, "steps": 1}
+
+
+def check_args(a: argparse.Namespace) -> None:
+    """Each count at least what a GRPO step needs (G ≥ 2: a group's advantage), in one line."""
+    for name, least in LEAST.items():
+        if getattr(a, name) < least:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(a, name)}: must be at "
+                             f"least {least}")
+
+
 def main(argv: list[str]) -> int:
     a = parser().parse_args(argv)
     if a.row:  # a child: one row on the parent's model and prompts
         print(json.dumps(pomona_row(a, Path(a.work))))
         return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        model_and_prompts(a, Path(tmp))
-        rows = rows_of(a, argv, Path(tmp))
+    try:
+        check_args(a)
+        with tempfile.TemporaryDirectory() as tmp:
+            model_and_prompts(a, Path(tmp))  # a shape the model cannot take: refused here
+            rows = rows_of(a, argv, Path(tmp))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     report(a, rows)
     return 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,7 +42,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--grpo-beta", type=float, default=0.2,
                    help="The KL's weight against the warm start.")
     p.add_argument("--rows", type=int, default=2200, help="Parity rows (the demo's).")
-    p.add_argument("--work", help="Keep the model, data and adapters here.")
+    p.add_argument("--work", help="Keep the model, data and adapters here (an empty or new "
+                                  "folder).")
     p.add_argument("--json", action="store_true", help="Print one JSON object.")
     return p
 
@@ -117,7 +119,7 @@ def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     start = warm_start(a, model, data, work)
     before = test_scores(model, data, start)
     rows = []
-    for seed in (int(s) for s in a.seeds.split(",")):
+    for seed in seed_list(a.seeds):
         out = work / f"grpo-s{seed}"
         seconds = grpo(a, model, data, start, seed, out)
         after = test_scores(model, data, out)
@@ -133,12 +135,42 @@ def mean(scores: dict[str, float]) -> float:
     return sum(scores.values()) / len(scores)
 
 
+def seed_list(text: str) -> list[int]:
+    """``--seeds 0,1,2`` as its integers; ValueError in one line for anything else."""
+    try:
+        seeds = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--seeds {text!r}: expected integers separated by commas, as "
+                         "0,1,2") from None
+    if len(set(seeds)) < len(seeds):
+        raise ValueError(f"--seeds {text!r}: a seed twice (each seed is one run's folder)")
+    return seeds
+
+
+def check_args(a: argparse.Namespace) -> None:
+    """The seeds, counts and ``--work`` refused in one line before any work: ``--work`` must
+    be empty or new (this bench writes its model, data and runs there, and measures only
+    what it made itself)."""
+    seed_list(a.seeds)
+    for name, least in (("sft_steps", 1), ("steps", 1), ("rows", 20)):
+        if getattr(a, name) < least:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(a, name)}: must be at "
+                             f"least {least}")
+    if a.work and Path(a.work).exists() and any(Path(a.work).iterdir()):
+        raise ValueError(f"--work {a.work}: not empty; give an empty or new folder")
+
+
 def main(argv: list[str]) -> int:
     a = parser().parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(a.work or tmp)
-        work.mkdir(parents=True, exist_ok=True)
-        result = run(a, work)
+    try:
+        check_args(a)
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(a.work or tmp)
+            work.mkdir(parents=True, exist_ok=True)
+            result = run(a, work)
+    except (ValueError, FileNotFoundError) as err:  # too few prompts for a step, say
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if a.json:
         print(json.dumps(result))
         return 0

@@ -40,3 +40,23 @@ def test_grpo_learn_scores_the_same_test_prompts_before_and_after(tmp_path) -> N
         assert 0 <= r["start"] <= 1 and 0 <= r["end"] <= 1
         assert r["wins"] + r["losses"] <= r["prompts"] and 0 < r["p"] <= 1
     assert (tmp_path / "grpo-s1" / "adapters.safetensors").exists()
+
+
+def test_the_grpo_benches_refuse_bad_arguments_in_one_line(tmp_path, capsys) -> None:
+    """Seeds that are no integers, a count below what a step needs, a --work that holds
+    someone's files (left as they were): exit 2, one line, before any model is made."""
+    from benchmarks import grpo_bench, grpo_learning
+
+    (tmp_path / "theirs.txt").write_text("keep me")
+    cases = [(grpo_learning, ["--seeds", "0,a"], "--seeds '0,a': expected integers"),
+             (grpo_learning, ["--seeds", "1,1"], "a seed twice"),
+             (grpo_learning, ["--steps", "0"], "--steps 0: must be at least 1"),
+             (grpo_learning, ["--work", str(tmp_path)], "not empty"),
+             (grpo_bench, ["--generations", "1"], "--generations 1: must be at least 2"),
+             (grpo_bench, ["--steps", "0"], "--steps 0: must be at least 1")]
+    for module, args, message in cases:
+        assert module.main(args) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert [p.name for p in tmp_path.iterdir()] == ["theirs.txt"]
+    assert (tmp_path / "theirs.txt").read_text() == "keep me"

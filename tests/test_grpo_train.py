@@ -277,6 +277,11 @@ def test_an_adapter_as_the_kl_reference(tiny_model, parity, tmp_path) -> None:
         assert any(not mx.array_equal(inside[k], own[k]).item() for k in own)
     after = dict(tree_flatten(model.trainable_parameters()))
     assert model.training and all(after[k] is own[k] for k in own)
+    code, lines = pomona(*grpo_args(tiny_model, parity, tmp_path / "nowhere", *common,
+                                    "--reference", str(tmp_path / "nonesuch")))
+    errors = [x for x in lines if not x.startswith("load check")]
+    assert code == 2 and errors == [f"error: reference adapter {tmp_path / 'nonesuch'}: no "
+                                    "such directory (give an adapter folder, or base)"], lines
     code, lines = pomona(*grpo_args(tiny_model, parity, tmp_path / "misfit", *common,
                                     "--reference", str(start), "--lora-rank", "2"))
     errors = [x for x in lines if not x.startswith("load check")]

@@ -83,6 +83,9 @@ def kl_reference(reference: Reference, model: nn.Module, base: str) -> KlReferen
     if not isinstance(reference, AdapterRef):
         return BASE_REFERENCE
     folder = Path(reference.path).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"reference adapter {folder}: no such directory (give an adapter "
+                         "folder, or base)")
     config = read_adapter_config(folder)
     check_reference_base(folder, config, base)
     try:
