@@ -29,7 +29,7 @@ from engine.model.arch.stack import Stack
 from engine.model.head import bounded_head_grad, token_logps
 from engine.model.masks import CausalMasks
 from engine.settings.config import TrainConfig
-from engine.train.group_steps import GroupBatch, group_objective
+from engine.train.group_steps import GroupBatch, group_objective, predictors
 
 
 def objective_for(model: nn.Module, stack: Stack, loss: Grpo, cfg: TrainConfig
@@ -40,16 +40,6 @@ def objective_for(model: nn.Module, stack: Stack, loss: Grpo, cfg: TrainConfig
         return group_objective(model, stack, loss)
     return staged_group_objective(model, stack, loss, cfg.segment_size, cfg.head_chunk,
                                   cfg.inflight)
-
-
-def predictors(batch: GroupBatch) -> np.ndarray:
-    """[N, C]: each completion token's predicting position, a flat index into the
-    forward's hidden states (the rows' ``[N, L − 1]``, or the group layout's)."""
-    at = np.array(batch.at)
-    if batch.layout is not None:
-        return np.take_along_axis(batch.layout.gather, at, axis=1)
-    width = batch.ids.shape[1] - 1  # the rows' inputs: every token but the last
-    return np.arange(at.shape[0])[:, None] * width + at
 
 
 def group_head(stack: Stack, batch: GroupBatch, loss_of_logps: Callable[..., Any],

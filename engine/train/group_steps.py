@@ -64,6 +64,16 @@ class Cycle:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+def predictors(batch: GroupBatch) -> np.ndarray:
+    """[N, C]: each completion token's predicting position, a flat index into the
+    forward's hidden states (the rows' ``[N, L − 1]``, or the group layout's)."""
+    at = np.array(batch.at)
+    if batch.layout is not None:
+        return np.take_along_axis(batch.layout.gather, at, axis=1)
+    width = batch.ids.shape[1] - 1  # the rows' inputs: every token but the last
+    return np.arange(at.shape[0])[:, None] * width + at
+
+
 def completion_logps(model: nn.Module, stack: Stack, batch: GroupBatch, temperature: float
                      ) -> mx.array:
     """Each completion token's log-prob [N, C] (``batch.at``) under the policy the rollouts
@@ -75,8 +85,7 @@ def completion_logps(model: nn.Module, stack: Stack, batch: GroupBatch, temperat
     else:  # the completions' positions alone through the head
         with layout_masks(model, batch.layout) as masks:
             h = stack.hidden(mx.array(batch.layout.inputs), masks)
-        where = mx.take_along_axis(mx.array(batch.layout.gather), batch.at, axis=1)
-        logits = stack.head(h.reshape(-1, h.shape[-1])[where])
+        logits = stack.head(h.reshape(-1, h.shape[-1])[mx.array(predictors(batch))])
     return token_logps(logits / temperature if temperature != 1 else logits, targets)
 
 
