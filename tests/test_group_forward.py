@@ -31,7 +31,13 @@ from engine.forward.group_layout import group_layout
 from engine.forward.rollouts import Rollouts
 from engine.losses.grpo import Grpo
 from engine.train.group_backward import staged_group_objective
-from engine.train.group_steps import GroupBatch, completion_logps, group_objective, group_rows
+from engine.train.group_steps import (
+    GroupBatch,
+    completion_logps,
+    detached_logps,
+    group_objective,
+    group_rows,
+)
 from tasks.models.model_factory import init_model
 from tests.family_specs import BASE, MOE, SPECS, WINDOW
 from tests.parity import assert_same, with_lora
@@ -103,10 +109,14 @@ def family(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-def logp_gap(model, stack, got: GroupBatch, want: GroupBatch) -> float:
+def logp_gap(model, stack, got: GroupBatch, want: GroupBatch, head_chunk: int | None = None
+             ) -> float:
     """The largest gap between two paths' completion log-probs, in units of the largest
-    |log-prob| (LOGP_RTOL is the bound)."""
-    a, b = (completion_logps(model, stack, x, LOSS.temperature) for x in (got, want))
+    |log-prob| (LOGP_RTOL is the bound); with ``head_chunk``, ``got``'s taken with no
+    gradient (``detached_logps``, the sampling and reference passes')."""
+    a = (completion_logps(model, stack, got, LOSS.temperature) if head_chunk is None
+         else detached_logps(model, stack, got, LOSS.temperature, head_chunk))
+    b = completion_logps(model, stack, want, LOSS.temperature)
     return float((mx.abs(a - b) * want.mask).max() / (mx.abs(b) * want.mask).max())
 
 
@@ -123,6 +133,8 @@ def test_the_group_shared_forward_equals_g_separate_rows(arch: str, family) -> N
     plain, shared = batches(model, stack, prompts, rollouts, 1)
     assert shared.layout.fed < int(np.prod(plain.ids.shape))  # the prompt once a group
     assert logp_gap(model, stack, shared, plain) <= LOGP_RTOL
+    for batch, chunk in ((plain, 7), (shared, 0)):  # the sampling and reference passes'
+        assert logp_gap(model, stack, batch, plain, chunk) <= LOGP_RTOL
     ref = run(model, stack, plain)
     assert_same(run(model, stack, shared), ref, GROUP_GRAD_RTOL, LOSS_ABS)
     for batch, (k, chunk) in itertools.product((plain, shared), ((1, 16), (2, 0))):
@@ -175,3 +187,34 @@ def test_mlp_chunks_keep_the_staged_update_exact(tiny_model) -> None:
     ref = run(model, stack, plain)
     with mlp_chunks(stack.layers, 8):
         assert_same(run(model, stack, shared, 1, 16), ref, GROUP_GRAD_RTOL, LOSS_ABS)
+
+
+def peak_above(fn) -> float:
+    """The peak bytes ``fn()``'s evaluation holds above what was held before it."""
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    mx.eval(fn())
+    return mx.get_peak_memory() - base
+
+
+@pytest.mark.unit
+def test_the_detached_passes_never_hold_every_positions_logits(tmp_path) -> None:
+    """The sampling and reference log-probs (``detached_logps``), on a vocabulary of 8192
+    (where the logits, not attention, set a forward's peak): the model's own call
+    (``completion_logps``) holds the rows' [N, L − 1, V] float32 logits; the head on the
+    completion tokens alone peaks below it, and at 16 tokens a chunk below a quarter of
+    those logits (measured: 38 MB, 28 MB, 4.6 MB beside logits of 23 MB). Each equals the
+    model's log-probs."""
+    model, _ = mlx_lm.load(str(init_model(dataclasses.replace(BASE, vocab=8192), tmp_path)))
+    model, stack = with_lora(model), checked_stack(model)[0]
+    plain, _ = batches(model, stack, *groups(7), 8)
+    n, width = plain.ids.shape
+    logits_bytes = n * (width - 1) * model.args.vocab_size * 4
+    mx.eval(model.parameters())
+    whole = peak_above(lambda: completion_logps(model, stack, plain, LOSS.temperature))
+    got = {c: peak_above(lambda c=c: detached_logps(model, stack, plain, LOSS.temperature, c))
+           for c in (0, 16)}
+    assert whole > logits_bytes and got[0] < whole and got[16] < logits_bytes / 4, got
+    for chunk in got:
+        assert logp_gap(model, stack, plain, plain, chunk) <= LOGP_RTOL

@@ -11,6 +11,8 @@ nothing before it), the completion mask 1 on its tokens and on the stop token it
 whole (the plain forward), or over one row a group, ``[prompt | c1 | … | cG]``, the prompt
 computed once (the group-shared forward: engine/forward/group_layout.py), its hidden
 states gathered back into the plain rows: the head and the loss read the same arrays.
+The sampling and reference log-probs (no gradient: ``detached_logps``) run the head on the
+completion tokens alone, ``head_chunk`` of them at a time.
 """
 
 from __future__ import annotations
@@ -89,6 +91,31 @@ def completion_logps(model: nn.Module, stack: Stack, batch: GroupBatch, temperat
     return token_logps(logits / temperature if temperature != 1 else logits, targets)
 
 
+def detached_logps(model: nn.Module, stack: Stack, batch: GroupBatch, temperature: float,
+                   head_chunk: int = 0) -> mx.array:
+    """``completion_logps`` with no gradient (the sampling and reference passes), the head
+    on the completion tokens alone, ``head_chunk`` of them at a time (0: all at once): the
+    rows' [N, L − 1, V] logits never exist, only [N·C, V] or [head_chunk, V]."""
+    targets = mx.take_along_axis(batch.ids, batch.at + 1, axis=1).reshape(-1)
+    where = mx.array(predictors(batch).reshape(-1).astype(np.int32))
+    if batch.layout is None:
+        h = stack.hidden(batch.ids[:, :-1])
+        picked = h.reshape(-1, h.shape[-1])[where]
+    else:
+        with layout_masks(model, batch.layout) as masks:
+            h = stack.hidden(mx.array(batch.layout.inputs), masks)
+            picked = h.reshape(-1, h.shape[-1])[where]
+            mx.eval(picked)  # under the layout's ropes and masks
+    del h  # the last hidden state of every position goes once the completions' are taken
+    step, pieces = (head_chunk if head_chunk > 0 else targets.size), []
+    for s in range(0, targets.size, step):
+        logits = stack.head(picked[s : s + step])
+        pieces.append(token_logps(logits / temperature if temperature != 1 else logits,
+                                  targets[s : s + step]))
+        mx.eval(pieces[-1])  # one chunk's logits alive at a time
+    return mx.concatenate(pieces).reshape(batch.at.shape)
+
+
 def group_rows(prompts: Sequence[PromptRow], rollouts: Rollouts, g: int, pad_id: int
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows ``[prompt | completion (+ its stop token)]`` [N, L]; for each completion token
@@ -123,6 +150,7 @@ class Sampler:
     reward: RewardFn
     batch_size: int
     reference: KlReference = BASE_REFERENCE  # β > 0: what the KL is taken against
+    head_chunk: int = 0  # the sampling and reference passes' head: so many tokens at a time
 
 
 def rewarded(sampler: Sampler, prompts: list[PromptRow], seed: int
@@ -190,7 +218,7 @@ def drawn_groups(sampler: Sampler, prompts: list[PromptRow], seed: int
 
 
 def roll_out(sampler: Sampler, prompts: list[PromptRow], seed: int, pad_id: int,
-             stack: Stack | None = None, prefix_share: str = "off") -> Cycle:
+             stack: Stack, prefix_share: str = "off") -> Cycle:
     """``prompts`` drawn and rewarded (``drawn_groups``) and batched, ``batch_size``
     prompts a micro-batch; their sampling log-probs kept where μ > 1, the base's where
     β > 0; each micro-batch laid out for the group-shared forward where ``prefix_share``
@@ -205,8 +233,7 @@ def roll_out(sampler: Sampler, prompts: list[PromptRow], seed: int, pad_id: int,
         part = slice(start, start + size * g)
         own = [p.prompt for p in prompts[start // g:(start + size * g) // g]]
         tails = completions(rollouts)[part]
-        share = stack is not None and shares_group([len(p) for p in own],
-                                                   [len(c) for c in tails], prefix_share)
+        share = shares_group([len(p) for p in own], [len(c) for c in tails], prefix_share)
         layout = group_layout(own, tails, pad_id) if share else None
         batches.append(reference_parts(sampler, stack, GroupBatch(
             mx.array(ids[part]), mx.array(at[part]), mx.array(mask[part]), advantages[part],
@@ -221,17 +248,18 @@ def completions(rollouts: Rollouts) -> list[list[int]]:
             zip(rollouts.tokens, rollouts.stop_tokens, strict=True)]
 
 
-def reference_parts(sampler: Sampler, stack: Stack | None, batch: GroupBatch
+def reference_parts(sampler: Sampler, stack: Stack, batch: GroupBatch
                     ) -> GroupBatch:
     """``batch`` with the log-probs its loss reads besides the policy's: those it was
     sampled under (μ > 1: the ratio's denominator, fixed for the cycle) and the
     reference's (β > 0: the KL's, ``sampler.reference``), computed once, detached."""
     model, loss, old, ref = sampler.model, sampler.loss, None, None
+    chunk = sampler.head_chunk
     if loss.grpo_num_iterations > 1:
-        old = mx.stop_gradient(completion_logps(model, stack, batch, loss.temperature))
+        old = detached_logps(model, stack, batch, loss.temperature, chunk)
     if loss.grpo_beta > 0:
         with sampler.reference.worn(model):
-            ref = mx.stop_gradient(completion_logps(model, stack, batch, loss.temperature))
+            ref = detached_logps(model, stack, batch, loss.temperature, chunk)
     mx.eval([a for a in (old, ref) if a is not None])
     return dataclasses.replace(batch, old=old, ref=ref)
 

@@ -215,7 +215,7 @@ def loop(run: GroupRun, callbacks: Sequence[Callback]) -> None:
     batches = prompt_batches(run.prompts.train, per_step, cfg.seed, run.start // mu)
     objective = objective_for(model, run.prepared.stack, loss, cfg)
     sampler = Sampler(model, run.prepared.tokenizer, loss, run.reward, cfg.batch_size,
-                      run.reference)
+                      run.reference, cfg.head_chunk)
     settings = run_settings(cfg) if cfg.checkpoint_every else {}
     model.train()
     if run.prompts.valid and cfg.val_every and run.start == 0:
