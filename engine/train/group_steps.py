@@ -223,8 +223,18 @@ def roll_out(sampler: Sampler, prompts: list[PromptRow], seed: int, pad_id: int,
     prompts a micro-batch; their sampling log-probs kept where μ > 1, the base's where
     β > 0; each micro-batch laid out for the group-shared forward where ``prefix_share``
     says (``shares_group``; it reads ``stack``)."""
+    return cycle_of(sampler, prompts, drawn_groups(sampler, prompts, seed), pad_id, stack,
+                    prefix_share)
+
+
+def cycle_of(sampler: Sampler, prompts: list[PromptRow],
+             drawn: tuple[Rollouts, list[float], dict[str, float]], pad_id: int, stack: Stack,
+             prefix_share: str = "off") -> Cycle:
+    """``drawn`` (rollouts of ``prompts``, their rewards and metrics) made into a cycle:
+    ``batch_size`` prompts a micro-batch, laid out and given the log-probs its loss reads
+    besides the policy's (``reference_parts``)."""
     loss, g, size = sampler.loss, sampler.loss.num_generations, sampler.batch_size
-    rollouts, rewards, metrics = drawn_groups(sampler, prompts, seed)
+    rollouts, rewards, metrics = drawn
     advantages, _ = group_advantages(mx.array(rewards, dtype=mx.float32), g,
                                      loss.grpo_scale_rewards)
     ids, at, mask = group_rows(prompts, rollouts, g, pad_id)

@@ -3,7 +3,8 @@
 The sweep's ``segment_size: auto`` picks the largest segment size whose probed peak fits a
 trial's memory budget, and its memory mode tabulates every (segment_size, head_chunk,
 prefix_share) setting. A probe runs real steps of the configured model on real batches of
-the dataset: ``batches="worst"`` takes the ``batch_size`` longest training pairs (the
+the dataset (loss grpo: its worst cycle of rollouts and update, engine/train/group_probe.py):
+``batches="worst"`` takes the ``batch_size`` longest training pairs (the
 micro-batch that sets a run's peak); an integer n takes the first n micro-batches of the
 training order (the real length distribution). Run it in a fresh process per model: MLX's
 peak is per process and weights count in it.
@@ -37,10 +38,16 @@ def placeholder_references(pairs: list, kl: bool) -> list:
 def probe_steps(cfg: TrainConfig, variants: list[dict[str, Any]],
                 batches: str | int = "worst", repeats: int = 1) -> list[dict[str, Any]]:
     """One row per variant (TrainConfig overrides): peak_gb, step_s, tokens, tokens_per_sec,
-    shared_rate; or ``error`` when that setting failed (out of memory, invalid)."""
+    shared_rate; or ``error`` when that setting failed (out of memory, invalid). Loss grpo
+    measures its worst cycle instead, rollout and update (engine/train/group_probe.py):
+    ``batches`` is a pair loss's."""
     from engine.train.prepared import prepare_training
 
     cfg.validate()
+    if cfg.loss.kind == "grpo":
+        from engine.train.group_probe import probe_group_steps
+
+        return probe_group_steps(cfg, variants, repeats)
     prepared = prepare_training(cfg)  # as the trainer sets it up: one function for both
     chosen = probe_batches([cfg], prepared.stack, batches)
     rows = []
