@@ -134,7 +134,8 @@ def test_grpo_mistakes_are_refused_before_step_1_in_one_line(tiny_model, parity,
     """No reward, a scorer that does not exist, a weight per scorer missing, a verifier
     that fails on the data (tried before step 1, naming it and the row), and GRPO's
     settings handed to a pair loss: each exits 2 in one line (the verifier's once the model
-has loaded, after its load check's lines), and no run is written."""
+has loaded, after its load check's lines), and no run is written: a folder it claimed,
+    nothing in it but the mark, is gone again."""
     cases = {("--steps", "1"): "loss grpo learns from a reward: give one",
              ("--reward", "nonesuch"): "scorer 'nonesuch': expected exact, contains",
              ("--reward", "contains", "--reward", "exact", "--reward-weights", "1"):
@@ -145,13 +146,14 @@ has loaded, after its load check's lines), and no run is written."""
         code, lines = pomona(*grpo_args(tiny_model, parity, tmp_path / f"r{i}", *extra))
         errors = [x for x in lines if not x.startswith("load check")]  # the model's, said
         assert code == 2 and len(errors) == 1 and message in errors[0], (extra, lines)
-        assert not (tmp_path / f"r{i}" / "adapters.safetensors").exists()
+        assert not (tmp_path / f"r{i}").exists(), (extra, list((tmp_path / f"r{i}").iterdir()))
     code, lines = pomona(*grpo_args(tiny_model, parity, tmp_path / "best", "--reward",
                                     "task:parity", "--best-metric", "val/accuracy"))
     assert code == 2 and "best_metric='val/accuracy': loss grpo reports" in lines[-1], lines
     code, lines = pomona(*grpo_args(tiny_model, parity, tmp_path / "few", "--reward",
                                     "task:parity", "--batch-size", "40"))
     assert code == 2 and "32 train prompts, fewer than one step's 40" in lines[-1], lines
+    assert not (tmp_path / "best").exists() and not (tmp_path / "few").exists()
     code, lines = pomona("train", "--model", str(tiny_model), "--data", str(parity), "--out",
                          str(tmp_path / "pair"), "--loss", "orpo", "--reward", "task:parity")
     assert code == 2 and lines == [

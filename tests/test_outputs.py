@@ -300,3 +300,25 @@ def test_a_holder_caught_before_its_mark_is_written_is_still_named(tmp_path: Pat
     finally:
         writer.join()
         os.close(fd)
+
+
+def test_a_claim_that_fails_before_writing_leaves_no_folder_it_made(tmp_path: Path) -> None:
+    """A run refused after its claim (a verifier failing once the model loaded) left an
+    empty folder holding only the mark. A folder the claim made goes again where nothing
+    else was written; a folder that was there, a file written, or success keep it."""
+    def failing(out: Path, write: bool = False) -> None:
+        with pytest.raises(RuntimeError), claim(out, ("run",)):
+            if write:
+                (out / "metrics.jsonl").write_text("{}\n")
+            raise RuntimeError("refused")
+
+    failing(tmp_path / "new" / "run")
+    assert not (tmp_path / "new" / "run").exists()
+    (tmp_path / "mine").mkdir()
+    failing(tmp_path / "mine")
+    assert (tmp_path / "mine").is_dir()
+    failing(tmp_path / "wrote", write=True)
+    assert (tmp_path / "wrote" / "metrics.jsonl").exists()
+    with claim(tmp_path / "ok", ("run",)):
+        pass
+    assert (tmp_path / "ok" / MARK).exists()

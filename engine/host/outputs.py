@@ -8,7 +8,8 @@
    refused with one line naming the path.
 3. The mark is also the folder's lock: one writer at a time (``fcntl.flock``, released
    when the holder exits or dies); a second writer is refused, naming the holder's pid.
-4. A claimed folder is proven writable (a file is made and removed) before any work.
+4. A claimed folder is proven writable (a file is made and removed) before any work; one
+   the claim made is removed again when the work fails before writing anything in it.
 5. A file output (scores, synthetic data) replaces only an empty file or one its verb
    recognises as its own (``check_file``); a folder given as a file output is refused.
 
@@ -166,25 +167,46 @@ def claim(out: str | Path, kinds: tuple[str, ...], *,
     """Hold folder ``out`` as this process's output of one of ``kinds`` (``kinds[0]`` for a
     new folder) while the block runs; RefusedOutput (one line) when it may not be.
     ``legacy(out)`` says whether an unmarked folder is one an earlier version wrote;
-    ``new_ok`` False: ``out`` must exist already (a verb that adds to an earlier output)."""
+    ``new_ok`` False: ``out`` must exist already (a verb that adds to an earlier output).
+    A folder the claim made is removed again where the block raises before anything but
+    the mark is in it."""
     out = Path(out)
     check_apart(out, inputs, may_hold=may_hold, flag=flag)
     if not new_ok and not out.exists():
         raise RefusedOutput(f"{flag} {out}: no such folder")
-    key = str(out.expanduser().resolve())
+    key, fresh = str(out.expanduser().resolve()), False
     with _held_lock:
         if key in _held:
             _held[key][1] += 1
         else:
             _check_ours(out, kinds, legacy, flag)
+            fresh = not out.exists() and not out.is_symlink()
             _held[key] = [_lock(out, kinds, flag), 1]
+    failed = False
     try:
         yield out
+    except BaseException:
+        failed = True
+        raise
     finally:
         with _held_lock:
             _held[key][1] -= 1
             if _held[key][1] == 0:
+                if failed and fresh:  # refused or failed before writing: no folder left
+                    _drop_bare_claim(out)
                 os.close(_held.pop(key)[0])  # closing the descriptor releases the lock
+
+
+def _drop_bare_claim(out: Path) -> None:
+    """Remove folder ``out``, made by this claim, where it still holds nothing but the
+    mark: a run refused after its claim leaves no empty folder behind. Anything else in
+    it (a file written meanwhile, by this run or another) keeps the folder as it is."""
+    try:
+        if entries(out) == [MARK]:
+            (out / MARK).unlink()
+            out.rmdir()  # refused (and kept) if a file appeared since
+    except OSError:
+        pass
 
 
 def check_file(out: str | Path, ours: Callable[[Path], bool], what: str, *,

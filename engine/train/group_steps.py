@@ -320,9 +320,7 @@ def prompt_batches(rows: list[PromptRow], size: int, seed: int, start: int = 0
     the seed and the epoch: a resume needs no saved state), from the ``start``-th on. An
     epoch's tail short of ``size`` is left out, as TRL's sampler leaves it: a short step
     would weigh its few prompts as a whole batch."""
-    if len(rows) < size:
-        raise ValueError(f"{len(rows)} train prompts, fewer than one step's {size} "
-                         "(batch_size × grad_accum): lower them, or give more prompts")
+    refuse_short(rows, size)
     epoch, index = 0, 0
     while True:
         order = np.random.default_rng([seed, epoch]).permutation(len(rows))
@@ -331,6 +329,13 @@ def prompt_batches(rows: list[PromptRow], size: int, seed: int, start: int = 0
                 yield [rows[i] for i in order[s : s + size]]
             index += 1
         epoch += 1
+
+
+def refuse_short(rows: list[PromptRow], size: int) -> None:
+    """Fewer train prompts than one step's ``size`` refused in one line."""
+    if len(rows) < size:
+        raise ValueError(f"{len(rows)} train prompts, fewer than one step's {size} "
+                         "(batch_size × grad_accum): lower them, or give more prompts")
 
 
 def mix_seed(seed: int, step: int) -> int:

@@ -46,6 +46,7 @@ from engine.train.group_steps import (
     group_update,
     mix_seed,
     prompt_batches,
+    refuse_short,
     roll_out,
 )
 from engine.train.ledger import Callback, better, emit, lora_blocks
@@ -145,11 +146,12 @@ def set_up(cfg: TrainConfig, held: ExitStack) -> GroupRun:
 def group_prompts(cfg: TrainConfig, loss: Grpo, prepared: Prepared) -> PromptSet:
     """The run's prompts (a prompts dataset's, or a pair dataset's with its chosen
     responses the answers), refused without a train split or where a prompt and a whole
-    completion pass the context."""
+    completion pass the context, or fewer than a step's."""
     prompts = prompts_for(cfg.data, cfg.model, prepared.stack, prepared.tokenizer,
                           cfg.allow_tokenizer_mismatch)
     if not prompts.train:
         raise ValueError(f"{cfg.data}: no train prompts (every row is in valid or test)")
+    refuse_short(prompts.train, cfg.batch_size * cfg.grad_accum)
     context = prepared.stack.context
     for row in [*prompts.train, *prompts.valid]:
         if context and len(row.prompt) + loss.max_completion_length > context:
