@@ -18,6 +18,7 @@ Rows, each in a fresh process (its peak its own):
   forward where ``prefix_share: auto`` picks it, ``grpo_loss_type: grpo`` (the peer's) and
   dynamic sampling off (it would sample flat groups again: work the peer does not do);
 - ``pomona_rows``: the same, ``prefix_share: off`` (a row a completion);
+  both through the staged update where ``--segment-size`` or ``--head-chunk`` is given;
 - ``mlx-lm-lora`` (``--peer``): benchmarks/mlx_lm_lora_grpo.py.
 Step time = the median of the steps after ``--warmup`` (each step's wall time: rollouts,
 reward and update; beside it ``gen_s``: Pomona's rollouts with their reward, the peer's
@@ -51,7 +52,9 @@ def parser() -> argparse.ArgumentParser:
             ("hidden", 512, "Hidden size."), ("heads", 8, "Attention heads."),
             ("kv_heads", 4, "Key/value heads."), ("intermediate", 1408, "MLP width."),
             ("vocab", 32000, "Vocabulary."), ("warmup", 2, "Steps before the timed ones."),
-            ("steps", 4, "Timed steps.")):
+            ("steps", 4, "Timed steps."),
+            ("segment_size", 0, "Pomona's rows: the staged update's layers a segment (0: plain)."),
+            ("head_chunk", 0, "Pomona's rows: the staged update's head rows a chunk (0: dense).")):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=what)
     p.add_argument("--dtype", default="float32", help="bfloat16 on a GPU.")
     p.add_argument("--peer", action="append", default=[], choices=["mlx-lm-lora"],
@@ -93,7 +96,8 @@ def pomona_row(a: argparse.Namespace, work: Path) -> dict[str, Any]:
                       val_every=0, learning_rate=1e-5, lora_rank=16, lora_scale=2.0,
                       lora_keys=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                  "self_attn.o_proj"), warmup_steps=0,
-                      prefix_share="auto" if a.row == "pomona" else "off").replace(
+                      prefix_share="auto" if a.row == "pomona" else "off",
+                      segment_size=a.segment_size, head_chunk=a.head_chunk).replace(
         loss="grpo", reward=("contains",), num_generations=a.generations,
         max_completion_length=a.completion, grpo_loss_type="grpo",
         grpo_max_resample_rounds=0)
@@ -158,7 +162,8 @@ def report(a: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
 
 
 LEAST = {"prompt": 1, "completion": 1, "generations": 2, "prompts": 1, "layers": 1,
-         "hidden": 1, "heads": 1, "kv_heads": 1, "intermediate": 1, "warmup": 0, "steps": 1}
+         "hidden": 1, "heads": 1, "kv_heads": 1, "intermediate": 1, "warmup": 0, "steps": 1,
+         "segment_size": 0, "head_chunk": 0}
 
 
 def check_args(a: argparse.Namespace) -> None:

@@ -53,7 +53,8 @@ def test_the_grpo_benches_refuse_bad_arguments_in_one_line(tmp_path, capsys) -> 
              (grpo_learning, ["--steps", "0"], "--steps 0: must be at least 1"),
              (grpo_learning, ["--work", str(tmp_path)], "not empty"),
              (grpo_bench, ["--generations", "1"], "--generations 1: must be at least 2"),
-             (grpo_bench, ["--steps", "0"], "--steps 0: must be at least 1")]
+             (grpo_bench, ["--steps", "0"], "--steps 0: must be at least 1"),
+             (grpo_bench, ["--segment-size", "-1"], "--segment-size -1: must be at least 0")]
     for module, args, message in cases:
         assert module.main(args) == 2, args
         err = capsys.readouterr().err.strip().splitlines()
