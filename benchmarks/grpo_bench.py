@@ -15,7 +15,8 @@ the rows generate the same tokens (``completion_tokens`` says how many).
 
 Rows, each in a fresh process (its peak its own):
 - ``pomona``: ``python -m engine train --loss grpo`` as a user gives it, the group-shared
-  forward where ``prefix_share: auto`` picks it, ``grpo_loss_type: grpo`` (the peer's) and
+  forward where ``prefix_share: auto`` picks it (``--prefix-share on``: always),
+  ``grpo_loss_type: grpo`` (the peer's) and
   dynamic sampling off (it would sample flat groups again: work the peer does not do);
 - ``pomona_rows``: the same, ``prefix_share: off`` (a row a completion);
   both through the staged update where ``--segment-size`` or ``--head-chunk`` is given;
@@ -59,6 +60,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", help="bfloat16 on a GPU.")
     p.add_argument("--peer", action="append", default=[], choices=["mlx-lm-lora"],
                    help="Also run mlx-lm-lora's train_grpo (benchmarks/mlx_lm_lora_grpo.py).")
+    p.add_argument("--prefix-share", choices=["auto", "on"], default="auto",
+                   help="The pomona row's prefix_share (on: shared on CUDA too).")
     p.add_argument("--row", choices=["pomona", "pomona_rows"], help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)  # a child row's model and prompts
     p.add_argument("--json", action="store_true", help="Print one JSON object.")
@@ -96,7 +99,7 @@ def pomona_row(a: argparse.Namespace, work: Path) -> dict[str, Any]:
                       val_every=0, learning_rate=1e-5, lora_rank=16, lora_scale=2.0,
                       lora_keys=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                  "self_attn.o_proj"), warmup_steps=0,
-                      prefix_share="auto" if a.row == "pomona" else "off",
+                      prefix_share=a.prefix_share if a.row == "pomona" else "off",
                       segment_size=a.segment_size, head_chunk=a.head_chunk).replace(
         loss="grpo", reward=("contains",), num_generations=a.generations,
         max_completion_length=a.completion, grpo_loss_type="grpo",
