@@ -29,7 +29,14 @@ from engine.forward.rollouts import Rollouts, keyed_sampler
 from engine.losses.grpo import Grpo
 from engine.settings.config import TrainConfig
 from engine.train.group_backward import objective_for
-from engine.train.group_steps import Cycle, Sampler, cycle_of, group_update, mix_seed
+from engine.train.group_steps import (
+    Cycle,
+    Sampler,
+    cycle_of,
+    group_update,
+    mix_seed,
+    rewarded_as_drawn,
+)
 from engine.train.prepared import Prepared
 
 GiB = 2**30
@@ -96,12 +103,7 @@ def worst_cycle(sampler: Sampler, prompts: list[PromptRow], seed: int, prepared:
     rollouts = longest_rollouts(sampler, prompts, seed)
     rollout_peak = mx.get_peak_memory() / GiB
     mx.reset_peak_memory()  # from here on: the update's phase
-    g = sampler.loss.num_generations
-    rows = [p for p in prompts for _ in range(g)]
-    texts = [sampler.tokenizer.decode(t, skip_special_tokens=True) for t in rollouts.tokens]
-    rewards, means = sampler.reward([p.prompt_text for p in rows], texts,
-                                    [p.row() for p in rows])
-    drawn = (rollouts, [float(r) for r in rewards], dict(means))
+    drawn = rewarded_as_drawn(sampler, prompts, rollouts)
     return cycle_of(sampler, prompts, drawn, prepared.pad_id, prepared.stack,
                     prefix_share), rollout_peak
 

@@ -157,9 +157,17 @@ def rewarded(sampler: Sampler, prompts: list[PromptRow], seed: int
              ) -> tuple[Rollouts, list[float], dict[str, float]]:
     """``prompts`` sampled G times each from ``seed`` and rewarded: the rollouts, each
     completion's reward and each scorer's mean."""
+    rollouts = sample_groups(sampler.model, sampler.tokenizer, [p.prompt for p in prompts],
+                             sampler.loss.rollout(seed),
+                             sampler.batch_size * sampler.loss.num_generations)
+    return rewarded_as_drawn(sampler, prompts, rollouts)
+
+
+def rewarded_as_drawn(sampler: Sampler, prompts: list[PromptRow], rollouts: Rollouts
+                      ) -> tuple[Rollouts, list[float], dict[str, float]]:
+    """``rollouts`` of ``prompts`` (G a prompt) rewarded: the rollouts, each completion's
+    reward and each scorer's mean."""
     g, tokenizer = sampler.loss.num_generations, sampler.tokenizer
-    rollouts = sample_groups(sampler.model, tokenizer, [p.prompt for p in prompts],
-                             sampler.loss.rollout(seed), sampler.batch_size * g)
     texts = [tokenizer.decode(t, skip_special_tokens=True) for t in rollouts.tokens]
     rows = [p for p in prompts for _ in range(g)]
     rewards, means = sampler.reward([p.prompt_text for p in rows], texts,

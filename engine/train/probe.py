@@ -38,13 +38,13 @@ def placeholder_references(pairs: list, kl: bool) -> list:
 def probe_steps(cfg: TrainConfig, variants: list[dict[str, Any]],
                 batches: str | int = "worst", repeats: int = 1) -> list[dict[str, Any]]:
     """One row per variant (TrainConfig overrides): peak_gb, step_s, tokens, tokens_per_sec,
-    shared_rate; or ``error`` when that setting failed (out of memory, invalid). Loss grpo
-    measures its worst cycle instead, rollout and update (engine/train/group_probe.py):
+    shared_rate; or ``error`` when that setting failed (out of memory, invalid). A group loss
+    (grpo) measures its worst cycle instead, rollout and update (engine/train/group_probe.py):
     ``batches`` is a pair loss's."""
     from engine.train.prepared import prepare_training
 
     cfg.validate()
-    if cfg.loss.kind == "grpo":
+    if cfg.loss.on_groups:  # sampled groups, not pairs: its own cycle
         from engine.train.group_probe import probe_group_steps
 
         return probe_group_steps(cfg, variants, repeats)
