@@ -2,7 +2,7 @@
 mlx-lm-lora's ``train_grpo`` on the same model, prompts and reward, in one run.
 
     pomona bench grpo --prompt 128 --completion 64 --generations 8 --prompts 2 \
-        [--peer mlx-lm-lora] [--json]
+        [--peer mlx-lm-lora] [--probe] [--json]
 
 Model: a random-init llama (``pomona model init``; ``--layers``, ``--hidden``, ...), LoRA r16
 (scale 2.0) on q/k/v/o of every layer for every row. Prompts: ``--prompts`` a step of
@@ -20,6 +20,8 @@ Rows, each in a fresh process (its peak its own):
   dynamic sampling off (it would sample flat groups again: work the peer does not do);
 - ``pomona_rows``: the same, ``prefix_share: off`` (a row a completion);
   both through the staged update where ``--segment-size`` or ``--head-chunk`` is given;
+- ``probe`` (``--probe``): the memory probe (``probe_steps``) on the ``pomona`` row's
+  settings, its predicted peak beside the peak that row trained at;
 - ``mlx-lm-lora`` (``--peer``): benchmarks/mlx_lm_lora_grpo.py.
 Step time = the median of the steps after ``--warmup`` (each step's wall time: rollouts,
 reward and update; beside it ``gen_s``: Pomona's rollouts with their reward, the peer's
@@ -36,9 +38,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.train_bench import ROOT, peer_row
+
+if TYPE_CHECKING:
+    from engine.settings.config import TrainConfig
 
 ANSWER = "7"  # what ``contains`` looks for: a random model writes it now and then
 
@@ -62,7 +67,9 @@ def parser() -> argparse.ArgumentParser:
                    help="Also run mlx-lm-lora's train_grpo (benchmarks/mlx_lm_lora_grpo.py).")
     p.add_argument("--prefix-share", choices=["auto", "on"], default="auto",
                    help="The pomona row's prefix_share (on: shared on CUDA too).")
-    p.add_argument("--row", choices=["pomona", "pomona_rows"], help=argparse.SUPPRESS)
+    p.add_argument("--probe", action="store_true",
+                   help="Also run the memory probe on the pomona row's settings: its peak.")
+    p.add_argument("--row", choices=["pomona", "pomona_rows", "probe"], help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)  # a child row's model and prompts
     p.add_argument("--json", action="store_true", help="Print one JSON object.")
     return p
@@ -88,22 +95,41 @@ def model_and_prompts(a: argparse.Namespace, work: Path) -> tuple[Path, Path]:
     return model, data
 
 
-def pomona_row(a: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """The GRPO trainer's steady steps on the bench's prompts (this process)."""
+def row_config(a: argparse.Namespace, work: Path, row: str) -> TrainConfig:
+    """The training settings of Pomona's ``row`` (the probe's are the ``pomona`` row's)."""
     from engine.settings.config import TrainConfig
-    from engine.train.grpo_trainer import train_groups
 
     model, data = work / "model", work / "prompts.jsonl"
-    cfg = TrainConfig(model=str(model), data=str(data), out=str(work / f"run-{a.row}"),
-                      steps=a.warmup + a.steps, batch_size=a.prompts, report_every=1,
-                      val_every=0, learning_rate=1e-5, lora_rank=16, lora_scale=2.0,
-                      lora_keys=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                 "self_attn.o_proj"), warmup_steps=0,
-                      prefix_share=a.prefix_share if a.row == "pomona" else "off",
-                      segment_size=a.segment_size, head_chunk=a.head_chunk).replace(
+    return TrainConfig(model=str(model), data=str(data), out=str(work / f"run-{row}"),
+                       steps=a.warmup + a.steps, batch_size=a.prompts, report_every=1,
+                       val_every=0, learning_rate=1e-5, lora_rank=16, lora_scale=2.0,
+                       lora_keys=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                  "self_attn.o_proj"), warmup_steps=0,
+                       prefix_share=a.prefix_share if row != "pomona_rows" else "off",
+                       segment_size=a.segment_size, head_chunk=a.head_chunk).replace(
         loss="grpo", reward=("contains",), num_generations=a.generations,
         max_completion_length=a.completion, grpo_loss_type="grpo",
         grpo_max_resample_rounds=0)
+
+
+def probe_row(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """``probe_steps`` on the ``pomona`` row's settings (this process): the peak it
+    predicts, to set beside the peak that row trained at."""
+    from engine.train.probe import probe_steps
+
+    (got,) = probe_steps(row_config(a, work, "probe"), [{}])
+    if "error" in got:
+        return {"name": "probe", "error": got["error"]}
+    return {"name": "probe", "prefix_share_rate": got["shared_rate"],
+            **{f"{k}_mb": got[f"{k}_gb"] * 2**30 / 2**20
+               for k in ("peak", "rollout_peak", "update_peak")}}
+
+
+def pomona_row(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The GRPO trainer's steady steps on the bench's prompts (this process)."""
+    from engine.train.grpo_trainer import train_groups
+
+    cfg = row_config(a, work, a.row)
     records: list[dict[str, Any]] = []
 
     class Collect:
@@ -126,7 +152,7 @@ def pomona_row(a: argparse.Namespace, work: Path) -> dict[str, Any]:
 def rows_of(a: argparse.Namespace, argv: list[str], work: Path) -> list[dict[str, Any]]:
     """Each row in its own process, on the same model and prompts."""
     rows = []
-    for name in ("pomona", "pomona_rows"):
+    for name in ("pomona", "pomona_rows", *(["probe"] if a.probe else [])):
         proc = subprocess.run([sys.executable, "-m", "benchmarks", "grpo", *argv, "--row",
                                name, "--work", str(work)], capture_output=True, text=True,
                               cwd=ROOT)
@@ -149,13 +175,18 @@ def rows_of(a: argparse.Namespace, argv: list[str], work: Path) -> list[dict[str
 
 def report(a: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     """The rows side by side, and Pomona's step time over each other row's."""
-    by = {r["name"]: r for r in rows if "error" not in r}
+    by = {r["name"]: r for r in rows if "error" not in r and "step_s" in r}
     ratios = {f"pomona_step_vs_{n}": by["pomona"]["step_s"] / r["step_s"]
               for n, r in by.items() if n != "pomona" and "pomona" in by}
     if a.json:
         print(json.dumps({"config": vars(a), "rows": rows, "ratios": ratios}))
         return
     for r in rows:
+        if r["name"] == "probe" and "error" not in r:
+            print(f"{'probe':>16}  predicts peak {r['peak_mb'] * 2**20 / 1e9:5.2f} GB (rollout "
+                  f"{r['rollout_peak_mb'] * 2**20 / 1e9:5.2f}, update "
+                  f"{r['update_peak_mb'] * 2**20 / 1e9:5.2f})")
+            continue
         print(f"{r['name']:>16}  " + (r.get("error") or
               f"{r['step_s'] * 1e3:8.1f} ms/step (rollouts {r['gen_s'] * 1e3:7.1f} ms)  "
               f"{r['completion_tokens']:5.1f} tokens a completion  "
@@ -180,7 +211,8 @@ def check_args(a: argparse.Namespace) -> None:
 def main(argv: list[str]) -> int:
     a = parser().parse_args(argv)
     if a.row:  # a child: one row on the parent's model and prompts
-        print(json.dumps(pomona_row(a, Path(a.work))))
+        row = probe_row if a.row == "probe" else pomona_row
+        print(json.dumps(row(a, Path(a.work))))
         return 0
     try:
         check_args(a)

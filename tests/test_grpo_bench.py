@@ -13,18 +13,23 @@ pytestmark = pytest.mark.integration
 def test_grpo_bench_times_a_whole_step_beside_mlx_lm_lora() -> None:
     """`pomona bench grpo`: the GRPO trainer's whole step (rollouts, reward, update) with
     the group-shared forward and without, and mlx-lm-lora's train_grpo on the same model
-    and prompts, each row its timed steps, rollout time and the tokens it generated."""
+    and prompts, each row its timed steps, rollout time and the tokens it generated; and
+    the memory probe's peak on the first row's settings."""
     out = bench("grpo", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
                 "--intermediate", "128", "--vocab", "512", "--prompt", "64", "--completion",
                 "8", "--generations", "4", "--prompts", "2", "--warmup", "1", "--steps", "2",
-                "--peer", "mlx-lm-lora", "--json")
-    shared, rows, peer = out["rows"]
+                "--peer", "mlx-lm-lora", "--probe", "--json")
+    shared, rows, probe, peer = out["rows"]
     assert (shared["name"], rows["name"]) == ("pomona", "pomona_rows")
     assert (shared["prefix_share_rate"], rows["prefix_share_rate"]) == (1, 0)
     for row in (shared, rows, peer):
         assert len(row["steps_s"]) == 2 and 0 < row["gen_s"] < row["step_s"], row
         assert 0 < row["completion_tokens"] <= 8 and row["peak_mb"] > 0
     assert peer["name"] == "mlx-lm-lora-grpo" and "rollouts" in peer["semantics"]
+    assert probe["name"] == "probe" and probe["peak_mb"] == max(
+        probe["rollout_peak_mb"], probe["update_peak_mb"]) > 0, probe
+    assert set(out["ratios"]) == {"pomona_step_vs_pomona_rows",
+                                  "pomona_step_vs_mlx-lm-lora-grpo"}
     assert out["ratios"]["pomona_step_vs_mlx-lm-lora-grpo"] == pytest.approx(
         shared["step_s"] / peer["step_s"])
 

@@ -98,7 +98,6 @@ def worst_cycle(sampler: Sampler, prompts: list[PromptRow], seed: int, prepared:
     """The worst cycle of ``prompts`` (its rollouts longest, rewarded by the run's reward)
     and the rollout's peak in GiB (every array alive meanwhile, the caller's included);
     MLX's peak is reset after it, so the update's phase counts from its reference passes."""
-    mx.clear_cache()
     mx.reset_peak_memory()
     rollouts = longest_rollouts(sampler, prompts, seed)
     rollout_peak = mx.get_peak_memory() / GiB
