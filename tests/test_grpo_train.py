@@ -161,18 +161,6 @@ has loaded, after its load check's lines), and no run is written: a folder it cl
 
 
 @pytest.mark.unit
-def test_a_sweep_refuses_grpo_until_its_trials_read_prompts() -> None:
-    from tasks.sweep.spec_rules import SpecError
-    from tasks.sweep.sweep_spec import parse_spec
-
-    with pytest.raises(SpecError, match="loss grpo: a sweep trains pair losses only"):
-        parse_spec({"name": "s", "model": "m", "data": "d", "fixed": {"loss": "grpo"}})
-    with pytest.raises(SpecError, match="loss grpo"):
-        parse_spec({"name": "s", "model": "m", "data": "d", "metric": "val/logps/accuracies",
-                    "grid": {"loss": ["orpo", "grpo"]}})
-
-
-@pytest.mark.unit
 def test_dapo_samples_a_flat_group_again_until_its_rewards_differ(tiny_model, parity) -> None:
     """DAPO's dynamic sampling on the real model and verifier: every group whose G rewards
     were equal is drawn again, a new draw kept only where its rewards differ; the groups

@@ -78,7 +78,9 @@ class Grpo(GroupLossSettings):
                                      above=0)
 
     def check(self) -> None:
-        if self.reward_weights and len(self.reward_weights) != len(self.reward):
+        # Weights without a reward: refused as no reward (a spec checks each key alone).
+        if self.reward and self.reward_weights and len(self.reward_weights) != len(
+                self.reward):
             raise ValueError(f"reward_weights={list(self.reward_weights)}: one weight per "
                              f"reward scorer ({len(self.reward)} given: "
                              f"{list(self.reward)})")

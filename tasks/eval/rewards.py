@@ -16,11 +16,21 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from engine.losses.base import LossSettings
 from engine.train.reward_source import RewardFn
-from tasks.eval.scorers import Scorer, ScorerError, distinct, parse_scorer, score_rows
+from tasks.eval.scorers import (
+    Scorer,
+    ScorerError,
+    distinct,
+    parse_scorer,
+    score_rows,
+    scorer_code,
+)
 
 
 @dataclass(frozen=True)
@@ -88,3 +98,31 @@ def reads_answer(scorer: Scorer) -> bool:
     if scorer.kind == "regex":  # only a group is compared with it
         return re.compile(scorer.arg).groups > 0
     return scorer.kind in ("exact", "contains", "task")
+
+
+def trained_scorers(loss: LossSettings) -> tuple[Scorer, ...]:
+    """The scorers ``loss`` learns from (a GRPO run's ``reward``; a pair loss's: none)."""
+    reward = getattr(loss, "reward", ()) if loss.on_groups else ()
+    return Reward.parse(list(reward)).scorers if reward else ()
+
+
+def reward_code(loss: LossSettings) -> list[str]:
+    """The digest of each ``python:`` scorer's module ``loss`` learns from (a trial's cache
+    key: an edited verifier trains again, as an edited scorer scores again)."""
+    return scorer_code(trained_scorers(loss))
+
+
+def reward_sources(loss: LossSettings) -> dict[str, str]:
+    """What a node needs to import each ``python:`` scorer ``loss`` learns from, by module
+    name: a top-level module's file, or its top package's folder (its siblings with it), as
+    this process imported it; sent to a trial's node by content (tasks/nodes/trial_inputs.py)."""
+    sources = {}
+    for scorer in trained_scorers(loss):
+        if scorer.kind != "python":
+            continue
+        module = scorer.arg.partition(":")[0]
+        top = sys.modules[module.split(".")[0]]  # imported when the reward was read
+        where = getattr(top, "__file__", None) or next(iter(getattr(top, "__path__", [])))
+        path = Path(where)
+        sources[module] = str(path.parent if path.name == "__init__.py" else path)
+    return sources

@@ -85,10 +85,11 @@ class Bundle:
 
 def _listing(root: Path) -> list[str]:
     """Every regular file under ``root`` (relative, sorted), dotfiles and their folders
-    aside."""
+    aside, and Python's ``__pycache__`` (remade from the sources wherever they are read)."""
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
+                             and d != "__pycache__")
         rel = Path(dirpath).relative_to(root)
         out += [(rel / f).as_posix() for f in filenames if not f.startswith(".")]
     return sorted(out)

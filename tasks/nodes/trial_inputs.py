@@ -15,10 +15,12 @@ its log follows it in the Prefect UI.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import shutil
 import socket
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -51,22 +53,29 @@ class SweepFiles:
         self.bundles: dict[str, Bundle] = {}  # path -> its bundle, as first listed
         self.server: Any = None
 
-    def for_config(self, config: TrainConfig) -> dict[str, Any]:
-        """What a trial's process needs to fetch ``config``'s inputs (plain values and the
+    def for_config(self, config: TrainConfig, modules: dict[str, str] | None = None
+                   ) -> dict[str, Any]:
+        """What a trial's process needs to fetch ``config``'s inputs and import ``modules``
+        (a ``python:`` reward's, by name: its file or package folder) (plain values and the
         server's handle, for Ray)."""
-        return self.for_paths(input_paths(config))
+        return self.for_paths(input_paths(config), modules)
 
-    def for_paths(self, paths: dict[str, str]) -> dict[str, Any]:
-        """What a process on another node needs to fetch ``paths`` (by name)."""
-        listed = {}
-        for field, path in paths.items():
-            if path not in self.bundles:
-                self.bundles[path] = Bundle.of(path)
-                self.server = None  # a new bundle: a server that serves it too
-            listed[field] = self.bundles[path].to_dict()
-        if listed and self.server is None:
+    def for_paths(self, paths: dict[str, str], modules: dict[str, str] | None = None
+                  ) -> dict[str, Any]:
+        """What a process on another node needs to fetch ``paths`` (by name) and import
+        ``modules``."""
+        listed = {field: self.listed(path) for field, path in paths.items()}
+        code = {name: self.listed(path) for name, path in (modules or {}).items()}
+        if (listed or code) and self.server is None:
             self.server = file_server(list(self.bundles.values()))
-        return {"bundles": listed, "server": self.server}
+        return {"bundles": listed, "modules": code, "server": self.server}
+
+    def listed(self, path: str) -> dict[str, Any]:
+        """``path``'s bundle, as first listed (a new one: a server that serves it too)."""
+        if path not in self.bundles:
+            self.bundles[path] = Bundle.of(path)
+            self.server = None
+        return self.bundles[path].to_dict()
 
 
 def localised(config: TrainConfig, inputs: dict[str, Any] | None, trial_id: str
@@ -75,6 +84,7 @@ def localised(config: TrainConfig, inputs: dict[str, Any] | None, trial_id: str
     their bytes) and its ``out`` a fresh scratch folder; and the map back from each local
     path to the driver's. InputChanged / OSError name the file that could not be had."""
     local = fetched(inputs)
+    importable(inputs)
     named = named_paths(config)
     back = {path: named[field] for field, path in local.items()}
     changes = {"out": str(scratch_dir(trial_id)), **local}
@@ -86,6 +96,36 @@ def fetched(inputs: dict[str, Any] | None) -> dict[str, str]:
     return {name: fetch(Bundle.from_dict(data), server_reader(inputs["server"],
                                                               data["digest"]))
             for name, data in ((inputs or {}).get("bundles") or {}).items()}
+
+
+def importable(inputs: dict[str, Any] | None) -> dict[str, str]:
+    """Each module ``inputs`` carries (a ``python:`` reward's) imported in this process from
+    this node's copy of the bytes the sweep planned with, ahead of any other on sys.path
+    (a node's own older copy never scores); its copy's path by name. RuntimeError naming
+    the module when it cannot be imported from there: never a silent zero reward."""
+    copies = {}
+    for name, data in ((inputs or {}).get("modules") or {}).items():
+        copy = Path(fetch(Bundle.from_dict(data), server_reader(inputs["server"],
+                                                                data["digest"])))
+        if str(copy.parent) not in sys.path:
+            sys.path.insert(0, str(copy.parent))
+        top = name.split(".")[0]
+        for stale in [k for k in sys.modules if k == top or k.startswith(f"{top}.")]:
+            del sys.modules[stale]
+        importlib.invalidate_caches()
+        try:
+            module = importlib.import_module(name)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as err:  # a lab's module: anything at import, sys.exit too
+            raise RuntimeError(f"reward module {name}: cannot import the sweep's copy "
+                               f"({type(err).__name__}: {err})") from None
+        found = Path(getattr(module, "__file__", None) or "?").resolve()
+        if not (found == copy.resolve() or found.is_relative_to(copy.resolve())):
+            raise RuntimeError(f"reward module {name}: imported from {found}, not the "
+                               f"sweep's copy {copy}")
+        copies[name] = str(copy)
+    return copies
 
 
 def scratch_dir(trial_id: str) -> Path:

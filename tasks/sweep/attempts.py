@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from engine.host.command_queue import queue_env
+from tasks.eval.rewards import reward_sources
 from tasks.nodes.node_files import Bundle, pull
 from tasks.nodes.placement import Placement
 from tasks.nodes.trial_inputs import SweepFiles
@@ -158,7 +159,8 @@ class OneActor:
         try:
             if not live.register(trial.id, actor):
                 return outcome(trial, "cancelled", "sweep interrupted", first, attempt + 1)
-            inputs = shared.files.for_config(trial.config)
+            inputs = shared.files.for_config(trial.config,
+                                             reward_sources(trial.config.loss))
             placed = actor.where.remote()
             ref = actor.run.remote(trial.to_dict(), shared.study, shared.metric, inputs,
                                    shared.box)

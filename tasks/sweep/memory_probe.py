@@ -18,8 +18,9 @@ from engine.host.atomic import atomic_write_text
 from engine.host.command_queue import QUEUE_MB, queue_env
 from engine.model.source import layer_count
 from engine.train.probe import largest_fitting, probe_steps
+from tasks.eval.rewards import reward_sources
 from tasks.nodes.placement import Placement
-from tasks.nodes.trial_inputs import SweepFiles, fetched
+from tasks.nodes.trial_inputs import SweepFiles, fetched, importable
 from tasks.sweep.sweep_spec import SpecError
 from tasks.sweep.trial_plan import TrialPlan
 
@@ -30,6 +31,9 @@ AUTO_HEADROOM = 1.10
 MEMORY_FIELDS = ("batch_size", "lora_rank", "lora_keys", "lora_layers", "lora_dropout",
                  "head_chunk", "prefix_share", "prefix_attention", "inflight", "pad_multiple",
                  "nll_span", "loss", "seed", "mlp_chunk")
+# A group loss's: its rollouts' KV cache and the group forward (a pair loss has none: its
+# keys are as they were).
+GROUP_MEMORY_FIELDS = ("num_generations", "max_completion_length", "grpo_beta")
 
 
 def candidate_sizes(model: str) -> list[int]:
@@ -43,6 +47,7 @@ def probe_key(fields: dict[str, Any], fingerprint: str) -> str:
     """The probe cache's key of a trial's settings (its config's values that one rank
     trains: ``per_rank``)."""
     body = {k: fields.get(k) for k in MEMORY_FIELDS}
+    body.update({k: fields[k] for k in GROUP_MEMORY_FIELDS if k in fields})
     body.update(model=fields["model"], data=fingerprint)
     queue = queue_env(fields.get("memory_limit_gb") or 0.0).get(QUEUE_MB)
     if queue:  # the process's queue cap changes its peak (engine/host/command_queue.py)
@@ -58,6 +63,7 @@ def _run_probe(config: dict[str, Any], sizes: list[int], inputs: dict[str, Any] 
     from engine.settings.config import TrainConfig
 
     config = {**config, **fetched(inputs)}
+    importable(inputs)  # a python: reward's module: the probe rewards its rollouts
     rows = probe_steps(TrainConfig.from_dict(config), [{"segment_size": k} for k in sizes])
     # A size that failed (out of memory under the limit) fits no budget.
     return {int(r["segment_size"]): float(r.get("peak_gb", float("inf"))) for r in rows}
@@ -86,7 +92,8 @@ def resolve_auto(plans: list[TrialPlan], budget_gb: float, placement: Placement,
         files = SweepFiles()
         refs = {key: placement.fresh_task(_run_probe, queue_env(p.config.memory_limit_gb))
                 .remote(per_rank(p, ranks),
-                        candidate_sizes(p.config.model), files.for_config(p.config))
+                        candidate_sizes(p.config.model),
+                        files.for_config(p.config, reward_sources(p.config.loss)))
                 for key, p in todo.items()}
         for key, ref in refs.items():
             known[key] = {str(k): v for k, v in ray.get(ref).items()}

@@ -36,6 +36,7 @@ from engine.settings.config import TrainConfig
 from engine.settings.reference_kind import BASE
 from tasks.board.ranked_metric import metric_value
 from tasks.board.results_table import FINISHED, RESULTS, read_results, write_results
+from tasks.eval.rewards import reward_code
 from tasks.nodes.placement import Placement
 from tasks.nodes.preflight import preflight
 from tasks.sweep.attempts import EventHook
@@ -76,8 +77,7 @@ def data_fingerprint(data: str) -> str:
     Preprocess re-splits in place keeping the fingerprint (an old dataset gains a test split
     out of train): a trial cached before then trained on rows that are test now."""
     path = Path(data)
-    manifest = path / "manifest.json"
-    if manifest.exists():
+    if (manifest := path / "manifest.json").exists():
         m = json.loads(manifest.read_text())
         check_dataset(path, m)  # an edited shard, an old split: refused, never cached
         options = m.get("options", {})
@@ -133,11 +133,10 @@ def check_sweep_out(spec: SweepSpec, out: Path) -> None:
 
 def cache_key(config: TrainConfig, fingerprint: str, model_key: str) -> str:
     """What a trial's result depends on: every effective setting of its config
-    (``TrialPlan.params``: defaults the spec left out included, so a changed default
-    re-trains), the model's bytes (``model_key``: engine/model/content_key.py, not its
-    path), a warm start's and a DPO reference adapter's bytes (not their paths:
-    re-trained in place, each is another start), a given reference file's bytes, the
-    data, the code."""
+    (``TrialPlan.params``: a changed default re-trains), the model's bytes (``model_key``:
+    engine/model/content_key.py), a warm start's, a DPO reference adapter's, a reference
+    file's and a ``python:`` reward's bytes (never paths: each re-made in place is another
+    start), the data, the code."""
     body = json.dumps(settings_of(config), sort_keys=True, default=str)
     text = f"{body}|{model_key}|{fingerprint}|{CODE_VERSION}"
     if config.warm_start:
@@ -146,6 +145,8 @@ def cache_key(config: TrainConfig, fingerprint: str, model_key: str) -> str:
         text += f"|reference:{reference_key(config.reference)}"
     if config.reference_logps:
         text += f"|reference_logps:{file_digest(config.reference_logps)}"
+    if code := reward_code(config.loss):
+        text += f"|reward:{','.join(code)}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -176,9 +177,8 @@ def check_cluster(placement: Placement, resources: dict[str, float], expected: i
 
 
 def previous_results(out: Path) -> dict[str, dict[str, Any]]:
-    if not (out / RESULTS).exists():
-        return {}
-    return {r["trial_id"]: r for r in read_results(out, usable=False)}  # weights: the board's
+    rows = read_results(out, usable=False) if (out / RESULTS).exists() else []
+    return {r["trial_id"]: r for r in rows}  # usable=False: weights are the board's to check
 
 
 def run_sweep(spec: SweepSpec, out: Path, placement: Placement | None = None,

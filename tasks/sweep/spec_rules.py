@@ -8,6 +8,8 @@ from typing import Any
 
 from engine.losses import ACROSS_LOSSES, LOSSES, OWNERS, shared_metrics, validation_metrics
 from engine.settings.config import DEFAULT_LOSS, TrainConfig
+from tasks.eval.rewards import Reward
+from tasks.eval.scorers import ScorerError
 from tasks.sweep.trial_plan import AUTO
 
 PRUNING_DEFAULTS = {"startup_trials": 2, "warmup_steps": 0}
@@ -96,10 +98,6 @@ def check_loss_settings(fixed: dict, grid: dict, space: dict) -> None:
     """A loss's own setting (``orpo_lambda``) is given only where a trial trains with that
     loss: each trial takes its own loss's settings (tasks/sweep/trial_plan.own_loss_fields)."""
     losses = spec_losses(fixed, grid, space)
-    if online := sorted(k for k in losses if k in LOSSES and LOSSES[k].on_groups):
-        raise SpecError(f"loss {online[0]}: a sweep trains pair losses only for now (its "
-                        "trials, board and evaluation read pairs); train it with `pomona "
-                        f"train --loss {online[0]} --reward ...`")
     for where, section in (("fixed", fixed), ("grid", grid), ("space", space)):
         for name in section:
             owner = OWNERS.get(name)
@@ -113,10 +111,15 @@ def check_metric_of_losses(metric: str, fixed: dict, grid: dict, space: dict) ->
     """A search over ``loss`` must rank trials on a metric every loss shares; one loss,
     on a metric it reports (else every trial would train and then go unranked)."""
     losses = searched("loss", grid, space)
+    online = sorted(k for k in losses if k in LOSSES and LOSSES[k].on_groups)
+    if online and len(online) < len(losses):
+        raise SpecError(f"loss: {online[0]} and {sorted(losses - set(online))[0]} share no "
+                        "validation metric to rank on (a reward's val/reward, a pair loss's "
+                        "val/loss); sweep them apart")
     shared = shared_metrics(losses)
     for name, owner in OWNERS.items():  # a loss's variants (its loss_type: choices)
-        types = searched(name, grid, space)
-        if len(types) > 1 and "choices" in owner.field(name).metadata:
+        types = searched(name, grid, space)  # (a reward is the verifier's, on any variant)
+        if len(types) > 1 and "choices" in owner.field(name).metadata and not owner.on_groups:
             loss = owner.kind  # e.g. sigmoid and IPO: two scales (IPO starts at 1/(4β²))
             losses, shared = losses | {f"{loss}-{t}" for t in types}, ACROSS_LOSSES
     if len(losses) > 1 and metric not in shared:
@@ -142,3 +145,47 @@ def pruning_of(raw: Any, search: str) -> dict[str, int]:
     if not all(isinstance(v, int) and v >= 0 for v in raw.values()):
         raise SpecError(f"pruning: values must be integers >= 0, got {raw!r}")
     return {**PRUNING_DEFAULTS, **raw}
+
+
+def online_losses(fixed: dict, grid: dict, space: dict) -> list[str]:
+    """The spec's losses that learn from a reward (GRPO: engine/losses/group.py)."""
+    return sorted(k for k in spec_losses(fixed, grid, space) if k in LOSSES
+                  and LOSSES[k].on_groups)
+
+
+def default_metric(fixed: dict, grid: dict, space: dict) -> str:
+    """The metric a spec that names none ranks on: ``val/reward`` when every trial learns
+    from a reward (it reports no ``val/loss``), else ``val/loss``."""
+    online = online_losses(fixed, grid, space)
+    return "val/reward" if online and set(online) == spec_losses(fixed, grid, space) \
+        else "val/loss"
+
+
+def check_online(fixed: dict, grid: dict, space: dict, pack: Any, ranks: int) -> None:
+    """A loss that learns from a reward: each ``reward`` the spec gives read now (a scorer
+    that cannot be imported, a bad weight: refused before a cluster starts), and trained one
+    trial to a process on one rank (its rollouts sample one adapter's policy)."""
+    online = online_losses(fixed, grid, space)
+    if not online:
+        return
+    if pack is AUTO or pack > 1:
+        raise SpecError(f"pack: {pack}: loss {online[0]} trains one trial to a process (a "
+                        "pack shares pairs' steps; rollouts sample each adapter's own); give "
+                        "pack: 1")
+    if ranks > 1:
+        raise SpecError(f"ranks_per_trial: {ranks}: loss {online[0]} trains on one rank in a "
+                        "sweep for now; give ranks_per_trial: 1")
+    if not any("reward" in section for section in (fixed, grid, space)):
+        raise SpecError(f"loss {online[0]} learns from a reward: give fixed.reward (task:NAME, "
+                        "contains, or python:module:function; several in a list)")
+    for where, section in (("fixed", fixed), ("grid", grid), ("space", space)):
+        raw = section.get("reward")
+        values = ([] if raw is None else [raw] if where == "fixed" else raw if where == "grid"
+                  else raw.get("choice", []) if isinstance(raw, dict) else [])
+        for value in values:
+            try:
+                Reward.parse(value, f"{where}.reward")
+            except ScorerError as err:
+                said = str(err)
+                raise SpecError(said if said.startswith(where) else f"{where}.reward: {said}"
+                                ) from None

@@ -11,7 +11,7 @@
     search: random          # grid | random | optuna
     num_samples: 4          # random draws per grid point; optuna: trials in all
     metric: val/loss        # a validation metric (val/...), as in metrics.jsonl
-    mode: min
+    mode: min               # loss grpo: val/reward and max unless given
     pruning: true           # optuna only: true, or {startup_trials: 2, warmup_steps: 0}
     max_concurrent: 2
     time_limit_s: 600       # per trial; 0 = none
@@ -60,8 +60,11 @@ from tasks.sweep.spec_rules import (
     check_kind,
     check_loss_settings,
     check_metric_of_losses,
+    check_online,
     check_pack,
     check_ranks,
+    default_metric,
+    online_losses,
     pruning_of,
 )
 from tasks.sweep.spec_values import (
@@ -271,9 +274,6 @@ def _parse(data: Any) -> SweepSpec:
         raise SpecError(f"search={search!r}: expected one of {', '.join(SEARCHES)}")
     if search == "grid" and space:
         raise SpecError("space: a grid search has no space; use search: random or optuna")
-    mode = data.get("mode", "min")
-    if mode not in MODES:
-        raise SpecError(f"mode={mode!r}: expected min or max")
     counts = {key: _setting(data, key, default, integer=True, minimum=minimum)
               for key, default, minimum in (("num_samples", 1, 1), ("max_concurrent", 1, 1),
                                             ("retries", 2, 0), ("probe_batches", 8, 1),
@@ -285,10 +285,14 @@ def _parse(data: Any) -> SweepSpec:
     if search == "optuna" and (grid or not space):
         raise SpecError("search: optuna samples a space (put grid values in space as "
                         "{choice: [...]}) and needs a non-empty one")
-    metric = data.get("metric", "val/loss")
+    metric = data.get("metric", default_metric(fixed, grid, space))
     if not isinstance(metric, str) or not metric.startswith("val/"):
         raise SpecError(f"metric={metric!r}: expected a validation metric such as val/loss "
                         "or val/rewards/accuracies")
+    mode = data.get("mode", "max" if metric.startswith("val/reward") and online_losses(
+        fixed, grid, space) else "min")  # a reward, higher better (a pair loss's: as given)
+    if mode not in MODES:
+        raise SpecError(f"mode={mode!r}: expected min or max")
     check_loss_settings(fixed, grid, space)
     check_metric_of_losses(metric, fixed, grid, space)
     try:
@@ -308,6 +312,7 @@ def _parse(data: Any) -> SweepSpec:
                         "size must fit in)")
     kind = data.get("kind", "train")
     check_kind(kind, search, autos, report_to)
+    check_online(fixed, grid, space, pack, counts["ranks_per_trial"])
     if counts["ranks_per_trial"] > 1:
         check_ranks(counts["ranks_per_trial"], kind, fixed, grid, space)
     check_pack(pack, search, kind, counts["ranks_per_trial"], autos, budget)
