@@ -160,3 +160,18 @@ def test_a_grpo_sweep_trains_on_ray_and_an_edited_reward_trains_again(
     again = run_sweep(parse_spec(raw), tmp_path / "sweep")
     assert [r["skipped"] for r in again] == [False, False]
     assert [r["status"] for r in again] == ["completed"] * 2, [r.get("reason") for r in again]
+
+
+@pytest.mark.unit
+def test_a_grpo_trial_whose_groups_all_tied_says_so() -> None:
+    """A GRPO gradient is exactly 0 where every group's rewards tie: such a trial is not
+    ranked, and says it had no signal (a saturated model's zero gradient still says it
+    stopped learning)."""
+    from tasks.eval.degenerate import degenerate_reason
+
+    reports = [(1, 0.3), (2, 0.0), (3, 0.0)]
+    assert degenerate_reason(reports, {}, frozenset({2, 3})).startswith(
+        "degenerate: no signal: every group's rewards tied for 2 report(s) "
+        "(frac_reward_zero_std 1.0 from step 2")
+    assert "stopped learning" in degenerate_reason(reports, {}, frozenset({3}))
+    assert degenerate_reason([(1, 0.0), (2, 0.2)], {}, frozenset({1})) == ""

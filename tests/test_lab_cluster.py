@@ -144,6 +144,39 @@ def test_packed_trials_on_private_disks_equal_lone_ones(lab: Lab, lab_dataset: s
             assert packed[tid][key] == pytest.approx(row[key], rel=1e-5), (tid, key)
 
 
+GRPO_SPEC = ("name: grpo\nmodel: /tmp/lab/model\ndata: /tmp/lab/ds\nmax_concurrent: 2\n"
+             "fixed: {loss: grpo, reward: python:lab_reward:score, steps: 2, batch_size: 2, "
+             "num_generations: 2, max_completion_length: 4, lora_rank: 4, val_every: 0}\n"
+             "grid: {temperature: [0.7, 1.0]}\n")
+LAB_REWARD = ("def score(prompt, completion, row):\n"
+              "    text = completion.replace(' ', '')\n"
+              "    return sum(c.isalpha() for c in text) / len(text) if text else 0.0\n")
+
+
+def test_a_grpo_sweep_rewarded_by_the_heads_module_trains_on_both_workers(
+        lab: Lab, lab_dataset: str, tmp_path: Path) -> None:
+    """Issue 73: two GRPO trials whose ``python:`` reward only the head's disk holds: its
+    module goes to each worker by content (into its cache, by digest), both workers train,
+    and the head ranks them on ``val/reward``."""
+    (tmp_path / "lab_reward.py").write_text(LAB_REWARD)
+    (tmp_path / "grpo.yaml").write_text(GRPO_SPEC)
+    for name in ("lab_reward.py", "grpo.yaml"):
+        lab.put("head", tmp_path / name, f"/tmp/lab/{name}")
+    for worker in ("w1", "w2"):  # the module is the head's alone
+        assert lab.run(worker, ["sh", "-c", "ls /tmp/lab/lab_reward.py"], check=False
+                       ).returncode != 0
+    pomona(lab, "head", "sweep", "/tmp/lab/grpo.yaml", "--address", lab.address,
+           "--resource", "mlx_gpu", "--out", "/tmp/lab/grpo")
+    rows = pq.read_table(lab.get("head", "/tmp/lab/grpo", tmp_path / "got")
+                         / "results.parquet").to_pylist()
+    assert [r["status"] for r in rows] == ["completed"] * 2, [r.get("reason") for r in rows]
+    assert {r["node"] for r in rows} == {"w1", "w2"}
+    assert all(0 <= r["best/val/reward"] <= 1 for r in rows), rows
+    for worker in ("w1", "w2"):
+        cached = lab.run(worker, ["sh", "-c", "ls /tmp/home/.cache/pomona/inputs/*/"]).stdout
+        assert "lab_reward.py" in cached.split(), (worker, cached)
+
+
 def board(path: Path) -> dict[str, dict]:
     return {r["trial_id"]: r for r in pq.read_table(path).to_pylist()}
 

@@ -15,13 +15,15 @@ BELOW_CHANCE = 0.15  # validation accuracy this far under 0.5 ...
 BELOW_CHANCE_P = 1e-3  # ... and this unlikely for a coin (one-sided binomial tail)
 
 
-def degenerate_reason(reports: list[tuple[int, float]], best_val: dict[str, Any]) -> str:
-    """Why a run that finished has collapsed ("" if it has not).
+def degenerate_reason(reports: list[tuple[int, float]], best_val: dict[str, Any],
+                      tied: frozenset[int] = frozenset()) -> str:
+    """Why a run that finished has collapsed or never learned ("" if neither).
 
     A learning rate far too high can saturate the model: every gradient is then exactly 0
     (a float32 gradient norm is never 0.0 while anything is learned) and the pairs' logps
     tie, so held-out preference accuracy falls to 0 while the loss looks low (issue 14:
-    lr 1e8 ranked first).
+    lr 1e8 ranked first). A GRPO run's gradient is exactly 0 too where every group's G
+    rewards tie (``tied``: the steps reporting ``frac_reward_zero_std`` 1): no signal.
     """
     zeros = 0
     for _, norm in reversed(reports):
@@ -30,7 +32,12 @@ def degenerate_reason(reports: list[tuple[int, float]], best_val: dict[str, Any]
         zeros += 1
     if zeros and zeros >= min(ZERO_GRAD_REPORTS, len(reports)):
         first = reports[len(reports) - zeros][0]
-        return (f"degenerate: zero gradients for {zeros} reports (grad_norm 0.0 from step "
+        if all(step in tied for step, _ in reports[len(reports) - zeros:]):
+            return (f"degenerate: no signal: every group's rewards tied for {zeros} report(s) "
+                    f"(frac_reward_zero_std 1.0 from step {first}, so grad_norm 0.0); a "
+                    "warm start, more generations, a higher temperature or a reward with "
+                    "partial credit gives the groups a spread")
+        return (f"degenerate: zero gradients for {zeros} report(s) (grad_norm 0.0 from step "
                 f"{first}): the model stopped learning")
     return below_chance(best_val.get("val/logps/accuracies"), best_val.get("val/rows"),
                         f"val accuracy at step {best_val.get('step')}")

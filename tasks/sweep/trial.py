@@ -86,14 +86,18 @@ class PruneCallback:
 
 
 class GradNorms:
-    """Engine callback: the ``grad_norm`` of every training report, in order."""
+    """Engine callback: the ``grad_norm`` of every training report, in order, and the
+    steps where every GRPO group's rewards tied (``frac_reward_zero_std`` 1: no signal)."""
 
     def __init__(self) -> None:
         self.reports: list[tuple[int, float]] = []
+        self.tied: set[int] = set()
 
     def on_metrics(self, record: dict[str, Any]) -> None:
         if record.get("split") == "train" and "grad_norm" in record:
             self.reports.append((int(record["step"]), float(record["grad_norm"])))
+            if record.get("frac_reward_zero_std") == 1.0:
+                self.tied.add(int(record["step"]))
 
 
 def run_trial(trial_id: str, config: TrainConfig, study: Any = None,
@@ -133,7 +137,7 @@ def summary_of(base: Summary, result: Any, norms: GradNorms) -> Summary:
     ``degenerate`` with its reason where it has collapsed (``degenerate_reason``: it keeps
     its adapter and metrics but is never ranked)."""
     best = result.best_val or {}
-    reason = degenerate_reason(norms.reports, best)
+    reason = degenerate_reason(norms.reports, best, frozenset(norms.tied))
     return {**base, "status": "degenerate" if reason else "completed", "reason": reason,
             "ended": time.time(),
             "adapter": result.out, "steps": result.steps,
