@@ -244,6 +244,6 @@ def test_dpo_without_a_reference_and_bad_settings_are_refused() -> None:
         pair_loss(mx.array(lp), mx.array(resp), mx.array(nll), spec_of("dpo"),
                   Norms(1.0, 1.0))
     for bad in ({"dpo_beta": 0.0}, {"dpo_beta": -1.0}, {"dpo_beta": float("nan")},
-                {"dpo_label_smoothing": 0.5}, {"dpo_loss_type": "hinge"}):
+                {"dpo_label_smoothing": 0.5}, {"dpo_loss_type": "nonesuch"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             spec_of("dpo", **bad)

@@ -276,7 +276,7 @@ def test_bad_dpo_settings_are_refused_by_name() -> None:
     ok.validate()
     for field, value in (("dpo_beta", 0.0), ("dpo_beta", -0.1), ("dpo_beta", float("nan")),
                          ("dpo_label_smoothing", 0.5), ("dpo_label_smoothing", -0.1),
-                         ("dpo_loss_type", "hinge")):
+                         ("dpo_loss_type", "nonesuch")):
         with pytest.raises(ValueError, match=field):
             ok.replace(**{field: value}).validate()
 
