@@ -34,9 +34,10 @@ def degenerate_reason(reports: list[tuple[int, float]], best_val: dict[str, Any]
         first = reports[len(reports) - zeros][0]
         if all(step in tied for step, _ in reports[len(reports) - zeros:]):
             return (f"degenerate: no signal: every group's rewards tied for {zeros} report(s) "
-                    f"(frac_reward_zero_std 1.0 from step {first}, so grad_norm 0.0); a "
-                    "warm start, more generations, a higher temperature or a reward with "
-                    "partial credit gives the groups a spread")
+                    f"(frac_reward_zero_std 1.0 from step {first}, so grad_norm 0.0): a "
+                    "policy fallen onto one answer, or a verifier it never meets; a lower "
+                    "learning rate, a warm start, more generations or a higher temperature "
+                    "spread the groups")
         return (f"degenerate: zero gradients for {zeros} report(s) (grad_norm 0.0 from step "
                 f"{first}): the model stopped learning")
     return below_chance(best_val.get("val/logps/accuracies"), best_val.get("val/rows"),
