@@ -20,7 +20,7 @@ from engine.losses.dpo_types import EXO_EPS
 
 pytestmark = pytest.mark.unit
 BETA, TAU = 0.3, 0.05
-TYPES = [t for t in LOSS_TYPES if t != "bco_pair"]
+TYPES = [t for t in LOSS_TYPES if t not in ("bco_pair", "sft")]
 
 
 def logsig(x: np.ndarray) -> np.ndarray:
@@ -72,16 +72,19 @@ def batch(rng: np.random.Generator, b: int, t: int = 8):
     return lp, resp, ref
 
 
-def spec(kind: str, eps: float = 0.0):
-    extra = {"dpo_discopop_tau": TAU} if kind == "discopop" else {}
-    return spec_of("dpo", dpo_beta=BETA, dpo_loss_type=kind, dpo_label_smoothing=eps, **extra)
+def spec(kind: str | list[str], eps: float = 0.0, **extra):
+    if "discopop" in kind:
+        extra["dpo_discopop_tau"] = TAU
+    return spec_of("dpo", "response", dpo_beta=BETA, dpo_loss_type=kind,
+                   dpo_label_smoothing=eps, **extra)
 
 
-def loss_of(kind: str, lp, resp, ref, eps: float = 0.0) -> mx.array:
-    nll = np.zeros_like(resp)
+def loss_of(kind: str | list[str], lp, resp, ref, eps: float = 0.0, **extra) -> mx.array:
+    nll = resp.copy()
+    nll[lp.shape[0] // 2:] = 0  # the chosen responses: TRL's NLL term (sft, rpo_alpha)
     return pair_loss(lp if isinstance(lp, mx.array) else mx.array(lp), mx.array(resp),
-                     mx.array(nll), spec(kind, eps), Norms(1.0, lp.shape[0] // 2),
-                     mx.array(ref))[0]
+                     mx.array(nll), spec(kind, eps, **extra),
+                     Norms(float(nll.sum()), lp.shape[0] // 2), mx.array(ref))[0]
 
 
 @pytest.mark.parametrize("kind", TYPES)
@@ -129,6 +132,41 @@ def test_types_needing_what_pomona_lacks_and_stray_settings_are_refused() -> Non
                          ({"dpo_loss_type": "sigmoid", "dpo_discopop_tau": 0.1},
                           "dpo_discopop_tau=0.1 with loss type sigmoid: only discopop"),
                          ({"dpo_loss_type": "nonesuch"}, "dpo_loss_type")):
+        with pytest.raises(ValueError, match=r"^[^\n]*$") as err:
+            spec_of("dpo", **bad)
+        assert message in str(err.value), (bad, err.value)
+
+
+def test_a_mixture_is_the_weighted_sum_of_its_types_and_sft_is_the_nll_term() -> None:
+    """TRL's ``loss_type: [sigmoid, hinge]`` with ``loss_weights`` is Σ w·L (float64
+    references as above); ``[sigmoid, sft]`` at weights (1, 0.5) is sigmoid with
+    ``rpo_alpha`` 0.5; an older config's single name reads as a list of one."""
+    rng = np.random.default_rng(13)
+    lp, resp, ref = batch(rng, b=5)
+    got = float(loss_of(["sigmoid", "hinge", "apo_zero"], lp, resp, ref,
+                        dpo_loss_weights=[0.7, 0.3, 0.2]))
+    want = sum(w * np_types(k, lp, resp, ref) for k, w in
+               (("sigmoid", 0.7), ("hinge", 0.3), ("apo_zero", 0.2)))
+    assert got == pytest.approx(want, rel=1e-6)
+    mixed = float(loss_of(["sigmoid", "sft"], lp, resp, ref, dpo_loss_weights=[1.0, 0.5]))
+    assert mixed == pytest.approx(float(loss_of("sigmoid", lp, resp, ref, rpo_alpha=0.5)),
+                                  rel=1e-6)
+    assert mixed > float(loss_of("sigmoid", lp, resp, ref))  # the NLL term is there
+    assert spec_of("dpo", dpo_loss_type="ipo").loss.dpo_loss_type == ("ipo",)
+
+
+def test_mixtures_pomona_cannot_train_as_trl_means_are_refused() -> None:
+    for bad, message in (({"dpo_loss_type": ["ipo", "sigmoid"]}, "ipo reads length-averaged"),
+                         ({"dpo_loss_type": ["sigmoid", "sft"], "rpo_alpha": 0.5},
+                          "both are the chosen NLL term"),
+                         ({"dpo_loss_type": ["sigmoid", "hinge"], "dpo_loss_weights": [1.0]},
+                          "dpo_loss_weights=[1.0]: one weight >= 0 per loss type"),
+                         ({"dpo_loss_type": ["sigmoid", "hinge"],
+                           "dpo_loss_weights": [1.0, -1.0]}, "one weight >= 0"),
+                         ({"dpo_loss_type": ["hinge", "hinge"]}, "each once"),
+                         ({"dpo_loss_type": ["sigmoid", "bco_pair"]}, "bco_pair: it needs"),
+                         ({"dpo_loss_type": ["sigmoid", "nonesuch"]},
+                          "'nonesuch' is not one of")):
         with pytest.raises(ValueError, match=r"^[^\n]*$") as err:
             spec_of("dpo", **bad)
         assert message in str(err.value), (bad, err.value)

@@ -160,8 +160,11 @@ class LossSettings:
     def __post_init__(self) -> None:
         hints = _hints(type(self))
         for f in dataclasses.fields(self):
-            if "items" in f.metadata and isinstance(getattr(self, f.name), list):
-                object.__setattr__(self, f.name, tuple(getattr(self, f.name)))  # as JSON reads
+            value = getattr(self, f.name)
+            if "items" in f.metadata and isinstance(value, list):
+                object.__setattr__(self, f.name, tuple(value))  # as JSON reads
+            elif "items" in f.metadata and isinstance(value, str) and f.metadata["items"] is str:
+                object.__setattr__(self, f.name, (value,))  # one name (an older config's)
         for f in dataclasses.fields(self):
             _check_field(f, hints[f.name], getattr(self, f.name))
         self.check()
@@ -219,6 +222,10 @@ def _check_field(f: dataclasses.Field, hint: Any, value: Any) -> None:
     rules = f.metadata
     if "items" in rules:  # a tuple of strings or numbers (GRPO's reward, its weights)
         _check_items(f.name, value, rules["items"])
+        wrong = [v for v in value if "choices" in rules and v not in rules["choices"]]
+        if wrong:
+            raise ValueError(f"{f.name}={list(value)!r}: {wrong[0]!r} is not one of "
+                             f"{rules['choices']}")
         return
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):

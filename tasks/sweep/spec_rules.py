@@ -121,7 +121,8 @@ def check_metric_of_losses(metric: str, fixed: dict, grid: dict, space: dict) ->
         types = searched(name, grid, space)  # (a reward is the verifier's, on any variant)
         if len(types) > 1 and "choices" in owner.field(name).metadata and not owner.on_groups:
             loss = owner.kind  # e.g. sigmoid and IPO: two scales (IPO starts at 1/(4β²))
-            losses, shared = losses | {f"{loss}-{t}" for t in types}, ACROSS_LOSSES
+            named = {"+".join(t) if isinstance(t, tuple) else t for t in types}  # DPO's lists
+            losses, shared = losses | {f"{loss}-{t}" for t in named}, ACROSS_LOSSES
     if len(losses) > 1 and metric not in shared:
         raise SpecError(f"metric={metric}: not comparable across losses {sorted(losses)}; "
                         f"rank a search over loss on one of {', '.join(shared)}")
