@@ -209,7 +209,7 @@ def run_score(values: dict[str, Any]) -> int:
     from engine.forward.scoring import is_score_file, preference_accuracy, score_pairs
     from engine.host.atomic import atomic_write_text
     from engine.host.outputs import check_file
-    from engine.model.adapters import trained_loss, trained_reference
+    from engine.model.adapters import pairs_scored_under, trained_loss, trained_reference
     from engine.settings.reference_kind import parse_reference
     from engine.train.prepared import prepare_scoring
     from engine.train.reference import ReferenceSpec, attach_reference, ensure_reference
@@ -219,11 +219,10 @@ def run_score(values: dict[str, Any]) -> int:
     try:  # the output first: a refused --out costs no model load nor scoring
         a = ScoreRequest(**{k: v for k, v in changes.items() if k not in OWNERS})
         check_file(a.out, is_score_file, "a score file", inputs=[a.data, a.model, a.adapter])
-        own = trained_loss(a.adapter) or LossSpec()
-        if own.loss.on_groups:  # GRPO's adapter: its pairs scored under the default loss
-            print(f"note: {a.adapter} was trained with loss {own.kind}, which scores no "
+        if (trained := trained_loss(a.adapter)) is not None and trained.loss.on_groups:
+            print(f"note: {a.adapter} was trained with loss {trained.kind}, which scores no "
                   f"pairs: its metrics are loss {DEFAULT_LOSS.kind}'s", file=sys.stderr)
-            own = LossSpec()
+        own = pairs_scored_under(a.adapter)
         spec = score_loss(a.loss, {k: v for k, v in changes.items() if k in OWNERS}, own)
         reference = ReferenceSpec(a.model, a.data, parse_reference(a.reference) if a.reference
                                   else trained_reference(a.adapter), spec.needs_kl)

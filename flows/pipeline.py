@@ -23,7 +23,7 @@ from prefect.states import Failed, State
 
 from engine.host.outputs import RefusedOutput, claim
 from engine.losses import LossSpec
-from engine.model.adapters import trained_loss
+from engine.model.adapters import pairs_scored_under
 from engine.model.export import ExportSettings, exportable
 from engine.model.gguf_export import exported_here
 from engine.model.source import source_kind
@@ -183,8 +183,9 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str, ranking: Ra
                 r["trial_id"], model, r["adapter"], data, None, generations,
                 str(Path(r["adapter"])), placement, eval_settings([r]))
             for r in done}
-    # The base under the first trial's loss: its loss column then reads beside theirs.
-    base_loss = next(filter(None, (trained_loss(r["adapter"]) for r in done)), LossSpec())
+    # The base under the first trial's loss (GRPO's: ORPO's, as its pairs are scored): its
+    # loss column then reads beside theirs.
+    base_loss = pairs_scored_under(done[0]["adapter"]) if done else LossSpec()
     base = evaluation_for(str(out_dir / "base"), generations).submit(
         "base", model, None, data, base_loss, generations, str(out_dir / "base"), placement,
         shared)
@@ -196,7 +197,7 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str, ranking: Ra
     soup = None
     if soup_k >= 2 and len(top) >= 2:
         path = soup_task(top, str(out_dir / "soup"))
-        loss = next(filter(None, map(trained_loss, top)), base_loss)  # its best member's
+        loss = pairs_scored_under(top[0])  # its best member's
         soup = {**evaluation_for(path, generations)("soup", model, path, data, loss,
                                                     generations, path, placement, shared),
                 "adapter": path}

@@ -175,3 +175,28 @@ def test_a_grpo_trial_whose_groups_all_tied_says_so() -> None:
         "(frac_reward_zero_std 1.0 from step 2")
     assert "stopped learning" in degenerate_reason(reports, {}, frozenset({3}))
     assert degenerate_reason([(1, 0.0), (2, 0.2)], {}, frozenset({1})) == ""
+
+
+@pytest.mark.integration
+def test_a_grpo_adapter_is_evaluated_by_its_answers_and_the_default_pair_loss(
+        tiny_model, tiny_data, tmp_path) -> None:
+    """The pipeline's evaluation of a GRPO trial (and of the base beside it, under the
+    first trial's loss): its pairs scored under ORPO's metrics, as ``pomona score`` does
+    (loss grpo has no pair terms: it stopped the pipeline), its answers by the scorers."""
+    from engine.model.adapters import pairs_scored_under
+    from engine.settings.config import TrainConfig
+    from engine.train.grpo_trainer import train_groups
+    from tasks.eval.evaluate import evaluate_adapter
+    from tasks.eval.generation_eval import parse_generation
+
+    out = tmp_path / "grpo"
+    train_groups(TrainConfig(model=str(tiny_model), data=str(tiny_data), out=str(out),
+                             steps=2, batch_size=2, lora_rank=4, val_every=0).replace(
+        loss="grpo", reward="task:sort", num_generations=2, max_completion_length=4))
+    assert pairs_scored_under(out).loss.kind == "orpo"
+    generation = parse_generation({"scorers": ["task:sort"], "prompts": 4, "max_tokens": 8})
+    for adapter, loss in ((str(out), None), (None, pairs_scored_under(out))):
+        metrics = evaluate_adapter(str(tiny_model), adapter, str(tiny_data), loss,
+                                   generation=generation).metrics
+        assert metrics["eval/valid/rows"] == 16 and 0 <= metrics["eval/valid/loss"] < 100
+        assert 0 <= metrics["gen/valid/sort"] <= 1, metrics

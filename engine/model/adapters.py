@@ -84,6 +84,14 @@ def trained_loss(adapter_dir: str | Path | None) -> LossSpec | None:
                          f"({err})") from None
 
 
+
+def pairs_scored_under(adapter_dir: str | Path | None) -> LossSpec:
+    """The loss an adapter's pairs are scored under (``pomona score``, evaluation): its
+    own, or the default loss's where it has none (the base, another tool's adapter) or
+    trained on groups (GRPO's loss scores no pairs: its adapter is judged by its answers)."""
+    own = trained_loss(adapter_dir)
+    return own if own is not None and not own.loss.on_groups else LossSpec()
+
 def trained_reference(adapter_dir: str | Path | None) -> Reference:
     """The reference a DPO adapter trained against (its pomona block), else ``BASE``. A
     reference adapter whose bytes changed since (retrained in place) is said by name: its

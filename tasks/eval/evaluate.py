@@ -68,12 +68,12 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec 
     from engine.data.data_fit import load_pairs_for
     from engine.forward.layout_policy import scoring_layout
     from engine.forward.scoring import evaluate
-    from engine.model.adapters import trained_loss, trained_reference
+    from engine.model.adapters import pairs_scored_under, trained_reference
     from engine.settings.reference_kind import parse_reference
     from engine.train.prepared import prepare_scoring
     from engine.train.reference import ReferenceSpec, attach_reference, ensure_reference
 
-    spec = loss or trained_loss(adapter) or LossSpec()
+    spec = loss or pairs_scored_under(adapter)  # GRPO's: by its answers and ORPO's metrics
     reference = ReferenceSpec(model, data, parse_reference(reference) if reference
                               else trained_reference(adapter), spec.needs_kl)
     if spec.needs_reference:  # made (or read) before the adapter's model loads: one at a time
