@@ -63,6 +63,8 @@ def parser() -> argparse.ArgumentParser:
             ("head_chunk", 0, "Pomona's rows: the staged update's head rows a chunk (0: dense).")):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=what)
     p.add_argument("--dtype", default="float32", help="bfloat16 on a GPU.")
+    p.add_argument("--quantize", type=int, default=0, choices=(0, 4, 8),
+                   help="The base's bits (mlx_lm.convert; 0: --dtype's weights): QLoRA.")
     p.add_argument("--peer", action="append", default=[], choices=["mlx-lm-lora"],
                    help="Also run mlx-lm-lora's train_grpo (benchmarks/mlx_lm_lora_grpo.py).")
     p.add_argument("--prefix-share", choices=["auto", "on"], default="auto",
@@ -85,7 +87,8 @@ def model_and_prompts(a: argparse.Namespace, work: Path) -> tuple[Path, Path]:
     if not model.exists():
         init_model(ModelSpec(layers=a.layers, hidden=a.hidden, heads=a.heads,
                              kv_heads=a.kv_heads, intermediate=a.intermediate, vocab=a.vocab,
-                             dtype=a.dtype, max_position=max(4096, a.prompt + a.completion)),
+                             dtype=a.dtype, max_position=max(4096, a.prompt + a.completion),
+                             quantize=a.quantize),
                    model)
     rng = np.random.default_rng(0)
     rows = [{"id": f"p{i}", "prompt_ids": rng.integers(10, a.vocab, a.prompt).tolist(),

@@ -3,6 +3,8 @@ sizes and prints what docs/performance.md reads."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.test_bench import bench
@@ -66,3 +68,14 @@ def test_the_grpo_benches_refuse_bad_arguments_in_one_line(tmp_path, capsys) -> 
         assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert [p.name for p in tmp_path.iterdir()] == ["theirs.txt"]
     assert (tmp_path / "theirs.txt").read_text() == "keep me"
+
+
+def test_grpo_bench_quantize_makes_the_base_a_4_bit_one(tmp_path) -> None:
+    """`--quantize 4`: the bench's base goes through mlx_lm.convert (QLoRA's), as a
+    user's 4-bit model does."""
+    from benchmarks.grpo_bench import model_and_prompts, parser
+
+    a = parser().parse_args(["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads",
+                             "2", "--intermediate", "128", "--vocab", "512", "--quantize", "4"])
+    model, _ = model_and_prompts(a, tmp_path)
+    assert json.loads((model / "config.json").read_text())["quantization"]["bits"] == 4
