@@ -88,7 +88,7 @@ def model_and_prompts(a: argparse.Namespace, work: Path) -> tuple[Path, Path]:
         init_model(ModelSpec(layers=a.layers, hidden=a.hidden, heads=a.heads,
                              kv_heads=a.kv_heads, intermediate=a.intermediate, vocab=a.vocab,
                              dtype=a.dtype, max_position=max(4096, a.prompt + a.completion),
-                             quantize=a.quantize),
+                             quantize=a.quantize or None),
                    model)
     rng = np.random.default_rng(0)
     rows = [{"id": f"p{i}", "prompt_ids": rng.integers(10, a.vocab, a.prompt).tolist(),

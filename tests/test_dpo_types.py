@@ -170,3 +170,22 @@ def test_mixtures_pomona_cannot_train_as_trl_means_are_refused() -> None:
         with pytest.raises(ValueError, match=r"^[^\n]*$") as err:
             spec_of("dpo", **bad)
         assert message in str(err.value), (bad, err.value)
+
+
+def test_a_checkpoint_that_recorded_one_loss_type_by_name_resumes(monkeypatch) -> None:
+    """Checkpoints before lists recorded ``dpo_loss_type: "sigmoid"``: the same run
+    resumes from them; another type is still refused."""
+    from pathlib import Path
+
+    from engine.settings.config import TrainConfig
+    from engine.train import resume
+
+    cfg = TrainConfig(model="m", data="d", loss="dpo", steps=4)
+    recorded = {"dpo_loss_type": "sigmoid", "dpo_beta": 0.1}
+    state = {"step": 2, "settings": recorded}
+    ours = {"dpo_loss_type": ["sigmoid"], "dpo_beta": 0.1}
+    monkeypatch.setattr(resume, "run_settings", lambda _cfg: ours)  # no files to digest
+    resume.check_resume(cfg, Path("ckpt"), state)
+    ours["dpo_loss_type"] = ["hinge"]
+    with pytest.raises(ValueError, match="dpo_loss_type was 'sigmoid' there"):
+        resume.check_resume(cfg, Path("ckpt"), state)

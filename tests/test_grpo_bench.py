@@ -77,5 +77,8 @@ def test_grpo_bench_quantize_makes_the_base_a_4_bit_one(tmp_path) -> None:
 
     a = parser().parse_args(["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads",
                              "2", "--intermediate", "128", "--vocab", "512", "--quantize", "4"])
-    model, _ = model_and_prompts(a, tmp_path)
+    model, _ = model_and_prompts(a, tmp_path / "q4")
     assert json.loads((model / "config.json").read_text())["quantization"]["bits"] == 4
+    plain, _ = model_and_prompts(parser().parse_args(["--layers", "2", "--hidden", "64"]),
+                                 tmp_path / "plain")  # the default: --dtype's weights
+    assert "quantization" not in json.loads((plain / "config.json").read_text())

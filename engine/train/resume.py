@@ -80,7 +80,8 @@ def check_resume(cfg: TrainConfig, ckpt: Path, state: dict[str, Any]) -> None:
         if name in OWNERS and name not in ours:  # another loss's (older checkpoints kept
             continue                             # all): the loss's own name differs then
         now = ours.get(name)
-        if now != was:
+        if now != was and not (isinstance(was, str) and now == [was]):  # one name, as a
+            # list now (an older checkpoint's dpo_loss_type)
             raise ValueError(f"resume from {ckpt}: {name} was {was!r} there, {now!r} now; "
                              "a resume must keep every setting that alters the run: give "
                              f"the old value, or start afresh in another --out")
