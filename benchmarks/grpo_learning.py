@@ -24,6 +24,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -160,16 +161,26 @@ def check_args(a: argparse.Namespace) -> None:
         raise ValueError(f"--work {a.work}: not empty; give an empty or new folder")
 
 
-def main(argv: list[str]) -> int:
-    a = parser().parse_args(argv)
+def in_work(a: argparse.Namespace, check: Callable[[], None],
+            run_in: Callable[[argparse.Namespace, Path], dict[str, Any]]
+            ) -> dict[str, Any] | None:
+    """``run_in(a, work)`` in ``--work`` (or a folder of its own, removed after) once
+    ``check`` passes; None, the error printed in one line, when either refuses."""
     try:
-        check_args(a)
+        check()
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(a.work or tmp)
             work.mkdir(parents=True, exist_ok=True)
-            result = run(a, work)
-    except (ValueError, FileNotFoundError) as err:  # too few prompts for a step, say
+            return run_in(a, work)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:  # too few prompts, say
         print(f"error: {err}", file=sys.stderr)
+        return None
+
+
+def main(argv: list[str]) -> int:
+    a = parser().parse_args(argv)
+    result = in_work(a, lambda: check_args(a), run)
+    if result is None:
         return 2
     if a.json:
         print(json.dumps(result))

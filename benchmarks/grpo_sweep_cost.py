@@ -22,14 +22,13 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from benchmarks.grpo_learning import REWARD, data_and_model, warm_start
+from benchmarks.grpo_learning import REWARD, data_and_model, in_work, warm_start
 
 GRID = {"learning_rate": [2.0e-4, 5.0e-4], "temperature": [0.7, 1.0]}
 
@@ -88,20 +87,16 @@ def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             "config": {k: v for k, v in vars(a).items() if k != "json"}}
 
 
+def check_work(a: argparse.Namespace) -> None:
+    if a.work and Path(a.work).exists() and any(Path(a.work).iterdir()):
+        raise ValueError(f"--work {a.work}: not empty; give an empty or new folder")
+
+
 def main(argv: list[str]) -> int:
     a = parser().parse_args(argv)
-    if a.work and Path(a.work).exists() and any(Path(a.work).iterdir()):
-        print(f"error: --work {a.work}: not empty; give an empty or new folder",
-              file=sys.stderr)
+    result = in_work(a, lambda: check_work(a), run)
+    if result is None:
         return 2
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(a.work or tmp)
-        work.mkdir(parents=True, exist_ok=True)
-        try:
-            result = run(a, work)
-        except (ValueError, RuntimeError) as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
     if a.json:
         print(json.dumps(result))
         return 0
