@@ -155,6 +155,16 @@ def test_a_grpo_sweep_trains_on_ray_and_an_edited_reward_trains_again(
     assert len(probed) == 1 and all(v > 0 for v in next(iter(probed.values())).values())
     assert {r["param/segment_size"] for r in table} == {0}  # the plain path fits 1000 GB
     assert all(0 <= r["best/val/reward"] <= 1 for r in table), table
+    from tasks.board.plots import rewards_png  # the board's reward curves, from metrics.jsonl
+    from tasks.board.results_table import read_results
+
+    drawn = rewards_png(read_results(tmp_path / "sweep"), tmp_path / "plots" / "rewards.png")
+    assert drawn is not None and drawn.read_bytes()[:4] == b"\x89PNG"
+    pairs = tmp_path / "pair-run"
+    pairs.mkdir()
+    (pairs / "metrics.jsonl").write_text(json.dumps({"split": "train", "step": 1,
+                                                     "loss": 0.7}) + "\n")
+    assert rewards_png([{"trial_id": "p", "adapter": str(pairs)}], tmp_path / "n.png") is None
     assert all(r["skipped"] for r in run_sweep(parse_spec(raw), tmp_path / "sweep"))
     (tmp_path / f"{name}.py").write_text(VERIFIER.replace("isalpha", "isdigit"))
     again = run_sweep(parse_spec(raw), tmp_path / "sweep")

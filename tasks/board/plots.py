@@ -63,6 +63,35 @@ def curves_png(rows: list[dict[str, Any]], metric: str, path: Path) -> Path | No
     return save_png(plt, fig, path)
 
 
+
+def rewards_png(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """A GRPO sweep's reward curves (TRL's names): each trial's training ``reward`` against
+    step, ± its ``reward_std`` shaded, and ``frac_reward_zero_std`` (the groups that carried
+    no signal); None where no trial reported a reward."""
+    trials = [(r["trial_id"], [m for m in read_metrics(r["adapter"])
+                               if m.get("split") == "train" and "reward" in m])
+              for r in rows if r.get("adapter")]
+    trials = [(t, m) for t, m in trials if m]
+    if not trials:
+        return None
+    plt, fig, (reward_ax, flat_ax) = figure(2)
+    for trial, records in trials:
+        steps = [r["step"] for r in records]
+        mean = [r["reward"] for r in records]
+        spread = [r.get("reward_std", 0.0) for r in records]
+        line, = reward_ax.plot(steps, mean, ".-", label=trial)  # a lone report: a dot
+        reward_ax.fill_between(steps, [m - s for m, s in zip(mean, spread, strict=True)],
+                               [m + s for m, s in zip(mean, spread, strict=True)],
+                               color=line.get_color(), alpha=0.15)
+        flat_ax.plot(steps, [r.get("frac_reward_zero_std", 0.0) for r in records], ".-",
+                     label=trial)
+    reward_ax.set(title="reward (± reward_std)", xlabel="step")
+    flat_ax.set(title="frac_reward_zero_std", xlabel="step", ylim=(-0.05, 1.05))
+    for ax in (reward_ax, flat_ax):
+        ax.grid(alpha=0.3)
+    flat_ax.legend(fontsize=7)
+    return save_png(plt, fig, path)
+
 def metric_vs_params_png(rows: list[dict[str, Any]], metric: str, params: list[str],
                          path: Path) -> Path | None:
     """The best ``metric`` of each completed trial against each swept parameter."""

@@ -39,7 +39,7 @@ from tasks.board.leaderboard import (
     swept_params,
     write_leaderboard,
 )
-from tasks.board.plots import curves_png, inline_png, metric_vs_params_png
+from tasks.board.plots import curves_png, inline_png, metric_vs_params_png, rewards_png
 from tasks.board.soup import make_soup
 from tasks.data.preprocess import preprocess_dataset
 from tasks.data.tokenize import tokenize_dataset
@@ -242,9 +242,11 @@ def aggregate_task(results: list[dict[str, Any]], evals: dict[str, dict[str, Any
     plots = Path(out) / "plots"
     trials = [r for r in rows if r["status"] not in ("baseline", "soup")]
     curves = curves_png(trials, metric, plots / "curves.png")
+    rewards = rewards_png(trials, plots / "rewards.png")  # GRPO's trials: their rewards
     by_param = metric_vs_params_png(trials, metric, swept_params(trials), plots / "params.png")
     memory = Path(out) / "memory.png"  # a memory sweep's Pareto plot, when one ran here
     figures = (inline_png(curves, "training and validation curves")
+               + inline_png(rewards, "training reward and zero-spread groups")
                + inline_png(by_param, f"{metric} against each swept parameter")
                + inline_png(memory if memory.exists() else None, "memory: peak vs throughput"))
     for art in board_artifacts(rows, rank_by, title, figures, f"{md}; best adapter: {best}"):
