@@ -151,9 +151,8 @@ def run_train(values: dict[str, Any]) -> int:
     limit started by a CLI re-runs as ``python -m engine train`` with MLX's queue capped."""
     from engine.check.load_check import VerifyFailed
     from engine.host.command_queue import ensure_queue
-    from engine.train.grpo_trainer import train_groups
+    from engine.train.grpo_trainer import train_any
     from engine.train.steps import NonFiniteLoss
-    from engine.train.trainer import train
 
     log_to_stderr()
     cfg = None
@@ -162,8 +161,7 @@ def run_train(values: dict[str, Any]) -> int:
         if replayable(values.get("config")):  # the same flags read the same config again
             ensure_queue(cfg.memory_limit_gb,
                          ["-m", "engine", "train", *command_line(train_flags(), values)])
-        trainer = train_groups if cfg.loss.on_groups else train  # GRPO samples, pairs don't
-        result = trainer(cfg, [PrintMetrics(cfg.steps)])
+        result = train_any(cfg, [PrintMetrics(cfg.steps)])  # GRPO samples, pairs don't
     except KeyboardInterrupt:  # Ctrl-C: how to go on, not a traceback
         print(f"interrupted; {resume_hint(cfg)}", file=sys.stderr)
         return 130

@@ -39,6 +39,7 @@ from engine.model.adapters import (
 )
 from engine.model.load import micro_seed, set_dropout_seed
 from engine.settings.config import TrainConfig
+from engine.train import trainer
 from engine.train.group_backward import objective_for
 from engine.train.group_reference import BASE_REFERENCE, KlReference, kl_reference
 from engine.train.group_steps import (
@@ -92,6 +93,14 @@ def train_groups(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainR
         loop(run, callbacks)
         return finish(run)
 
+
+
+def train_any(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
+    """``cfg``'s run by the trainer its loss takes (``python -m engine train``, a sweep's
+    trial): a group loss samples its data (``train_groups``), a pair loss reads pairs
+    (engine/train/trainer.py ``train``)."""
+    # the pair trainer looked up when called: one patched where it lives is the one run
+    return (train_groups if cfg.loss.on_groups else trainer.train)(cfg, callbacks)
 
 def refuse_unsupported(cfg: TrainConfig, loss: Grpo) -> None:
     """What this loss cannot run yet, refused before any work, and levers it does not

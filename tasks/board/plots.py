@@ -63,7 +63,6 @@ def curves_png(rows: list[dict[str, Any]], metric: str, path: Path) -> Path | No
     return save_png(plt, fig, path)
 
 
-
 def rewards_png(rows: list[dict[str, Any]], path: Path) -> Path | None:
     """A GRPO sweep's reward curves (TRL's names): each trial's training ``reward`` against
     step, ± its ``reward_std`` shaded, and ``frac_reward_zero_std`` (the groups that carried
@@ -91,6 +90,7 @@ def rewards_png(rows: list[dict[str, Any]], path: Path) -> Path | None:
         ax.grid(alpha=0.3)
     flat_ax.legend(fontsize=7)
     return save_png(plt, fig, path)
+
 
 def metric_vs_params_png(rows: list[dict[str, Any]], metric: str, params: list[str],
                          path: Path) -> Path | None:

@@ -108,9 +108,8 @@ def run_trial(trial_id: str, config: TrainConfig, study: Any = None,
     A run that finishes but has collapsed (``degenerate_reason``) is ``degenerate``, with
     its reason: it keeps its adapter and metrics but is never ranked.
     """
-    from engine.train.grpo_trainer import train_groups
+    from engine.train.grpo_trainer import train_any
     from engine.train.steps import NonFiniteLoss
-    from engine.train.trainer import train
 
     started = time.time()
     base = {"trial_id": trial_id, **where(), "started": started}
@@ -118,8 +117,7 @@ def run_trial(trial_id: str, config: TrainConfig, study: Any = None,
     callbacks = [norms, *([PruneCallback(study, number, metric)] if study is not None else []),
                  *(extra or [])]
     try:
-        trainer = train_groups if config.loss.on_groups else train  # GRPO samples its data
-        result = trainer(config, callbacks)
+        result = train_any(config, callbacks)
     except TrialPruned as err:
         return {**base, "status": "pruned", "reason": str(err), "ended": time.time()}
     except NonFiniteLoss as err:
