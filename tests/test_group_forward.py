@@ -11,6 +11,9 @@ OpenBLAS 0.3.21's Haswell kernels, every family):
   that cancel; measured ≤ 1.7e-7), the metrics as tests/parity.py ``assert_same`` holds them;
 - each LoRA gradient within GROUP_GRAD_RTOL of its largest entry: per-token terms of both
   signs sum, so each log-prob's rounding reaches 1.2e-5 on Gemma 4 (≤ 2.6e-6 elsewhere).
+  That is float32's, not the layout's: the plain float32 path is itself 2.3e-5 from the
+  same model run in float64, the shared one 1.8e-5; in float64 the two paths agree within
+  5.6e-7 (F64_GRAD_RTOL below; the loss's own float32 terms are what is left).
 μ > 1 ratios go past the clip both ways and β > 0, so every term carries gradient (the
 sampling and reference log-probs near the policy's: see ``batches``).
 """
@@ -24,7 +27,7 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from engine.check.load_check import checked_stack
 from engine.forward.group_layout import group_layout
@@ -44,6 +47,7 @@ from tests.parity import assert_same, with_lora
 
 G = 4
 LOGP_RTOL, GROUP_GRAD_RTOL, LOSS_ABS = 2e-6, 3e-5, 1e-6
+F64_GRAD_RTOL = 2e-6
 LENGTHS = ((20, 1, 3 * WINDOW, 7), (5, 2 * WINDOW + 3, 9, 1))  # 1: feeds no token
 LOSS = Grpo(grpo_beta=0.04, grpo_num_iterations=2, grpo_loss_type="grpo", temperature=0.7,
             num_generations=G)
@@ -102,8 +106,11 @@ def run(model, stack, batch: GroupBatch, segment_size: int = 0, head_chunk: int 
 def family(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("group-families")
 
-    def get(name: str):
-        model, _ = mlx_lm.load(str(init_model({**SPECS, **MOE}[name], root / name)))
+    def get(name: str):  # a fresh load each call: a test may change its weights
+        path = root / name
+        if not path.exists():
+            init_model({**SPECS, **MOE}[name], path)
+        model, _ = mlx_lm.load(str(path))
         return with_lora(model), checked_stack(model)[0]
 
     return get
@@ -139,6 +146,23 @@ def test_the_group_shared_forward_equals_g_separate_rows(arch: str, family) -> N
     assert_same(run(model, stack, shared), ref, GROUP_GRAD_RTOL, LOSS_ABS)
     for batch, (k, chunk) in itertools.product((plain, shared), ((1, 16), (2, 0))):
         assert_same(run(model, stack, batch, k, chunk), ref, GROUP_GRAD_RTOL, LOSS_ABS)
+
+
+@pytest.mark.integration
+def test_in_float64_gemma_4s_shared_layout_is_exact(family) -> None:
+    """Gemma 4 (shared K/V, sliding windows), the family whose float32 gradients differ
+    most: its weights in float64, the shared layout's LoRA gradients within F64_GRAD_RTOL
+    of the plain rows' (measured 5.6e-7, against 1.2e-5 in float32), so what float32 shows
+    is rounding; a layout error moves them by ≥ 1e-3 (``fails_parity`` below)."""
+    model, stack = family("gemma4_text")
+    model.update(tree_map(lambda a: a.astype(mx.float64), model.parameters()))
+    plain, shared = batches(model, stack, *groups(0), 1)
+    loss, _, want = run(model, stack, plain)
+    got_loss, _, got = run(model, stack, shared)
+    for name, g in want.items():
+        err = float(mx.abs(got[name] - g).max())
+        assert g.dtype == mx.float64 and err <= F64_GRAD_RTOL * float(mx.abs(g).max()), name
+    assert abs(float(got_loss - loss)) <= LOSS_ABS
 
 
 @pytest.mark.unit
