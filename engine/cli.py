@@ -27,7 +27,7 @@ from engine.host.flags import (
     given,
 )
 from engine.host.parsers import OneLineParser, command_parser
-from engine.losses import LOSSES, OWNERS, LossSpec
+from engine.losses import LOSSES, OWNERS, READERS, LossSpec
 from engine.model.export import ExportRequest
 from engine.settings.config import DEFAULT_LOSS, TrainConfig
 from engine.train.progress import progress_line
@@ -42,7 +42,12 @@ def train_flags() -> list[Flag]:
              "reference": {"metavar": "base|DIR"}}
     fields = [dataclasses.replace(f, **shown.get(f.name, {})) for f in field_flags(TrainConfig)]
     return [CONFIG, *fields,
-            *loss_flags(lambda f: f"(default: {f.default}; loss {OWNERS[f.name].kind} only)")]
+            *loss_flags(lambda f: f"(default: {f.default}; loss {readers_of(f.name)} only)")]
+
+
+def readers_of(name: str) -> str:
+    """The losses that read setting ``name``, as its help says them."""
+    return " or ".join(cls.kind for cls in READERS[name])
 
 
 def loss_flags(tail: Callable[[Any], str]) -> list[Flag]:
@@ -151,7 +156,7 @@ def run_train(values: dict[str, Any]) -> int:
     limit started by a CLI re-runs as ``python -m engine train`` with MLX's queue capped."""
     from engine.check.load_check import VerifyFailed
     from engine.host.command_queue import ensure_queue
-    from engine.train.grpo_trainer import train_any
+    from engine.train.dispatch import train_any
     from engine.train.steps import NonFiniteLoss
 
     log_to_stderr()
@@ -161,7 +166,7 @@ def run_train(values: dict[str, Any]) -> int:
         if replayable(values.get("config")):  # the same flags read the same config again
             ensure_queue(cfg.memory_limit_gb,
                          ["-m", "engine", "train", *command_line(train_flags(), values)])
-        result = train_any(cfg, [PrintMetrics(cfg.steps)])  # GRPO samples, pairs don't
+        result = train_any(cfg, [PrintMetrics(cfg.steps)])  # by its loss: sampled or read
     except KeyboardInterrupt:  # Ctrl-C: how to go on, not a traceback
         print(f"interrupted; {resume_hint(cfg)}", file=sys.stderr)
         return 130

@@ -120,3 +120,19 @@ def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root = tmp_path / "xdg-cache"
     monkeypatch.setenv("XDG_CACHE_HOME", str(root))
     return root
+
+
+@pytest.fixture(scope="session")
+def parity(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's task for the tiny model: 32 train and 8 valid parity pairs (GRPO and
+    online pairs train on them)."""
+    from engine.data.pairs import write_pairs_jsonl
+    from tests.pairs import tokenized_pairs
+
+    out = tmp_path_factory.mktemp("parity") / "parity.jsonl"
+    write_pairs_jsonl(tokenized_pairs(tiny_model, 32, seed=0, task="parity"), out, "train")
+    valid = write_pairs_jsonl(tokenized_pairs(tiny_model, 8, seed=1, task="parity"),
+                              out.with_name("v.jsonl"), "valid")
+    with out.open("a") as f:
+        f.write(valid.read_text())
+    return out

@@ -16,26 +16,12 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from engine.data.pairs import write_pairs_jsonl
-from tests.pairs import tokenized_pairs
 
 ROOT = Path(__file__).resolve().parents[1]
 TRL_NAMES = {"reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
              "completions/clipped_ratio", "clip_ratio/region_mean", "clip_ratio/low_mean",
              "clip_ratio/high_mean", "loss", "grad_norm", "learning_rate", "tokens_per_sec",
              "rollout_tokens_per_sec"}
-
-
-@pytest.fixture(scope="module")
-def parity(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo's task for the tiny model: 32 train and 8 valid parity pairs."""
-    out = tmp_path_factory.mktemp("grpo") / "parity.jsonl"
-    write_pairs_jsonl(tokenized_pairs(tiny_model, 32, seed=0, task="parity"), out, "train")
-    valid = write_pairs_jsonl(tokenized_pairs(tiny_model, 8, seed=1, task="parity"),
-                              out.with_name("v.jsonl"), "valid")
-    with out.open("a") as f:
-        f.write(valid.read_text())
-    return out
 
 
 def pomona(*args: str) -> tuple[int, list[str]]:
@@ -157,7 +143,8 @@ has loaded, after its load check's lines), and no run is written: a folder it cl
     code, lines = pomona("train", "--model", str(tiny_model), "--data", str(parity), "--out",
                          str(tmp_path / "pair"), "--loss", "orpo", "--reward", "task:parity")
     assert code == 2 and lines == [
-        "error: reward: a setting of loss grpo, and this run's loss is orpo"], lines
+        "error: reward: read by loss grpo, or by loss orpo with pairs: online (this run's "
+        "pairs are fixed); give --pairs online or drop reward"], lines
 
 
 @pytest.mark.unit

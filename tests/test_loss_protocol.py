@@ -15,6 +15,7 @@ from engine.losses import (
     LOSSES,
     OWNERS,
     PAIR_LOSSES,
+    READERS,
     REGISTRY,
     Norms,
     pair_loss,
@@ -27,9 +28,19 @@ from tasks.sweep.sweep_spec import parse_spec
 
 
 @pytest.mark.unit
-def test_each_setting_belongs_to_one_loss() -> None:
-    names = [n for cls in REGISTRY for n in cls.names()]
-    assert len(names) == len(set(names)) == len(OWNERS)
+def test_each_setting_belongs_to_one_loss_or_to_sampling() -> None:
+    """A setting is one loss's own, or a sampling setting (engine/losses/sampled.py)
+    read by exactly the losses that sample: grpo, and the pair losses' online pairs."""
+    from engine.losses.sampled import SAMPLED_FIELDS, Sampled
+
+    shared = (*SAMPLED_FIELDS, "pairs")
+    names = [n for cls in REGISTRY for n in cls.names() if n not in shared]
+    samplers = {cls.kind for cls in REGISTRY if issubclass(cls, Sampled)}
+    assert len(names) == len(set(names)) == len(OWNERS) - len(shared)
+    assert samplers == {"grpo", "orpo", "simpo", "cpo"}
+    assert {r.kind for r in READERS["pairs"]} == samplers - {"grpo"}
+    for name in SAMPLED_FIELDS:
+        assert {r.kind for r in READERS[name]} == samplers and OWNERS[name].kind == "grpo"
     assert set(LOSSES) == {cls.kind for cls in REGISTRY} and len(LOSSES) == len(REGISTRY)
 
 

@@ -22,7 +22,7 @@ TIMING = {"tokens_per_sec", "peak_memory_gb"}
 class SyncPrefetch:
     """The old loop: each step's batches built when the step starts, on this thread."""
 
-    def __init__(self, make, steps):
+    def __init__(self, make, steps, ahead=True):
         self.make = make
 
     def next(self):

@@ -44,9 +44,14 @@ LOSSES: dict[str, type[LossSettings]] = {cls.kind: cls for cls in REGISTRY}
 # the others train on sampled groups (engine/train/grpo_trainer.py).
 PAIR_LOSSES: dict[str, type[LossSettings]] = {
     k: cls for k, cls in LOSSES.items() if not cls.on_groups}
-# Each loss field's name -> the loss that owns it (names are unique across losses).
-OWNERS: dict[str, type[LossSettings]] = {
-    f: cls for cls in REGISTRY for f in cls.names()}
+# Each loss field's name -> the losses that read it: one loss's own (``orpo_lambda``), or
+# the sampling settings every loss that samples shares (engine/losses/sampled.py).
+READERS: dict[str, tuple[type[LossSettings], ...]] = {
+    f: tuple(cls for cls in REGISTRY if f in cls.names())
+    for f in dict.fromkeys(f for cls in REGISTRY for f in cls.names())}
+# Each loss field's name -> the loss that declares its help and type (a shared sampling
+# setting's: grpo's, the loss that always reads it).
+OWNERS: dict[str, type[LossSettings]] = {f: readers[-1] for f, readers in READERS.items()}
 
 
 # Validation metrics every loss reports on one scale: what trials of different losses are
@@ -79,10 +84,16 @@ def loss_named(kind: str, **fields: Any) -> LossSettings:
 
 def foreign_message(name: str, kind: str) -> str:
     """Why field ``name`` cannot be set on a run of loss ``kind``."""
-    owner = OWNERS.get(name)
-    if owner is None:
+    readers = READERS.get(name)
+    if readers is None:
         return f"{name}: not a loss setting"
-    return f"{name}: a setting of loss {owner.kind}, and this run's loss is {kind}"
+    if len(readers) == 1:
+        return f"{name}: a setting of loss {readers[0].kind}, and this run's loss is {kind}"
+    pairs = ", ".join(r.kind for r in readers if not r.on_groups)
+    if len(pairs.split(", ")) == len(readers):  # ``pairs`` itself
+        return f"{name}: a setting of losses {pairs}, and this run's loss is {kind}"
+    return (f"{name}: a setting of loss grpo, and of {pairs} with pairs: online; this "
+            f"run's loss is {kind}")
 
 
 def spec_of(kind: str = "orpo", nll_span: str = "full", **fields: Any) -> LossSpec:
@@ -91,7 +102,8 @@ def spec_of(kind: str = "orpo", nll_span: str = "full", **fields: Any) -> LossSp
 
 
 __all__ = ["ACROSS_LOSSES", "ACROSS_NON_REFERENCE_LOSSES", "LOGP_CEILING", "LOSSES", "NLL_SPANS",
-           "OWNERS", "PAIR_LOSSES", "REGISTRY", "Dpo", "Grpo", "LossSettings", "LossSpec", "Norms",
-           "Orpo", "PairLogps", "PairTerms", "Sft", "Simpo", "foreign_message", "log1mexp",
-           "loss_named", "mean_logps", "orpo_pair_terms", "pair_logps", "pair_loss",
-           "per_pair_losses", "shared_metrics", "spec_of", "validation_metrics"]
+           "OWNERS", "PAIR_LOSSES", "READERS", "REGISTRY", "Dpo", "Grpo", "LossSettings",
+           "LossSpec", "Norms", "Orpo", "PairLogps", "PairTerms", "Sft", "Simpo",
+           "foreign_message", "log1mexp", "loss_named", "mean_logps", "orpo_pair_terms",
+           "pair_logps", "pair_loss", "per_pair_losses", "shared_metrics", "spec_of",
+           "validation_metrics"]

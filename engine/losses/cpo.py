@@ -17,14 +17,15 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 import engine.losses.base as base
-from engine.losses.base import LossSettings, PairLogps, PairTerms, label_smoothing, setting
+from engine.losses.base import PairLogps, PairTerms, label_smoothing, setting
+from engine.losses.sampled import OnlinePairs
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 SIMPO_GAMMA = 0.5  # TRL's default
 
 
 @dataclass(frozen=True)
-class Cpo(LossSettings):
+class Cpo(OnlinePairs):
     kind = "cpo"
     summary = "cpo (reference-free DPO plus the chosen NLL; its SimPO variant)"
     mean_rewards = False  # β·S on summed log-probs (sigmoid, hinge)
@@ -41,6 +42,7 @@ class Cpo(LossSettings):
                                                   "(TRL's simpo_gamma).", minimum=0)
 
     def check(self) -> None:
+        super().check()
         base.check_smoothing("cpo_label_smoothing", self.cpo_label_smoothing, self.cpo_loss_type,
                         ("sigmoid", "simpo"))
         base.check_ipo_beta("cpo_beta", self.cpo_beta, self.cpo_loss_type)

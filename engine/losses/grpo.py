@@ -15,8 +15,8 @@ share of tokens whose clipped term was taken), ``clip_ratio/low_mean`` (ρ < 1 �
 and ``clip_ratio/high_mean`` (ρ > 1 + ε_high, Â > 0).
 
 Its rollout and reward settings are TRL's names unprefixed (``num_generations``,
-``temperature``, ``top_p``, ``max_completion_length``, ``reward``, ``reward_weights``): a
-pair loss given one refuses it, naming grpo, as for any other loss's setting.
+``temperature``, ``top_p``, ``max_completion_length``, ``reward``, ``reward_weights``),
+declared in engine/losses/sampled.py, which a pair loss's online pairs read too.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ import mlx.core as mx
 
 from engine.losses.base import setting
 from engine.losses.group import GroupLogps, GroupLossSettings, GroupTerms
-from engine.losses.rollout_settings import RolloutSettings
+from engine.losses.sampled import Sampled
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
 
 
 @dataclass(frozen=True)
-class Grpo(GroupLossSettings):
+class Grpo(GroupLossSettings, Sampled):
     kind = "grpo"
     summary = "grpo (G sampled completions per prompt, rewarded by a verifier)"
     extras = ("kl", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean")
@@ -60,35 +60,6 @@ class Grpo(GroupLossSettings):
                                                "(group), the batch's (batch) or not (none, "
                                                "Dr. GRPO) (TRL's scale_rewards).",
                                       choices=("group", "batch", "none"))
-
-    num_generations: int = setting(8, "GRPO: completions sampled per prompt, one group "
-                                      "(TRL's num_generations).", minimum=2)
-    temperature: float = setting(1.0, "GRPO: the rollouts' sampling temperature.", above=0)
-    top_p: float = setting(1.0, "GRPO: the rollouts' nucleus (1: off).", above=0, maximum=1)
-    max_completion_length: int = setting(256, "GRPO: tokens a completion may take; it is "
-                                              "cut there (TRL's).", minimum=1)
-    reward: tuple[str, ...] = setting((), "GRPO: the verifier, Pomona's scorers (task:NAME, "
-                                          "contains, exact, regex:P, python:mod:fn; "
-                                          "docs/evaluation.md); several sum.", items=str)
-    reward_weights: tuple[float, ...] = setting((), "GRPO: each reward scorer's weight, in "
-                                                    "order (TRL's reward_weights; none: 1 "
-                                                    "each).", items=float)
-    score_timeout_s: float = setting(300.0, "GRPO: seconds one step's rewards may take in "
-                                            "all (a scorer that hangs stops the run).",
-                                     above=0)
-
-    def check(self) -> None:
-        # Weights without a reward: refused as no reward (a spec checks each key alone).
-        if self.reward and self.reward_weights and len(self.reward_weights) != len(
-                self.reward):
-            raise ValueError(f"reward_weights={list(self.reward_weights)}: one weight per "
-                             f"reward scorer ({len(self.reward)} given: "
-                             f"{list(self.reward)})")
-
-    def rollout(self, seed: int) -> RolloutSettings:
-        """How this run's completions are sampled, from ``seed``."""
-        return RolloutSettings(self.num_generations, self.temperature, self.top_p,
-                               self.max_completion_length, seed)
 
     @property
     def epsilon_high(self) -> float:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.losses.base import LossSettings, PairLogps, PairTerms, log1mexp, setting
+from engine.losses.base import PairLogps, PairTerms, log1mexp, setting
+from engine.losses.sampled import OnlinePairs
 
 
 def orpo_pair_terms(lw: mx.array, lr: mx.array) -> tuple[mx.array, mx.array]:
@@ -23,7 +24,7 @@ def orpo_pair_terms(lw: mx.array, lr: mx.array) -> tuple[mx.array, mx.array]:
 
 
 @dataclass(frozen=True)
-class Orpo(LossSettings):
+class Orpo(OnlinePairs):
     kind = "orpo"
     summary = "orpo (NLL + odds ratio, reference-free)"
     extras = ("log_odds_ratio", "log_odds_chosen")

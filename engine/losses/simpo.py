@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.losses.base import LossSettings, PairLogps, PairTerms, setting
+from engine.losses.base import PairLogps, PairTerms, setting
+from engine.losses.sampled import OnlinePairs
 
 
 def margin_terms(chosen: mx.array, rejected: mx.array, gamma: float) -> mx.array:
@@ -19,7 +20,7 @@ def margin_terms(chosen: mx.array, rejected: mx.array, gamma: float) -> mx.array
 
 
 @dataclass(frozen=True)
-class Simpo(LossSettings):
+class Simpo(OnlinePairs):
     kind = "simpo"
     summary = "simpo (reference-free, length-normalised margin)"
 

@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from engine.backward.distributed import Ranks, init_ranks
 from engine.backward.update import make_optimizer, make_update
-from engine.data.prompts import PromptRow, PromptSet, prompts_for
+from engine.data.prompts import PromptSet, prompts_for
 from engine.forward.generation import greedy_batch
 from engine.losses import validation_metrics
 from engine.losses.grpo import Grpo
@@ -39,7 +39,6 @@ from engine.model.adapters import (
 )
 from engine.model.load import micro_seed, set_dropout_seed
 from engine.settings.config import TrainConfig
-from engine.train import trainer
 from engine.train.group_backward import objective_for
 from engine.train.group_reference import BASE_REFERENCE, KlReference, kl_reference
 from engine.train.group_steps import (
@@ -53,11 +52,10 @@ from engine.train.group_steps import (
 from engine.train.ledger import Callback, better, emit, lora_blocks
 from engine.train.prepared import Prepared, prepare_training
 from engine.train.resume import run_settings
-from engine.train.reward_source import RewardFn, load_reward
+from engine.train.reward_source import RewardFn, load_reward, precheck
 from engine.train.trainer import TrainResult, claim_run, finish, memory_limit, resumed_step
 
 log = logging.getLogger(__name__)
-PRECHECK_ROWS = 8  # rows the reward is tried on before step 1, each answer as its completion
 
 
 @dataclass
@@ -93,14 +91,6 @@ def train_groups(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainR
         loop(run, callbacks)
         return finish(run)
 
-
-
-def train_any(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
-    """``cfg``'s run by the trainer its loss takes (``python -m engine train``, a sweep's
-    trial): a group loss samples its data (``train_groups``), a pair loss reads pairs
-    (engine/train/trainer.py ``train``)."""
-    # the pair trainer looked up when called: one patched where it lives is the one run
-    return (train_groups if cfg.loss.on_groups else trainer.train)(cfg, callbacks)
 
 def refuse_unsupported(cfg: TrainConfig, loss: Grpo) -> None:
     """What this loss cannot run yet, refused before any work, and levers it does not
@@ -168,23 +158,6 @@ def group_prompts(cfg: TrainConfig, loss: Grpo, prepared: Prepared) -> PromptSet
                              f"max_completion_length={loss.max_completion_length} pass the "
                              f"model's context of {context} tokens")
     return prompts
-
-
-def precheck(reward: RewardFn, train: list[PromptRow]) -> None:
-    """Before step 1: a reward that reads the answer refused where a train prompt has none
-    (every completion would score alike: no signal), then the reward tried on the first
-    rows, each answer as its completion: a scorer that fails on this data stops the run
-    now, in one line naming it and the row."""
-    reads = getattr(reward, "reads_answer", ())
-    if reads and (empty := [r for r in train if not r.answer]):
-        raise ValueError(f"{len(empty)} of {len(train)} train prompts have no answer (first: "
-                         f"id {empty[0].id!r}), and reward {reads[0]} reads it; give each row "
-                         "an answer, or a python: reward that needs none")
-    rows = train[:PRECHECK_ROWS]
-    rewards, _ = reward([r.prompt_text for r in rows], [r.answer for r in rows],
-                        [r.row() for r in rows])
-    if len(rewards) != len(rows):
-        raise ValueError(f"reward: {len(rewards)} rewards for {len(rows)} completions")
 
 
 def best_of(cfg: TrainConfig) -> tuple[str, str]:

@@ -83,6 +83,8 @@ class Ledger:
     view: Callable[[], AbstractContextManager] = nullcontext
     window: Window = field(default_factory=Window)
     settings: dict[str, Any] = field(default_factory=dict)  # what its checkpoints record
+    # a record's metrics beyond the step's (online pairs' rewards): their window's, read once
+    extra: Callable[[], dict[str, float]] | None = None
 
     def begin(self) -> None:
         """Before the first step: the model in training mode, and the "before" numbers
@@ -108,7 +110,7 @@ class Ledger:
         result.steps, run.trained = step, run.trained + done.pairs
         run.tokens, run.seconds = run.tokens + done.tokens, run.seconds + done.seconds
         if step % cfg.report_every == 0 or step == cfg.steps:
-            result.final = self.window.record(step, lr)
+            result.final = {**self.window.record(step, lr), **(self.extra() if self.extra else {})}
             result.peak_memory_gb = max(result.peak_memory_gb, result.final["peak_memory_gb"])
             if run.ranks.main:
                 emit(result.final, run.out, self.callbacks)

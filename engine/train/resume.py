@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engine.losses import OWNERS
+from engine.losses import READERS
 from engine.model.adapters import latest_checkpoint
 from engine.model.content_key import adapter_fingerprint, model_fingerprint, reference_key
 from engine.settings.config import TrainConfig
@@ -77,7 +77,7 @@ def check_resume(cfg: TrainConfig, ckpt: Path, state: dict[str, Any]) -> None:
     recorded = state.get("settings") or {"seed": state.get("seed", cfg.seed)}
     ours = run_settings(cfg) if "settings" in state else {"seed": cfg.seed}
     for name, was in recorded.items():
-        if name in OWNERS and name not in ours:  # another loss's (older checkpoints kept
+        if name in READERS and name not in ours:  # another loss's (older checkpoints kept
             continue                             # all): the loss's own name differs then
         now = ours.get(name)
         if now != was and not (isinstance(was, str) and now == [was]):  # one name, as a

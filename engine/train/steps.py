@@ -56,10 +56,11 @@ class Stepper:
     ranks: Ranks
     update: Callable[[Any], Any]
 
-    def steps(self, batches: Callable[[], list], first: int, last: int) -> Iterator[StepDone]:
+    def steps(self, batches: Callable[[], list], first: int, last: int, ahead: bool = True
+              ) -> Iterator[StepDone]:
         """Steps ``first`` to ``last``, each on the micro-batches one call of ``batches``
-        makes (built ahead on a thread)."""
-        prefetch = Prefetch(batches, last - first + 1)
+        makes (built ahead on a thread; ``ahead`` False: after the last step's update)."""
+        prefetch = Prefetch(batches, last - first + 1, ahead)
         for step in range(first, last + 1):
             t0 = time.perf_counter()
             micro = prefetch.next()

@@ -44,6 +44,7 @@ from engine.forward.prefix import PrefixBatch
 from engine.host.command_queue import queue_note
 from engine.host.outputs import claim
 from engine.losses import validation_metrics
+from engine.losses.sampled import samples_now
 from engine.losses.spec import LossSpec
 from engine.model.adapters import (
     is_run_dir,
@@ -169,9 +170,9 @@ def claim_run(cfg: TrainConfig) -> AbstractContextManager[Path]:
 def train(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:
     """Train one adapter as ``cfg`` says; write it to ``cfg.out``; return a summary."""
     cfg.validate()
-    if cfg.loss.on_groups:  # sampled groups, not pairs: its own loop
-        raise ValueError(f"loss {cfg.loss.kind} trains on rollouts: "
-                         "engine.train.grpo_trainer.train_groups runs it")
+    if samples_now(cfg.loss):  # sampled groups or pairs: their own set-up
+        raise ValueError(f"loss {cfg.loss.kind} samples its completions: "
+                         "engine.train.dispatch.train_any runs it")
     with memory_limit(cfg.memory_limit_gb), ExitStack() as held:
         run = set_up(cfg, held)
         loop(run, run.stepper.loss, train_batches(run), callbacks)
@@ -292,13 +293,15 @@ def train_batches(run: Run) -> Callable[[], list]:
 
 
 def loop(run: Run, loss: LossSpec, batches: Callable[[], list],
-         callbacks: Sequence[Callback]) -> None:
+         callbacks: Sequence[Callback], online: Any = None) -> None:
     """The steps after ``run.start`` on ``batches`` under ``loss``, each one's records,
-    validation and checkpoint kept by the run's ledger (engine/train/ledger.py)."""
-    ledger = Ledger(run, callbacks)
+    validation and checkpoint kept by the run's ledger (engine/train/ledger.py); ``online``
+    (engine/train/online_pairs.py): ``batches`` sample the policy, made after each update,
+    and its metrics join each record."""
+    ledger = Ledger(run, callbacks, extra=online.report if online else None)
     ledger.begin()
     stepper = dataclasses.replace(run.stepper, loss=loss)
-    for done in stepper.steps(batches, run.start + 1, run.cfg.steps):
+    for done in stepper.steps(batches, run.start + 1, run.cfg.steps, ahead=online is None):
         ledger.record(done)
 
 

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.losses import ACROSS_LOSSES, LOSSES, OWNERS, shared_metrics, validation_metrics
+from engine.losses import (
+    ACROSS_LOSSES,
+    LOSSES,
+    OWNERS,
+    READERS,
+    shared_metrics,
+    validation_metrics,
+)
 from engine.settings.config import DEFAULT_LOSS, TrainConfig
 from tasks.eval.rewards import Reward
 from tasks.eval.scorers import ScorerError
@@ -100,10 +107,10 @@ def check_loss_settings(fixed: dict, grid: dict, space: dict) -> None:
     losses = spec_losses(fixed, grid, space)
     for where, section in (("fixed", fixed), ("grid", grid), ("space", space)):
         for name in section:
-            owner = OWNERS.get(name)
-            if owner is not None and owner.kind not in losses:
-                raise SpecError(f"{where}.{name}: a setting of loss {owner.kind}, which no "
-                                f"trial of this sweep trains with (its losses: "
+            readers = [r.kind for r in READERS.get(name, ())]
+            if readers and not set(readers) & losses:
+                raise SpecError(f"{where}.{name}: a setting of loss {' or '.join(readers)}, "
+                                "which no trial of this sweep trains with (its losses: "
                                 f"{', '.join(sorted(losses))})")
 
 
@@ -119,7 +126,8 @@ def check_metric_of_losses(metric: str, fixed: dict, grid: dict, space: dict) ->
     shared = shared_metrics(losses)
     for name, owner in OWNERS.items():  # a loss's variants (its loss_type: choices)
         types = searched(name, grid, space)  # (a reward is the verifier's, on any variant)
-        if len(types) > 1 and "choices" in owner.field(name).metadata and not owner.on_groups:
+        if (len(types) > 1 and "choices" in owner.field(name).metadata and not owner.on_groups
+                and len(READERS[name]) == 1):  # pairs: fixed or online rank on one scale
             loss = owner.kind  # e.g. sigmoid and IPO: two scales (IPO starts at 1/(4β²))
             named = {"+".join(t) if isinstance(t, tuple) else t for t in types}  # DPO's lists
             losses, shared = losses | {f"{loss}-{t}" for t in named}, ACROSS_LOSSES

@@ -108,7 +108,7 @@ def run_trial(trial_id: str, config: TrainConfig, study: Any = None,
     A run that finishes but has collapsed (``degenerate_reason``) is ``degenerate``, with
     its reason: it keeps its adapter and metrics but is never ranked.
     """
-    from engine.train.grpo_trainer import train_any
+    from engine.train.dispatch import train_any
     from engine.train.steps import NonFiniteLoss
 
     started = time.time()

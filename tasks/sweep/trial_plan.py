@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from engine.losses import OWNERS
+from engine.losses import READERS
 from engine.settings.config import DEFAULT_LOSS, TrainConfig
 
 AUTO_KEYS = ("segment_size",)  # TrainConfig fields a spec may leave to the memory probe
@@ -128,7 +128,8 @@ def own_loss_fields(fields: dict[str, Any]) -> dict[str, Any]:
     several losses gives each trial its own loss's (tasks/sweep/spec_rules.py refuses a setting
     that no loss of the spec owns)."""
     kind = fields.get("loss", DEFAULT_LOSS.kind)
-    return {k: v for k, v in fields.items() if k not in OWNERS or OWNERS[k].kind == kind}
+    return {k: v for k, v in fields.items()
+            if k not in READERS or kind in [r.kind for r in READERS[k]]}
 
 
 def param_columns(params: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,109 @@
+"""Issue 73, step 2: verifier-built pairs (engine/train/online_pairs.py). A pair loss with
+``pairs: online`` samples G completions of each prompt from the policy as it trains and
+trains on the best and the worst by reward; ties are skipped and counted; a resumed run
+samples what the straight run did; each mistake is refused before step 1 in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.data.prompts import PromptRow
+from engine.forward.rollouts import Rollouts
+from engine.train.online_pairs import best_and_worst, sample_stats
+from tests.test_grpo_train import pomona, records
+
+DIGITS = "python:tests.grpo_rewards:digits"  # a random model's samples differ on it
+
+
+def online_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", "--model", str(model), "--data", str(data), "--out", str(out),
+            "--loss", "orpo", "--pairs", "online", "--batch-size", "2",
+            "--max-completion-length", "6", "--num-generations", "4", *extra]
+
+
+@pytest.mark.unit
+def test_each_prompt_pairs_its_best_and_worst_sample_and_a_tie_gives_none() -> None:
+    """Group 0's best (0.9, the second drawn of two) is chosen and its worst rejected,
+    each with its stop token; group 1's rewards tie: no pair; group 2's maximum is shared,
+    and the first drawn of equals is taken."""
+    rows = [PromptRow(f"p{i}", (1, 2, i), "", "") for i in range(3)]
+    tokens = [[10], [11], [12, 13], [14], [20], [21], [22], [23], [30], [31], [32], [33]]
+    stops = [2, None, 2, 2] * 3
+    rewards = [0.1, 0.9, 0.5, 0.9, 0.3, 0.3, 0.3, 0.3, 1.0, 0.0, 1.0, 0.0]
+    pairs = best_and_worst(rows, Rollouts(tokens, stops, 0, 0.0), rewards, 4, 7)
+    assert [(p.id, list(p.chosen), list(p.rejected)) for p in pairs] == [
+        ("p0@7", [11], [10, 2]), ("p2@7", [30, 2], [31])]
+    assert sample_stats(rewards, 4)["frac_reward_zero_std"] == pytest.approx(1 / 3)
+
+
+@pytest.mark.unit
+def test_orpo_trains_on_its_own_samples_and_reports_them(tiny_model, parity,
+                                                        tmp_path) -> None:
+    """``pomona train --loss orpo --pairs online``: each record carries the samples'
+    rewards (TRL's names) and the pairs made of them, every prompt a pair or a tie, and
+    validation scores the data's fixed valid pairs; the adapter records how it trained."""
+    import json
+
+    code, lines = pomona(*online_args(tiny_model, parity, tmp_path / "run", "--reward",
+                                      DIGITS, "--steps", "2", "--report-every", "1"))
+    assert code == 0, lines
+    train = records(tmp_path / "run")
+    assert len(train) == 2
+    for rec in train:
+        assert {"reward", "reward_std", "frac_reward_zero_std", "rewards/digits/mean",
+                "completions/mean_length", "loss", "log_odds_ratio"} <= set(rec), rec
+        assert rec["online/pairs"] + rec["online/tied_prompts"] == 2 * (
+            1 + rec["online/extra_draws"]) and rec["online/pairs"] >= 1
+    valid = records(tmp_path / "run", "valid")
+    assert [r["step"] for r in valid] == [0, 2] and valid[0]["val/rows"] == 8
+    block = json.loads((tmp_path / "run" / "adapter_config.json").read_text())["pomona"]
+    assert block["pairs"] == "online" and block["reward"] == [DIGITS]
+
+
+@pytest.mark.unit
+def test_a_resumed_online_run_is_the_straight_run(tiny_model, parity, tmp_path) -> None:
+    """Stopped at a checkpoint and resumed, a run samples the pairs the straight run did
+    (each step's prompts and samples are the seed's and the step's) and ends with its
+    adapter."""
+    import mlx.core as mx
+
+    common = ("--reward", DIGITS, "--learning-rate", "1e-2", "--lr-schedule", "constant",
+              "--checkpoint-every", "2", "--val-every", "0", "--report-every", "1")
+    assert pomona(*online_args(tiny_model, parity, tmp_path / "a", *common, "--steps",
+                               "4"))[0] == 0
+    assert pomona(*online_args(tiny_model, parity, tmp_path / "b", *common, "--steps",
+                               "2"))[0] == 0
+    code, lines = pomona(*online_args(tiny_model, parity, tmp_path / "b", *common, "--steps",
+                                      "4", "--resume", "auto"))
+    assert code == 0, lines
+    a = mx.load(str(tmp_path / "a" / "adapters.safetensors"))
+    b = mx.load(str(tmp_path / "b" / "adapters.safetensors"))
+    assert all(mx.allclose(a[k], b[k], rtol=1e-5, atol=1e-7).item() for k in a)
+    assert records(tmp_path / "a")[-1]["reward"] == records(tmp_path / "b")[-1]["reward"]
+
+
+@pytest.mark.unit
+def test_online_pairs_mistakes_are_refused_in_one_line(tiny_model, parity, tmp_path) -> None:
+    """No reward; online pairs on a loss that has none (DPO: its reference is of fixed
+    pairs); a sampling setting with fixed pairs; and a step whose every sample ties (the
+    random model never answers parity right: every reward 0): one line, naming the step,
+    nothing trained."""
+    cases = [
+        ((), "loss orpo learns from a reward: give one"),
+        (("--loss", "dpo", "--reward", DIGITS),
+         "a setting of loss grpo, and of orpo, simpo, cpo with pairs: online; this run's "
+         "loss is dpo"),
+        (("--reward", "task:parity", "--steps", "2"), "step 1: every prompt's 4 samples "
+                                                      "were rewarded alike in 4 draws"),
+    ]
+    for i, (extra, message) in enumerate(cases):
+        code, lines = pomona(*online_args(tiny_model, parity, tmp_path / f"r{i}", *extra))
+        errors = [x for x in lines if x.startswith("error:")]
+        assert code == 2 and len(errors) == 1 and message in errors[0], (extra, lines)
+    code, lines = pomona("train", "--model", str(tiny_model), "--data", str(parity), "--out",
+                         str(tmp_path / "f"), "--loss", "simpo", "--num-generations", "4")
+    assert code == 2 and lines == [
+        "error: num_generations: read by loss grpo, or by loss simpo with pairs: online "
+        "(this run's pairs are fixed); give --pairs online or drop num_generations"], lines
