@@ -7,14 +7,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from engine.data.prompts import PromptRow
 from engine.forward.rollouts import Rollouts
+from engine.losses import Orpo
 from engine.train.online_pairs import best_and_worst, sample_stats
+from tasks.sweep.spec_rules import SpecError
+from tasks.sweep.sweep_spec import parse_spec
 from tests.test_grpo_train import pomona, records
 
 DIGITS = "python:tests.grpo_rewards:digits"  # a random model's samples differ on it
+DIGIT_VERIFIER = """
+def score(prompt, completion, row):
+    text = completion.replace(" ", "")
+    return sum(c.isdigit() for c in text) / len(text) if text else 0.0
+"""
 
 
 def online_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
@@ -107,3 +116,62 @@ def test_online_pairs_mistakes_are_refused_in_one_line(tiny_model, parity, tmp_p
     assert code == 2 and lines == [
         "error: num_generations: read by loss grpo, or by loss simpo with pairs: online "
         "(this run's pairs are fixed); give --pairs online or drop num_generations"], lines
+
+
+def online_spec(model: str, data: str, reward: str, **top) -> dict:
+    return {"name": "o", "model": model, "data": data, "max_concurrent": 2,
+            "fixed": {"loss": "orpo", "reward": reward, "steps": 2, "batch_size": 2,
+                      "num_generations": 4, "max_completion_length": 4, "lora_rank": 4,
+                      "val_every": 0},
+            "grid": {"pairs": ["fixed", "online"]}, **top}
+
+
+@pytest.mark.unit
+def test_a_sweep_sets_fixed_pairs_beside_online_ones_and_keys_the_reward(tmp_path) -> None:
+    """``grid: {pairs: [fixed, online]}``: the fixed trial reads no sampling setting (its
+    config and key are a fixed run's), the online one does, and only its key holds the
+    reward module's bytes; packs, gangs, an auto setting and no reward are refused."""
+    from tasks.sweep.run import cache_key
+    from tests.test_grpo_sweep import VERIFIER, verifier
+
+    name = verifier(tmp_path)
+    spec = parse_spec(online_spec("m", "d", f"python:{name}:score"))
+    plans = {p.config.loss.pairs: p.config for p in
+             (spec.plan(x, tmp_path / "o") for x in spec.listing())}
+    assert (spec.metric, spec.mode) == ("val/loss", "min")
+    assert "reward" not in plans["fixed"].to_dict() and plans["fixed"].loss == Orpo()
+    assert plans["online"].loss.reward == (f"python:{name}:score",)
+    keys = {k: cache_key(c, "data", "model") for k, c in plans.items()}
+    (tmp_path / f"{name}.py").write_text(VERIFIER.replace("isalpha", "isdigit"))
+    assert cache_key(plans["fixed"], "data", "model") == keys["fixed"]
+    assert cache_key(plans["online"], "data", "model") != keys["online"]
+    base = online_spec("m", "d", "task:sort")
+    cases = [({"pack": 2}, "pack: 2: pairs: online trains one trial to a process"),
+             ({"ranks_per_trial": 2}, "ranks_per_trial: 2: pairs: online trains on one rank"),
+             ({"fixed": {**base["fixed"], "segment_size": "auto"}, "memory_budget_gb": 8},
+              "segment_size: auto with pairs: online"),
+             ({"fixed": {k: v for k, v in base["fixed"].items() if k != "reward"}},
+              "pairs: online learns from a reward: give fixed.reward")]
+    for change, message in cases:
+        with pytest.raises(SpecError, match=r"^[^\n]*$") as err:
+            parse_spec({**base, **change})
+        assert message in str(err.value), (change, err.value)
+
+
+@pytest.mark.integration
+def test_fixed_and_online_pairs_train_side_by_side_on_ray(ray_cluster, tiny_model, parity,
+                                                          tmp_path) -> None:
+    """Both trials complete on Ray's workers, the online one rewarded by a module only the
+    driver's path holds (sent by content), each ranked on ``best/val/loss``."""
+    from tasks.sweep.run import run_sweep
+    from tests.test_grpo_sweep import verifier
+
+    name = verifier(tmp_path, DIGIT_VERIFIER)
+    rows = run_sweep(parse_spec(online_spec(str(tiny_model), str(parity),
+                                            f"python:{name}:score")), tmp_path / "sweep")
+    assert [r["status"] for r in rows] == ["completed"] * 2, [r.get("reason") for r in rows]
+    table = pq.read_table(tmp_path / "sweep" / "results.parquet").to_pylist()
+    # a fixed trial's columns are a fixed run's, as its key is: no pairs, no sampling
+    assert {(r["param/pairs"], r["param/num_generations"]) for r in table} == {
+        (None, None), ("online", 4)}
+    assert all(r["best/val/loss"] > 0 for r in table), table

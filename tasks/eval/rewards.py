@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.losses.base import LossSettings
+from engine.losses.sampled import samples_now
 from engine.train.reward_source import RewardFn
 from tasks.eval.scorers import (
     Scorer,
@@ -101,8 +102,9 @@ def reads_answer(scorer: Scorer) -> bool:
 
 
 def trained_scorers(loss: LossSettings) -> tuple[Scorer, ...]:
-    """The scorers ``loss`` learns from (a GRPO run's ``reward``; a pair loss's: none)."""
-    reward = getattr(loss, "reward", ()) if loss.on_groups else ()
+    """The scorers ``loss`` learns from (a GRPO run's ``reward``, or a pair loss's with
+    pairs online; fixed pairs': none)."""
+    reward = getattr(loss, "reward", ()) if samples_now(loss) else ()
     return Reward.parse(list(reward)).scorers if reward else ()
 
 

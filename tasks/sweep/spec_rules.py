@@ -170,22 +170,35 @@ def default_metric(fixed: dict, grid: dict, space: dict) -> str:
         else "val/loss"
 
 
-def check_online(fixed: dict, grid: dict, space: dict, pack: Any, ranks: int) -> None:
-    """A loss that learns from a reward: each ``reward`` the spec gives read now (a scorer
-    that cannot be imported, a bad weight: refused before a cluster starts), and trained one
-    trial to a process on one rank (its rollouts sample one adapter's policy)."""
-    online = online_losses(fixed, grid, space)
+def samplers(fixed: dict, grid: dict, space: dict) -> list[str]:
+    """What in a spec samples its own completions and rewards them: each loss over groups
+    (``loss grpo``), and ``pairs: online`` where a trial's pair loss builds its pairs."""
+    pairs = searched("pairs", grid, space) | ({fixed["pairs"]} if "pairs" in fixed else set())
+    return ([f"loss {k}" for k in online_losses(fixed, grid, space)]
+            + (["pairs: online"] if "online" in pairs else []))
+
+
+def check_online(fixed: dict, grid: dict, space: dict, pack: Any, ranks: int,
+                 autos: list[str] = ()) -> None:
+    """A trial that samples and learns from a reward: each ``reward`` the spec gives read
+    now (a scorer that cannot be imported, a bad weight: refused before a cluster starts),
+    and trained one trial to a process on one rank (its rollouts sample one adapter's
+    policy); online pairs' lengths are their samples', so no probe sizes them."""
+    online = samplers(fixed, grid, space)
     if not online:
         return
     if pack is AUTO or pack > 1:
-        raise SpecError(f"pack: {pack}: loss {online[0]} trains one trial to a process (a "
+        raise SpecError(f"pack: {pack}: {online[0]} trains one trial to a process (a "
                         "pack shares pairs' steps; rollouts sample each adapter's own); give "
                         "pack: 1")
     if ranks > 1:
-        raise SpecError(f"ranks_per_trial: {ranks}: loss {online[0]} trains on one rank in a "
+        raise SpecError(f"ranks_per_trial: {ranks}: {online[0]} trains on one rank in a "
                         "sweep for now; give ranks_per_trial: 1")
+    if "pairs: online" in online and autos:
+        raise SpecError(f"{autos[0]}: auto with pairs: online: the memory probe sizes the "
+                        "data's pairs, not the samples online pairs train on; give a number")
     if not any("reward" in section for section in (fixed, grid, space)):
-        raise SpecError(f"loss {online[0]} learns from a reward: give fixed.reward (task:NAME, "
+        raise SpecError(f"{online[0]} learns from a reward: give fixed.reward (task:NAME, "
                         "contains, or python:module:function; several in a list)")
     for where, section in (("fixed", fixed), ("grid", grid), ("space", space)):
         raw = section.get("reward")

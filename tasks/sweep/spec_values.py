@@ -69,7 +69,8 @@ def check_value(name: str, value: Any, where: str) -> Any:
         message = str(err)
         raise SpecError(f"{where}.{message}" if message.startswith(f"{name}=") else
                         f"{where}.{name}={value!r}: {message}") from None
-    checked = config.to_dict()[name]
+    plain = config.to_dict()  # a fixed pair loss's: without pairs (engine/losses/sampled.py)
+    checked = plain[name] if name in plain else getattr(config.loss, name)
     return value if not isinstance(value, str) and checked == value else checked
 
 

@@ -312,7 +312,7 @@ def _parse(data: Any) -> SweepSpec:
                         "size must fit in)")
     kind = data.get("kind", "train")
     check_kind(kind, search, autos, report_to)
-    check_online(fixed, grid, space, pack, counts["ranks_per_trial"])
+    check_online(fixed, grid, space, pack, counts["ranks_per_trial"], autos)
     if counts["ranks_per_trial"] > 1:
         check_ranks(counts["ranks_per_trial"], kind, fixed, grid, space)
     check_pack(pack, search, kind, counts["ranks_per_trial"], autos, budget)

@@ -16,7 +16,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from engine.losses import READERS
+from engine.losses import LOSSES, READERS
+from engine.losses.sampled import SAMPLED_FIELDS
 from engine.settings.config import DEFAULT_LOSS, TrainConfig
 
 AUTO_KEYS = ("segment_size",)  # TrainConfig fields a spec may leave to the memory probe
@@ -126,10 +127,14 @@ def settings_of(config: TrainConfig) -> dict[str, Any]:
 def own_loss_fields(fields: dict[str, Any]) -> dict[str, Any]:
     """``fields`` less the settings of losses other than the trial's own: a spec over
     several losses gives each trial its own loss's (tasks/sweep/spec_rules.py refuses a setting
-    that no loss of the spec owns)."""
+    that no loss of the spec owns); and a pair loss's trial on fixed pairs, beside trials on
+    online ones (``grid: {pairs: [fixed, online]}``), less the sampling settings it would
+    not read."""
     kind = fields.get("loss", DEFAULT_LOSS.kind)
+    fixed = kind in LOSSES and not LOSSES[kind].on_groups and fields.get("pairs") != "online"
     return {k: v for k, v in fields.items()
-            if k not in READERS or kind in [r.kind for r in READERS[k]]}
+            if (k not in READERS or kind in [r.kind for r in READERS[k]])
+            and not (fixed and k in SAMPLED_FIELDS)}
 
 
 def param_columns(params: dict[str, Any]) -> dict[str, Any]:
