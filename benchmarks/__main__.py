@@ -20,6 +20,8 @@ KINDS = {
     "grpo": ("grpo_bench", "A whole GRPO step (rollouts, reward, update) beside mlx-lm-lora's."),
     "grpo-learn": ("grpo_learning", "GRPO from a verifier alone: held-out greedy scores before "
                                     "and after, paired."),
+    "online-pairs": ("online_pairs_bench", "ORPO on pairs built from its own samples by the "
+                                           "verifier, beside ORPO on fixed pairs."),
     "grpo-sweep": ("grpo_sweep_cost", "What a sweep costs a GRPO trial, beside the same trials "
                                       "through pomona train one by one."),
     "attention": ("attention_bench", "MLX's fused attention at query:key shapes."),
