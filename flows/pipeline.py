@@ -21,6 +21,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.states import Failed, State
 
+from engine.data.prompts import holds_prompts
 from engine.host.outputs import RefusedOutput, claim
 from engine.losses import LossSpec
 from engine.model.adapters import pairs_scored_under
@@ -37,6 +38,7 @@ from tasks.eval.generation_eval import (
     check_prompts_flag,
     check_scorers_on_data,
     check_scorers_on_raw,
+    holds_prompt_rows,
 )
 from tasks.nodes.cluster import Cluster
 from tasks.nodes.placement import Placement
@@ -53,6 +55,7 @@ from tasks.prefect.pipeline_tasks import (
     track_task,
 )
 from tasks.sweep.run import is_sweep_dir
+from tasks.sweep.spec_rules import check_prompt_sweep
 from tasks.sweep.sweep_spec import SpecError, load_spec
 from tasks.track.report_to import with_report_to
 from tasks.track.sinks import tracker_problem
@@ -104,6 +107,8 @@ def check_pipeline_inputs(raw: str, model: str, spec: str, out: str | None = Non
     if parsed.export.gguf:
         exportable(model)  # a family no GGUF holds, before any server or trial
     check_scorers_on_raw(settings, raw)  # a ScorerError (a ValueError) before any server
+    if holds_prompt_rows(raw):  # GRPO's data: a sweep over groups, judged by its answers
+        check_prompt_sweep(parsed.fixed, parsed.grid, parsed.space, raw, settings.on)
     if out is not None:
         with claim_pipeline(out, raw, model, spec):
             check_export_target(Path(out), parsed.export)
@@ -140,10 +145,14 @@ def pipeline(raw: str, model: str, spec: str, out: str, cluster: Cluster | None 
         if tokenized.is_failed():
             return tokenized  # the flow run fails with the data's message
         data = tokenized.result()
-        preprocess_task(data["path"])
+        prompts = holds_prompts(Path(data["path"]))
+        if not prompts:  # a prompts dataset has no pair prefix to find
+            preprocess_task(data["path"])
         sweep = with_report_to(load_spec(spec, {"model": model, "data": data["path"]}),
                                report_to)
         settings = sweep.evaluation.with_prompts(generations)
+        if prompts:
+            check_prompt_sweep(sweep.fixed, sweep.grid, sweep.space, raw, settings.on)
         check_scorers_on_data(settings, model, data["path"])  # a broken scorer: no trial ran
         if sweep.export.gguf:
             exportable(model)  # a family no GGUF holds: said now, not after the sweep

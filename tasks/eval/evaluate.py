@@ -30,9 +30,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.data.prompts import holds_prompts
 from engine.losses import LossSpec
 from engine.settings.forward_options import ForwardOptions
-from tasks.eval.generation_eval import NO_GENERATION, GenerationSettings, generation_metrics
+from tasks.eval.generation_eval import (
+    NO_GENERATION,
+    GenerationSettings,
+    generation_metrics,
+    held_out_pairs,
+    held_out_prompts,
+)
 from tasks.eval.intervals import estimate
 from tasks.nodes.trial_inputs import fetched
 
@@ -73,6 +80,8 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec 
     from engine.train.prepared import prepare_scoring
     from engine.train.reference import ReferenceSpec, attach_reference, ensure_reference
 
+    if holds_prompts(Path(data)):  # no pairs to score: judged by its answers alone
+        return evaluate_answers(model, adapter, data, options, generation)
     spec = loss or pairs_scored_under(adapter)  # GRPO's: by its answers and ORPO's metrics
     reference = ReferenceSpec(model, data, parse_reference(reference) if reference
                               else trained_reference(adapter), spec.needs_kl)
@@ -106,10 +115,36 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec 
         log.warning("%s", metrics["eval/valid/missing"])
     rows: list[dict[str, Any]] = []
     if generation.on:
-        values, rows = generation_metrics(loaded, tokenizer, {
-            split: pairs.split(split) for split in EVAL_SPLITS}, generation)
+        values, rows = generation_metrics(loaded, tokenizer, held_out_pairs(tokenizer, {
+            split: pairs.split(split) for split in EVAL_SPLITS}), generation)
         metrics.update(values)
     return Evaluation(metrics, rows)
+
+
+def evaluate_answers(model: str, adapter: str | None, data: str, options: ForwardOptions,
+                     generation: GenerationSettings) -> Evaluation:
+    """A prompts dataset's evaluation (prompts and answers, no pairs): each split's first
+    prompts completed greedily and scored, as ``evaluate_adapter`` scores a pair
+    dataset's, its pair metrics None (0 rows) with the reason in ``eval/<split>/missing``."""
+    from engine.data.prompts import prompts_for
+    from engine.train.prepared import prepare_scoring
+
+    if not generation.on:
+        raise ValueError(f"{data}: a prompts dataset has no pairs to score; it is judged by "
+                         "its answers: give evaluation.scorers and a prompt budget")
+    prepared = prepare_scoring(model, adapter)
+    prompts = prompts_for(data, model, prepared.stack, prepared.tokenizer,
+                          options.allow_tokenizer_mismatch)
+    if not prompts.valid and not prompts.test:
+        raise ValueError(f"{data}: no validation or test split to evaluate on")
+    metrics: dict[str, Any] = {}
+    for split in EVAL_SPLITS:
+        metrics.update(split_metrics(split, {}))
+        metrics[f"eval/{split}/missing"] = (f"{data}: a prompts dataset, no pairs: its "
+                                            "answers are scored (gen/*)")
+    values, rows = generation_metrics(prepared.model, prepared.tokenizer,
+                                      held_out_prompts(prompts), generation)
+    return Evaluation({**metrics, **values}, rows)
 
 
 def evaluate_on_node(inputs: dict[str, Any], model: str, adapter: str | None, data: str,

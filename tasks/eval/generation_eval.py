@@ -143,7 +143,29 @@ def decoded_row(tokenizer, pair, split: str) -> dict[str, Any]:
             "chosen": text(pair.chosen), "rejected": text(pair.rejected)}
 
 
-def generation_metrics(model, tokenizer, pairs_by_split: dict[str, list],
+@dataclass(frozen=True)
+class HeldOut:
+    """One held-out prompt as generation reads it: its token ids, and its row as scorers
+    read it (id, split, prompt, ``chosen``: the answer, and ``rejected``)."""
+
+    prompt: tuple[int, ...]
+    row: dict[str, Any]
+
+
+def held_out_pairs(tokenizer, pairs_by_split: dict[str, list]) -> dict[str, list[HeldOut]]:
+    """Each split's pairs as held-out prompts, their chosen responses the answers."""
+    return {split: [HeldOut(tuple(p.prompt), decoded_row(tokenizer, p, split)) for p in pairs]
+            for split, pairs in pairs_by_split.items()}
+
+
+def held_out_prompts(prompts: Any) -> dict[str, list[HeldOut]]:
+    """A prompts dataset's valid and test rows (engine/data/prompts.py ``PromptSet``) as
+    held-out prompts, each answer what a scorer reads as the chosen response."""
+    return {split: [HeldOut(p.prompt, {**p.row(), "split": split})
+                    for p in getattr(prompts, split)] for split in ("valid", "test")}
+
+
+def generation_metrics(model, tokenizer, held_out: dict[str, list[HeldOut]],
                        settings: GenerationSettings) -> tuple[dict[str, Any], list[dict]]:
     """The ``gen/*`` and ``paired/*/gen/*`` metrics of ``model`` on each split's first
     prompts, and the scored completions (generations.jsonl's rows)."""
@@ -152,13 +174,13 @@ def generation_metrics(model, tokenizer, pairs_by_split: dict[str, list],
     scorers = settings.scorers
     metrics: dict[str, Any] = {}
     rows: list[dict] = []
-    for split, pairs in pairs_by_split.items():
-        chosen = pairs[: settings.prompts(split)]
+    for split, items in held_out.items():
+        chosen = items[: settings.prompts(split)]
         if not chosen:
             continue
-        done = greedy_batch(model, tokenizer, [p.prompt for p in chosen],
+        done = greedy_batch(model, tokenizer, [h.prompt for h in chosen],
                             settings.max_tokens, settings.batch_size)
-        rows_ = [decoded_row(tokenizer, pair, split) for pair in chosen]
+        rows_ = [h.row for h in chosen]
         values = score_rows(scorers, [(r["prompt"], c, r)
                                       for r, c in zip(rows_, done.texts, strict=True)],
                             settings.score_timeout_s)
@@ -202,14 +224,25 @@ def check_scorers_on_data(settings: GenerationSettings, model: str, data: str,
         return
     from mlx_lm.utils import load_tokenizer
 
-    from engine.data.pairs import load_pairs
     from engine.model.source import model_dir
 
-    pairs = load_pairs(data)
     tokenizer = load_tokenizer(model_dir(model))
-    held_out = [decoded_row(tokenizer, p, split) for split in ("valid", "test")
-                for p in pairs.split(split)[: min(rows, settings.prompts(split))]]
+    held_out = [h.row for split, items in held_out_rows(data, tokenizer).items()
+                for h in items[: min(rows, settings.prompts(split))]]
     check_scorers(settings, held_out)
+
+
+def held_out_rows(data: str, tokenizer: Any) -> dict[str, list[HeldOut]]:
+    """``data``'s valid and test rows as held-out prompts: a pair dataset's pairs, or a
+    prompts dataset's prompts (read as they were tokenized; no model needed)."""
+    from engine.data.pairs import load_pairs, read_data
+    from engine.data.prompts import holds_prompts, prompts_of_table
+
+    path = Path(data)
+    if holds_prompts(path):
+        return held_out_prompts(prompts_of_table(read_data(path), path, tokenizer, None))
+    pairs = load_pairs(path)
+    return held_out_pairs(tokenizer, {split: pairs.split(split) for split in ("valid", "test")})
 
 
 def check_scorers_on_raw(settings: GenerationSettings, raw: str, rows: int = 32) -> None:
@@ -240,3 +273,15 @@ def raw_rows(path: Path) -> Iterator[dict[str, Any]]:
             if row is not None:
                 yield {"id": row.id, "prompt": text(row.prompt), "chosen": text(row.chosen),
                        "rejected": text(row.rejected)}
+
+
+def holds_prompt_rows(raw: str | Path) -> bool:
+    """Whether raw data's first object is a prompt row (a prompt and an answer, no pair),
+    as tokenize reads it (tasks/data/preference_rows.py ``detect_layout``)."""
+    from tasks.data.preference_rows import PROMPT_LAYOUTS, detect_layout, list_files, read_raw
+
+    for file in list_files(Path(raw)):
+        for _, row, problem in read_raw(file):
+            if not problem:
+                return detect_layout(row) in PROMPT_LAYOUTS
+    return False

@@ -90,10 +90,12 @@ def check_ranks(ranks: int, kind: str, fixed: dict, grid: dict, space: dict) -> 
 
 
 def searched(name: str, grid: dict, space: dict) -> set:
-    """The values a search gives field ``name`` (its grid list or its space's choice)."""
+    """The values a search gives field ``name`` (its grid list or its space's choice: as
+    written, or parsed, a ``Dist``)."""
     dist = space.get(name)
-    return set(grid.get(name, [])) | set(dist.get("choice", []) if isinstance(dist, dict)
-                                         else [])
+    choice = (dist.get("choice", []) if isinstance(dist, dict) else dist.args
+              if getattr(dist, "kind", None) == "choice" else [])
+    return set(grid.get(name, [])) | set(choice)
 
 
 def spec_losses(fixed: dict, grid: dict, space: dict) -> set[str]:
@@ -211,3 +213,19 @@ def check_online(fixed: dict, grid: dict, space: dict, pack: Any, ranks: int,
                 said = str(err)
                 raise SpecError(said if said.startswith(where) else f"{where}.reward: {said}"
                                 ) from None
+
+
+def check_prompt_sweep(fixed: dict, grid: dict, space: dict, data: str,
+                       judged: bool) -> None:
+    """A sweep of prompt data (prompts and answers, no pairs): every trial a loss over
+    sampled groups (a pair loss, online pairs too, reads pairs), and an evaluation that
+    judges answers (``judged``: scorers and a prompt budget), as nothing else scores it."""
+    pairs = sorted(k for k in spec_losses(fixed, grid, space)
+                   if k in LOSSES and not LOSSES[k].on_groups)
+    if pairs:
+        raise SpecError(f"loss {pairs[0]}: trains on pairs, and {data} holds prompts alone "
+                        "(prompts and answers): give loss grpo, or pair data")
+    if not judged:
+        raise SpecError(f"evaluation: {data} holds prompts alone, judged by their answers: "
+                        "give evaluation.scorers (the reward's, such as task:NAME) and a "
+                        "prompt budget above 0")

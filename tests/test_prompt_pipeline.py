@@ -1,0 +1,70 @@
+"""Issue 73, step 3: prompt data (prompts and answers, no pairs) through ``pomona pipeline``:
+tokenized as a prompts dataset, no preprocess, a GRPO sweep, each adapter and the base
+judged by their greedy answers (the scorers that rewarded training), the board ranked on
+``gen/valid/<label>`` with the test split's intervals and the paired test; a pair loss, or
+an evaluation that scores no answers, refused before the flow starts, in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from tasks.data.synthetic import synth_rows, write_rows
+from tasks.sweep.spec_rules import SpecError
+
+SPEC = ("name: prompts\nmodel: unused\ndata: unused\nmax_concurrent: 2\n"
+        "fixed: {{loss: {loss}, reward: 'python:tests.grpo_rewards:digits', steps: 2, "
+        "batch_size: 2, num_generations: 2, max_completion_length: 4, lora_rank: 4, "
+        "val_every: 0}}\ngrid: {{temperature: [0.7, 1.0]}}\n"
+        "evaluation: {{scorers: [task:parity], prompts: {prompts}, max_tokens: 4}}\n"
+        "rank_by: gen/valid/parity\n")
+
+
+def prompt_rows(folder: Path, rows: int = 200) -> Path:
+    return write_rows(list(synth_rows("parity", rows, seed=0, layout="prompts",
+                                      distinct=True)), folder / "raw" / "parity.jsonl")
+
+
+def spec_file(folder: Path, loss: str = "grpo", prompts: int = 8) -> Path:
+    path = folder / f"spec-{loss}-{prompts}.yaml"
+    path.write_text(SPEC.format(loss=loss, prompts=prompts).replace(
+        "rank_by: gen/valid/parity\n", "" if prompts == 0 else "rank_by: gen/valid/parity\n"))
+    return path
+
+
+@pytest.mark.unit
+def test_prompt_data_with_a_pair_loss_or_no_scored_answers_is_refused(tiny_model,
+                                                                      tmp_path) -> None:
+    from flows.pipeline import check_pipeline_inputs
+
+    raw = prompt_rows(tmp_path, 20)
+    check_pipeline_inputs(str(raw), str(tiny_model), str(spec_file(tmp_path)))
+    for loss, prompts, message in (
+            ("orpo", 8, "loss orpo: trains on pairs, and {raw} holds prompts alone"),
+            ("grpo", 0, "evaluation: {raw} holds prompts alone, judged by their answers")):
+        with pytest.raises(SpecError, match=r"^[^\n]*$") as err:
+            check_pipeline_inputs(str(raw), str(tiny_model),
+                                  str(spec_file(tmp_path, loss, prompts)))
+        assert message.format(raw=raw) in str(err.value)
+
+
+@pytest.mark.integration
+def test_prompt_data_runs_the_whole_pipeline_judged_by_its_answers(
+        prefect_api, ray_cluster, tiny_model, tmp_path) -> None:
+    from flows.pipeline import pipeline
+
+    out = tmp_path / "out"
+    state = pipeline(str(prompt_rows(tmp_path)), str(tiny_model), str(spec_file(tmp_path)),
+                     str(out), return_state=True)
+    assert state.is_completed(), state
+    board = pq.read_table(out / "leaderboard.parquet").to_pylist()
+    trials = [r for r in board if r["trial_id"] not in ("base", "soup")]
+    assert len(trials) == 2 and [r["rank"] for r in trials] == [1, 2]
+    base = next(r for r in board if r["trial_id"] == "base")
+    for r in [*trials, base]:
+        assert 0 <= r["gen/test/parity"] <= 1 and r["gen/test/parity/n"] == 8, r
+        assert r["eval/test/rows"] == 0 and "a prompts dataset" in r["eval/test/missing"]
+    assert all(0 < r["vs_base/test/gen/parity/p"] <= 1 for r in trials), trials
+    assert (out / "best-adapter" / "adapters.safetensors").exists()
