@@ -28,8 +28,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SFT = {"loss": "sft", "batch_size": 16, "lora_rank": 16, "learning_rate": 1e-3,
-       "nll_span": "response", "val_every": 0, "segment_size": 2, "head_chunk": 256}
 REWARD = "task:parity"
 
 
@@ -69,14 +67,9 @@ def data_and_model(work: Path, rows: int) -> tuple[Path, Path]:
 
 def warm_start(a: argparse.Namespace, model: Path, data: Path, work: Path) -> Path:
     """The SFT adapter GRPO starts from (trained once in ``work``)."""
-    from engine.settings.config import TrainConfig
-    from engine.train.trainer import train
+    from tasks.sweep.warm_start import sft_warm_start
 
-    out = work / f"sft-{a.sft_steps}"
-    if not (out / "adapters.safetensors").exists():
-        train(TrainConfig(model=str(model), data=str(data), out=str(out), steps=a.sft_steps,
-                          seed=0).replace(**SFT))
-    return out
+    return sft_warm_start(model, data, work / f"sft-{a.sft_steps}", a.sft_steps)
 
 
 def grpo(a: argparse.Namespace, model: Path, data: Path, start: Path, seed: int,

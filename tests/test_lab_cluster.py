@@ -246,6 +246,29 @@ def test_a_worker_lost_mid_trial_loses_no_trial(lab: Lab, lab_dataset: str, tmp_
     lab.wait_nodes(3, 90)
 
 
+def test_a_grpo_trial_whose_worker_is_killed_is_retried(lab: Lab, lab_dataset: str,
+                                                        tmp_path: Path) -> None:
+    """Issue 73: a GRPO trial rewarded by the head's ``python:`` module, its worker killed
+    mid-trial: retried on the other worker (the module sent there by content too), it
+    completes with every step's metrics once."""
+    (tmp_path / "lab_reward.py").write_text(LAB_REWARD)
+    (tmp_path / "grpo-lost.yaml").write_text(
+        GRPO_SPEC.replace("max_concurrent: 2", "max_concurrent: 1")
+        .replace("steps: 2,", "steps: 40, report_every: 2,")
+        .replace("temperature: [0.7, 1.0]", "temperature: [1.0]"))
+    for name in ("lab_reward.py", "grpo-lost.yaml"):
+        lab.put("head", tmp_path / name, f"/tmp/lab/{name}")
+    out = "/tmp/lab/grpo-lost"
+    sweep, done = _sweep_started(lab, "/tmp/lab/grpo-lost.yaml", out)
+    victim = _running_on(lab, out)
+    lab.kill(victim)
+    row = _retried_once(lab, sweep, done, out, tmp_path / "got", 40)
+    assert row["node"] != victim and 0 <= row["best/val/reward"] <= 1, row
+    lab.wait_nodes(2, 90)
+    lab.start_node(victim)  # back as a new node, for the tests after this one
+    lab.wait_nodes(3, 90)
+
+
 def test_a_gang_whose_node_is_killed_is_retried_whole(lab: Lab, lab_dataset: str,
                                                      tmp_path: Path) -> None:
     """One rank on each worker; w2 is killed mid-trial and comes back as a new node: the

@@ -54,7 +54,7 @@ from engine.model.adapters import (
     run_write_text,
     save_adapters,
 )
-from engine.model.content_key import model_fingerprint, reference_key
+from engine.model.content_key import adapter_fingerprint, model_fingerprint, reference_key
 from engine.settings.config import TrainConfig
 from engine.settings.forward_options import ForwardOptions
 from engine.settings.reference_kind import BASE, adapter_path
@@ -151,9 +151,12 @@ def say_unread_settings(cfg: TrainConfig) -> None:
 
 
 def content_keys(cfg: TrainConfig) -> dict[str, str]:
-    """The base's content key (a reference adapter is refused on another base) and, for
-    DPO with an adapter reference, that adapter's (retrained in place: said at score)."""
+    """The base's content key (a reference adapter is refused on another base), a warm
+    start's (what the adapter began from) and, for DPO with an adapter reference, that
+    adapter's (retrained in place: said at score)."""
     keys = {"model_key": model_fingerprint(cfg.model)}
+    if cfg.warm_start:
+        keys["warm_start_key"] = adapter_fingerprint(cfg.warm_start)
     if cfg.loss_spec().needs_reference and cfg.reference != BASE:
         keys["reference_key"] = reference_key(cfg.reference)
     return keys

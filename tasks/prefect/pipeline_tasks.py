@@ -51,6 +51,8 @@ from tasks.nodes.placement import Placement
 from tasks.nodes.trial_inputs import SweepFiles
 from tasks.prefect.run_log import in_run_log
 from tasks.sweep.run import CODE_VERSION, data_fingerprint
+from tasks.sweep.sweep_spec import SweepSpec
+from tasks.sweep.warm_start import sft_warm_start
 from tasks.track.tracker import track_board
 
 
@@ -76,6 +78,22 @@ def tokenize_task(raw: str, model: str, out: str, options: TokenizeOptions | Non
                           report.tokens, " [cache hit]" if report.cache_hit else "", rejects)
     return {"path": out, "rows": report.rows, "tokens": report.tokens,
             "cache_hit": report.cache_hit}
+
+
+@task(cache_policy=NO_CACHE, persist_result=False)
+def warm_start_task(model: str, data: str, out: str, steps: int) -> str:
+    """``steps`` of SFT on ``data``'s train answers (tasks/sweep/warm_start.py), kept in
+    ``out``: the adapter a sweep's trials start from."""
+    path = sft_warm_start(Path(model), Path(data), Path(out), steps)
+    get_run_logger().info("warm start: %d steps of SFT in %s", steps, path)
+    return str(path.resolve())
+
+
+def started_from(spec: SweepSpec, start: str) -> SweepSpec:
+    """``spec`` with every trial starting from the adapter ``start`` and taking its KL
+    (GRPO's β, DPO's) against it."""
+    return dataclasses.replace(spec, fixed={**spec.fixed, "warm_start": start,
+                                            "reference": start})
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
