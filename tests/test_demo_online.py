@@ -31,7 +31,7 @@ def test_the_online_demo_starts_every_trial_and_the_base_row_from_its_warm_start
     small = tmp_path / "demo-online.yaml"
     small.write_text(yaml.safe_dump(spec))
     monkeypatch.setitem(demo.ONLINE, "tiny", dataclasses.replace(
-        demo.ONLINE["tiny"], spec=small, rows=300, warm_start=4))
+        demo.ONLINE["tiny"], spec=small, rows=300))  # its 80 warm steps: signal
     console = Console(record=True, width=200)
     out = tmp_path / "out"
     demo.run_demo(out, console, None, "tiny", online=True)
