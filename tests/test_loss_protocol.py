@@ -37,7 +37,7 @@ def test_each_setting_belongs_to_one_loss_or_to_sampling() -> None:
     names = [n for cls in REGISTRY for n in cls.names() if n not in shared]
     samplers = {cls.kind for cls in REGISTRY if issubclass(cls, Sampled)}
     assert len(names) == len(set(names)) == len(OWNERS) - len(shared)
-    assert samplers == {"grpo", "orpo", "simpo", "cpo"}
+    assert samplers == {"grpo", "orpo", "simpo", "cpo", "dpo"}
     assert {r.kind for r in READERS["pairs"]} == samplers - {"grpo"}
     for name in SAMPLED_FIELDS:
         assert {r.kind for r in READERS[name]} == samplers and OWNERS[name].kind == "grpo"

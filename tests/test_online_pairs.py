@@ -72,6 +72,24 @@ def test_orpo_trains_on_its_own_samples_and_reports_them(tiny_model, parity,
 
 
 @pytest.mark.unit
+def test_dpo_takes_each_sampled_pairs_reference_as_it_is_made(tiny_model, parity,
+                                                              tmp_path) -> None:
+    """DPO on online pairs: each step's pairs get the reference's log-probs of those very
+    completions. At step 1 the policy is the base (LoRA's B starts at 0) and so is the
+    reference: every reward β·(logp − ref) is 0, up to float32 rounding; had the sampled
+    pairs no reference, or another's, DPO would refuse or read nonzero margins."""
+    code, lines = pomona(*online_args(tiny_model, parity, tmp_path / "dpo", "--loss", "dpo",
+                                      "--reward", DIGITS, "--steps", "1",
+                                      "--report-every", "1"))
+    assert code == 0, lines
+    [first] = records(tmp_path / "dpo")
+    assert first["online/pairs"] >= 1
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        assert abs(first[name]) < 1e-5, (name, first)
+    assert first["loss"] == pytest.approx(0.6931, abs=1e-4)  # −log σ(0)
+
+
+@pytest.mark.unit
 def test_a_resumed_online_run_is_the_straight_run(tiny_model, parity, tmp_path) -> None:
     """Stopped at a checkpoint and resumed, a run samples the pairs the straight run did
     (each step's prompts and samples are the seed's and the step's) and ends with its
@@ -95,15 +113,15 @@ def test_a_resumed_online_run_is_the_straight_run(tiny_model, parity, tmp_path) 
 
 @pytest.mark.unit
 def test_online_pairs_mistakes_are_refused_in_one_line(tiny_model, parity, tmp_path) -> None:
-    """No reward; online pairs on a loss that has none (DPO: its reference is of fixed
-    pairs); a sampling setting with fixed pairs; and a step whose every sample ties (the
+    """No reward; online pairs on a loss that has none (KTO: its KL partners are fixed
+    pairs'); a sampling setting with fixed pairs; and a step whose every sample ties (the
     random model never answers parity right: every reward 0): one line, naming the step,
     nothing trained."""
     cases = [
         ((), "loss orpo learns from a reward: give one"),
-        (("--loss", "dpo", "--reward", DIGITS),
-         "a setting of loss grpo, and of orpo, simpo, cpo with pairs: online; this run's "
-         "loss is dpo"),
+        (("--loss", "kto", "--reward", DIGITS),
+         "a setting of loss grpo, and of orpo, simpo, dpo, cpo with pairs: online; this "
+         "run's loss is kto"),
         (("--reward", "task:parity", "--steps", "2"), "step 1: every prompt's 4 samples "
                                                       "were rewarded alike in 4 draws"),
     ]

@@ -22,13 +22,14 @@ import engine.losses.base as base
 from engine.losses.base import AgainstReference, PairLogps, PairTerms, label_smoothing, setting
 from engine.losses.dpo_types import LOSS_TYPES as TYPES
 from engine.losses.dpo_types import NEEDS_STATE, SMOOTHED, Margins
+from engine.losses.sampled import OnlinePairs
 
 LOSS_TYPES = (*TYPES, "sft", *NEEDS_STATE)  # sft: TRL's NLL of the chosen response
 DISCOPOP_TAU = 0.05  # TRL's discopop_tau
 
 
 @dataclass(frozen=True)
-class Dpo(AgainstReference):
+class Dpo(AgainstReference, OnlinePairs):
     kind = "dpo"
     summary = ("dpo (against reference log-probs computed once and cached: "
                "engine/train/reference.py)")
@@ -52,6 +53,7 @@ class Dpo(AgainstReference):
                                     "0 = off; TRL's span is nll_span response).", minimum=0)
 
     def check(self) -> None:
+        super().check()
         types = self.dpo_loss_type
         self._check_mixture(types)
         smoothed = next((t for t in types if t in SMOOTHED), types[0])

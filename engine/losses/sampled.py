@@ -5,7 +5,7 @@ GRPO's rollouts (engine/losses/grpo.py), and a pair loss's verifier-built pairs
 ``reward_weights``), declared once here and shared by each loss that reads them: a loss
 that reads none refuses them, naming the losses that do.
 
-A pair loss (``OnlinePairs``: ORPO, SimPO, CPO) reads them only with ``pairs: online``;
+A pair loss (``OnlinePairs``: ORPO, SimPO, CPO, DPO) reads them only with ``pairs: online``;
 with its default, ``fixed``, its fields are those it always had (its config, cache keys
 and checkpoints unchanged), and any of these given is refused in one line.
 """

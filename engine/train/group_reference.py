@@ -91,9 +91,9 @@ def kl_reference(reference: Reference, model: nn.Module, base: str) -> KlReferen
     try:
         weights = fitting_adapter_weights(model, folder)
     except (FileNotFoundError, ValueError) as err:
-        raise ValueError(f"reference adapter {folder} for loss grpo: {err} (its KL pass "
-                         "wears the reference's LoRA in the policy's own layers, so train "
-                         "with the reference's --lora-rank, keys and layers)") from None
+        raise ValueError(f"reference adapter {folder}: {err} (its pass wears the "
+                         "reference's LoRA in the policy's own layers, so train with the "
+                         "reference's --lora-rank, keys and layers)") from None
     scale = (config.get("lora_parameters") or {}).get("scale")
     if scale is None:  # mlx-lm's own loader needs it too
         raise ValueError(f"reference adapter {folder}: its adapter_config.json gives no "

@@ -1,4 +1,4 @@
-"""Verifier-built pairs ("online pairs"): a pair loss (ORPO, SimPO, CPO) with ``pairs:
+"""Verifier-built pairs ("online pairs"): a pair loss (ORPO, SimPO, CPO, DPO) with ``pairs:
 online`` and a ``reward`` builds each step's pairs from its own samples, online DPO from a
 verifier (TRL's OnlineDPOTrainer and mlx-lm-lora's take a judge; here Pomona's scorers
 judge, as they reward GRPO).
@@ -18,8 +18,11 @@ batch of prompts, up to ``EXTRA_DRAWS`` times, then stops the run naming the ste
 collapsed policy or a verifier never met: no pair to learn from).
 
 Each step's prompts and samples are a pure function of the seed and the step (a resume
-samples what the run would have). Validation scores the data's valid pairs, as fixed
-pairs do. Each record carries TRL's names for the samples (``reward``, ``reward_std``,
+samples what the run would have). DPO's reference log-probs of each step's pairs are
+taken as they are made, under its ``reference`` worn by the policy's own LoRA layers (the
+base: LoRA off; an adapter: its LoRA tensors swapped in: engine/train/group_reference.py),
+one forward-only pass with no second model held. Validation scores the data's valid pairs,
+as fixed pairs do (DPO's against their reference, computed once as for fixed pairs). Each record carries TRL's names for the samples (``reward``, ``reward_std``,
 ``rewards/<label>/mean``, ``frac_reward_zero_std``, ``completions/mean_length``) and
 ``online/pairs``, ``online/tied_prompts`` and ``online/extra_draws``, per step.
 """
@@ -28,18 +31,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from engine.data.batch import Pair
 from engine.data.prompts import PromptRow, prompts_of_pairs
+from engine.forward.layout_policy import scoring_layout
 from engine.forward.rollouts import Rollouts
 from engine.losses.sampled import OnlinePairs
 from engine.settings.config import TrainConfig
 from engine.train.group_steps import Sampler, completions, mix_seed, prompt_batches, rewarded
+from engine.train.group_reference import kl_reference
 from engine.train.ledger import Callback
+from engine.train.reference import REFERENCE_HEAD_CHUNK, reference_logps, resolved_reference
 from engine.train.reward_source import load_reward, precheck
 from engine.train.trainer import Run, TrainResult, finish, loop, memory_limit, set_up
 
@@ -84,6 +90,7 @@ class OnlineSource:
     per_step: int
     seed: int
     step: int  # the step the last call made
+    referenced: Callable[[list[Pair]], list[Pair]] = list  # DPO's: each pair's reference
     order: Any = None
     window: list[dict[str, float]] = field(default_factory=list)
 
@@ -118,7 +125,7 @@ class OnlineSource:
             if pairs:
                 self.window.append({**metrics, "online/pairs": len(pairs),
                                     "online/tied_prompts": tied, "online/extra_draws": draw})
-                return pairs
+                return self.referenced(pairs)
         raise NoPairs(f"step {step}: every prompt's {g} samples were rewarded alike in "
                       f"{EXTRA_DRAWS + 1} draws of {self.per_step} prompts: no pair to train "
                       "on (a collapsed policy, or a verifier it never meets); try a higher "
@@ -164,4 +171,21 @@ def online_source(run: Run, reward: Any) -> OnlineSource:
                          f"{context} tokens")
     precheck(reward, prompts)
     sampler = Sampler(prepared.model, prepared.tokenizer, cfg.loss, reward, cfg.batch_size)
-    return OnlineSource(sampler, prompts, run.batch_of, per_step, cfg.seed, run.start)
+    return OnlineSource(sampler, prompts, run.batch_of, per_step, cfg.seed, run.start,
+                        reference_pass(run) if cfg.loss.needs_reference else list)
+
+
+def reference_pass(run: Run) -> Callable[[list[Pair]], list[Pair]]:
+    """``pairs`` given their reference's summed response log-probs (DPO's), taken under
+    the run's reference worn by the policy (read and checked once, here)."""
+    cfg, model, stack = run.cfg, run.prepared.model, run.prepared.stack
+    reference = kl_reference(resolved_reference(cfg.reference), model, cfg.model)
+    layout = scoring_layout(cfg.prefix_share, run.prepared.pad_id, "full")
+
+    def referenced(pairs: list[Pair]) -> list[Pair]:
+        with reference.worn(model):
+            refs = reference_logps(model, stack, pairs, layout, cfg.batch_size,
+                                   cfg.head_chunk or REFERENCE_HEAD_CHUNK)
+        return [replace(p, ref=refs[p.id]) for p in pairs]
+
+    return referenced
