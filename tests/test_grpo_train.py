@@ -283,7 +283,7 @@ def test_an_adapter_as_the_kl_reference(tiny_model, parity, tmp_path) -> None:
                                     "--reference", str(start), "--lora-rank", "2"))
     errors = [x for x in lines if not x.startswith("load check")]
     assert code == 2 and len(errors) == 1, lines
-    assert f"reference adapter {start} for loss grpo" in errors[0], errors
+    assert f"reference adapter {start}: " in errors[0] and "--lora-rank" in errors[0], errors
     assert not (tmp_path / "misfit" / "adapters.safetensors").exists()
 
 

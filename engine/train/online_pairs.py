@@ -22,7 +22,8 @@ samples what the run would have). DPO's reference log-probs of each step's pairs
 taken as they are made, under its ``reference`` worn by the policy's own LoRA layers (the
 base: LoRA off; an adapter: its LoRA tensors swapped in: engine/train/group_reference.py),
 one forward-only pass with no second model held. Validation scores the data's valid pairs,
-as fixed pairs do (DPO's against their reference, computed once as for fixed pairs). Each record carries TRL's names for the samples (``reward``, ``reward_std``,
+as fixed pairs do (DPO's against their reference, computed once as for fixed pairs).
+Each record carries TRL's names for the samples (``reward``, ``reward_std``,
 ``rewards/<label>/mean``, ``frac_reward_zero_std``, ``completions/mean_length``) and
 ``online/pairs``, ``online/tied_prompts`` and ``online/extra_draws``, per step.
 """
@@ -42,8 +43,8 @@ from engine.forward.layout_policy import scoring_layout
 from engine.forward.rollouts import Rollouts
 from engine.losses.sampled import OnlinePairs
 from engine.settings.config import TrainConfig
-from engine.train.group_steps import Sampler, completions, mix_seed, prompt_batches, rewarded
 from engine.train.group_reference import kl_reference
+from engine.train.group_steps import Sampler, completions, mix_seed, prompt_batches, rewarded
 from engine.train.ledger import Callback
 from engine.train.reference import REFERENCE_HEAD_CHUNK, reference_logps, resolved_reference
 from engine.train.reward_source import load_reward, precheck
