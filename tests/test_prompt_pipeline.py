@@ -2,7 +2,8 @@
 tokenized as a prompts dataset, no preprocess, a GRPO sweep, each adapter and the base
 judged by their greedy answers (the scorers that rewarded training), the board ranked on
 ``gen/valid/<label>`` with the test split's intervals and the paired test; a pair loss, or
-an evaluation that scores no answers, refused before the flow starts, in one line."""
+an evaluation that scores no answers, refused before the flow starts, in one line; GRPO's
+metrics reach TensorBoard as every metric does."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def test_prompt_data_runs_the_whole_pipeline_judged_by_its_answers(
 
     out = tmp_path / "out"
     state = pipeline(str(prompt_rows(tmp_path)), str(tiny_model), str(spec_file(tmp_path)),
-                     str(out), return_state=True)
+                     str(out), report_to=["tensorboard"], return_state=True)
     assert state.is_completed(), state
     board = pq.read_table(out / "leaderboard.parquet").to_pylist()
     trials = [r for r in board if r["trial_id"] not in ("base", "soup")]
@@ -68,3 +69,10 @@ def test_prompt_data_runs_the_whole_pipeline_judged_by_its_answers(
         assert r["eval/test/rows"] == 0 and "a prompts dataset" in r["eval/test/missing"]
     assert all(0 < r["vs_base/test/gen/parity/p"] <= 1 for r in trials), trials
     assert (out / "best-adapter" / "adapters.safetensors").exists()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for r in trials:  # GRPO's metrics reach the trackers as every metric does
+        events = EventAccumulator(str(out / "sweep" / "tb" / r["trial_id"]))
+        events.Reload()
+        assert {"reward", "frac_reward_zero_std", "val/reward"} <= set(
+            events.Tags()["scalars"]), events.Tags()["scalars"]
