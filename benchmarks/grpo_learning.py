@@ -106,12 +106,17 @@ def test_scores(model: Path, data: Path, adapter: Path) -> dict[str, float]:
     return {p.id: float(r) for p, r in zip(prompts, rewards, strict=True)}
 
 
+def started(a: argparse.Namespace, work: Path) -> tuple[Path, Path, Path, dict[str, float]]:
+    """The model, its data, the warm start in ``work`` and the start's test scores."""
+    model, data = data_and_model(work, a.rows)
+    start = warm_start(a, model, data, work)
+    return model, data, start, test_scores(model, data, start)
+
+
 def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     from tasks.eval.intervals import paired
 
-    model, data = data_and_model(work, a.rows)
-    start = warm_start(a, model, data, work)
-    before = test_scores(model, data, start)
+    model, data, start, before = started(a, work)
     rows = []
     for seed in seed_list(a.seeds):
         out = work / f"grpo-s{seed}"
@@ -170,9 +175,12 @@ def in_work(a: argparse.Namespace, check: Callable[[], None],
         return None
 
 
-def main(argv: list[str]) -> int:
-    a = parser().parse_args(argv)
-    result = in_work(a, lambda: check_args(a), run)
+def seeded_main(a: argparse.Namespace,
+                run_in: Callable[[argparse.Namespace, Path], dict[str, Any]],
+                line: Callable[[dict[str, Any]], str]) -> int:
+    """A bench of seeded runs scored on the test prompts: ``run_in`` once ``check_args``
+    passes, then its JSON (``--json``) or a line per seed; 2 when refused."""
+    result = in_work(a, lambda: check_args(a), run_in)
     if result is None:
         return 2
     if a.json:
@@ -180,7 +188,12 @@ def main(argv: list[str]) -> int:
         return 0
     print(f"BLAS threads {result['threads']}; test prompts scored greedy by {REWARD}")
     for r in result["rows"]:
-        print(f"seed {r['seed']}: {r['start']:.3f} -> {r['end']:.3f} of {r['prompts']} "
-              f"(wins {r['wins']}, losses {r['losses']}, sign test p = {r['p']:.2g}; "
-              f"GRPO {r['seconds']:.0f} s)")
+        print(line(r))
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return seeded_main(parser().parse_args(argv), run, lambda r: (
+        f"seed {r['seed']}: {r['start']:.3f} -> {r['end']:.3f} of {r['prompts']} "
+        f"(wins {r['wins']}, losses {r['losses']}, sign test p = {r['p']:.2g}; "
+        f"GRPO {r['seconds']:.0f} s)"))

@@ -97,16 +97,21 @@ def test_a_resumed_run_is_the_straight_run(tiny_model, parity, tmp_path) -> None
     """Stopped at a checkpoint and resumed, a run samples the same rollouts and ends
     with the straight run's adapter (the rollouts' seed is the run's and the step's), at
     μ = 2 (a cycle of rollouts serves two steps)."""
+    assert_resumed_is_straight(lambda out, *extra: grpo_args(tiny_model, parity, out, *extra),
+                               tmp_path, "--grpo-num-iterations", "2")
+
+
+def assert_resumed_is_straight(args, tmp_path: Path, *extra: str) -> None:
+    """4 steps straight, and 2 then resumed to 4 from the step-2 checkpoint (``args(out,
+    *flags)``: a run's command line): the same adapter and the same last reward."""
     import mlx.core as mx
 
     common = ("--reward", "python:tests.grpo_rewards:digits", "--learning-rate", "1e-2",
-              "--grpo-num-iterations", "2",
               "--lr-schedule", "constant", "--checkpoint-every", "2", "--val-every", "0",
-              "--report-every", "1")
-    assert pomona(*grpo_args(tiny_model, parity, tmp_path / "a", *common, "--steps", "4"))[0] == 0
-    assert pomona(*grpo_args(tiny_model, parity, tmp_path / "b", *common, "--steps", "2"))[0] == 0
-    code, lines = pomona(*grpo_args(tiny_model, parity, tmp_path / "b", *common, "--steps",
-                                    "4", "--resume", "auto"))
+              "--report-every", "1", *extra)
+    assert pomona(*args(tmp_path / "a", *common, "--steps", "4"))[0] == 0
+    assert pomona(*args(tmp_path / "b", *common, "--steps", "2"))[0] == 0
+    code, lines = pomona(*args(tmp_path / "b", *common, "--steps", "4", "--resume", "auto"))
     assert code == 0, lines
     a = mx.load(str(tmp_path / "a" / "adapters.safetensors"))
     b = mx.load(str(tmp_path / "b" / "adapters.safetensors"))

@@ -16,7 +16,7 @@ from engine.losses import Orpo
 from engine.train.online_pairs import best_and_worst, sample_stats
 from tasks.sweep.spec_rules import SpecError
 from tasks.sweep.sweep_spec import parse_spec
-from tests.test_grpo_train import pomona, records
+from tests.test_grpo_train import assert_resumed_is_straight, pomona, records
 
 DIGITS = "python:tests.grpo_rewards:digits"  # a random model's samples differ on it
 DIGIT_VERIFIER = """
@@ -94,21 +94,8 @@ def test_a_resumed_online_run_is_the_straight_run(tiny_model, parity, tmp_path) 
     """Stopped at a checkpoint and resumed, a run samples the pairs the straight run did
     (each step's prompts and samples are the seed's and the step's) and ends with its
     adapter."""
-    import mlx.core as mx
-
-    common = ("--reward", DIGITS, "--learning-rate", "1e-2", "--lr-schedule", "constant",
-              "--checkpoint-every", "2", "--val-every", "0", "--report-every", "1")
-    assert pomona(*online_args(tiny_model, parity, tmp_path / "a", *common, "--steps",
-                               "4"))[0] == 0
-    assert pomona(*online_args(tiny_model, parity, tmp_path / "b", *common, "--steps",
-                               "2"))[0] == 0
-    code, lines = pomona(*online_args(tiny_model, parity, tmp_path / "b", *common, "--steps",
-                                      "4", "--resume", "auto"))
-    assert code == 0, lines
-    a = mx.load(str(tmp_path / "a" / "adapters.safetensors"))
-    b = mx.load(str(tmp_path / "b" / "adapters.safetensors"))
-    assert all(mx.allclose(a[k], b[k], rtol=1e-5, atol=1e-7).item() for k in a)
-    assert records(tmp_path / "a")[-1]["reward"] == records(tmp_path / "b")[-1]["reward"]
+    assert_resumed_is_straight(
+        lambda out, *extra: online_args(tiny_model, parity, out, *extra), tmp_path)
 
 
 @pytest.mark.unit
