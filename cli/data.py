@@ -3,6 +3,7 @@ cli/data_display.py)."""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Annotated
 
@@ -10,7 +11,11 @@ import typer
 
 from cli.options import fills
 from cli.terminal import OneLineGroup, console, fail
+from tasks.data.data_check import CheckLimits
 from tasks.data.tokenize_options import TokenizeOptions
+
+LIMITS = {f.name: f.metadata["help"] for f in fields(CheckLimits)}  # each limit's help
+AT = CheckLimits()  # and its default
 
 data_app = typer.Typer(help="Make and prepare preference data.", no_args_is_help=True,
                        cls=OneLineGroup)
@@ -54,6 +59,35 @@ def data_tokenize(
     from cli.data_display import run_tokenize
 
     run_tokenize(console, input, model, out, options, preprocess)
+
+
+@data_app.command("check")
+@fills(TokenizeOptions, "options")
+def data_check(
+    input: Annotated[Path, typer.Option("--input", help="A preference file or a directory.")],
+    model: Annotated[str, typer.Option(help="Model directory or repo id (its tokenizer).")],
+    options: TokenizeOptions,
+    strict: Annotated[bool, typer.Option(help="Exit 1 when a finding is over its limit "
+                                              "(default: warn).")] = False,
+    max_length_bias_d: Annotated[float, typer.Option(help=LIMITS["length_bias_d"])]
+    = AT.length_bias_d,
+    max_chosen_longer: Annotated[float, typer.Option(help=LIMITS["chosen_longer"])]
+    = AT.chosen_longer,
+    max_repeats_prompt: Annotated[float, typer.Option(help=LIMITS["repeats_prompt"])]
+    = AT.repeats_prompt,
+    max_duplicate_prompts: Annotated[float, typer.Option(help=LIMITS["duplicate_prompts"])]
+    = AT.duplicate_prompts,
+    max_cross_split: Annotated[int, typer.Option(help=LIMITS["cross_split"])]
+    = AT.cross_split,
+) -> None:
+    """Tokenize as `data tokenize` would (into a scratch folder) and report what training
+    would not warn about: pairs identical once truncated, length bias, responses repeating
+    the prompt, duplicate prompts, prompts in more than one split; each finding names rows."""
+    from cli.data_display import run_check
+
+    limits = CheckLimits(max_length_bias_d, max_chosen_longer, max_repeats_prompt,
+                         max_duplicate_prompts, max_cross_split)
+    raise typer.Exit(run_check(console, input, model, options, limits, strict))
 
 
 @data_app.command("preprocess")

@@ -16,6 +16,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from engine.data.shards import split_problem
+from tasks.data.data_check import CheckLimits
 from tasks.data.dataset_dir import read_manifest
 from tasks.data.preprocess import preprocess_dataset
 from tasks.data.tokenize import TokenizeReport, rejects_paths, tokenize_dataset
@@ -138,3 +139,34 @@ def _stats_table(path: Path, m: dict) -> Table:
     if (o := m.get("outliers") or {}).get("count"):
         table.add_row(f"pairs over {o['factor']}× p99 length", f"{o['count']:,}")
     return table
+
+
+def run_check(console: Console, input: Path, model: str, options: TokenizeOptions,
+              limits: CheckLimits, strict: bool) -> int:
+    """``pomona data check``: tokenized into a scratch folder (the user's files untouched),
+    the findings printed, each over its limit a warning; 1 where ``strict`` and any is."""
+    import tempfile
+
+    from tasks.data.data_check import check_dataset
+
+    with tempfile.TemporaryDirectory(prefix="pomona-check-") as tmp:
+        try:
+            tokenize_dataset(input, model, Path(tmp) / "data", options)
+            report = check_dataset(Path(tmp) / "data", input, limits)
+        except (ValueError, OSError) as err:
+            raise _exit(console, str(err)) from None
+    rows = ", ".join(f"{k} {v}" for k, v in report.rows.items())
+    table = Table(title=escape(f"data check: {input} (rows: {rows})"))
+    for col in ("split", "check", "value", "limit", "rows"):
+        table.add_column(col, overflow="fold")
+    for f in report.findings:
+        value = f"[yellow]{f.value:.3g}[/]" if f.over else f"{f.value:.3g}"
+        table.add_row(f.split, f.check, value, f"{f.limit:g}", escape(", ".join(f.ids)))
+    console.print(table)
+    for f in report.over:
+        console.print(f"[yellow]warning:[/] {escape(f.line())}")
+    if strict and report.over:
+        console.print(f"[red]error:[/] {len(report.over)} finding(s) over their limits "
+                      "(--strict)")
+        return 1
+    return 0

@@ -112,6 +112,9 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
         [full] = client.read_artifacts(artifact_filter=keys, limit=1)
         keys = ArtifactFilter(key=ArtifactFilterKey(any_=["pipe-answers"]))
         [answers] = client.read_artifacts(artifact_filter=keys, limit=1)
+        keys = ArtifactFilter(key=ArtifactFilterKey(any_=["data-check"]))
+        [check] = client.read_artifacts(artifact_filter=keys, limit=1)
+    assert "length bias d" in check.data and "prompts in more than one split" in check.data
     assert trials[0]["trial_id"] in art.data
     assert "eval/test/nll_loss" not in art.data and "eval/test/nll_loss" in full.data
     assert "test sort: answers scored by sort, n=2" in art.data

@@ -325,3 +325,21 @@ def read_conversations(path: Path, layout: str | None = None
                 if seen.setdefault(item.id, key) != key:
                     item = Reject(item.source, item.line, "duplicate_id", raw)
             yield item
+
+
+def raw_rows(path: Path) -> Iterator[dict[str, Any]]:
+    """The valid rows of raw preference data, as the decoded rows scorers read (id, prompt,
+    chosen, rejected as text), one at a time; a bad row is tokenize's to count."""
+    def text(part: Any) -> str:
+        return part if isinstance(part, str) else "\n".join(m["content"] for m in part)
+
+    for file in list_files(path):
+        for line, raw, problem in read_raw(file):
+            layout = None if problem else detect_layout(raw)
+            try:
+                row = validate(raw, layout, str(file), line) if layout else None
+            except BadRow:
+                continue
+            if row is not None:
+                yield {"id": row.id, "prompt": text(row.prompt), "chosen": text(row.chosen),
+                       "rejected": text(row.rejected)}

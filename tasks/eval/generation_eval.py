@@ -18,7 +18,6 @@ budget of 0 prompts turns it off (no columns, nothing divided by zero).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -252,27 +251,9 @@ def check_scorers_on_raw(settings: GenerationSettings, raw: str, rows: int = 32)
     ``rows`` are found: tokenize reads the whole data later."""
     if not settings.on:
         return
+    from tasks.data.preference_rows import raw_rows
+
     check_scorers(settings, list(itertools.islice(raw_rows(Path(raw)), rows)))
-
-
-def raw_rows(path: Path) -> Iterator[dict[str, Any]]:
-    """The valid rows of raw preference data, as the decoded rows scorers read (id, prompt,
-    chosen, rejected as text), one at a time; a bad row is tokenize's to count."""
-    from tasks.data.preference_rows import BadRow, detect_layout, list_files, read_raw, validate
-
-    def text(part: Any) -> str:
-        return part if isinstance(part, str) else "\n".join(m["content"] for m in part)
-
-    for file in list_files(path):
-        for line, raw, problem in read_raw(file):
-            layout = None if problem else detect_layout(raw)
-            try:
-                row = validate(raw, layout, str(file), line) if layout else None
-            except BadRow:
-                continue
-            if row is not None:
-                yield {"id": row.id, "prompt": text(row.prompt), "chosen": text(row.chosen),
-                       "rejected": text(row.rejected)}
 
 
 def holds_prompt_rows(raw: str | Path) -> bool:

@@ -41,6 +41,7 @@ from tasks.board.leaderboard import (
 )
 from tasks.board.plots import curves_png, inline_png, metric_vs_params_png, rewards_png
 from tasks.board.soup import make_soup
+from tasks.data.data_check import check_dataset
 from tasks.data.preprocess import preprocess_dataset
 from tasks.data.tokenize import tokenize_dataset
 from tasks.data.tokenize_options import TokenizeOptions
@@ -76,8 +77,23 @@ def tokenize_task(raw: str, model: str, out: str, options: TokenizeOptions | Non
     rejects = ", ".join(f"{n} {why}" for why, n in sorted(report.rejects.items())) or "none"
     get_run_logger().info("tokenized %s rows (%s tokens)%s; rejects: %s", report.rows,
                           report.tokens, " [cache hit]" if report.cache_hit else "", rejects)
+    data_check_artifact(out, raw)
     return {"path": out, "rows": report.rows, "tokens": report.tokens,
             "cache_hit": report.cache_hit}
+
+
+def data_check_artifact(data: str, raw: str) -> None:
+    """``pomona data check``'s report of a pair dataset (tasks/data/data_check.py) as the
+    tokenize task's artifact, each finding over its limit a warning in the run's log."""
+    from engine.data.prompts import holds_prompts
+
+    if holds_prompts(Path(data)):  # prompts and answers: no pair to check
+        return
+    report = check_dataset(Path(data), Path(raw))
+    create_markdown_artifact(key="data-check", markdown=report.markdown(),
+                             description="pomona data check: the tokenized pairs")
+    for finding in report.over:
+        get_run_logger().warning("data check: %s", finding.line())
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
