@@ -161,13 +161,18 @@ def pipeline_cmd(
         help="Held-out prompts a split each evaluation completes and scores (0: none); "
              "default: the spec's evaluation.prompts (64).")] = None,
     report_to: Annotated[list[str] | None, REPORT_TO] = None,
+    warm_start: Annotated[int, typer.Option(
+        help="Steps of SFT on the train split's answers before the sweep, every trial then "
+             "starting from it, its KL (GRPO's β, DPO's) taken against it and the base row "
+             "evaluated with it (0: none; `pomona demo --online` runs 80).")] = 0,
 ) -> None:
     """The Prefect pipeline: tokenize → preprocess → sweep → evaluate → leaderboard."""
     from flows.pipeline import check_pipeline_inputs, pipeline
 
     cluster = cluster_of(address, gpus, resource)
     try:
-        check_pipeline_inputs(str(raw), model, str(spec), str(out), generations, report_to)
+        check_pipeline_inputs(str(raw), model, str(spec), str(out), generations, report_to,
+                              warm_start)
     except (ValueError, FileNotFoundError) as err:  # SpecError is a ValueError
         raise fail(str(err)) from None
     from prefect.exceptions import FailedRun
@@ -178,7 +183,7 @@ def pipeline_cmd(
     try:
         with prefect_api(out):
             summary = pipeline(str(raw), model, str(spec), str(out), cluster, generations,
-                               report_to=report_to)
+                               report_to=report_to, warm_start=warm_start)
     except (FailedRun, ApiGone, ScorerError) as err:  # the data's or a scorer's mistake
         raise fail(str(err)) from None
     console.print(f"leaderboard: {summary['markdown']}; best adapter: "

@@ -45,6 +45,7 @@ from tasks.nodes.placement import Placement
 from tasks.prefect.pipeline_tasks import (
     GGUF_NAME,
     aggregate_task,
+    check_warm_start,
     eval_settings,
     evaluation_for,
     export_task,
@@ -91,7 +92,7 @@ def claim_sweep_dir(sweep_dir: str | Path, *inputs: str) -> AbstractContextManag
 
 def check_pipeline_inputs(raw: str, model: str, spec: str, out: str | None = None,
                           generations: int | None = None,
-                          report_to: list[str] | None = None) -> None:
+                          report_to: list[str] | None = None, warm_start: int = 0) -> None:
     """Every input of ``pipeline`` (and its ``out``) checked before the flow starts, so a
     user's mistake is one line naming the file or key (SpecError, also for a tracker whose
     client is not installed; FileNotFoundError,
@@ -102,6 +103,7 @@ def check_pipeline_inputs(raw: str, model: str, spec: str, out: str | None = Non
     parsed = with_report_to(load_spec(spec, {"model": model, "data": raw}), report_to)
     if problem := tracker_problem(parsed.report_to):
         raise SpecError(problem)
+    check_warm_start(parsed, warm_start)
     settings = parsed.evaluation.with_prompts(generations)
     if not Path(raw).exists():
         raise FileNotFoundError(f"raw preference data not found: {raw}")

@@ -76,3 +76,23 @@ def test_prompt_data_runs_the_whole_pipeline_judged_by_its_answers(
         events.Reload()
         assert {"reward", "frac_reward_zero_std", "val/reward"} <= set(
             events.Tags()["scalars"]), events.Tags()["scalars"]
+
+
+@pytest.mark.unit
+def test_a_warm_start_stage_never_replaces_the_specs_own(tiny_model, tmp_path) -> None:
+    """``pomona pipeline --warm-start N`` sets every trial's warm_start and reference: a
+    spec that gives either is refused in one line (never replaced), as are negative steps."""
+    from tests.test_grpo_train import pomona
+
+    raw = prompt_rows(tmp_path, 20)
+    spec = spec_file(tmp_path)
+    own = tmp_path / "own.yaml"
+    own.write_text(spec.read_text().replace("val_every: 0}", "val_every: 0, reference: base}"))
+    for path, steps, message in (
+            (own, "5", "--warm-start 5 with the spec's reference: the warm-start stage sets "
+                       "both warm_start and reference; drop one of them"),
+            (spec, "-1", "--warm-start -1: expected steps of SFT >= 0")):
+        code, lines = pomona("pipeline", str(raw), str(tiny_model), str(path), "--out",
+                             str(tmp_path / "out"), "--warm-start", steps)
+        assert code == 2 and len(lines) == 1 and message in lines[0], lines
+    assert not (tmp_path / "out").exists()

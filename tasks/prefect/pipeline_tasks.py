@@ -52,7 +52,7 @@ from tasks.nodes.placement import Placement
 from tasks.nodes.trial_inputs import SweepFiles
 from tasks.prefect.run_log import in_run_log
 from tasks.sweep.run import CODE_VERSION, data_fingerprint
-from tasks.sweep.sweep_spec import SweepSpec
+from tasks.sweep.sweep_spec import SpecError, SweepSpec
 from tasks.sweep.warm_start import sft_warm_start
 from tasks.track.tracker import track_board
 
@@ -108,8 +108,21 @@ def warm_start_task(model: str, data: str, out: str, steps: int) -> str:
 def started_from(spec: SweepSpec, start: str) -> SweepSpec:
     """``spec`` with every trial starting from the adapter ``start`` and taking its KL
     (GRPO's β, DPO's) against it."""
+    check_warm_start(spec, 1)
     return dataclasses.replace(spec, fixed={**spec.fixed, "warm_start": start,
                                             "reference": start})
+
+
+def check_warm_start(spec: SweepSpec, steps: int) -> None:
+    """A pipeline's warm-start stage of ``steps`` (0: none) refused, in one line, where
+    the spec gives the start or the reference it would set (never silently replaced)."""
+    if steps < 0:
+        raise SpecError(f"--warm-start {steps}: expected steps of SFT >= 0 (0: none)")
+    given = [k for k in ("warm_start", "reference")
+             if k in spec.fixed or k in spec.grid or k in spec.space]
+    if steps and given:
+        raise SpecError(f"--warm-start {steps} with the spec's {given[0]}: the warm-start "
+                        f"stage sets both warm_start and reference; drop one of them")
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
