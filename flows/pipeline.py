@@ -104,6 +104,10 @@ def check_pipeline_inputs(raw: str, model: str, spec: str, out: str | None = Non
     if problem := tracker_problem(parsed.report_to):
         raise SpecError(problem)
     check_warm_start(parsed, warm_start)
+    if warm_start and holds_prompt_rows(raw):
+        raise SpecError(f"--warm-start {warm_start}: its SFT trains on pairs' chosen "
+                        f"responses, and {raw} holds prompts alone; warm-start on pair data, "
+                        "or give the spec a warm_start adapter")
     settings = parsed.evaluation.with_prompts(generations)
     if not Path(raw).exists():
         raise FileNotFoundError(f"raw preference data not found: {raw}")
@@ -157,12 +161,13 @@ def pipeline(raw: str, model: str, spec: str, out: str, cluster: Cluster | None 
         sweep = with_report_to(load_spec(spec, {"model": model, "data": data["path"]}),
                                report_to)
         settings = sweep.evaluation.with_prompts(generations)
-        if warm_start:  # a stage of its own: the UI shows the start the trials share
-            sweep = started_from(sweep, warm_start_task(model, data["path"],
-                                                        str(out_dir / "warm-start"),
-                                                        warm_start))
         if prompts:
             check_prompt_sweep(sweep.fixed, sweep.grid, sweep.space, raw, settings.on)
+        start = None  # a stage of its own: the UI shows the start the trials share
+        if warm_start:
+            start = warm_start_task(model, data["path"], str(out_dir / "warm-start"),
+                                    warm_start, sweep)
+            sweep = started_from(sweep, start)
         check_scorers_on_data(settings, model, data["path"])  # a broken scorer: no trial ran
         if sweep.export.gguf:
             exportable(model)  # a family no GGUF holds: said now, not after the sweep
@@ -173,8 +178,7 @@ def pipeline(raw: str, model: str, spec: str, out: str, cluster: Cluster | None 
                 return no_trial_completed(results)
             summary = rank_stage(results, model, data["path"], sweep.ranking, out_dir,
                                  cluster.placement, settings,
-                                 BoardOptions(soup_k, fuse, sweep.export,
-                                              sweep.fixed.get("warm_start")))
+                                 BoardOptions(soup_k, fuse, sweep.export, start))
             track_task(str(out_dir / "sweep"), str(out_dir))
     return {**summary, "rows": data["rows"], "tokenize_cache_hit": data["cache_hit"],
             "trials": len(results)}

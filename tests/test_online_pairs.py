@@ -99,6 +99,20 @@ def test_a_resumed_online_run_is_the_straight_run(tiny_model, parity, tmp_path) 
 
 
 @pytest.mark.unit
+def test_a_resume_keeps_its_pairs_fixed_or_online(tiny_model, parity, tmp_path) -> None:
+    """A checkpoint of online pairs resumed on fixed ones (which record no ``pairs``) is
+    refused in one line, as any other setting that alters the run is."""
+    common = ("--steps", "2", "--checkpoint-every", "2", "--val-every", "0")
+    assert pomona(*online_args(tiny_model, parity, tmp_path / "r", "--reward", DIGITS,
+                               *common))[0] == 0
+    code, lines = pomona("train", "--model", str(tiny_model), "--data", str(parity), "--out",
+                         str(tmp_path / "r"), "--loss", "orpo", "--batch-size", "2",
+                         "--steps", "4", "--checkpoint-every", "2", "--val-every", "0",
+                         "--resume", "auto")
+    assert code == 2 and "pairs was 'online' there, 'fixed' now" in lines[-1], lines
+
+
+@pytest.mark.unit
 def test_online_pairs_mistakes_are_refused_in_one_line(tiny_model, parity, tmp_path) -> None:
     """No reward; online pairs on a loss that has none (KTO: its KL partners are fixed
     pairs'); a sampling setting with fixed pairs; and a step whose every sample ties (the
@@ -156,7 +170,9 @@ def test_a_sweep_sets_fixed_pairs_beside_online_ones_and_keys_the_reward(tmp_pat
              ({"fixed": {**base["fixed"], "segment_size": "auto"}, "memory_budget_gb": 8},
               "segment_size: auto with pairs: online"),
              ({"fixed": {k: v for k, v in base["fixed"].items() if k != "reward"}},
-              "pairs: online learns from a reward: give fixed.reward")]
+              "pairs: online learns from a reward: give fixed.reward"),
+             ({"grid": {"orpo_lambda": [0.1, 1.0]}},  # no trial samples: reward unread
+              "fixed.num_generations: read by loss grpo or by pairs: online, and no trial")]
     for change, message in cases:
         with pytest.raises(SpecError, match=r"^[^\n]*$") as err:
             parse_spec({**base, **change})

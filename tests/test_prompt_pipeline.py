@@ -29,7 +29,8 @@ def prompt_rows(folder: Path, rows: int = 200) -> Path:
 
 
 def spec_file(folder: Path, loss: str = "grpo", prompts: int = 8) -> Path:
-    path = folder / f"spec-{loss}-{prompts}.yaml"
+    path = folder / f"spec-{loss.split(',')[0]}-{prompts}.yaml"
+    loss = loss if loss == "grpo" else f"{loss}, pairs: online"  # online pairs read pairs too
     path.write_text(SPEC.format(loss=loss, prompts=prompts).replace(
         "rank_by: gen/valid/parity\n", "" if prompts == 0 else "rank_by: gen/valid/parity\n"))
     return path
@@ -91,7 +92,9 @@ def test_a_warm_start_stage_never_replaces_the_specs_own(tiny_model, tmp_path) -
     for path, steps, message in (
             (own, "5", "--warm-start 5 with the spec's reference: the warm-start stage sets "
                        "both warm_start and reference; drop one of them"),
-            (spec, "-1", "--warm-start -1: expected steps of SFT >= 0")):
+            (spec, "-1", "--warm-start -1: expected steps of SFT >= 0"),
+            (spec, "5", "--warm-start 5: its SFT trains on pairs' chosen responses, and "
+                        f"{raw} holds prompts alone")):
         code, lines = pomona("pipeline", str(raw), str(tiny_model), str(path), "--out",
                              str(tmp_path / "out"), "--warm-start", steps)
         assert code == 2 and len(lines) == 1 and message in lines[0], lines

@@ -76,6 +76,12 @@ def check_resume(cfg: TrainConfig, ckpt: Path, state: dict[str, Any]) -> None:
     (older checkpoints recorded only the seed), or whose ``steps`` end before its step."""
     recorded = state.get("settings") or {"seed": state.get("seed", cfg.seed)}
     ours = run_settings(cfg) if "settings" in state else {"seed": cfg.seed}
+    # fixed pairs record no ``pairs`` (engine/losses/sampled.py): absent is fixed, both ways
+    was, now = recorded.get("pairs", "fixed"), ours.get("pairs", "fixed")
+    if "settings" in state and recorded.get("loss") == ours.get("loss") and was != now:
+        raise ValueError(f"resume from {ckpt}: pairs was {was!r} there, {now!r} now; a "
+                         "resume must keep every setting that alters the run: give the old "
+                         "value, or start afresh in another --out")
     for name, was in recorded.items():
         if name in READERS and name not in ours:  # another loss's (older checkpoints kept
             continue                             # all): the loss's own name differs then

@@ -36,9 +36,9 @@ class Ranking:
 class BoardOptions:
     """``soup_k``: average the top k adapters (below 2: no soup); ``fuse``: also fuse the
     best adapter into the base; ``export``: also write it as a GGUF (the spec's
-    ``export``); ``start``: the warm start every trial began from (the spec's
-    ``fixed.warm_start``), which the base row is evaluated with: what training added is
-    read against where it started."""
+    ``export``); ``start``: the warm start the pipeline's own stage trained and every
+    trial began from, which the base row is evaluated with: what training added is read
+    against where it started."""
 
     soup_k: int = 2
     fuse: bool = False

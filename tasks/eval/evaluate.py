@@ -116,7 +116,8 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec 
     rows: list[dict[str, Any]] = []
     if generation.on:
         values, rows = generation_metrics(loaded, tokenizer, held_out_pairs(tokenizer, {
-            split: pairs.split(split) for split in EVAL_SPLITS}), generation)
+            split: pairs.split(split)[: generation.prompts(split)] for split in EVAL_SPLITS}),
+            generation)
         metrics.update(values)
     return Evaluation(metrics, rows)
 

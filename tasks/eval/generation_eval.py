@@ -226,22 +226,27 @@ def check_scorers_on_data(settings: GenerationSettings, model: str, data: str,
     from engine.model.source import model_dir
 
     tokenizer = load_tokenizer(model_dir(model))
-    held_out = [h.row for split, items in held_out_rows(data, tokenizer).items()
-                for h in items[: min(rows, settings.prompts(split))]]
+    limits = {split: min(rows, settings.prompts(split)) for split in ("valid", "test")}
+    held_out = [h.row for items in held_out_rows(data, tokenizer, limits).values()
+                for h in items]
     check_scorers(settings, held_out)
 
 
-def held_out_rows(data: str, tokenizer: Any) -> dict[str, list[HeldOut]]:
-    """``data``'s valid and test rows as held-out prompts: a pair dataset's pairs, or a
-    prompts dataset's prompts (read as they were tokenized; no model needed)."""
+def held_out_rows(data: str, tokenizer: Any, limits: dict[str, int]
+                  ) -> dict[str, list[HeldOut]]:
+    """``data``'s first ``limits[split]`` valid and test rows as held-out prompts (only
+    those decoded): a pair dataset's pairs, or a prompts dataset's prompts (read as they
+    were tokenized; no model needed)."""
     from engine.data.pairs import load_pairs, read_data
     from engine.data.prompts import holds_prompts, prompts_of_table
 
     path = Path(data)
     if holds_prompts(path):
-        return held_out_prompts(prompts_of_table(read_data(path), path, tokenizer, None))
+        every = held_out_prompts(prompts_of_table(read_data(path), path, tokenizer, None))
+        return {split: items[: limits[split]] for split, items in every.items()}
     pairs = load_pairs(path)
-    return held_out_pairs(tokenizer, {split: pairs.split(split) for split in ("valid", "test")})
+    return held_out_pairs(tokenizer, {split: pairs.split(split)[: limits[split]]
+                                      for split in ("valid", "test")})
 
 
 def check_scorers_on_raw(settings: GenerationSettings, raw: str, rows: int = 32) -> None:

@@ -53,7 +53,7 @@ from tasks.nodes.trial_inputs import SweepFiles
 from tasks.prefect.run_log import in_run_log
 from tasks.sweep.run import CODE_VERSION, data_fingerprint
 from tasks.sweep.sweep_spec import SpecError, SweepSpec
-from tasks.sweep.warm_start import sft_warm_start
+from tasks.sweep.warm_start import LORA_SHAPE, sft_warm_start, start_key
 from tasks.track.tracker import track_board
 
 
@@ -97,10 +97,13 @@ def data_check_artifact(data: str, raw: str) -> None:
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
-def warm_start_task(model: str, data: str, out: str, steps: int) -> str:
-    """``steps`` of SFT on ``data``'s train answers (tasks/sweep/warm_start.py), kept in
-    ``out``: the adapter a sweep's trials start from."""
-    path = sft_warm_start(Path(model), Path(data), Path(out), steps)
+def warm_start_task(model: str, data: str, out: str, steps: int, spec: SweepSpec) -> str:
+    """``steps`` of SFT on ``data``'s train answers at the spec's LoRA shape
+    (tasks/sweep/warm_start.py), kept under ``out`` by what it was trained from (the same
+    inputs reuse it): the adapter a sweep's trials start from."""
+    shape = {k: spec.fixed[k] for k in LORA_SHAPE if k in spec.fixed}
+    folder = Path(out) / start_key(model, Path(data), steps, shape)
+    path = sft_warm_start(Path(model), Path(data), folder, steps, shape)
     get_run_logger().info("warm start: %d steps of SFT in %s", steps, path)
     return str(path.resolve())
 
@@ -123,6 +126,10 @@ def check_warm_start(spec: SweepSpec, steps: int) -> None:
     if steps and given:
         raise SpecError(f"--warm-start {steps} with the spec's {given[0]}: the warm-start "
                         f"stage sets both warm_start and reference; drop one of them")
+    swept = [k for k in LORA_SHAPE if k in spec.grid or k in spec.space]
+    if steps and swept:  # one start, one shape: each trial must load its tensors
+        raise SpecError(f"--warm-start {steps} with {swept[0]} searched: every trial starts "
+                        "from one warm start, of one LoRA shape; give it in fixed")
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)

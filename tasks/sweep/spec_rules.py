@@ -14,6 +14,7 @@ from engine.losses import (
     shared_metrics,
     validation_metrics,
 )
+from engine.losses.sampled import SAMPLED_FIELDS
 from engine.settings.config import DEFAULT_LOSS, TrainConfig
 from tasks.eval.rewards import Reward
 from tasks.eval.scorers import ScorerError
@@ -188,6 +189,12 @@ def check_online(fixed: dict, grid: dict, space: dict, pack: Any, ranks: int,
     policy); online pairs' lengths are their samples', so no probe sizes them."""
     online = samplers(fixed, grid, space)
     if not online:
+        unread = [f"{where}.{n}" for where, section in (("fixed", fixed), ("grid", grid),
+                                                         ("space", space))
+                  for n in SAMPLED_FIELDS if n in section]
+        if unread:  # a fixed pair trial would drop it: refused, as train refuses it
+            raise SpecError(f"{unread[0]}: read by loss grpo or by pairs: online, and no "
+                            "trial of this sweep samples; give pairs: online or drop it")
         return
     if pack is AUTO or pack > 1:
         raise SpecError(f"pack: {pack}: {online[0]} trains one trial to a process (a "
