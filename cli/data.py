@@ -85,8 +85,11 @@ def data_check(
     the prompt, duplicate prompts, prompts in more than one split; each finding names rows."""
     from cli.data_display import run_check
 
-    limits = CheckLimits(max_length_bias_d, max_chosen_longer, max_repeats_prompt,
-                         max_duplicate_prompts, max_cross_split)
+    try:
+        limits = CheckLimits(max_length_bias_d, max_chosen_longer, max_repeats_prompt,
+                             max_duplicate_prompts, max_cross_split)
+    except ValueError as err:
+        raise fail(str(err)) from None
     raise typer.Exit(run_check(console, input, model, options, limits, strict))
 
 

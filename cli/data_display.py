@@ -148,7 +148,11 @@ def run_check(console: Console, input: Path, model: str, options: TokenizeOption
     import tempfile
 
     from tasks.data.data_check import check_dataset
+    from tasks.data.preference_rows import holds_prompt_rows
 
+    if input.exists() and holds_prompt_rows(input):  # no pair to check
+        raise _exit(console, f"{input}: prompt rows (a prompt and an answer, no pair): data "
+                             "check checks preference pairs")
     with tempfile.TemporaryDirectory(prefix="pomona-check-") as tmp:
         try:
             tokenize_dataset(input, model, Path(tmp) / "data", options)

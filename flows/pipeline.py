@@ -32,13 +32,13 @@ from flows.sweep_flow import sweep_stage
 from tasks.board.board_settings import BoardOptions, Ranking
 from tasks.board.leaderboard import rank_trials
 from tasks.board.results_table import MISSING, read_results
+from tasks.data.preference_rows import holds_prompt_rows
 from tasks.data.tokenize_options import TokenizeOptions
 from tasks.eval.generation_eval import (
     GenerationSettings,
     check_prompts_flag,
     check_scorers_on_data,
     check_scorers_on_raw,
-    holds_prompt_rows,
 )
 from tasks.nodes.cluster import Cluster
 from tasks.nodes.placement import Placement

@@ -61,6 +61,8 @@ def test_data_check_names_each_problem_and_strict_fails_on_it(tiny_model, tmp_pa
     assert code == 0 and "warning:" in text and "echo" in text, lines
     code, lines = pomona(*args, "--strict")
     assert code == 1 and "over their limits (--strict)" in lines[-1], lines
+    code, lines = pomona(*args, "--max-chosen-longer", "1.5")
+    assert code == 2 and lines == ["error: --max-chosen-longer 1.5: expected in [0, 1]"], lines
     left = {p.name for p in tmp_path.iterdir()} - {"data", "data.rejects.jsonl",
                                                    ".data.pomona-lock"}  # the first's
     assert left == {"pairs.jsonl"}, left  # the CLI's check wrote nothing beside its input

@@ -35,12 +35,14 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 from engine.data.batch import Pair
 from engine.data.prompts import PromptRow, prompts_of_pairs
 from engine.forward.layout_policy import scoring_layout
 from engine.forward.rollouts import Rollouts
+from engine.losses.group import group_advantages
 from engine.losses.sampled import OnlinePairs
 from engine.settings.config import TrainConfig
 from engine.train.group_reference import kl_reference
@@ -73,11 +75,10 @@ def best_and_worst(prompts: list[PromptRow], rollouts: Rollouts, rewards: list[f
 
 
 def sample_stats(rewards: list[float], g: int) -> dict[str, float]:
-    """TRL's reward metrics of one draw: the mean, the mean of each group's std, and the
-    share of groups whose rewards tie."""
-    groups = np.asarray(rewards, dtype=np.float64).reshape(-1, g)
-    return {"reward": float(groups.mean()), "reward_std": float(groups.std(axis=1, ddof=1).mean()),
-            "frac_reward_zero_std": float((groups.max(axis=1) == groups.min(axis=1)).mean())}
+    """TRL's reward metrics of one draw (``reward``, ``reward_std``,
+    ``frac_reward_zero_std``), as GRPO's records compute them (engine/losses/group.py)."""
+    _, stats = group_advantages(mx.array(rewards, dtype=mx.float32), g)
+    return {k: float(v) for k, v in stats.items()}
 
 
 @dataclass

@@ -40,6 +40,15 @@ class CheckLimits:
                                             "another row has.")
     cross_split: int = _limit(0, "Most prompts found in more than one split.")
 
+    def __post_init__(self) -> None:
+        for name in ("length_bias_d", "chosen_longer", "repeats_prompt", "duplicate_prompts",
+                     "cross_split"):
+            value = getattr(self, name)
+            if not value >= 0 or (name != "length_bias_d" and name != "cross_split"
+                                  and value > 1):
+                bound = ">= 0" if name in ("length_bias_d", "cross_split") else "in [0, 1]"
+                raise ValueError(f"--max-{name.replace('_', '-')} {value}: expected {bound}")
+
 
 @dataclass(frozen=True)
 class Finding:

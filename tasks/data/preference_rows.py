@@ -343,3 +343,13 @@ def raw_rows(path: Path) -> Iterator[dict[str, Any]]:
             if row is not None:
                 yield {"id": row.id, "prompt": text(row.prompt), "chosen": text(row.chosen),
                        "rejected": text(row.rejected)}
+
+
+def holds_prompt_rows(raw: str | Path) -> bool:
+    """Whether raw data's first object is a prompt row (a prompt and an answer, no pair),
+    as tokenize reads it (``detect_layout``)."""
+    for file in list_files(Path(raw)):
+        for _, row, problem in read_raw(file):
+            if not problem:
+                return detect_layout(row) in PROMPT_LAYOUTS
+    return False

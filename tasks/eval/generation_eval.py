@@ -259,15 +259,3 @@ def check_scorers_on_raw(settings: GenerationSettings, raw: str, rows: int = 32)
     from tasks.data.preference_rows import raw_rows
 
     check_scorers(settings, list(itertools.islice(raw_rows(Path(raw)), rows)))
-
-
-def holds_prompt_rows(raw: str | Path) -> bool:
-    """Whether raw data's first object is a prompt row (a prompt and an answer, no pair),
-    as tokenize reads it (tasks/data/preference_rows.py ``detect_layout``)."""
-    from tasks.data.preference_rows import PROMPT_LAYOUTS, detect_layout, list_files, read_raw
-
-    for file in list_files(Path(raw)):
-        for _, row, problem in read_raw(file):
-            if not problem:
-                return detect_layout(row) in PROMPT_LAYOUTS
-    return False
