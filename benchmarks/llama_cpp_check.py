@@ -1,12 +1,16 @@
-"""llama.cpp's own check of `pomona export` (issue 55): the real SmolLM2 with a trained
-adapter, exported as a GGUF, loaded by llama.cpp (llama-cpp-python, built from PyPI's
-source), against MLX's fused model on the same 8 chat prompts:
+"""llama.cpp's own check of `pomona export` (issues 55 and 70): the real SmolLM2 with a
+trained adapter, exported as a GGUF, loaded by llama.cpp (llama-cpp-python, built from
+PyPI's source), against MLX's fused model on the same 8 chat prompts:
 
 - the prompt's tokens as llama.cpp tokenizes the text (the exported tokenizer);
 - the first 16 greedy tokens (all equal in f32; counted, not required, for a quantized
   type, whose rounding MLX's float32 model does not share);
 - the next-token logits at the prompt's end, relative to the largest, within the type's
   error (``TOL``).
+
+With f32, the adapter alone (``--gguf-adapter``) too: llama.cpp loads the base's own f32
+GGUF with it (``lora_path``, as ``llama-cli --lora``), and its greedy tokens and logits are
+held to those of llama.cpp on the fused export, logits within f16's error (``TOL["f16"]``).
 
 Two halves, one per interpreter (benchmarks/llama_cpp_check.sh runs both):
 
@@ -62,6 +66,7 @@ def mlx_half(out: Path, kind: str) -> None:
     if not gguf_file.exists():
         export(run, gguf_file, kind=kind)
     seconds = time.perf_counter() - started
+    lora = adapter_files(model, run, out) if kind == "f32" else {}
     fused, tokenizer = mlx_lm.load(str(model), adapter_path=str(run))
     rows = []
     for word in WORDS:
@@ -78,9 +83,65 @@ def mlx_half(out: Path, kind: str) -> None:
         rows.append({"prompt": f"reverse {word}", "text": text, "ids": ids, "greedy": tokens,
                      "answer": tokenizer.decode(tokens), "logits": logits.tolist()})
     (out / "mlx.json").write_text(json.dumps({"gguf": str(gguf_file), "type": kind,
-                                             "export_s": seconds, "rows": rows}))
+                                             "export_s": seconds, "rows": rows, **lora}))
     print(f"MLX: {len(rows)} prompts; exported {gguf_file} ({kind}, "
           f"{gguf_file.stat().st_size / 2**20:.0f} MiB) in {seconds:.1f} s")
+
+
+def adapter_files(model: Path, run: Path, out: Path) -> dict[str, str]:
+    """The base alone as an f32 GGUF and the run's adapter as llama.cpp's LoRA GGUF."""
+    from engine.model.export import export_adapter, tokenizer_source
+    from engine.model.gguf_export import fuse, write_gguf
+
+    base, adapter = out / "smollm2-base-f32.gguf", out / "smollm2-lora-f32.gguf"
+    if not base.exists():
+        write_gguf(base, fuse(str(model), None), "f32", tokenizer_source(str(model)))
+    if not adapter.exists():
+        export_adapter(run, adapter)
+    print(f"MLX: base {base} ({base.stat().st_size / 2**20:.0f} MiB), adapter {adapter} "
+          f"({adapter.stat().st_size / 2**20:.1f} MiB)")
+    return {"base": str(base), "adapter": str(adapter)}
+
+
+def answers(llm: object, row: dict) -> tuple[np.ndarray, list[int]]:
+    """llama.cpp's next-token logits at the end of ``row``'s prompt, and its greedy tokens."""
+    llm.reset()
+    llm.eval(row["ids"])
+    logits = np.asarray(llm.scores[len(row["ids"]) - 1], np.float64)
+    greedy = []
+    for _ in range(GREEDY):
+        nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        greedy.append(nxt)
+        llm.eval([nxt])
+    return logits, greedy
+
+
+def adapter_half(want: dict, fused: list[tuple[np.ndarray, list[int]]]) -> bool:
+    """llama.cpp on the base GGUF with the LoRA GGUF against itself on the fused export;
+    True if every prompt agrees, and the base alone is 10× further off (the adapter is what
+    makes them agree)."""
+    from llama_cpp import Llama
+
+    ok, errs = True, {}
+    for lora in (want["adapter"], None):
+        llm = Llama(model_path=want["base"], lora_path=lora, n_ctx=512, logits_all=True,
+                    verbose=False, n_threads=2, seed=0)
+        errs[lora] = []
+        for row, (ref, ref_greedy) in zip(want["rows"], fused, strict=True):
+            logits, greedy = answers(llm, row)
+            errs[lora].append(float(np.abs(logits - ref).max() / np.abs(ref).max()))
+            same = sum(a == b for a, b in zip(greedy, ref_greedy, strict=True))
+            if lora:
+                ok &= same == GREEDY and errs[lora][-1] < TOL["f16"]
+                print(f"{row['prompt']:18} base + LoRA vs fused: greedy {same}/{GREEDY}  "
+                      f"logits {errs[lora][-1]:.1e}")
+        del llm  # one model at a time in memory
+    alone, lora = min(errs[None]), max(errs[want["adapter"]])
+    ok &= alone > 10 * lora
+    print(f"the base alone vs fused: logits {alone:.1e} at the closest prompt")
+    print("llama.cpp's base + LoRA GGUF agrees with the fused export" if ok
+          else "llama.cpp's base + LoRA GGUF DISAGREES with the fused export")
+    return ok
 
 
 def llama_half(out: Path) -> int:
@@ -90,19 +151,13 @@ def llama_half(out: Path) -> int:
     want = json.loads((out / "mlx.json").read_text())
     llm = Llama(model_path=want["gguf"], n_ctx=512, logits_all=True, verbose=False,
                 n_threads=2, seed=0)
-    report, failed = [], False
+    report, failed, fused = [], False, []
     for row in want["rows"]:
         ids = llm.tokenize(row["text"].encode(), add_bos=False, special=True)
-        llm.reset()
-        llm.eval(row["ids"])
-        got = np.asarray(llm.scores[len(row["ids"]) - 1], np.float64)
+        got, greedy = answers(llm, row)
+        fused.append((got, greedy))
         ref = np.asarray(row["logits"], np.float64)
         err = float(np.abs(got - ref).max() / np.abs(ref).max())
-        greedy = []
-        for _ in range(GREEDY):
-            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-            greedy.append(nxt)
-            llm.eval([nxt])
         same = sum(a == b for a, b in zip(greedy, row["greedy"], strict=True))
         # Greedy tokens must all agree in f32. A quantized export is compared with MLX's
         # float32 model, so its answers drift once two candidates are closer than its
@@ -121,6 +176,9 @@ def llama_half(out: Path) -> int:
               f"{r['greedy_equal']}/{GREEDY}  logits {r['logits_rel_err']:.1e}  "
               f"{r['llama_cpp']!r}")
     print("llama.cpp agrees with MLX" if not failed else "llama.cpp DISAGREES with MLX")
+    if "adapter" in want:
+        del llm  # one model at a time in memory
+        failed |= not adapter_half(want, fused)
     return int(failed)
 
 

@@ -260,16 +260,25 @@ def run_score(values: dict[str, Any]) -> int:
 
 def run_export(values: dict[str, Any]) -> int:
     """``export`` with the parsed ``values`` (None: a flag not given)."""
-    from engine.model.export import export
+    from pathlib import Path
+
+    from engine.model.export import export, export_adapter, writable
 
     try:
         a = ExportRequest(**dict(given(values)))
-        out = export(a.target, a.gguf, a.model, a.type)
+        jobs = [(what, out) for what, out in (("adapter", a.gguf_adapter), ("fused", a.gguf))
+                if out]
+        for what, out in jobs:  # both files' refusals before either is written
+            writable(Path(out), lambda _: False, [a.target],
+                     "--gguf-adapter" if what == "adapter" else "--gguf")
+        for what, out in jobs:  # the adapter alone first: seconds, not minutes
+            done = (export_adapter if what == "adapter" else export)(a.target, out, a.model,
+                                                                     a.type)
+            print(f"exported {a.target} → {done} ({what}, {a.type}, "
+                  f"{done.stat().st_size / 2**20:.1f} MiB)", file=sys.stderr)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"exported {a.target} → {out} ({a.type}, {out.stat().st_size / 2**20:.1f} MiB)",
-          file=sys.stderr)
     return 0
 
 
@@ -282,6 +291,7 @@ USAGE = """Train, score or export one adapter with no Prefect and no Ray.
     python -m engine train --model DIR --data PATH --out DIR [--config YAML] [--steps N ...]
     python -m engine score --model DIR [--adapter DIR] --data PATH --out FILE.jsonl
     python -m engine export RUN_OR_ADAPTER --gguf OUT.gguf [--model M] [--type q8_0]
+    python -m engine export RUN_OR_ADAPTER --gguf-adapter LORA.gguf   # llama.cpp's --lora
 
 Each command's --help lists its options. Benchmarks: python -m benchmarks --help."""
 

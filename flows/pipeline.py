@@ -43,6 +43,7 @@ from tasks.eval.generation_eval import (
 from tasks.nodes.cluster import Cluster
 from tasks.nodes.placement import Placement
 from tasks.prefect.pipeline_tasks import (
+    ADAPTER_GGUF_NAME,
     GGUF_NAME,
     aggregate_task,
     check_warm_start,
@@ -112,7 +113,7 @@ def check_pipeline_inputs(raw: str, model: str, spec: str, out: str | None = Non
     if not Path(raw).exists():
         raise FileNotFoundError(f"raw preference data not found: {raw}")
     source_kind(model)  # a local path that is not there; a repo id is mlx-lm's
-    if parsed.export.gguf:
+    if parsed.export.any:
         exportable(model)  # a family no GGUF holds, before any server or trial
     check_scorers_on_raw(settings, raw)  # a ScorerError (a ValueError) before any server
     if holds_prompt_rows(raw):  # GRPO's data: a sweep over groups, judged by its answers
@@ -124,14 +125,18 @@ def check_pipeline_inputs(raw: str, model: str, spec: str, out: str | None = Non
 
 
 def check_export_target(out: Path, export: ExportSettings) -> None:
-    """RefusedOutput (one line) where the spec's ``export:`` would write its GGUF over a
-    file in ``out`` that no export wrote: said before the sweep, not after it."""
-    path = out / GGUF_NAME
-    taken = path.is_symlink() or path.is_dir() or (path.is_file() and path.stat().st_size)
-    if export.gguf and taken and not (path.is_file() and exported_here(path)):
-        raise RefusedOutput(f"{path}: a file Pomona did not write, where the spec's "
-                            f"export: {{gguf: {export.gguf}}} would write the best adapter; "
-                            "move it, or choose another --out")
+    """RefusedOutput (one line) where the spec's ``export:`` would write a GGUF over a file
+    in ``out`` that no export wrote: said before the sweep, not after it."""
+    wanted = [(GGUF_NAME, f"gguf: {export.gguf}")] if export.gguf else []
+    if export.gguf_adapter:
+        wanted.append((ADAPTER_GGUF_NAME, "gguf_adapter: true"))
+    for name, asked in wanted:
+        path = out / name
+        taken = path.is_symlink() or path.is_dir() or (path.is_file() and path.stat().st_size)
+        if taken and not (path.is_file() and exported_here(path)):
+            raise RefusedOutput(f"{path}: a file Pomona did not write, where the spec's "
+                                f"export: {{{asked}}} would write the best adapter; move it, "
+                                "or choose another --out")
 
 
 @flow(name="pomona-pipeline", result_serializer="json")
@@ -169,7 +174,7 @@ def pipeline(raw: str, model: str, spec: str, out: str, cluster: Cluster | None 
                                     warm_start, sweep)
             sweep = started_from(sweep, start)
         check_scorers_on_data(settings, model, data["path"])  # a broken scorer: no trial ran
-        if sweep.export.gguf:
+        if sweep.export.any:
             exportable(model)  # a family no GGUF holds: said now, not after the sweep
             check_export_target(out_dir, sweep.export)  # a user's file there: said now too
         with cluster.session():  # opened once, for the sweep and the board
@@ -197,9 +202,9 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str, ranking: Ra
                board: BoardOptions) -> dict[str, Any]:
     """Evaluate every completed trial and the base (in parallel, on Ray), soup the top
     ``board.soup_k`` by ``ranking``, write the leaderboard, export (and with
-    ``board.fuse``, fuse) the best adapter, and with ``board.export.gguf`` write it as a
-    GGUF beside it; ``ranking.metric``: the training metric, which the plots show and
-    which breaks ties."""
+    ``board.fuse``, fuse) the best adapter, and with ``board.export`` write it as GGUFs
+    beside it (fused, and alone as llama.cpp's LoRA adapter); ``ranking.metric``: the
+    training metric, which the plots show and which breaks ties."""
     rank_by, mode, soup_k = ranking.by, ranking.mode, board.soup_k
     done = [r for r in results if r["status"] == "completed"]
     shared = eval_settings(done)  # the base and the soup: what fits every trial's setting
@@ -230,9 +235,9 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str, ranking: Ra
     summary = aggregate_task(results, evals, base_metrics, ranking, str(out_dir), soup)
     if board.fuse and summary["best_adapter"]:
         summary["fused"] = fuse_task(model, summary["best_adapter"], str(out_dir / "best-fused"))
-    if board.export and board.export.gguf and summary["best_adapter"]:
-        summary["gguf"] = export_task(summary["best_adapter"], model, str(out_dir),
-                                      board.export.gguf)
+    if board.export and summary["best_adapter"]:
+        summary.update(export_task(summary["best_adapter"], model, str(out_dir),
+                                   board.export))
     get_run_logger().info("leaderboard: %s; best adapter: %s", summary["markdown"],
                           summary["best_adapter"])
     return summary

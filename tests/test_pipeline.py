@@ -28,7 +28,7 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
                     "val_batches: 2, learning_rate: 1.0e-3, head_chunk: 16}\n"
                     "grid: {orpo_lambda: [0.1, 1.0]}\n"
                     "evaluation: {scorers: [task:sort, exact]}\nrank_by: gen/valid/sort\n"
-                    "export: {gguf: f16}\n")
+                    "export: {gguf: f16, gguf_adapter: true}\n")
     out = tmp_path / "out"
     state = pipeline(str(raw), str(tiny_model), str(spec), str(out), generations=2, fuse=True,
                      report_to=["tensorboard"], return_state=True)
@@ -78,6 +78,12 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
     back = mlx_lm.load(str(import_gguf(out / "best-adapter.gguf", tmp_path / "back",
                                 dtype="float32")))[0](tokens)
     assert float(mx.abs(back - want).max() / mx.abs(want).max()) < 5e-3
+    # Issue 70: and alone, as llama.cpp's LoRA GGUF (its maths: tests/test_gguf_adapter.py)
+    import gguf
+
+    lora = gguf.GGUFReader(summary["gguf_adapter"])
+    assert summary["gguf_adapter"] == str(out / "best-adapter-lora.gguf")
+    assert all(t.name.endswith((".lora_a", ".lora_b")) for t in lora.tensors)
     assert (best / "SOURCE").read_text().strip() == trials[0]["trial_id"]
     fused, _ = mlx_lm.load(summary["fused"])  # a standalone model with the adapter inside
 
@@ -136,6 +142,7 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
                      return_state=True)
     assert again.is_completed()
     assert again.result()["gguf"] == summary["gguf"]  # its own earlier export, replaced
+    assert again.result()["gguf_adapter"] == summary["gguf_adapter"]
     assert [p.read_bytes() for p in users] == [f"user file {i}\n".encode()
                                                for i in range(len(users))]
     with get_client(sync_client=True) as client:

@@ -23,7 +23,7 @@ from engine.host.digests import file_digest
 from engine.losses import LossSpec
 from engine.model.adapters import ADAPTER_FILE, CONFIG_FILE, trained_reference
 from engine.model.content_key import model_fingerprint, reference_key
-from engine.model.export import export
+from engine.model.export import ExportSettings, export, export_adapter
 from engine.model.gguf_export import exported_here
 from engine.settings.config import TrainConfig
 from engine.settings.forward_options import ForwardOptions
@@ -324,21 +324,35 @@ def track_task(sweep_dir: str, board_dir: str) -> None:
 
 
 GGUF_NAME = "best-adapter.gguf"  # beside best-adapter/: the pipeline's export
+ADAPTER_GGUF_NAME = "best-adapter-lora.gguf"  # the same adapter alone, for llama.cpp's --lora
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
-def export_task(adapter: str, model: str, out_dir: str, kind: str) -> str:
-    """The best adapter fused into ``model`` and written as a GGUF of type ``kind`` beside
-    it (engine/model/export.py), replacing only a file an export wrote (an earlier run's),
-    never a user's file of that name."""
-    path = Path(out_dir) / GGUF_NAME
-    written = export(adapter, path, model, kind, ours=exported_here)
-    size = written.stat().st_size / 2**20
-    line = f"GGUF ({kind}, {size:.1f} MiB) of the best adapter fused into its base: {written}"
-    get_run_logger().info("%s", line)
-    create_markdown_artifact(line, key="best-gguf", description="the best adapter as a GGUF "
-                             "for llama.cpp, Ollama and LM Studio")
-    return str(written)
+def export_task(adapter: str, model: str, out_dir: str,
+                settings: ExportSettings) -> dict[str, str]:
+    """The best adapter as the spec's ``export:`` asks (engine/model/export.py): fused into
+    ``model`` as a GGUF of type ``settings.gguf``, and alone as llama.cpp's LoRA GGUF, each
+    beside it; replacing only a file an export wrote (an earlier run's), never a user's
+    file of that name. Returns the summary's ``gguf`` / ``gguf_adapter`` paths."""
+    done, lines = {}, []
+    if settings.gguf_adapter:
+        path = export_adapter(adapter, Path(out_dir) / ADAPTER_GGUF_NAME, model, "f32",
+                              ours=exported_here)
+        done["gguf_adapter"] = str(path)
+        lines.append(f"LoRA GGUF (f32, {path.stat().st_size / 2**20:.1f} MiB) of the best "
+                     f"adapter alone, for its base's GGUF (llama.cpp --lora, Ollama ADAPTER): "
+                     f"{path}")
+    if settings.gguf:
+        path = export(adapter, Path(out_dir) / GGUF_NAME, model, settings.gguf,
+                      ours=exported_here)
+        done["gguf"] = str(path)
+        lines.append(f"GGUF ({settings.gguf}, {path.stat().st_size / 2**20:.1f} MiB) of the "
+                     f"best adapter fused into its base: {path}")
+    for line in lines:
+        get_run_logger().info("%s", line)
+    create_markdown_artifact("\n\n".join(lines), key="best-gguf", description="the best "
+                             "adapter as GGUF for llama.cpp, Ollama and LM Studio")
+    return done
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
