@@ -148,11 +148,13 @@ def run_check(console: Console, input: Path, model: str, options: TokenizeOption
     import tempfile
 
     from tasks.data.data_check import check_dataset
-    from tasks.data.preference_rows import holds_prompt_rows
+    from tasks.data.preference_rows import raw_kind
 
-    if input.exists() and holds_prompt_rows(input):  # no pair to check
-        raise _exit(console, f"{input}: prompt rows (a prompt and an answer, no pair): data "
-                             "check checks preference pairs")
+    kind = raw_kind(input) if input.exists() else "pairs"
+    if kind != "pairs":  # no pair to check
+        what = ("prompt rows (a prompt and an answer, no pair)" if kind == "prompts" else
+                "unpaired rows (a prompt, one completion and a label, no pair)")
+        raise _exit(console, f"{input}: {what}: data check checks preference pairs")
     with tempfile.TemporaryDirectory(prefix="pomona-check-") as tmp:
         try:
             tokenize_dataset(input, model, Path(tmp) / "data", options)

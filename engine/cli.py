@@ -208,6 +208,7 @@ def score_loss(kind: str | None, changes: dict[str, Any], own: LossSpec) -> Loss
 def run_score(values: dict[str, Any]) -> int:
     """``score`` with the parsed ``values`` (None: a flag not given)."""
     from engine.data.data_fit import load_pairs_for
+    from engine.data.unpaired import refuse_unpaired
     from engine.forward.layout_policy import scoring_layout
     from engine.forward.scoring import is_score_file, preference_accuracy, score_pairs
     from engine.host.atomic import atomic_write_text
@@ -225,6 +226,7 @@ def run_score(values: dict[str, Any]) -> int:
         if (trained := trained_loss(a.adapter)) is not None and trained.loss.on_groups:
             print(f"note: {a.adapter} was trained with loss {trained.kind}, which scores no "
                   f"pairs: its metrics are loss {DEFAULT_LOSS.kind}'s", file=sys.stderr)
+        refuse_unpaired(Path(a.data), "score reads preference pairs")
         own = pairs_scored_under(a.adapter)
         spec = score_loss(a.loss, {k: v for k, v in changes.items() if k in OWNERS}, own)
         reference = ReferenceSpec(a.model, a.data, parse_reference(a.reference) if a.reference

@@ -32,7 +32,7 @@ from flows.sweep_flow import sweep_stage
 from tasks.board.board_settings import BoardOptions, Ranking
 from tasks.board.leaderboard import rank_trials
 from tasks.board.results_table import MISSING, read_results
-from tasks.data.preference_rows import holds_prompt_rows
+from tasks.data.preference_rows import holds_prompt_rows, raw_kind
 from tasks.data.tokenize_options import TokenizeOptions
 from tasks.eval.generation_eval import (
     GenerationSettings,
@@ -105,6 +105,10 @@ def check_pipeline_inputs(raw: str, model: str, spec: str, out: str | None = Non
     if problem := tracker_problem(parsed.report_to):
         raise SpecError(problem)
     check_warm_start(parsed, warm_start)
+    if Path(raw).exists() and raw_kind(raw) == "unpaired":
+        raise SpecError(f"{raw}: unpaired rows (a prompt, one completion and a label: KTO's "
+                        "data): the pipeline's leaderboard scores preference pairs; train "
+                        "them with `pomona train --loss kto`")
     if warm_start and holds_prompt_rows(raw):
         raise SpecError(f"--warm-start {warm_start}: its SFT trains on pairs' chosen "
                         f"responses, and {raw} holds prompts alone; warm-start on pair data, "

@@ -77,9 +77,11 @@ def dispatch_grads(model: nn.Module, stack: Stack, micro: Sequence[PairBatch | P
             mx.eval(losses, metric_list, grads)
         set_dropout_seed(model, micro_seed(cfg.seed, step, i))
         resp, nll, ref = mx.array(pb.resp_mask), mx.array(pb.nll_mask), pb.ref_array()
+        labels = pb.label_array()  # unpaired rows' (KTO), else None
         loss, metrics, g = value_and_grad(
             model, stack, b,
-            lambda lp, r=resp, n=nll, f=ref: pair_loss(lp, r, n, spec, norms, f, kl),
+            lambda lp, r=resp, n=nll, f=ref, y=labels: pair_loss(
+                lp, r, n, spec, norms, f, kl, y),
             cfg.segment_size, cfg.head_chunk, cfg.inflight)
         if not live[i]:  # weight zero: the collectives see this rank, its sums add nothing
             loss, g = loss * 0, {k: v * 0 for k, v in g.items()}

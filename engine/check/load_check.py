@@ -321,7 +321,7 @@ def verify_paths(model: nn.Module, stack: Stack, batch: PairBatch | PrefixBatch,
     kl = kl_point(*batch_kl(model, stack, pairs, cfg.head_chunk)) if spec.needs_kl else None
 
     def fn(lp: mx.array) -> Any:
-        return pair_loss(lp, resp, nll, spec, norms, refs, kl)
+        return pair_loss(lp, resp, nll, spec, norms, refs, kl, pairs.label_array())
 
     set_dropout_seed(model, 0)
     with mlp_chunks(stack.layers, 0):

@@ -28,6 +28,7 @@ class Pair:
     rejected: Sequence[int]
     ref: tuple[float, float] | None = None  # reference summed log-probs (DPO: reference.py)
     kl: Pair | None = None  # its KL partner, with its reference (KTO: reference.kl_partners)
+    label: bool | None = None  # an unpaired row's (engine/data/unpaired.py): desirable or not
 
     def problem(self) -> str | None:
         """Why this pair cannot be trained on, or None (empty responses give NaN means)."""
@@ -49,7 +50,9 @@ class PairBatch:
     nll_mask: [2B, T] float32 — target is in the chosen row's NLL span;
     tokens: real (non-pad) tokens of both sequences of every pair (for tokens/s);
     ref: [2B] float32 reference summed log-probs, same row order, when every pair has one;
-    kl: the pairs' KL partners as a batch of their own, when every pair has one (KTO).
+    kl: the pairs' KL partners as a batch of their own, when every pair has one (KTO);
+    labels: [B] float32, 1 where an unpaired row's completion is desirable, 0 where not
+    (its second branch its KL partner: engine/data/unpaired.py); None for pairs.
     """
 
     ids: list[str]
@@ -60,6 +63,7 @@ class PairBatch:
     tokens: int
     ref: np.ndarray | None = None
     kl: PairBatch | None = None
+    labels: np.ndarray | None = None
 
     @property
     def pairs(self) -> int:
@@ -67,6 +71,9 @@ class PairBatch:
 
     def ref_array(self) -> mx.array | None:
         return None if self.ref is None else mx.array(self.ref)
+
+    def label_array(self) -> mx.array | None:
+        return None if self.labels is None else mx.array(self.labels)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -99,8 +106,10 @@ def make_batch(pairs: Sequence[Pair], nll_span: str = "full", pad_multiple: int 
     partners = [p.kl for p in pairs]
     kl = (make_batch(partners, "full", pad_multiple, pad_id)
           if all(q is not None for q in partners) else None)
+    labels = (np.array([p.label for p in pairs], np.float32)
+              if all(p.label is not None for p in pairs) else None)
     return PairBatch([p.id for p in pairs], inputs, targets, resp, nll,
-                     tokens=sum(len(s) for s in seqs), ref=refs, kl=kl)
+                     tokens=sum(len(s) for s in seqs), ref=refs, kl=kl, labels=labels)
 
 
 def batch_norms(batches: Sequence[PairBatch]) -> Norms:
@@ -117,5 +126,6 @@ def repeat_rows(batch: PairBatch, k: int) -> PairBatch:
     rows = {f: np.concatenate([getattr(batch, f)] * k)
             for f in ("inputs", "targets", "resp_mask", "nll_mask")}
     ref = None if batch.ref is None else np.concatenate([batch.ref] * k)
+    labels = None if batch.labels is None else np.concatenate([batch.labels] * k)
     return dataclasses.replace(batch, **rows, ref=ref, ids=list(batch.ids) * k,
-                               tokens=batch.tokens * k)
+                               tokens=batch.tokens * k, labels=labels)

@@ -32,6 +32,7 @@ from engine.data.batch import Pair
 from engine.data.shards import check_dataset
 from engine.data.splits import MAX_BAD_FRACTION, TEST_FRACTION, VALID_FRACTION, check_fractions
 from engine.data.token_ids import ID_COLUMNS, BadId, bad_id_rows, check_id_types, int_lists
+from engine.data.unpaired import LABEL, as_pair_columns, is_unpaired, with_partners
 from engine.host.outputs import reading
 
 COLUMNS = ID_COLUMNS
@@ -101,6 +102,7 @@ class PairSet(RowCounts):
     train: list[Pair] = field(default_factory=list)
     valid: list[Pair] = field(default_factory=list)
     test: list[Pair] = field(default_factory=list)
+    unpaired: bool = False  # KTO's unpaired rows, each with its KL partner (unpaired.py)
 
     def split(self, name: str) -> list[Pair]:
         """The pairs of split ``name`` (train, valid or test)."""
@@ -178,6 +180,9 @@ def load_pairs(path: str | Path, valid_fraction: float = VALID_FRACTION,
         raise ValueError(f"{path}: a prompts dataset (prompts and answers, no chosen or "
                          "rejected response): a pair loss trains on pairs; train it with "
                          "--loss grpo --reward SCORER")
+    unpaired = is_unpaired(table)
+    if unpaired:  # KTO's rows: a completion and a label (engine/data/unpaired.py)
+        table, missing = as_pair_columns(table), []
     if missing:
         raise ValueError(f"{path}: missing column(s) {', '.join(missing)}; "
                          f"found {', '.join(table.column_names)}")
@@ -187,13 +192,17 @@ def load_pairs(path: str | Path, valid_fraction: float = VALID_FRACTION,
     ids = (table.column("id").to_pylist() if "id" in table.column_names
            else [f"row-{i}" for i in range(table.num_rows)])
     splits = table.column("split").to_pylist() if "split" in table.column_names else None
-    out = PairSet(read=table.num_rows)
+    labels = table.column(LABEL).to_pylist() if unpaired else [None] * table.num_rows
+    out = PairSet(read=table.num_rows, unpaired=unpaired)
     for i in range(table.num_rows):
         row_id = f"row-{i}" if ids[i] is None else str(ids[i])
         pair = Pair(row_id, cols["prompt_ids"][i] or [], cols["chosen_ids"][i] or [],
-                    cols["rejected_ids"][i] or [])
+                    cols["rejected_ids"][i] or [], label=labels[i])
         bad: BadId | None = bad_ids.get(i)
-        if (reason := bad.reason if bad else pair.problem()) is not None:
+        reason = bad.reason if bad else pair.problem()
+        if reason is None and unpaired and not isinstance(labels[i], bool):
+            reason = "label missing (null)"
+        if reason is not None:
             out.rejected[reason] += 1
             out.first_bad = out.first_bad or (
                 f"row {i} (id {pair.id!r}): {bad.describe(vocab) if bad else reason}")
@@ -204,6 +213,8 @@ def load_pairs(path: str | Path, valid_fraction: float = VALID_FRACTION,
             raise ValueError(f"{path}: row {i} (id {pair.id!r}) has split {split!r}; expected "
                              f"one of {', '.join(SPLITS)}, or none for a hash of the id")
         out.split(split).append(pair)
+    if unpaired:  # each row's second branch: its KL partner's completion
+        out.train, out.valid, out.test = (with_partners(out.split(s)) for s in SPLITS)
     check_bad_rows(out, path, max_bad_fraction)
     return out
 

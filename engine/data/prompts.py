@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.data.data_fit import model_vocab, tokenizer_problem
+from engine.data.data_schema import holds_column
 from engine.data.pairs import (
     PROMPT_COLUMN,
     SPLITS,
@@ -31,6 +32,7 @@ from engine.data.pairs import (
 )
 from engine.data.splits import MAX_BAD_FRACTION
 from engine.data.token_ids import bad_id_rows, check_id_types, int_lists
+from engine.data.unpaired import refuse_unpaired
 
 PROMPT_IDS = ("prompt_ids",)
 
@@ -88,6 +90,7 @@ def prompts_for(data: str | Path, model: str, stack: Any, tokenizer: Any,
     path = Path(data)
     if not path.exists():
         raise FileNotFoundError(f"data not found: {path}")
+    refuse_unpaired(path, "a sampling loss samples from prompts, or from pairs' prompts")
     if not holds_prompts(path):
         return prompts_of_pairs(load_pairs(path, vocab=model_vocab(stack)), tokenizer)
     return prompts_of_table(read_data(path), path, tokenizer, model_vocab(stack))
@@ -96,25 +99,12 @@ def prompts_for(data: str | Path, model: str, stack: Any, tokenizer: Any,
 def holds_prompts(path: Path) -> bool:
     """Whether ``path`` holds prompt rows (an ``answer`` column), read from its manifest or
     its schema alone (its rows are read once, by the reader it calls for)."""
-    import pyarrow.parquet as pq
-
-    try:
-        if path.is_dir():
+    if path.is_dir():
+        try:
             return json.loads((path / "manifest.json").read_text()).get("kind") == "prompts"
-        if path.suffix == ".parquet":
-            return PROMPT_COLUMN in pq.read_schema(path).names
-        if path.suffix == ".arrow":
-            import pyarrow as pa
-
-            with pa.memory_map(str(path)) as source:
-                return PROMPT_COLUMN in pa.ipc.open_file(source).schema.names
-        if path.suffix == ".jsonl":
-            with path.open(encoding="utf-8") as f:
-                first = next((line for line in f if line.strip()), "{}")
-            return PROMPT_COLUMN in json.loads(first)
-    except (OSError, ValueError, TypeError, AttributeError):
-        return False  # the pair reader says what is wrong with it, in one line
-    return False
+        except (OSError, ValueError, TypeError, AttributeError):
+            return False  # the pair reader says what is wrong with it, in one line
+    return holds_column(path, PROMPT_COLUMN)
 
 
 def prompts_of_table(table: Any, path: Path, tokenizer: Any, vocab: int | None,

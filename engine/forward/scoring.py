@@ -146,7 +146,8 @@ def evaluate(model: nn.Module, stack: Stack, pairs: Sequence[Pair], spec: LossSp
     for idx, two, lp in forward_groups(model, stack, pairs, batch_size, layout, head_chunk):
         loss, metrics = pair_loss(lp, mx.array(two.resp_mask), mx.array(two.nll_mask),
                                   spec, norms, two.ref_array(),
-                                  group_kl(model, stack, two, spec, head_chunk))
+                                  group_kl(model, stack, two, spec, head_chunk),
+                                  two.label_array())
         mx.eval(loss, metrics)
         if per_pair is not None:
             _record_wins(per_pair, [pairs[i] for i in idx], lp, mx.array(two.resp_mask))
@@ -180,7 +181,7 @@ def score_pairs(model: nn.Module, stack: Stack, pairs: Sequence[Pair], spec: Los
     for idx, two, lp in forward_groups(model, stack, pairs, batch_size, layout, head_chunk):
         resp, nll_mask = mx.array(two.resp_mask), mx.array(two.nll_mask)
         logps = pair_logps(lp, resp, two.ref_array(), group_kl(model, stack, two, spec,
-                                                               head_chunk))
+                                                               head_chunk), two.label_array())
         k = len(idx)
         nll = -mean_logps(lp[:k], nll_mask[:k])
         loss, terms = per_pair_losses(logps, nll, spec)

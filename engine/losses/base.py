@@ -51,7 +51,10 @@ class PairLogps:
     chosen, rejected: mean response log-probs ℓw, ℓr; chosen_sum, rejected_sum: summed;
     chosen_tokens, rejected_tokens: response token counts; ref_chosen, ref_rejected: the
     reference model's summed log-probs (None without a reference); kl: the batch's KL
-    reference point, a detached scalar (KTO's z0; None for a loss that reads none).
+    reference point, a detached scalar (KTO's z0; None for a loss that reads none);
+    labels: unpaired rows' (KTO's own data: engine/data/unpaired.py), 1 where the row's
+    completion (the first branch) is desirable, 0 where not, the second branch its KL
+    partner; None for pairs.
     """
 
     chosen: mx.array
@@ -63,12 +66,13 @@ class PairLogps:
     ref_chosen: mx.array | None = None
     ref_rejected: mx.array | None = None
     kl: mx.array | None = None
+    labels: mx.array | None = None
 
 
 def pair_logps(token_logps: mx.array, resp_mask: mx.array, ref: mx.array | None = None,
-               kl: mx.array | None = None) -> PairLogps:
-    """``PairLogps`` of a [2B, T] batch (rows 0..B−1 chosen), its reference [2B] or None and
-    its KL reference point or None."""
+               kl: mx.array | None = None, labels: mx.array | None = None) -> PairLogps:
+    """``PairLogps`` of a [2B, T] batch (rows 0..B−1 chosen), its reference [2B] or None,
+    its KL reference point or None and its unpaired rows' labels [B] or None."""
     token_logps = token_logps.astype(mx.float32)
     sums = (token_logps * resp_mask).sum(axis=-1)
     counts = mx.maximum(resp_mask.sum(axis=-1), 1.0)
@@ -77,7 +81,7 @@ def pair_logps(token_logps: mx.array, resp_mask: mx.array, ref: mx.array | None 
     refs = (None, None) if ref is None else (ref[:b].astype(mx.float32),
                                             ref[b:].astype(mx.float32))
     return PairLogps(means[:b], means[b:], sums[:b], sums[b:], counts[:b], counts[b:], *refs,
-                     kl=kl)
+                     kl=kl, labels=labels)
 
 
 def mean_logps(token_logps: mx.array, mask: mx.array) -> mx.array:
@@ -206,7 +210,8 @@ class AgainstReference(LossSettings):
         """(Rw, Rr) of this batch (and its KL point where the loss reads one), or a
         ValueError naming the loss when they were not attached."""
         what = "reference log-probs and a KL point" if self.needs_kl else "reference log-probs"
-        if lp.ref_chosen is None or lp.ref_rejected is None or (self.needs_kl and lp.kl is None):
+        kl_missing = self.needs_kl and lp.kl is None and lp.labels is None  # unpaired: its own
+        if lp.ref_chosen is None or lp.ref_rejected is None or kl_missing:
             raise ValueError(f"loss {self.kind} needs {what} (engine/train/reference.py): none "
                              "were attached to this batch")
         return lp.ref_chosen, lp.ref_rejected

@@ -1,6 +1,7 @@
-"""KTO (Ethayarajh et al. 2024), TRL's KTOTrainer ``kto_loss`` on paired data: each pair is
-one desirable example (its chosen response) and one undesirable (its rejected), as TRL's
-``unpair_preference_dataset`` makes them.
+"""KTO (Ethayarajh et al. 2024), TRL's KTOTrainer ``kto_loss``, on paired data (each pair
+one desirable example, its chosen response, and one undesirable, its rejected, as TRL's
+``unpair_preference_dataset`` makes them) and on unpaired rows (TRL's own layout: a
+prompt, one completion, its ``label``).
 
 r = S − R, a response's summed log-prob under the policy less the reference's;
 z0 = max(0, mean over mismatched pairs of S − R)  (the KL reference point: each pair's
@@ -9,8 +10,16 @@ z0 = max(0, mean over mismatched pairs of S − R)  (the KL reference point: eac
 desirable:   L = w_d·(1 − σ(β·(r_w − z0)))        (Eq. 7: the value of a gain);
 undesirable: L = w_u·(1 − σ(β·(z0 − r_l)))        (the value of a loss);
 the loss is the mean over all 2B examples (TRL's ``losses.nanmean()``); rewards β·r, as
-TRL logs them; no NLL term (TRL's KTO has none). TRL's ``apo_zero_unpaired`` variant and
-unpaired rows with a label are not offered.
+TRL logs them; no NLL term (TRL's KTO has none).
+
+Unpaired rows (``PairLogps.labels``; engine/data/unpaired.py): each row's first branch is
+its completion, its second its KL partner's completion under its prompt. Then
+z0 = max(0, mean over the micro-batch of S − R of the partners), detached: TRL's, which
+takes each forward's batch (its ``per_device_train_batch_size``, Pomona's ``batch_size``);
+the row's loss is the desirable or undesirable one above by its label, and the loss the
+mean over the rows. ``rewards/chosen`` and ``rewards/rejected`` are the desirable and the
+undesirable rows' β·r summed over all rows (TRL's ``rewards/chosen_sum`` over the batch).
+TRL's ``apo_zero_unpaired`` variant is not offered.
 """
 
 from __future__ import annotations
@@ -49,6 +58,8 @@ class Kto(AgainstReference):
         return 0.0
 
     def terms(self, lp: PairLogps) -> PairTerms:
+        if lp.labels is not None:
+            return self.unpaired_terms(lp)
         ref_chosen, ref_rejected = self.references(lp)
         beta, z0 = self.kto_beta, lp.kl
         chosen = lp.chosen_sum - ref_chosen
@@ -59,3 +70,16 @@ class Kto(AgainstReference):
         return PairTerms(losses, beta * chosen, beta * rejected,
                          {"kl": mx.broadcast_to(z0, chosen.shape)},
                          logps=(lp.chosen_sum, lp.rejected_sum))
+
+    def unpaired_terms(self, lp: PairLogps) -> PairTerms:
+        """Unpaired rows: each one's loss by its label, z0 from their KL partners."""
+        ref_row, ref_partner = self.references(lp)
+        beta, desirable = self.kto_beta, lp.labels
+        ratio = lp.chosen_sum - ref_row
+        z0 = mx.maximum(mx.stop_gradient(lp.rejected_sum - ref_partner).mean(), 0.0)
+        gain = self.kto_desirable_weight * (1 - mx.sigmoid(beta * (ratio - z0)))
+        loss = self.kto_undesirable_weight * (1 - mx.sigmoid(beta * (z0 - ratio)))
+        rewards = beta * ratio
+        return PairTerms(desirable * gain + (1 - desirable) * loss, desirable * rewards,
+                         (1 - desirable) * rewards, {"kl": mx.broadcast_to(z0, ratio.shape)},
+                         logps=(desirable * lp.chosen_sum, (1 - desirable) * lp.chosen_sum))

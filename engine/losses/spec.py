@@ -29,10 +29,13 @@ NLL_SPANS = ("full", "response")
 
 @dataclass(frozen=True)
 class LossSpec:
-    """Which loss to compute (its settings: ``loss``) and the NLL term's span."""
+    """Which loss to compute (its settings: ``loss``), the NLL term's span, and whether it
+    trains on unpaired rows (KTO's own data, whose KL partners are in the rows themselves:
+    engine/data/unpaired.py; so no KL partners of their own)."""
 
     loss: LossSettings = field(default_factory=Orpo)
     nll_span: str = "full"
+    unpaired: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.loss, LossSettings):
@@ -50,7 +53,7 @@ class LossSpec:
 
     @property
     def needs_kl(self) -> bool:
-        return self.loss.needs_kl
+        return self.loss.needs_kl and not self.unpaired
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values: the loss's name, its settings and the span (a cache key's part)."""
@@ -65,20 +68,26 @@ def pair_loss(
     norms: Norms,
     ref: mx.array | None = None,
     kl: mx.array | None = None,
+    labels: mx.array | None = None,
 ) -> tuple[mx.array, dict[str, mx.array]]:
     """Loss of one micro-batch and its summed metrics (TRL's names).
 
     token_logps, resp_mask, nll_mask: [2B, T], rows 0..B−1 chosen, B..2B−1 rejected;
     ``nll_mask`` marks the chosen rows' NLL span (zero on rejected rows); ``ref``: [2B]
     summed reference log-probs, same row order (a loss that reads them; None for others);
-    ``kl``: the optimizer batch's KL reference point (engine/backward/step.py; KTO's, else None).
+    ``kl``: the optimizer batch's KL reference point (engine/backward/step.py; KTO's, else None);
+    ``labels``: [B] unpaired rows' labels (``PairBatch.labels``; None for pairs).
     Returns the micro-batch's share of the batch loss and per-pair metric *sums*
     (divide by ``norms.pairs`` for batch means; ``nll_sum`` by ``norms.nll_tokens``).
     """
     token_logps = token_logps.astype(mx.float32)
     nll_sum = -(token_logps * nll_mask).sum()
     loss = spec.loss.nll_weight * nll_sum / norms.nll_tokens
-    lp = pair_logps(token_logps, resp_mask, ref, kl)
+    if (labels is not None) != spec.unpaired:  # KTO on pairs' maths for unpaired rows, or
+        raise ValueError(f"loss {spec.kind}: the batch holds "  # the reverse: never silent
+                         f"{'unpaired rows' if labels is not None else 'pairs'}, the loss "
+                         f"was set up for {'unpaired rows' if spec.unpaired else 'pairs'}")
+    lp = pair_logps(token_logps, resp_mask, ref, kl, labels)
     terms = spec.loss.terms(lp)
     loss = loss + terms.losses.sum() / norms.pairs
     return loss, {"nll_sum": nll_sum, **logp_metrics(lp, terms), **reward_metrics(terms)}

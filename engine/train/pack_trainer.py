@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from engine.backward.distributed import SINGLE
 from engine.backward.update import make_adapter_update, make_optimizer
+from engine.data.unpaired import refuse_unpaired
 from engine.forward.layout_policy import resolve_pad_multiple, resolve_prefix_attention
 from engine.losses import validation_metrics
 from engine.model.adapters import prepare_out
@@ -105,6 +106,7 @@ def refuse_unpacked(cfgs: list[TrainConfig]) -> None:
                                  "fresh; train this trial alone")
         if cfg.verify:
             raise ValueError(f"{cfg.out}: verify: check the path on a lone run")
+        refuse_unpaired(Path(cfg.data), "a pack trains pairs: train this trial alone")
         reported = validation_metrics(cfg.loss_spec())
         if cfg.best_metric not in reported:
             raise ValueError(f"{cfg.out}: best_metric={cfg.best_metric!r}: loss "

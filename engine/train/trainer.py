@@ -35,6 +35,7 @@ from engine.check.load_check import verify_paths
 from engine.data.batch import PairBatch
 from engine.data.data_fit import load_pairs_for
 from engine.data.pairs import PairSet, check_train_split, micro_batches, pair_length
+from engine.data.unpaired import loss_for_data
 from engine.forward.layout_policy import (
     choose_layout,
     resolve_pad_multiple,
@@ -127,7 +128,8 @@ def reference_of(cfg: TrainConfig, ranks: int = 1
     read (None: Pomona's cache, computed once when missing) and the forward's options (a
     rank's share of the batch: one device runs the pass)."""
     return (ReferenceSpec(cfg.model, cfg.data, resolved_reference(cfg.reference),
-                          cfg.loss.needs_kl), cfg.reference_logps, cfg.forward(ranks))
+                          loss_for_data(cfg.loss_spec(), cfg.data).needs_kl),
+            cfg.reference_logps, cfg.forward(ranks))
 
 
 def loss_weights(cfg: TrainConfig) -> dict[str, Any]:
@@ -225,6 +227,7 @@ def set_up(cfg: TrainConfig, held: ExitStack) -> Run:
     if cfg.batch_size % ranks.size:
         raise ValueError(f"batch_size={cfg.batch_size} does not split over {ranks.size} "
                          "ranks: make it a multiple of the number of ranks")
+    loss = loss_for_data(cfg.loss_spec(), cfg.data, ranks.size)  # unpaired rows: KTO's
     if ranks.main:  # the one writer holds its folder until training ends
         held.enter_context(claim_run(cfg))
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
@@ -246,7 +249,7 @@ def set_up(cfg: TrainConfig, held: ExitStack) -> Run:
     if ranks.main:
         prepare_out(Path(cfg.out), resumed)
     start = resumed or 0
-    stepper = Stepper(prepared.model, prepared.stack, cfg.loss_spec(), cfg, ranks,
+    stepper = Stepper(prepared.model, prepared.stack, loss, cfg, ranks,
                       make_update(prepared.model, optimizer, cfg.grad_clip))
     result = TrainResult(out=str(Path(cfg.out)), steps=start, trainable_params=prepared.trainable,
                          rejected_rows=dict(data.rejected), load_check=prepared.check)

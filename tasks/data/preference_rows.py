@@ -1,7 +1,8 @@
 """Preference files → validated conversations, or rejects with a reason.
 
-Reads JSONL, JSON (an array), Parquet or CSV files, or a directory of them, in the three
-layouts of datasets/README.md (explicit, conversational, implicit), detected per file as
+Reads JSONL, JSON (an array), Parquet or CSV files, or a directory of them, in the
+layouts of datasets/README.md (pairs: explicit, conversational, implicit; prompts alone;
+KTO's unpaired prompt/completion/label, text or messages), detected per file as
 the layout most of its rows are valid in (``layout`` overrides). Every bad row becomes a
 ``Reject`` naming its file, line, reason and raw content, so a scheduled run never dies on
 one row at 2 a.m. and no row disappears without a count. A file that cannot be read at all
@@ -24,18 +25,23 @@ from tasks.data.row_fields import (
     Messages,
     answer_field,
     check_prompt_turns,
+    label_field,
     messages_field,
     prompt_only,
     row_id,
     system_field,
     text_field,
+    unpaired_fields,
     utf8,
 )
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
-LAYOUTS = ("explicit", "conversational", "implicit", "prompts", "conversational-prompts")
+LAYOUTS = ("explicit", "conversational", "implicit", "prompts", "conversational-prompts",
+           "unpaired", "conversational-unpaired")
 # Rows of a prompt alone (and the answer a verifier reads): what GRPO samples from.
 PROMPT_LAYOUTS = ("prompts", "conversational-prompts")
+# A prompt, one completion and whether it is desirable (TRL's unpaired layout): KTO's own.
+UNPAIRED_LAYOUTS = ("unpaired", "conversational-unpaired")
 
 
 @dataclass(frozen=True)
@@ -48,14 +54,21 @@ class Conversation:
     layout: str
     system: str | None
     prompt: str | Messages
-    chosen: str | Messages  # a prompt row's answer ("" when it gave none)
-    rejected: str | Messages  # "" in a prompt row
+    chosen: str | Messages  # a prompt row's answer ("" when it gave none); an unpaired
+    rejected: str | Messages  # row's completion; "" in a prompt or unpaired row
     group: str = ""  # the split key: the row's ``group`` field, else its normalised prompt
+    label: bool | None = None  # an unpaired row's: its completion desirable or not
 
     @property
     def is_prompt(self) -> bool:
         """A prompt row (GRPO's), not a pair."""
         return self.layout in PROMPT_LAYOUTS
+
+    @property
+    def kind(self) -> str:
+        """The kind of dataset the row belongs in: pairs, prompts or unpaired."""
+        return ("prompts" if self.is_prompt else "unpaired" if self.layout in UNPAIRED_LAYOUTS
+                else "pairs")
 
 
 @dataclass(frozen=True)
@@ -162,6 +175,8 @@ def detect_layout(row: Any) -> str | None:
         return None
     if "prompt" in row:
         kind = "conversational" if isinstance(row["prompt"], list) else "explicit"
+        if "completion" in row:  # KTO's unpaired rows (a label beside the completion)
+            return "conversational-unpaired" if kind == "conversational" else "unpaired"
         if "chosen" not in row and "rejected" not in row:  # a prompt alone: GRPO's rows
             return "conversational-prompts" if kind == "conversational" else "prompts"
         return kind
@@ -208,7 +223,7 @@ def validate(row: Any, layout: str, source: str, line: int) -> Conversation:
     """Check ``row`` against ``layout``; raise BadRow(reason) when it cannot be used."""
     if not isinstance(row, dict):
         raise BadRow("not_an_object")
-    rid, system = row_id(row), system_field(row)
+    rid, system, label = row_id(row), system_field(row), None
     if layout == "explicit":
         prompt = text_field(row, "prompt")
         chosen, rejected = text_field(row, "chosen"), text_field(row, "rejected")
@@ -224,12 +239,15 @@ def validate(row: Any, layout: str, source: str, line: int) -> Conversation:
         prompt, chosen, rejected = _implicit(row, system)
     elif layout in PROMPT_LAYOUTS:
         prompt, chosen, rejected = prompt_only(row, layout, system), answer_field(row), ""
+    elif layout in UNPAIRED_LAYOUTS:
+        (prompt, chosen), rejected = unpaired_fields(row, layout, system), ""
+        label = label_field(row)
     else:
         raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
-    if chosen == rejected and layout not in PROMPT_LAYOUTS:
+    if chosen == rejected and layout not in (*PROMPT_LAYOUTS, *UNPAIRED_LAYOUTS):
         raise BadRow("chosen_equals_rejected")
     return Conversation(rid, source, line, layout, system, prompt, chosen, rejected,
-                        split_group(row, system, prompt))
+                        split_group(row, system, prompt), label)
 
 
 def split_group(row: dict, system: str | None, prompt: str | Messages) -> str:
@@ -304,7 +322,7 @@ def _content_key(c: Conversation) -> int:
     def flat(x: str | Messages) -> str | tuple:
         return x if isinstance(x, str) else tuple((m["role"], m["content"]) for m in x)
 
-    return hash((c.system, flat(c.prompt), flat(c.chosen), flat(c.rejected)))
+    return hash((c.system, flat(c.prompt), flat(c.chosen), flat(c.rejected), c.label))
 
 
 def read_conversations(path: Path, layout: str | None = None
@@ -345,11 +363,18 @@ def raw_rows(path: Path) -> Iterator[dict[str, Any]]:
                        "rejected": text(row.rejected)}
 
 
-def holds_prompt_rows(raw: str | Path) -> bool:
-    """Whether raw data's first object is a prompt row (a prompt and an answer, no pair),
-    as tokenize reads it (``detect_layout``)."""
+def raw_kind(raw: str | Path) -> str:
+    """The kind of rows raw data holds, by its first object as tokenize reads it
+    (``detect_layout``): pairs, prompts (a prompt and an answer) or unpaired (KTO's)."""
     for file in list_files(Path(raw)):
         for _, row, problem in read_raw(file):
             if not problem:
-                return detect_layout(row) in PROMPT_LAYOUTS
-    return False
+                layout = detect_layout(row)
+                return ("prompts" if layout in PROMPT_LAYOUTS else "unpaired"
+                        if layout in UNPAIRED_LAYOUTS else "pairs")
+    return "pairs"
+
+
+def holds_prompt_rows(raw: str | Path) -> bool:
+    """Whether raw data's first object is a prompt row (a prompt and an answer, no pair)."""
+    return raw_kind(raw) == "prompts"

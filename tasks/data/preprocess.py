@@ -60,6 +60,10 @@ def _preprocess(path: Path, out: Path, valid_fraction: float | None,
     if manifest.get("kind") == "prompts":  # GRPO's rows: nothing of a pair's to share
         raise ValueError(f"{path}: a prompts dataset (prompts and answers, no pairs): "
                          "preprocess works on pairs; train on it as it is (--loss grpo)")
+    if manifest.get("kind") == "unpaired":  # KTO's rows: a row and its KL partner share
+        raise ValueError(f"{path}: an unpaired dataset (a prompt, one completion and a "
+                         "label): preprocess works on pairs; train on it as it is "
+                         "(--loss kto)")
     if out.resolve() != path.resolve():  # in place replaces the input, by design
         check_apart(out, [path])
         check_replaceable(out)

@@ -15,6 +15,12 @@ from tasks.data.dataset_dir import SCHEMA
 from tasks.data.pair_encoder import PairEncoder
 from tasks.data.preference_rows import Conversation, Reject
 from tasks.data.render import ChatTemplate, Truncation, render_prompt, truncate_prompt
+from tasks.data.unpaired_tokens import (
+    UNPAIRED,
+    UNPAIRED_SCHEMA,
+    tokenize_unpaired,
+    unpaired_columns,
+)
 
 PROMPTS = "prompts"  # a prompts dataset's manifest ``kind``
 PROMPT_SCHEMA = pa.schema([
@@ -27,7 +33,7 @@ PROMPT_SCHEMA = pa.schema([
 
 
 def kind_of(conv: Conversation) -> str:
-    return PROMPTS if conv.is_prompt else "pairs"
+    return conv.kind
 
 
 def keep_one_kind(convs: list[Conversation], got: Any) -> list[Conversation]:
@@ -40,6 +46,16 @@ def keep_one_kind(convs: list[Conversation], got: Any) -> list[Conversation]:
         else:
             got.rejects.append(Reject(c.source, c.line, f"kind_mismatch:{kind_of(c)}", c.id))
     return kept
+
+
+def tokenize_kind(convs: list[Conversation], encoder: PairEncoder,
+                  template: ChatTemplate | None, limits: Truncation, got: Any) -> bool:
+    """Prompt or unpaired rows into ``got.rows``; False for pairs (tokenize's own)."""
+    if got.kind == PROMPTS:
+        tokenize_prompts(convs, encoder, template, limits, got)
+    elif got.kind == UNPAIRED:
+        tokenize_unpaired(convs, encoder, template, limits, got)
+    return got.kind in (PROMPTS, UNPAIRED)
 
 
 def tokenize_prompts(convs: list[Conversation], encoder: PairEncoder,
@@ -63,16 +79,20 @@ def tokenize_prompts(convs: list[Conversation], encoder: PairEncoder,
 
 def columns(kind: str | None, rows: dict[str, list]) -> tuple[dict[str, list], pa.Schema]:
     """The columns a dataset of ``kind`` writes, and its schema."""
+    if kind == UNPAIRED:
+        return unpaired_columns(rows), UNPAIRED_SCHEMA
     if kind != PROMPTS:
         return rows, SCHEMA
     return {f.name: rows[f.name] for f in PROMPT_SCHEMA}, PROMPT_SCHEMA
 
 
 def id_columns(kind: str | None) -> tuple[str, ...]:
-    """The token-id columns a dataset of ``kind`` holds (by their prefix)."""
-    return ("prompt",) if kind == PROMPTS else ("prompt", "chosen", "rejected")
+    """The token-id columns a dataset of ``kind`` holds (by their prefix in tokenize's
+    rows; an unpaired row's completion is held as its chosen)."""
+    return {PROMPTS: ("prompt",), UNPAIRED: ("prompt", "chosen")}.get(
+        kind or "", ("prompt", "chosen", "rejected"))
 
 
 def manifest_kind(kind: str | None) -> dict[str, str]:
     """The manifest's ``kind`` (a pair dataset's manifest names none, as before it)."""
-    return {"kind": PROMPTS} if kind == PROMPTS else {}
+    return {"kind": kind} if kind in (PROMPTS, UNPAIRED) else {}

@@ -113,3 +113,30 @@ def answer_field(row: dict) -> str:
     if not answer.strip():
         raise BadRow("empty_field:answer")
     return utf8(answer, "answer")
+
+
+def unpaired_fields(row: dict, layout: str, system: str | None
+                    ) -> tuple[str | Messages, str | Messages]:
+    """An unpaired row's prompt and completion (TRL's unpaired layout: text, or messages
+    whose completion is the assistant's turns); a pair's response field in it is refused."""
+    for name in ("chosen", "rejected"):
+        if name in row:
+            raise BadRow(f"unexpected_field:{name}")
+    if layout == "unpaired":
+        return text_field(row, "prompt"), text_field(row, "completion")
+    prompt, completion = messages_field(row, "prompt"), messages_field(row, "completion")
+    if any(m["role"] != "assistant" for m in completion):
+        raise BadRow("response_not_assistant")
+    if any(not m["content"].strip() for m in completion):
+        raise BadRow("empty_response")
+    check_prompt_turns(prompt, system)
+    return prompt, completion
+
+
+def label_field(row: dict) -> bool:
+    """An unpaired row's ``label``: true (desirable) or false (undesirable), TRL's bool."""
+    if row.get("label") is None:
+        raise BadRow("missing_field:label")
+    if not isinstance(row["label"], bool):
+        raise BadRow("wrong_type:label")
+    return row["label"]

@@ -86,12 +86,13 @@ class NoRows(ValueError):
 class _Collected:
     """What reading and tokenizing every row produced."""
 
-    rows: dict[str, list] = field(default_factory=lambda: {k: [] for k in (*COLUMNS, "answer")})
+    rows: dict[str, list] = field(default_factory=lambda: {
+        k: [] for k in (*COLUMNS, "answer", "label")})
     where: list[tuple[str, int]] = field(default_factory=list)  # (source, line) per row
     rejects: list[Reject] = field(default_factory=list)
     trunc: Counter = field(default_factory=Counter)
     read: int = 0
-    kind: str | None = None  # pairs or prompts: its first row's (tasks/data/prompt_tokens.py)
+    kind: str | None = None  # pairs, prompts, unpaired: its first row's (prompt_tokens.py)
 
 
 def fingerprint(files: list[Path], folder: Path, options: TokenizeOptions) -> str:
@@ -145,8 +146,7 @@ def _load_tokenizer(folder: Path) -> Any:
 def _tokenize_batch(convs: list[Conversation], encoder: PairEncoder,
                     template: ChatTemplate | None, limits: Truncation, got: _Collected) -> None:
     convs = prompt_tokens.keep_one_kind(convs, got)
-    if got.kind == prompt_tokens.PROMPTS:
-        prompt_tokens.tokenize_prompts(convs, encoder, template, limits, got)
+    if prompt_tokens.tokenize_kind(convs, encoder, template, limits, got):  # not pairs
         return
     rendered, kept = [], []
     for c in convs:

@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from engine.data.shards import check_dataset
+from engine.data.unpaired import refuse_unpaired
 from engine.host.digests import file_digest
 from engine.host.outputs import claim, mark_kind, reading
 from engine.model.content_key import adapter_fingerprint, model_fingerprint, reference_key
@@ -187,10 +188,9 @@ def run_sweep(spec: SweepSpec, out: Path, placement: Placement | None = None,
 
     ``progress(kind, summary)`` hears "plan" (counts), "started", "running", "retry",
     "lost" and "finished" events; ``wrap`` runs each trial (tasks/sweep/scheduler.py: run_trials).
-    Ctrl-C: results so far are written (running trials ``cancelled``) and
-    KeyboardInterrupt propagates.
+    Ctrl-C: results so far are written (running trials ``cancelled``), KeyboardInterrupt raised.
     """
-    data = Path(spec.data)
+    refuse_unpaired(data := Path(spec.data), "a sweep's leaderboard scores preference pairs")
     # The dataset held shared for the whole sweep: a writer is refused until it ends.
     with claim_sweep(spec, Path(out)), reading(data) if data.is_dir() else nullcontext():
         return _run_sweep(spec, Path(out), placement or Placement(), progress, wrap)
