@@ -264,16 +264,18 @@ def run_export(values: dict[str, Any]) -> int:
     """``export`` with the parsed ``values`` (None: a flag not given)."""
     from pathlib import Path
 
-    from engine.model.export import export, export_adapter, writable
+    from engine.model.export import check_adapter_export, export, export_adapter, writable
 
     try:
         a = ExportRequest(**dict(given(values)))
-        jobs = [(what, out) for what, out in (("adapter", a.gguf_adapter), ("fused", a.gguf))
+        jobs = [(what, out) for what, out in (("fused", a.gguf), ("adapter", a.gguf_adapter))
                 if out]
         for what, out in jobs:  # both files' refusals before either is written
             writable(Path(out), lambda _: False, [a.target],
                      "--gguf-adapter" if what == "adapter" else "--gguf")
-        for what, out in jobs:  # the adapter alone first: seconds, not minutes
+        if a.gguf_adapter and a.gguf:  # the adapter's own refusals, before the fused file
+            check_adapter_export(a.target, a.model)
+        for what, out in jobs:  # fused first: what can fail late fails with nothing written
             done = (export_adapter if what == "adapter" else export)(a.target, out, a.model,
                                                                      a.type)
             print(f"exported {a.target} → {done} ({what}, {a.type}, "

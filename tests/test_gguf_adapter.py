@@ -133,10 +133,12 @@ def test_pomona_export_writes_both_files_or_neither(tmp_path: Path, tiny_model: 
     config = json.loads((adapter / "adapter_config.json").read_text())
     (adapter / "adapter_config.json").write_text(json.dumps(
         {**config, "fine_tune_type": "dora"}))
-    proc = export_cli("--gguf-adapter", str(tmp_path / "dora.gguf"))
+    proc = export_cli("--gguf-adapter", str(tmp_path / "dora.gguf"), "--gguf",
+                      str(tmp_path / "dora-fused.gguf"))
     assert proc.returncode == 2 and "fine_tune_type dora" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "dora.gguf").exists()
+    assert not (tmp_path / "dora-fused.gguf").exists()  # refused before the fused file
 
 
 @pytest.mark.unit

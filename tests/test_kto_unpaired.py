@@ -120,6 +120,9 @@ def test_each_row_takes_the_previous_rows_completion_as_its_kl_partner() -> None
     assert [list(p.chosen) for p in paired] == [[10], [11], [12]]
     assert make_batch(paired).labels.tolist() == [1.0, 0.0, 1.0]
     assert [list(p.rejected) for p in with_partners(rows_[:1])] == [[10]]  # its own
+    assert [p.id for p in paired] == ["r0~after~r2", "r1~after~r0", "r2~after~r1"]
+    long = [Pair("a", [1, 2, 3], [4, 5], [4, 5]), Pair("b", [6], [7, 8, 9, 10, 11], [7])]
+    assert [list(p.rejected) for p in with_partners(long, max_length=5)] == [[7, 8], [4, 5]]
 
 
 @pytest.mark.unit
@@ -162,7 +165,10 @@ def test_unpaired_rows_follow_their_schema_and_tokenize(tiny_model: Path,
     data = load_pairs(tmp_path / "ds")
     assert data.unpaired and {p.label for p in data.train} == {True, False}
     by_id = {r["id"]: r["label"] for r in sample}
-    assert all(p.label == by_id[p.id] for p in data.train if p.id in by_id)
+    rows_of = [p.id.split("~after~")[0] for p in data.train]
+    assert len(set(rows_of)) == len(rows_of) and sum(r in by_id for r in rows_of) > 50
+    assert all(p.label == by_id[r] for p, r in zip(data.train, rows_of, strict=True)
+               if r in by_id)
     # what reads pairs alone refuses it in one line, before any work
     from engine.data.prompts import prompts_for
     from engine.data.unpaired import refuse_unpaired

@@ -32,7 +32,13 @@ from engine.data.batch import Pair
 from engine.data.shards import check_dataset
 from engine.data.splits import MAX_BAD_FRACTION, TEST_FRACTION, VALID_FRACTION, check_fractions
 from engine.data.token_ids import ID_COLUMNS, BadId, bad_id_rows, check_id_types, int_lists
-from engine.data.unpaired import LABEL, as_pair_columns, is_unpaired, with_partners
+from engine.data.unpaired import (
+    LABEL,
+    as_pair_columns,
+    is_unpaired,
+    tokenized_max_length,
+    with_partners,
+)
 from engine.host.outputs import reading
 
 COLUMNS = ID_COLUMNS
@@ -201,7 +207,7 @@ def load_pairs(path: str | Path, valid_fraction: float = VALID_FRACTION,
         bad: BadId | None = bad_ids.get(i)
         reason = bad.reason if bad else pair.problem()
         if reason is None and unpaired and not isinstance(labels[i], bool):
-            reason = "label missing (null)"
+            reason = "label not true or false"
         if reason is not None:
             out.rejected[reason] += 1
             out.first_bad = out.first_bad or (
@@ -214,7 +220,8 @@ def load_pairs(path: str | Path, valid_fraction: float = VALID_FRACTION,
                              f"one of {', '.join(SPLITS)}, or none for a hash of the id")
         out.split(split).append(pair)
     if unpaired:  # each row's second branch: its KL partner's completion
-        out.train, out.valid, out.test = (with_partners(out.split(s)) for s in SPLITS)
+        longest = tokenized_max_length(path) if path.is_dir() else None
+        out.train, out.valid, out.test = (with_partners(out.split(s), longest) for s in SPLITS)
     check_bad_rows(out, path, max_bad_fraction)
     return out
 

@@ -22,6 +22,7 @@ from engine.data.data_schema import holds_column
 from engine.losses.spec import LossSpec
 
 LABEL = "label"
+PARTNER_RULE = "previous-row-cut-to-max-length"  # a reference cache's key names it
 COMPLETION = "completion_ids"
 
 
@@ -38,10 +39,27 @@ def as_pair_columns(table: Any) -> Any:
     return table.append_column("chosen_ids", column).append_column("rejected_ids", column)
 
 
-def with_partners(pairs: list[Pair]) -> list[Pair]:
-    """Each unpaired row with its KL partner's completion as its second branch."""
-    return [replace(p, rejected=q.chosen)
-            for p, q in zip(pairs, [*pairs[-1:], *pairs[:-1]], strict=True)]
+def with_partners(pairs: list[Pair], max_length: int | None = None) -> list[Pair]:
+    """Each unpaired row with its KL partner's completion as its second branch, cut to
+    what the row's prompt leaves of ``max_length`` (tokenize's, as TRL cuts its KL
+    completions). Its id names both rows (``ROW~after~PARTNER``): identical rows, which
+    tokenize keeps, have other partners, so other reference log-probs."""
+    out = []
+    for p, q in zip(pairs, [*pairs[-1:], *pairs[:-1]], strict=True):
+        partner = list(q.chosen)
+        if max_length:
+            partner = partner[: max(max_length - len(p.prompt), 1)]
+        out.append(replace(p, id=f"{p.id}~after~{q.id}", rejected=partner))
+    return out
+
+
+def tokenized_max_length(path: Path) -> int | None:
+    """The ``max_length`` a dataset folder was tokenized with (None: none, or a file)."""
+    try:
+        options = json.loads((path / "manifest.json").read_text()).get("options") or {}
+    except (OSError, ValueError):
+        return None
+    return options.get("max_length") or None
 
 
 def holds_unpaired(path: Path) -> bool:
@@ -51,7 +69,7 @@ def holds_unpaired(path: Path) -> bool:
             return json.loads((path / "manifest.json").read_text()).get("kind") == "unpaired"
         except (OSError, ValueError):
             return False
-    return holds_column(path, LABEL)
+    return holds_column(path, LABEL) and holds_column(path, COMPLETION)  # as is_unpaired
 
 
 def refuse_unpaired(data: Path, reader: str) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 from engine.host.flags import check_choices, flag_field
 from engine.host.outputs import RefusedOutput, check_file
 from engine.model.adapters import ADAPTER_FILE, CONFIG_FILE
-from engine.model.gguf_adapter import write_adapter_gguf
+from engine.model.gguf_adapter import adapter_gguf_tensors, write_adapter_gguf
 from engine.model.gguf_export import (
     TYPES,
     check_expressible,
@@ -172,6 +172,13 @@ def export_adapter(target: str | Path, out: str | Path, model: str | None = None
     config = read_config(model_dir(base))
     return published(lambda: write_adapter_gguf(Path(out), adapter, config, kind, replaceable),
                      Path(out), "--gguf-adapter")
+
+
+def check_adapter_export(target: str | Path, model: str | None = None) -> None:
+    """What ``export_adapter`` would refuse about ``target``'s adapter itself (DoRA, LoRA
+    on the embedding, mixed ranks...), said before a fused export beside it is written."""
+    adapter, base = request_of(target, model, "f32")
+    adapter_gguf_tensors(adapter, read_config(model_dir(base)))
 
 
 def request_of(target: str | Path, model: str | None, kind: str) -> tuple[Path, str]:

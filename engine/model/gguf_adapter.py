@@ -81,7 +81,8 @@ def adapter_tensors(pairs: dict[str, tuple[Any, Any]], base: dict[str, Any],
         a, b = np.asarray(a, np.float32).T, np.asarray(b, np.float32).T  # [r, in], [out, r]
         if rules.permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             kv = name.endswith("k_proj.weight")
-            b = permute_qk(b, base["num_key_value_heads" if kv else "num_attention_heads"])
+            heads = base["num_attention_heads"]
+            b = permute_qk(b, (base.get("num_key_value_heads") or heads) if kv else heads)
         out[f"{target}.lora_a"], out[f"{target}.lora_b"] = a, b
     return out
 
@@ -98,15 +99,13 @@ def one_rank(pairs: dict[str, tuple[Any, Any]], source: Path) -> int:
     return next(iter(ranks.values()))
 
 
-def write_adapter_gguf(out: Path, adapter: Path, base: dict[str, Any], kind: str,
-                       ours: Callable[[Path], bool] = lambda _: False) -> Path:
-    """``adapter`` (an mlx-lm adapter folder) written to ``out`` as llama.cpp's LoRA GGUF for
-    the base whose config is ``base``, tensors of type ``kind``; published only where no
-    file is at ``out`` by then, or one ``ours`` recognises (OSError otherwise)."""
-    import gguf
+def adapter_gguf_tensors(adapter: Path, base: dict[str, Any]
+                         ) -> tuple[str, dict[str, np.ndarray], float]:
+    """The GGUF architecture, tensors and alpha of ``adapter`` (an mlx-lm adapter folder)
+    on the base whose config is ``base``; every refusal (module docstring) here, before
+    any file is written."""
     import mlx.core as mx
 
-    from engine.host.atomic import clean_stale, no_replace, write_atomic
     from engine.model.adapter_file import read_adapter_config, read_adapter_weights
 
     arch = gguf_arch(base)
@@ -116,13 +115,25 @@ def write_adapter_gguf(out: Path, adapter: Path, base: dict[str, Any], kind: str
     pairs = lora_pairs({k: np.array(v.astype(mx.float32))
                         for k, v in read_adapter_weights(adapter).items()}, source)
     rank = one_rank(pairs, source)
-    tensors = adapter_tensors(pairs, base, arch)
+    return arch, adapter_tensors(pairs, base, arch), scale * rank  # alpha / r = scale
+
+
+def write_adapter_gguf(out: Path, adapter: Path, base: dict[str, Any], kind: str,
+                       ours: Callable[[Path], bool] = lambda _: False) -> Path:
+    """``adapter`` (an mlx-lm adapter folder) written to ``out`` as llama.cpp's LoRA GGUF for
+    the base whose config is ``base``, tensors of type ``kind``; published only where no
+    file is at ``out`` by then, or one ``ours`` recognises (OSError otherwise)."""
+    import gguf
+
+    from engine.host.atomic import clean_stale, no_replace, write_atomic
+
+    arch, tensors, alpha = adapter_gguf_tensors(adapter, base)
 
     def write(tmp: Path) -> None:
         writer = gguf.GGUFWriter(str(tmp), arch)
         writer.add_type(gguf.GGUFType.ADAPTER)
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
-        writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, scale * rank)  # alpha / r = scale
+        writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
         writer.add_name(f"{adapter.name} (LoRA)")
         writer.add_string(MARK, ADAPTER_KIND)  # what ``exported_here`` recognises
         for name, w in tensors.items():

@@ -34,6 +34,7 @@ from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from engine.data.batch import Pair
 from engine.data.data_fit import load_pairs_for
+from engine.data.unpaired import PARTNER_RULE, holds_unpaired
 from engine.forward.layout_policy import scoring_layout
 from engine.forward.scoring import forward_groups
 from engine.host.cache import cache_root
@@ -80,6 +81,8 @@ class ReferenceSpec:
         """The content key (engine/model/content_key.py digests, cached by file stat)."""
         adapter = reference_key(self.reference)
         partners = {"kl_partners": KL_PARTNERS} if self.kl else {}  # DPO's keys unchanged
+        if holds_unpaired(Path(self.data)):  # its rows' partners: how they are drawn
+            partners["unpaired_partners"] = PARTNER_RULE
         body = json.dumps({"model": model_fingerprint(self.model),
                            "data": data_digest(self.data), "reference": adapter,
                            "version": REFERENCE_VERSION, **partners}, sort_keys=True)

@@ -89,8 +89,10 @@ def check_leaderboard_inputs(sweep_dir: Path, model: str, data: str, metric: str
     ``sweep_dir`` holds a finished sweep's results and ``data`` has rows to evaluate on:
     before any cluster or flow starts."""
     from engine.data.shards import check_dataset
+    from engine.data.unpaired import refuse_unpaired
     from tasks.eval.evaluate import held_out_problem
 
+    refuse_unpaired(Path(data), "the leaderboard scores preference pairs")
     if not (Path(sweep_dir) / "results.parquet").is_file():
         raise FileNotFoundError(f"{sweep_dir}: no results.parquet; give the folder a "
                                 "finished `pomona sweep` wrote (its --out)")

@@ -73,6 +73,7 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec 
     ``generation``: the generation budget and scorers (NO_GENERATION: none). Writes no
     file: the scored completions come back in the result."""
     from engine.data.data_fit import load_pairs_for
+    from engine.data.unpaired import refuse_unpaired
     from engine.forward.layout_policy import scoring_layout
     from engine.forward.scoring import evaluate
     from engine.model.adapters import pairs_scored_under, trained_reference
@@ -80,6 +81,7 @@ def evaluate_adapter(model: str, adapter: str | None, data: str, loss: LossSpec 
     from engine.train.prepared import prepare_scoring
     from engine.train.reference import ReferenceSpec, attach_reference, ensure_reference
 
+    refuse_unpaired(Path(data), "an evaluation scores preference pairs")
     if holds_prompts(Path(data)):  # no pairs to score: judged by its answers alone
         return evaluate_answers(model, adapter, data, options, generation)
     spec = loss or pairs_scored_under(adapter)  # GRPO's: by its answers and ORPO's metrics

@@ -239,8 +239,10 @@ def held_out_rows(data: str, tokenizer: Any, limits: dict[str, int]
     were tokenized; no model needed)."""
     from engine.data.pairs import load_pairs, read_data
     from engine.data.prompts import holds_prompts, prompts_of_table
+    from engine.data.unpaired import refuse_unpaired
 
     path = Path(data)
+    refuse_unpaired(path, "held-out answers are scored against pairs' chosen responses")
     if holds_prompts(path):
         every = held_out_prompts(prompts_of_table(read_data(path), path, tokenizer, None))
         return {split: items[: limits[split]] for split, items in every.items()}

@@ -50,8 +50,10 @@ def run_memory_sweep(spec: SweepSpec, out: Path, placement: Placement | None = N
                      ) -> list[dict[str, Any]]:
     """Measure every grid point of ``spec``; write memory.parquet/.md/.png under ``out``
     (held as the sweep's own folder meanwhile: tasks/sweep/run.py, ``claim_sweep``)."""
+    from engine.data.unpaired import refuse_unpaired
     from tasks.sweep.run import claim_sweep
 
+    refuse_unpaired(Path(spec.data), "a memory sweep probes pairs")
     with claim_sweep(spec, Path(out)):
         return _run_memory_sweep(spec, Path(out), placement)
 
