@@ -33,6 +33,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 PLAIN = {"segment_size": 0, "head_chunk": 0, "mlp_chunk": 0, "prefix_share": "off",
          "memory_limit_gb": 0.0}
 
@@ -54,7 +56,7 @@ def row_fields(spec: str, a: argparse.Namespace) -> dict[str, Any]:
         if not eq or name not in TrainConfig.__dataclass_fields__:
             raise ValueError(f"--row {spec}: {change!r} is not FIELD=VALUE of a TrainConfig "
                              "field")
-        fields[name] = coerce(name, value)
+        fields[name] = coerce(name, yaml.safe_load(value))  # as a spec reads it: false, 2
     return fields
 
 

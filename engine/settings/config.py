@@ -77,6 +77,9 @@ class TrainConfig:
     lora_layers: int = _f(-1, "Adapt the last N blocks; -1 = all.")
     segment_size: int = _f(0, "Layers per backward segment; 0 = plain value_and_grad.")
     head_chunk: int = _f(0, "Tokens per LM-head chunk; 0 = dense logits.")
+    shared_lora_inputs: bool = _f(True, "LoRA layers that read one input (q/k/v; gate/up) "
+                                        "compute x @ [A_1|...|A_k] once, each its slice "
+                                        "(engine/model/shared_lora.py); off: each its own.")
     mlp_chunk: int = _f(0, "Tokens per MLP chunk, recomputed in the backward: bounds a wide "
                            "MLP's activations at long sequences for one more MLP forward a "
                            "step; 0 = off (docs/performance.md, Gemma 4).")

@@ -20,6 +20,7 @@ import mlx.nn as nn
 from engine.check.load_check import checked_stack
 from engine.model.load import LoraSpec, attach_lora, load_model, resolve_lora_keys
 from engine.model.recompute import chunk_mlps, mlp_chunks
+from engine.model.shared_lora import share_lora_inputs
 from engine.settings.config import TrainConfig
 
 
@@ -76,6 +77,8 @@ def prepare_training(cfg: TrainConfig) -> Prepared:
     stack, check = checked_stack(model)
     if cfg.mlp_chunk:
         chunk_mlps(stack.layers, cfg.mlp_chunk)
+    if cfg.shared_lora_inputs:  # after the check: its copy attaches its own LoRA
+        share_lora_inputs(stack.layers)
     return Prepared(model, tokenizer, stack, check, spec, trainable)
 
 
