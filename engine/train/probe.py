@@ -112,6 +112,7 @@ def after_warmup(steps: Iterator[Any]) -> tuple[float, float]:
     """The peak (GiB) and seconds of ``steps`` after their first, the warm-up (kernels,
     allocator, the update's compile), which both leave out."""
     next(steps)
+    mx.synchronize()  # the warm-up's queued work done: none of its buffers in the peak
     mx.clear_cache()
     mx.reset_peak_memory()
     t0 = time.perf_counter()
