@@ -151,6 +151,12 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
                         "peak": r["peak_gb"] / first["peak_gb"]} for r in ran}
 
 
+def against_first(row: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, float]:
+    """``row``'s step time and peak over the first row that ran."""
+    first = next(r for r in rows if "error" not in r)
+    return {"step": row["step_s"] / first["step_s"], "peak": row["peak_gb"] / first["peak_gb"]}
+
+
 def host() -> dict[str, Any]:
     """The machine the rows ran on: a segmented step is built and queued by the host, so
     a slower or busier CPU slows it where plain autograd's one graph does not notice."""
@@ -183,7 +189,7 @@ def report(a: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         if "error" in r:
             print(f"{r['name']:>28}  {r['error']}")
             continue
-        rel = against[r["name"]]
+        rel = against_first(r, rows)  # by the row itself: a name may come twice
         print(f"{r['name']:>28}  {r['step_s'] * 1e3:8.1f} ms/step  "
               f"{r['tokens_per_s'] / 1e3:6.2f}k tok/s  peak {r['peak_gb']:6.2f} GB  "
               f"step {rel['step']:.3f}x  peak {rel['peak']:.3f}x the first")
