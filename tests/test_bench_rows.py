@@ -1,0 +1,23 @@
+"""`pomona bench train --row`: what a row sets, and each row's ratio against the first."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+
+def test_train_rows_take_a_specs_values_and_repeated_rows_their_own_ratios() -> None:
+    """``--row levers,shared_lora_inputs=false`` reads the value as a spec does (a bare
+    string never was a bool), and a row named twice is set against the first row by itself,
+    not by its name (both copies showed the last one's ratio)."""
+    import argparse
+
+    from benchmarks.trainer_rows import against_first, row_fields
+
+    a = argparse.Namespace(mlp_chunk=0, memory_limit_gb=0.0)
+    assert row_fields("levers,shared_lora_inputs=false,lora_rank=16", a) == {
+        "mlp_chunk": 0, "memory_limit_gb": 0.0, "shared_lora_inputs": False, "lora_rank": 16}
+    rows = [{"name": "x", "step_s": 2.0, "peak_gb": 1.0}, {"name": "y", "step_s": 1.0,
+            "peak_gb": 1.0}, {"name": "x", "step_s": 3.0, "peak_gb": 2.0}]
+    assert [against_first(r, rows)["step"] for r in rows] == [1.0, 0.5, 1.5]
