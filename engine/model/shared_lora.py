@@ -1,8 +1,10 @@
 """LoRA layers that read one input computing its low-rank product once: q, k and v read
 the attention's normed input, gate and up the MLP's, so ``x @ [A_q|A_k|A_v]`` (one matmul,
-``x`` read once) replaces three, each adapter taking its slice (issue 69: 11 % of a layer's
-forward + backward on an H100). Each adapter's factors, and the saved format, stay
-mlx-lm's; the gradient of each ``A`` comes back through the concatenation's vjp.
+``x`` read once) replaces three, each adapter taking its slice (issue 69: 11 % of one
+layer's forward + backward on an H100; end to end on an H200 the step is level and its
+peak ~2 % lower, on CPU ~2 % faster: docs/performance.md). Each adapter's factors, and
+the saved format, stay mlx-lm's; the gradient of each ``A`` comes back through the
+concatenation's vjp.
 
 A group shares only what it can prove is shared: a member reuses the product when its
 input is the very array the product was made from and every member's ``lora_a`` is the
