@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from engine.model.gguf_archs import ARCHS, gguf_name, permute_qk
-from engine.model.gguf_export import MARK, check_expressible, gguf_arch, stored
+from engine.model.gguf_export import MARK, check_expressible, finish, gguf_arch
 
 ADAPTER_KIND = "lora-adapter"  # ``MARK``'s value in an adapter file: what wrote it
 LEAVES = ("lora_a", "lora_b")
@@ -136,13 +136,7 @@ def write_adapter_gguf(out: Path, adapter: Path, base: dict[str, Any], kind: str
         writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
         writer.add_name(f"{adapter.name} (LoRA)")
         writer.add_string(MARK, ADAPTER_KIND)  # what ``exported_here`` recognises
-        for name, w in tensors.items():
-            data, raw = stored(w, kind)
-            writer.add_tensor(name, data, raw_dtype=raw)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        finish(writer, tensors, kind)
 
     clean_stale(out, ".gguf")  # a killed export's temporaries
     return write_atomic(out, write, suffix=".gguf", publish=no_replace(ours))

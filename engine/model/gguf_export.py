@@ -174,6 +174,17 @@ def stored(w: np.ndarray, kind: str) -> tuple[np.ndarray, Any]:
     return w.astype(np.float16), None
 
 
+def finish(writer: Any, tensors: dict[str, np.ndarray], kind: str) -> None:
+    """``tensors`` stored as type ``kind`` (``stored``), then the file written and closed."""
+    for name, w in tensors.items():
+        data, raw = stored(w, kind)
+        writer.add_tensor(name, data, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16",
               "q8_0": "MOSTLY_Q8_0"}
 
@@ -201,13 +212,7 @@ def write_gguf(out: Path, fused: Fused, kind: str, tokenizer_from: Path,
             write_fields(writer, copied)
         else:
             write_bpe(writer, tokenizer_from, rows)
-        for name, w in tensors.items():
-            data, raw = stored(w, kind)
-            writer.add_tensor(name, data, raw_dtype=raw)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        finish(writer, tensors, kind)
 
     clean_stale(out, ".gguf")  # a killed export's whole-model temporaries
     return write_atomic(out, write, suffix=".gguf", publish=no_replace(ours))
