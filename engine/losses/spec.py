@@ -83,8 +83,9 @@ def pair_loss(
     token_logps = token_logps.astype(mx.float32)
     nll_sum = -(token_logps * nll_mask).sum()
     loss = spec.loss.nll_weight * nll_sum / norms.nll_tokens
-    if (labels is not None) != spec.unpaired:  # KTO on pairs' maths for unpaired rows, or
-        raise ValueError(f"loss {spec.kind}: the batch holds "  # the reverse: never silent
+    # Pairs' maths on unpaired rows, or the reverse, would train silently on the wrong loss.
+    if (labels is not None) != spec.unpaired:
+        raise ValueError(f"loss {spec.kind}: the batch holds "
                          f"{'unpaired rows' if labels is not None else 'pairs'}, the loss "
                          f"was set up for {'unpaired rows' if spec.unpaired else 'pairs'}")
     lp = pair_logps(token_logps, resp_mask, ref, kl, labels)
