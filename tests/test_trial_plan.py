@@ -33,8 +33,8 @@ def test_cache_keys_come_from_the_plan_s_config_and_ids_from_the_spec(tmp_path: 
         "t-b513ce53df", "t-7799dcf59a", "t-c8b0470868", "t-14f06ac7e2", "t-24bd16bde4",
         "t-bd695cdf12"]
     assert keys == [  # lora_rank 4 then 8.0; auto -> 3 keyed as segment_size 3.0
-        "1901952badf9539f", "e18f67228a276c50", "1901952badf9539f", "0876352a1bcd2cd1",
-        "ec396e8e9aad1b7d", "0876352a1bcd2cd1"]  # 2026-12-07: shared_lora_inputs keyed
+        "89f6912569b61101", "8ea1b39e89a023ed", "89f6912569b61101", "ceab6d930586a6d1",
+        "10b8a5239727548c", "ceab6d930586a6d1"]  # 2026-12-07: shared_lora_inputs, compile
     default = parse_spec({"name": "a", "model": "m", "data": "d",
                           "fixed": {"steps": 5, "lora_rank": 8, "lora_scale": 20.0}})
     left_out = parse_spec({"name": "a", "model": "m", "data": "d", "fixed": {"steps": 5}})

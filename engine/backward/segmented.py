@@ -19,12 +19,13 @@ cotangent of that output.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from engine.backward.compiled import Implicit, segment_cache
 from engine.data.batch import PairBatch
 from engine.forward.prefix import PrefixBatch, from_pair_layout, to_pair_layout
 from engine.forward.prefix_patch import layout_masks
@@ -80,7 +81,8 @@ def _unflat(arrays: list[mx.array], donors: list[int], arity: dict[int, int]
 
 
 class Segment:
-    """One segment's forward as a function of its primals, and its vjp."""
+    """One segment's forward as a function of its primals, and its vjp: traced Python, or
+    compiled once per stack (engine/backward/compiled.py)."""
 
     def __init__(self, stack: Stack, start: int, end: int, masks: Masks, side: list,
                  states: dict[int, State]):
@@ -90,6 +92,8 @@ class Segment:
         self.arity = {d: len(states[d]) for d in self.imports}
         self.inputs = {d: states[d] for d in self.imports}
         self.params = _segment_params(stack, start, end)
+        self.cache = segment_cache(stack)
+        self.implicit = Implicit(stack, start, end, masks, side)
 
     def _write(self, values: list[mx.array]) -> None:
         by_layer: dict[int, list[tuple[str, mx.array]]] = {}
@@ -98,13 +102,61 @@ class Segment:
         for i, items in by_layer.items():
             self.stack.layers[i].update(tree_unflatten(items))
 
+    def _read(self) -> list[mx.array]:
+        """The params the layers hold now (a later trace must not restore a past step's)."""
+        held = {i: dict(tree_flatten(self.stack.layers[i].trainable_parameters()))
+                for i in {i for i, _, _ in self.params}}
+        return [held[i][path] for i, path, _ in self.params]
+
+    def _outputs(self, h: mx.array, flat_state: list[mx.array], values: list[mx.array] | None,
+                 masks: Masks, side: list, held: list[mx.array] | None = None
+                 ) -> tuple[mx.array, list[State]]:
+        """(output, exported states) of the layers holding ``values`` (None: their own),
+        then holding ``held`` again (default: what they hold now)."""
+        states = _unflat(flat_state, self.imports, self.arity)
+        if values is not None:
+            held = self._read() if held is None else held
+            self._write(values)
+        try:
+            with whole_scores(self.end - self.start):  # its graph is evaluated alone
+                h = self.stack.run(self.start, self.end, h, masks, side, states)
+        finally:
+            if values is not None:  # the layers hold the real params again
+                self._write(held)
+        return h, [tuple(states[d]) for d in self.exports]
+
+    def _key(self, kind: str, *more: Hashable) -> tuple:
+        paths = tuple((i, path) for i, path, _ in self.params)
+        return (kind, self.start, self.end, paths, tuple(self.arity.items()),
+                self.implicit.key(), *more)
+
+    def _split(self, arrays: list[mx.array], n_state: int) -> tuple:
+        """(h, states, params, implicit arrays, the rest) of a compiled call's inputs."""
+        p = 1 + n_state + len(self.params)
+        n_implicit = len(self.implicit.arrays())
+        return (arrays[0], arrays[1 : 1 + n_state], arrays[1 + n_state : p],
+                arrays[p : p + n_implicit], arrays[p + n_implicit :])
+
     def forward(self, h: mx.array, inputs: dict[int, State]
                 ) -> tuple[mx.array, dict[int, State]]:
         """The segment's output and the donor states it exports."""
-        states = dict(inputs)
-        with whole_scores(self.end - self.start):  # its graph is evaluated alone
-            h = self.stack.run(self.start, self.end, h, self.masks, self.side, states)
-        return h, {d: states[d] for d in self.exports}
+        flat_in = _flat(inputs, self.imports)
+        plain = lambda: self._outputs(h, flat_in, None, self.masks, self.side)  # noqa: E731
+        if self.cache is None:
+            outs = plain()
+        else:
+            def make():
+                def traced(*arrays: mx.array) -> list[mx.array]:
+                    h, state, values, implicit, _ = self._split(list(arrays), len(flat_in))
+                    with self.implicit.bound(implicit) as (masks, side):
+                        return self._outputs(h, state, values, masks, side)
+                return traced
+
+            outs = self.cache.call(self._key("forward"), make,
+                                   [h, *flat_in, *[p[2] for p in self.params],
+                                    *self.implicit.arrays()], plain)
+        out, exported = outs
+        return out, dict(zip(self.exports, exported, strict=True))
 
     def vjp(self, h_in: mx.array, cotangent: mx.array, state_cots: dict[int, State],
             input_grad: bool) -> tuple[mx.array | None, dict[int, State], Grads]:
@@ -112,22 +164,39 @@ class Segment:
         segment's LoRA grads, unevaluated. Params go in as primals, then are restored."""
         n_state = sum(self.arity.values())
         flat_in = _flat(self.inputs, self.imports)
-
-        def fn(*primals: mx.array) -> list[mx.array]:
-            if input_grad:
-                h, state_in, values = primals[0], primals[1 : 1 + n_state], primals[1 + n_state :]
-            else:
-                h, state_in, values = h_in, flat_in, primals
-            self._write(list(values))
-            out, exported = self.forward(h, _unflat(list(state_in), self.imports, self.arity))
-            return [out, *_flat(exported, self.exports)]
-
         primals = [p[2] for p in self.params]
         cots = [cotangent, *[c for d in self.exports for c in state_cots[d]]]
-        try:
-            _, vjps = mx.vjp(fn, [h_in, *flat_in, *primals] if input_grad else primals, cots)
-        finally:
-            self._write(primals)  # the layers hold the real params again
+
+        def grads_of(h: mx.array, state: list[mx.array], values: list[mx.array],
+                     masks: Masks, side: list, cots: list[mx.array],
+                     held: list[mx.array] | None = None) -> list[mx.array]:
+            def fn(*primals: mx.array) -> list[mx.array]:
+                if input_grad:
+                    out, exported = self._outputs(primals[0], list(primals[1 : 1 + n_state]),
+                                                  list(primals[1 + n_state :]), masks, side,
+                                                  held)
+                else:
+                    out, exported = self._outputs(h, state, list(primals), masks, side, held)
+                return [out, *[a for st in exported for a in st]]
+
+            _, vjps = mx.vjp(fn, [h, *state, *values] if input_grad else values, cots)
+            return vjps
+
+        plain = lambda: grads_of(h_in, flat_in, primals, self.masks, self.side,  # noqa: E731
+                                 cots, primals)
+        if self.cache is None:
+            vjps = plain()
+        else:
+            def make():
+                def traced(*arrays: mx.array) -> list[mx.array]:
+                    h, state, values, implicit, cots = self._split(list(arrays), n_state)
+                    with self.implicit.bound(implicit) as (masks, side):
+                        return grads_of(h, state, values, masks, side, cots)
+                return traced
+
+            vjps = self.cache.call(self._key("vjp", input_grad, len(cots)), make,
+                                   [h_in, *flat_in, *primals, *self.implicit.arrays(), *cots],
+                                   plain)
         if input_grad:
             h_grad, d_state = vjps[0], _unflat(vjps[1 : 1 + n_state], self.imports, self.arity)
             param_grads = vjps[1 + n_state :]

@@ -17,7 +17,7 @@ is forked.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import mlx.core as mx
@@ -37,6 +37,31 @@ class _RopeState:
     split: SplitAttention | None = None  # split layout: the rejected branch is a suffix
     # group layout: per completion, its [B] offsets and [B, 1, L, 1] tokens
     branches: list[tuple[mx.array, mx.array]] | None = None
+
+    def arrays(self) -> list[mx.array]:
+        """The arrays every rope reads now (a compiled segment takes them as inputs)."""
+        pairs = [a for branch in self.branches or [] for a in branch]
+        return [a for a in (self.shift, self.select) if a is not None] + pairs
+
+    def key(self) -> tuple:
+        """What the ropes decide in Python: which arrays are set, the split, the branches."""
+        split = None if self.split is None else (self.split.shared, self.split.first)
+        return (self.shift is not None, self.select is not None, split,
+                None if self.branches is None else len(self.branches))
+
+    @contextmanager
+    def bound(self, arrays: list[mx.array]) -> Iterator[None]:
+        """Inside: the ropes read ``arrays`` (``arrays()``'s order) in place of their own."""
+        before = (self.shift, self.select, self.branches)
+        rest = list(arrays)
+        self.shift = rest.pop(0) if self.shift is not None else None
+        self.select = rest.pop(0) if self.select is not None else None
+        if self.branches is not None:
+            self.branches = [(rest[i], rest[i + 1]) for i in range(0, len(rest), 2)]
+        try:
+            yield
+        finally:
+            self.shift, self.select, self.branches = before
 
 
 class PrefixRope(nn.Module):
@@ -87,6 +112,11 @@ def install_prefix_rope(model: nn.Module) -> _RopeState:
     return state
 
 
+def rope_state(model: nn.Module) -> _RopeState | None:
+    """The state ``install_prefix_rope`` gave ``model``'s ropes, or None before it ran."""
+    return getattr(model, "_pomona_rope_state", None)
+
+
 class SplitMasks:
     """The split layout's masks: its SplitAttention, carrying a sliding layer's window."""
 
@@ -96,6 +126,18 @@ class SplitMasks:
 
     def __call__(self, window: int | None) -> SplitAttention:
         return self.split if window is None else dataclasses.replace(self.split, window=window)
+
+    def arrays(self) -> list[mx.array]:
+        return [self.positions]
+
+    def with_arrays(self, arrays: list[mx.array]) -> SplitMasks:
+        out = object.__new__(SplitMasks)
+        out.split, (out.positions,) = self.split, arrays
+        return out
+
+    def key(self, windows: Sequence[int]) -> tuple:
+        """What the layers read of the split in Python: its two cuts (windows: per layer)."""
+        return ("split", self.split.shared, self.split.first)
 
 
 def logical_positions(batch: PrefixBatch) -> np.ndarray:

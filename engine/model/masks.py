@@ -16,6 +16,7 @@ position-dependent inputs, such as Ministral 3's query scale, reads).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -29,6 +30,14 @@ class Masks(Protocol):
 
     def __call__(self, window: int | None) -> Any: ...
 
+    # A compiled segment (engine/backward/compiled.py) takes a layout's arrays as inputs
+    # and keys its trace on the rest.
+    def arrays(self) -> list[mx.array]: ...
+
+    def with_arrays(self, arrays: list[mx.array]) -> Masks: ...
+
+    def key(self, windows: Sequence[int]) -> tuple: ...
+
 
 class CausalMasks:
     """Causal masks over T contiguous positions, as ``Window``s (engine/model/attention.py): a
@@ -40,6 +49,15 @@ class CausalMasks:
 
     def __call__(self, window: int | None) -> Any:
         return Window(window)  # engine/model/attention.attend: "causal" unless blocks pay
+
+    def arrays(self) -> list[mx.array]:
+        return []
+
+    def with_arrays(self, arrays: list[mx.array]) -> CausalMasks:
+        return self
+
+    def key(self, windows: Sequence[int]) -> tuple:
+        return ("causal",)
 
 
 class BlockMasks:
@@ -59,3 +77,17 @@ class BlockMasks:
             near = (pos[:, None, :, None] - pos[:, None, None, :]) < window
             self._windowed[window] = self.block & near
         return self._windowed[window]
+
+    def arrays(self) -> list[mx.array]:
+        return [self.block, self.positions]
+
+    def with_arrays(self, arrays: list[mx.array]) -> BlockMasks:
+        """The same masks over ``arrays`` (traced stand-ins), its windows built anew."""
+        out = object.__new__(BlockMasks)
+        out.block, out.positions = arrays
+        out._span, out._windowed = self._span, {}
+        return out
+
+    def key(self, windows: Sequence[int]) -> tuple:
+        """Which of the stack's ``windows`` cut the mask (what ``__call__`` decides)."""
+        return ("block", tuple(self._span <= w for w in windows))

@@ -80,6 +80,10 @@ class TrainConfig:
     shared_lora_inputs: bool = _f(True, "LoRA layers that read one input (q/k/v; gate/up) "
                                         "compute x @ [A_1|...|A_k] once, each its slice "
                                         "(engine/model/shared_lora.py); off: each its own.")
+    compile: bool = _f(True, "Each backward segment's forward and vjp run under mx.compile, "
+                             "traced the second time a segment's shapes come and replayed "
+                             "after (engine/backward/compiled.py); off, or with "
+                             "lora_dropout, uncompiled.")
     mlp_chunk: int = _f(0, "Tokens per MLP chunk, recomputed in the backward: bounds a wide "
                            "MLP's activations at long sequences for one more MLP forward a "
                            "step; 0 = off (docs/performance.md, Gemma 4).")

@@ -17,6 +17,7 @@ from typing import Any
 
 import mlx.nn as nn
 
+from engine.backward.compiled import compile_segments
 from engine.check.load_check import checked_stack
 from engine.model.load import LoraSpec, attach_lora, load_model, resolve_lora_keys
 from engine.model.recompute import chunk_mlps, mlp_chunks
@@ -79,6 +80,8 @@ def prepare_training(cfg: TrainConfig) -> Prepared:
         chunk_mlps(stack.layers, cfg.mlp_chunk)
     if cfg.shared_lora_inputs:  # after the check: its copy attaches its own LoRA
         share_lora_inputs(stack.layers)
+    # A replay would freeze dropout's Python-side seed: a run with dropout stays uncompiled.
+    compile_segments(stack, cfg.compile and not cfg.lora_dropout)
     return Prepared(model, tokenizer, stack, check, spec, trainable)
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.backward.compiled import compiled_counts
 from engine.backward.distributed import Ranks, init_ranks
 from engine.backward.step import Idle
 from engine.backward.update import make_optimizer, make_update
@@ -91,6 +92,8 @@ class TrainResult:
     rank_pairs: list[int] = field(default_factory=list)  # pairs each rank trained
     load_check: dict[str, Any] = field(default_factory=dict)  # engine/check/load_check.py figures
     verified: dict[str, Any] = field(default_factory=dict)  # --verify's figures (verify_paths)
+    # compiled segments (engine/backward/compiled.py): traces, replays and calls
+    compiled: dict[str, int] = field(default_factory=dict)
 
 
 def refuse_beyond_context(pairs: Sequence, context: int | None) -> None:
@@ -319,6 +322,7 @@ def finish(run: Run) -> TrainResult:
     result.rank_pairs = run.ranks.gather_counts(run.trained)
     result.tokens_per_sec = run.tokens / max(run.seconds, 1e-9)
     result.seconds = time.perf_counter() - run.started
+    result.compiled = compiled_counts(run.prepared.stack)
     if run.ranks.main:
         extra = {"model": cfg.model, "pomona": {"steps": result.steps, "loss": cfg.loss.kind,
                                                 **loss_weights(cfg), **content_keys(cfg),
