@@ -22,10 +22,12 @@ and first batch, in the same process after training — the ceiling; the pomona 
 
 TRL side (``--trl``, needs torch, transformers, peft and trl; CUDA): the same shape and
 pairs per step through ``benchmarks/trl_orpo.py``, with and without gradient
-checkpointing, in fresh processes. MFU: the FLOPs of the pairs as two plain forwards and
-backwards (4 per frozen weight per token, the head at the loss positions, causal
-attention ×3) over the step time and ``--peak-tflops`` — the same useful work for every
-row, so a row that saves work (prefix sharing) shows it as a higher MFU; ``mfu_computed``
+checkpointing, in fresh processes; ``--liger`` adds TRL with ``use_liger_kernel``
+(Liger's Triton kernels), the GPU peer to beat, every ratio printed against each. MFU: the
+FLOPs of the pairs as two plain forwards and backwards (4 per frozen weight per token, the
+head at the loss positions, causal attention ×3) over the step time and
+``--peak-tflops`` — the same useful work for every row, so a row that saves work (prefix
+sharing) shows it as a higher MFU; ``mfu_computed``
 counts what each row computes instead (Pomona's shared prompt once, a peer's every token):
 how well each uses the device on the tokens it runs.
 
@@ -74,6 +76,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--trl", action="store_true", help="Also run TRL (torch + trl installed).")
+    p.add_argument("--liger", action="store_true",
+                   help="With --trl: also TRL with use_liger_kernel (liger-kernel installed), "
+                        "the GPU peer to beat (benchmarks/trl_orpo.py).")
     p.add_argument("--peer", action="append", default=[], choices=sorted(PEERS),
                    help="Also run a peer trainer on the same model and pairs, with and "
                         "without its checkpointing (fresh processes): mlx-lm-lora's "
@@ -173,17 +178,30 @@ def engine_row(a: argparse.Namespace, work: Path, model_dir: Path, data: Path
             "peak_mb": mx.get_peak_memory() / 2**20, "shared": shared}
 
 
+def trl_commands(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(row name, command) of each TRL row: with and without checkpointing, and with
+    ``--liger`` TRL with Liger's kernels too (each in a fresh process: its peak its own)."""
+    from benchmarks.trl_orpo import row_name
+
+    variants = [(False, False), (False, True), *([(True, False)] if a.liger else [])]
+    return [(row_name(liger, gc),
+             [sys.executable, str(ROOT / "benchmarks" / "trl_orpo.py"), "--seq", str(a.seq),
+              "--batch", str(a.pairs), "--layers", str(a.layers), "--vocab", str(a.vocab),
+              "--warmup", str(a.warmup), "--steps", str(a.steps), "--json",
+              *(["--gradient-checkpointing"] if gc else []), *(["--liger"] if liger else [])])
+            for liger, gc in variants]
+
+
 def trl_rows(a: argparse.Namespace) -> list[dict[str, Any]]:
-    """TRL's ORPOTrainer + PEFT, with and without checkpointing (fresh processes)."""
+    """TRL's ORPOTrainer + PEFT rows (``trl_commands``), an error row for what is missing."""
     if not all(importlib.util.find_spec(m) for m in ("torch", "trl", "peft")):
         return [{"name": "trl", "error": "torch, trl and peft are not installed here"}]
     rows = []
-    for gc in ([], ["--gradient-checkpointing"]):
-        cmd = [sys.executable, str(ROOT / "benchmarks" / "trl_orpo.py"), "--seq", str(a.seq),
-               "--batch", str(a.pairs), "--layers", str(a.layers), "--vocab", str(a.vocab),
-               "--warmup", str(a.warmup), "--steps", str(a.steps), "--json", *gc]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        rows.append(peer_row("trl" + ("_gc" if gc else ""), proc))
+    for name, cmd in trl_commands(a):
+        if "--liger" in cmd and not importlib.util.find_spec("liger_kernel"):
+            rows.append({"name": name, "error": "liger-kernel is not installed here"})
+            continue
+        rows.append(peer_row(name, subprocess.run(cmd, capture_output=True, text=True)))
     return rows
 
 
@@ -275,6 +293,8 @@ def check_args(a: argparse.Namespace) -> None:
         raise ValueError(f"--peak-tflops {a.peak_tflops}: must be >= 0")
     if a.profile_repeats < 1:
         raise ValueError(f"--profile-repeats {a.profile_repeats}: must be at least 1")
+    if a.liger and not a.trl:
+        raise ValueError("--liger: only with --trl (it is TRL's use_liger_kernel)")
     for flag, value in (("--quantize", a.quantize), ("--preset-layers", a.preset_layers)):
         if value is not None and not a.preset:
             raise ValueError(f"{flag} {value}: only with --preset (the llama here is "

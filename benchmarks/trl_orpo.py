@@ -1,6 +1,6 @@
 """TRL's ORPOTrainer + PEFT on the model shape Pomona's GPU benchmarks use: the baseline.
 
-    python3 benchmarks/trl_orpo.py --seq 4096 [--gradient-checkpointing] [--steps 8] --json
+    python3 benchmarks/trl_orpo.py --seq 4096 [--gradient-checkpointing] [--liger] --json
 
 Runs in a torch environment (no MLX on the path: transformers imports mlx when it can).
 A random-init llama (hidden 2048, 16 layers, GQA 32/8, intermediate 5632, vocab 32000,
@@ -12,7 +12,10 @@ tokenization path runs and the lengths are the ones asked for.
 
 Step time = the median interval between consecutive ``on_step_end`` callbacks after
 ``--warmup`` steps (data collation, forward, backward and the AdamW step all inside);
-tokens/s counts both sequences of the pair, as Pomona's bench does. Peak memory is
+tokens/s counts both sequences of the pair, as Pomona's bench does. ``--liger``: the same
+with ``use_liger_kernel`` (transformers patches the llama's RMSNorm, RoPE and SwiGLU with
+Liger's Triton kernels; the liger-kernel wheel is pure Python): what a GPU user who cares
+about speed runs. Peak memory is
 torch's ``max_memory_allocated`` (and ``max_memory_reserved``) over the timed steps.
 """
 
@@ -24,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 
 
 def _tokenizer(vocab: int):
@@ -83,6 +87,7 @@ def run(a: argparse.Namespace) -> dict:
                           gradient_accumulation_steps=1, max_steps=a.warmup + a.steps,
                           max_length=a.seq, learning_rate=1e-5, bf16=True,
                           gradient_checkpointing=a.gradient_checkpointing,
+                          use_liger_kernel=a.liger,
                           logging_steps=10_000, save_strategy="no", report_to=[],
                           dataloader_num_workers=0, seed=0)
         peft = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
@@ -93,14 +98,20 @@ def run(a: argparse.Namespace) -> dict:
         trainer.train()
     steps = [b - c for b, c in zip(marks[a.warmup:], marks[a.warmup - 1:], strict=False)]
     step_s = statistics.median(steps)
-    return {"name": "trl" + ("_gc" if a.gradient_checkpointing else ""), "seq": a.seq,
+    return {"name": row_name(a.liger, a.gradient_checkpointing), "seq": a.seq,
             "pairs": a.batch, "step_s": step_s, "tokens_per_s": 2 * a.seq * a.batch / step_s,
             "peak_mb": torch.cuda.max_memory_allocated() / 2**20,
             "reserved_mb": torch.cuda.max_memory_reserved() / 2**20,
             "steps_s": steps, "torch": torch.__version__,
             "trl": __import__("trl").__version__,
             "transformers": __import__("transformers").__version__,
-            "peft": __import__("peft").__version__, "device": torch.cuda.get_device_name()}
+            "peft": __import__("peft").__version__, "device": torch.cuda.get_device_name(),
+            **({"liger_kernel": version("liger-kernel")} if a.liger else {})}
+
+
+def row_name(liger: bool, checkpointing: bool) -> str:
+    """trl, trl_gc, trl_liger or trl_liger_gc."""
+    return "trl" + ("_liger" if liger else "") + ("_gc" if checkpointing else "")
 
 
 def main(argv: list[str]) -> int:
@@ -111,6 +122,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--liger", action="store_true", help="use_liger_kernel (liger-kernel).")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--json", action="store_true", help="Print the result as one JSON line.")

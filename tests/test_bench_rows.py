@@ -21,3 +21,19 @@ def test_train_rows_take_a_specs_values_and_repeated_rows_their_own_ratios() -> 
     rows = [{"name": "x", "step_s": 2.0, "peak_gb": 1.0}, {"name": "y", "step_s": 1.0,
             "peak_gb": 1.0}, {"name": "x", "step_s": 3.0, "peak_gb": 2.0}]
     assert [against_first(r, rows)["step"] for r in rows] == [1.0, 0.5, 1.5]
+
+
+def test_trl_liger_is_a_peer_row_beside_plain_trl_and_needs_trl() -> None:
+    """``--trl --liger`` runs TRL with ``use_liger_kernel`` beside plain TRL (with and
+    without checkpointing), each its own process; ``--liger`` alone is refused."""
+    from benchmarks.train_bench import check_args, parser, trl_commands
+
+    both = parser().parse_args(["--trl", "--liger", "--seq", "1024", "--pairs", "8"])
+    rows = dict(trl_commands(both))
+    assert list(rows) == ["trl", "trl_gc", "trl_liger"]
+    assert "--liger" in rows["trl_liger"] and "--liger" not in rows["trl"]
+    assert "--gradient-checkpointing" in rows["trl_gc"]
+    assert rows["trl_liger"][rows["trl_liger"].index("--batch") + 1] == "8"
+    assert list(dict(trl_commands(parser().parse_args(["--trl"])))) == ["trl", "trl_gc"]
+    with pytest.raises(ValueError, match="--liger: only with --trl"):
+        check_args(parser().parse_args(["--liger"]))
