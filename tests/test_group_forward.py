@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
+from engine.backward.compiled import compile_segments, segment_cache
 from engine.check.load_check import checked_stack
 from engine.forward.group_layout import group_layout
 from engine.forward.rollouts import Rollouts
@@ -134,7 +135,8 @@ def test_the_group_shared_forward_equals_g_separate_rows(arch: str, family) -> N
     concatenation positions, a gathered position off by one, a donor's K/V or a LoRA
     gradient lost: each moves a log-prob, the loss or a gradient past the tolerance; and
     the staged backward (segments of 1 with a bounded head of 16 rows, segments of 2 with
-    the dense head) on either layout gives the plain update's loss and gradients."""
+    the dense head) on either layout gives the plain update's loss and gradients, and so
+    do its segments compiled (engine/backward/compiled.py), each traced once."""
     model, stack = family(arch)
     prompts, rollouts = groups(0)
     plain, shared = batches(model, stack, prompts, rollouts, 1)
@@ -146,6 +148,10 @@ def test_the_group_shared_forward_equals_g_separate_rows(arch: str, family) -> N
     assert_same(run(model, stack, shared), ref, GROUP_GRAD_RTOL, LOSS_ABS)
     for batch, (k, chunk) in itertools.product((plain, shared), ((1, 16), (2, 0))):
         assert_same(run(model, stack, batch, k, chunk), ref, GROUP_GRAD_RTOL, LOSS_ABS)
+    compile_segments(stack)  # the group layout's ropes and masks as a compiled trace's inputs
+    for _ in range(3):  # seen once (uncompiled), traced, replayed
+        assert_same(run(model, stack, shared, 1, 16), ref, GROUP_GRAD_RTOL, LOSS_ABS)
+    assert segment_cache(stack).traces == 2 * len(stack.layers)
 
 
 @pytest.mark.integration
