@@ -70,9 +70,19 @@ class SegmentCache:
         return fn(*arrays)
 
     def _counted(self, fn: Traced) -> Traced:
+        """``fn``, counted, and let go of once traced: its closure holds the first call's
+        segment (its masks, side inputs, donor states), which no replay reads. A key holds
+        its shapes, so MLX never traces one function twice."""
+        held: list[Traced | None] = [fn]
+
         def counted(*args: mx.array) -> Any:
+            traced = held[0]
+            if traced is None:
+                raise RuntimeError("a compiled segment was traced twice for one key and "
+                                   "its shapes (engine/backward/compiled.py)")
             self.traces += 1  # Python runs here only while MLX traces
-            return fn(*args)
+            held[0] = None
+            return traced(*args)
         return counted
 
 
