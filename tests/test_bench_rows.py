@@ -37,3 +37,16 @@ def test_trl_liger_is_a_peer_row_beside_plain_trl_and_needs_trl() -> None:
     assert list(dict(trl_commands(parser().parse_args(["--trl"])))) == ["trl", "trl_gc"]
     with pytest.raises(ValueError, match="--liger: only with --trl"):
         check_args(parser().parse_args(["--liger"]))
+
+
+def test_torch_attention_peer_runs_where_mlx_and_torch_are_absent() -> None:
+    """``benchmarks/torch_attention.py`` (torch's causal attention at ``bench attention``'s
+    shapes) imports torch only to run a shape: its help comes up anywhere."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "torch_attention.py"
+    proc = subprocess.run([sys.executable, str(script), "--help"], capture_output=True,
+                          text=True, check=True)
+    assert "--shapes" in proc.stdout and "GQA" in proc.stdout

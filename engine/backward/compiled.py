@@ -115,7 +115,11 @@ def uncompiled(stack: Stack) -> Iterator[None]:
 
 
 def segment_cache(stack: Stack) -> SegmentCache | None:
-    """The stack's compiled segments, or None where it runs uncompiled."""
+    """The stack's compiled segments, or None where it runs uncompiled. Chunked MLPs
+    (engine/model/recompute.py) run uncompiled: their recomputed pieces chain through
+    state a replay cannot see (MLX refused it: an array without a primitive)."""
+    if any(getattr(getattr(layer, "mlp", None), "mlp_chunk", 0) for layer in stack.layers):
+        return None
     return _CACHES.get(stack)
 
 
