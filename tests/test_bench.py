@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import os
 import subprocess
 import sys
 
+import mlx.core as mx
 import pytest
 
 from engine.host.command_queue import bounded_mb
@@ -256,16 +258,30 @@ def test_train_bench_packs_the_same_trials(tmp_path, capsys, packs) -> None:
     assert "--pack 0,2: sizes are at least 1" in capsys.readouterr().err
 
 
+def _garbage_cycle(array: mx.array) -> None:
+    """Leave ``array`` held only by a reference cycle: alive until the collector runs."""
+    mx.eval(array)
+    holder: dict = {"array": array}
+    holder["self"] = holder
+
+
 def test_train_bench_pack_auto_trains_the_probes_pick(tmp_path, capsys, packs) -> None:
     """`pomona bench train --pack auto --memory-limit-gb G`: the probe's rows (peaks
     growing with the pack), its pick within G, and that pack trained as one. Without a
-    limit: one line. Would catch: a pick the probe did not measure, or the pick not trained."""
+    limit: one line. Would catch: a pick the probe did not measure, the pick not trained,
+    or an earlier test's arrays left in a reference cycle counted in the first pack's peak
+    (the flake CI met: a pack of one above a pack of two)."""
     from benchmarks.train_bench import main
 
     args = [*PACK_SHAPE, "--work", str(tmp_path), "--pack", "auto"]
     assert main(args) == 2
     assert "--pack auto: give --memory-limit-gb" in capsys.readouterr().err
-    assert main([*args, "--memory-limit-gb", "100", "--json"]) == 0
+    gc.disable()  # the garbage stays until the probe itself collects
+    try:
+        _garbage_cycle(mx.zeros((1 << 20,), mx.float32))  # 4 MiB, above a step of the pack
+        assert main([*args, "--memory-limit-gb", "100", "--json"]) == 0
+    finally:
+        gc.enable()
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     peaks = [r["peak_gb"] for r in out["probe"]]
     assert len(peaks) == 8 and all(a < b for a, b in itertools.pairwise(peaks))

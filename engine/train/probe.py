@@ -13,6 +13,7 @@ peak is per process and weights count in it.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -113,6 +114,7 @@ def after_warmup(steps: Iterator[Any]) -> tuple[float, float]:
     allocator, the update's compile), which both leave out."""
     next(steps)
     mx.synchronize()  # the warm-up's queued work done: none of its buffers in the peak
+    gc.collect()  # arrays an earlier run left in reference cycles: not this run's peak
     mx.clear_cache()
     mx.reset_peak_memory()
     t0 = time.perf_counter()
