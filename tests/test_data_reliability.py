@@ -329,7 +329,7 @@ def test_a_shard_edited_in_place_is_refused_by_every_reader(tiny_model, tmp_path
     sweep said "2 cached" and `pomona train` trained on it without a word; the manifest's
     SHA-256 of each shard was never checked outside tokenize. Would catch: any reader
     (train, score, preprocess, the sweep's data key) opening the shards unchecked."""
-    from tasks.sweep.run import data_fingerprint
+    from tasks.sweep.sweep_plan import data_fingerprint
 
     src, out = jsonl(tmp_path / "in.jsonl", explicit(30)), tmp_path / "ds"
     assert tokenize(tiny_model, src, out, "--no-preprocess").exit_code == 0

@@ -81,7 +81,7 @@ def test_a_grpo_spec_sweeps_its_settings_and_refuses_what_it_cannot_run() -> Non
 def test_an_edited_python_reward_keys_its_trials_anew(tmp_path) -> None:
     """The reward's module bytes are in the trial's cache key (as a ``python:`` scorer's
     are in an evaluation's): the same file keeps the key, an edit changes it."""
-    from tasks.sweep.run import cache_key
+    from tasks.sweep.sweep_plan import cache_key
 
     name = verifier(tmp_path)
     spec = parse_spec(grpo_spec("m", "d", f"python:{name}:score"))

@@ -117,7 +117,7 @@ def test_cache_keys_are_pinned(tiny_model: Path, tmp_path: Path, monkeypatch) ->
     resolver and the hashing were made one (issue 26): a change to either that moved them
     would re-run every cached trial and re-tokenize every dataset."""
     from tasks.data.tokenize import tokenize_dataset
-    from tasks.sweep.run import data_fingerprint
+    from tasks.sweep.sweep_plan import data_fingerprint
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     raw = tmp_path / "raw.jsonl"

@@ -150,7 +150,7 @@ def test_a_sweep_sets_fixed_pairs_beside_online_ones_and_keys_the_reward(tmp_pat
     """``grid: {pairs: [fixed, online]}``: the fixed trial reads no sampling setting (its
     config and key are a fixed run's), the online one does, and only its key holds the
     reward module's bytes; packs, gangs, an auto setting and no reward are refused."""
-    from tasks.sweep.run import cache_key
+    from tasks.sweep.sweep_plan import cache_key
     from tests.test_grpo_sweep import VERIFIER, verifier
 
     name = verifier(tmp_path)

@@ -18,7 +18,7 @@ def test_pack_reaches_the_rules_and_defaults_to_one() -> None:
     assert parse_spec({**BASE, "pack": 3}).rules.pack == 3
     assert parse_spec(BASE).rules.pack == 1
     auto = parse_spec({**BASE, "pack": "auto", "memory_budget_gb": 8})
-    assert auto.pack is AUTO and auto.rules.pack == 1  # sized once probed (SweepRun.rules)
+    assert auto.pack is AUTO and auto.rules.pack == 1  # sized once probed (SweepPlan.rules)
 
 
 @pytest.mark.parametrize("more, said", [

@@ -202,24 +202,22 @@ def test_a_spec_without_batch_size_evaluates_at_the_trainers_default(
         tiny_model, tiny_data, tmp_path) -> None:
     """Issue 52, case 5: a trial whose spec set no batch_size trained at TrainConfig's
     default (4) and was evaluated at 8, a batch twice as large as the one that fit. The
-    rows are those the sweep writes (``SweepRun.finish`` of its plans): a column for every
+    rows are those the sweep writes (``SweepPlan.table`` of its plans): a column for every
     effective setting, the spec's or a default, so evaluation reads what trained. Would
     catch: a param/ column only for what the spec set, or evaluation guessing one."""
     from engine.losses import OWNERS
     from engine.settings.config import TrainConfig
     from tasks.nodes.placement import Placement
     from tasks.prefect.pipeline_tasks import eval_settings
-    from tasks.sweep.run import SweepRun
+    from tasks.sweep.sweep_plan import plan_sweep
     from tasks.sweep.sweep_spec import load_spec
     from tasks.sweep.trial_plan import PATHS
 
     spec = tmp_path / "spec.yaml"
     spec.write_text(f"name: s\nmodel: {tiny_model}\ndata: {tiny_data}\nsearch: grid\n"
                     "grid: {learning_rate: [1.0e-5, 2.0e-5]}\n")
-    sweep = SweepRun(load_spec(spec), tmp_path / "out", Placement(), None)
-    source, _ = sweep.list_source()
-    sweep.configs.update({p.id: p.params() for p in source.trials})
-    rows = sweep.finish([{"trial_id": p.id, "status": "completed"} for p in source.trials], None)
+    plan = plan_sweep(load_spec(spec), tmp_path / "out", Placement())
+    rows = plan.table([{"trial_id": p.id, "status": "completed"} for p in plan.todo], {}, [])
     defaults = TrainConfig.defaults()
     settings = {f"param/{k}" for k in defaults if k not in PATHS
                 and (k not in OWNERS or OWNERS[k].kind == "orpo")}

@@ -321,7 +321,7 @@ def test_review_fixes_probe_keys_paths_and_identical_rows(tiny_model: Path, tiny
     import shutil
 
     from engine.train.probe import probe_steps
-    from tasks.sweep.run import cache_key
+    from tasks.sweep.sweep_plan import cache_key
     from tasks.sweep.sweep_spec import SpecError, parse_spec
 
     rows = probe_steps(cfg(tiny_model, tiny_data, tmp_path / "p", loss="dpo"),

@@ -55,14 +55,12 @@ def test_results_keep_every_trial_whatever_a_parameter_column_mixes(tmp_path: Pa
 
 def _keys(model: Path, data: Path, out: Path) -> list[str]:
     from tasks.nodes.placement import Placement
-    from tasks.sweep.run import SweepRun
+    from tasks.sweep.sweep_plan import SweepInputs
 
     spec = parse_spec({**SPEC, "model": str(model), "data": str(data),
                        "grid": {"seed": [0, 1]}})
-    run = SweepRun(spec, out, Placement(), None)
-    for trial in spec.trials(out):
-        run.cached(trial)
-    return sorted(run.keys.values())
+    inputs = SweepInputs.read(spec, out, Placement())
+    return sorted(inputs.keyed(trial).key for trial in spec.trials(out))
 
 
 def test_caches_key_on_the_model_bytes_not_its_path(tmp_path: Path, monkeypatch) -> None:
@@ -268,7 +266,7 @@ def test_no_prefect_task_or_flow_would_pickle_its_result() -> None:
 def test_a_warm_start_is_keyed_on_its_bytes_not_its_path(tmp_path: Path, monkeypatch) -> None:
     """Item 8: re-training a warm_start adapter in place gave "1 cached" (the key held its
     path). Would catch: a cache key that does not change with the adapter's bytes."""
-    from tasks.sweep.run import cache_key
+    from tasks.sweep.sweep_plan import cache_key
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     warm = tmp_path / "warm"

@@ -13,7 +13,7 @@ import pytest
 
 from tasks.board.leaderboard import rank_trials
 from tasks.board.results_table import MISSING, read_results, write_results
-from tasks.sweep.run import previous_results
+from tasks.sweep.sweep_plan import previous_results
 
 pytestmark = pytest.mark.unit
 

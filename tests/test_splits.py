@@ -137,7 +137,7 @@ def test_an_old_dataset_loads_without_test_rows_and_preprocess_carves_them(
     fingerprint trials are cached on."""
     from tasks.data.preprocess import preprocess_dataset
     from tasks.data.tokenize import TokenizeOptions, tokenize_dataset
-    from tasks.sweep.run import data_fingerprint
+    from tasks.sweep.sweep_plan import data_fingerprint
 
     rows = [{"id": f"s{i}", "prompt": f"Sort: {i} 0", "chosen": f" 0 {i}",
              "rejected": f" {i} 0"} for i in range(1, 161)]
@@ -344,7 +344,7 @@ def test_a_prompts_pairs_share_one_split_and_an_old_split_is_refused(
     from tasks.data.dataset_dir import read_table
     from tasks.data.preprocess import preprocess_dataset
     from tasks.data.tokenize import TokenizeOptions, tokenize_dataset
-    from tasks.sweep.run import data_fingerprint
+    from tasks.sweep.sweep_plan import data_fingerprint
 
     rows = [{"id": f"q{q}-{k}", "prompt": f"Sort: {q} 0" + " " * (k % 2),  # spacing varies
              "chosen": f" 0 {q}", "rejected": f" {q} {k} 0"}

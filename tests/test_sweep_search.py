@@ -51,7 +51,7 @@ def test_segment_size_auto_fits_the_budget(ray_cluster, tiny_model, tiny_data, t
     """Two budgets from the probe's own measurements: the smaller picks a smaller size, and
     re-running the same sweep under it re-trains (the resolved size is part of the key)."""
     from tasks.sweep.memory_probe import AUTO_HEADROOM, per_rank, probe_key
-    from tasks.sweep.run import data_fingerprint
+    from tasks.sweep.sweep_plan import data_fingerprint
 
     raw = _spec(tiny_model, tiny_data, fixed={"segment_size": "auto", "head_chunk": 16,
                                               "batch_size": 8, "steps": 2, "val_every": 0},

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from engine.settings.config import TrainConfig
-from tasks.sweep.run import cache_key
+from tasks.sweep.sweep_plan import cache_key
 from tasks.sweep.sweep_spec import parse_spec
 from tasks.sweep.trial_plan import AUTO, TrialPlan
 
@@ -70,7 +70,7 @@ def test_train_config_is_built_once_per_trial_from_spec_to_actor(
 
     from engine.settings import reference_kind
     from tasks.nodes.placement import Placement
-    from tasks.sweep.run import SweepRun
+    from tasks.sweep.sweep_plan import plan_sweep
 
     built = {"driver": 0, "probe": 0, "actor": 0}
     where = ["driver"]
@@ -117,17 +117,16 @@ def test_train_config_is_built_once_per_trial_from_spec_to_actor(
     monkeypatch.setattr(TrainConfig, "check_values", counted_check)
     monkeypatch.setattr(Placement, "fresh_task", lambda self, fn, env=None: InProcess(fn))
     monkeypatch.setattr(ray, "get", lambda value: value)
-    sweep = SweepRun(spec, tmp_path / "sweep", Placement(), None)
-    source, _ = sweep.list_source()
-    sent = [pickle.dumps(p.to_dict()) for p in source.trials]
+    plan = plan_sweep(spec, tmp_path / "sweep", Placement())
+    sent = [pickle.dumps(p.to_dict()) for p in plan.todo]
     assert built["driver"] == 3 + 1 and built["probe"] >= 1  # the probe's rebuild, its sizes
     where.append("actor")
     actors = [TrialPlan.from_dict(pickle.loads(s)) for s in sent]
     assert (built["driver"], built["actor"]) == (4, 3)
-    [auto] = [a for a in actors if a.id in sweep.notes]  # the probe's pick, sent
+    [auto] = [a for a in actors if plan.keyed[a.id].plan.probed]  # the probe's pick, sent
     assert auto.config.segment_size in (0, 1, 2) and not auto.auto
     assert [a.config.segment_size for a in actors][1:] == [1, 2]
-    assert set(sweep.keys) == {a.id for a in actors}  # each keyed for the cache
+    assert set(plan.keyed) == {a.id for a in actors}  # each keyed for the cache
     assert checked == built  # validated once a build, the actor's three included
     assert (parsed["driver"], parsed["actor"]) == (3, 3)  # once a trial in each process
     assert parsed["probe"] <= built["probe"]  # at most once a build there too
@@ -141,13 +140,12 @@ def test_a_point_no_config_takes_is_one_failed_row_and_the_others_run(
     planned, as when the bad one failed in its actor. Would catch: the whole sweep refused
     for one point, or the point dropped from the table."""
     from tasks.nodes.placement import Placement
-    from tasks.sweep.run import SweepRun
+    from tasks.sweep.sweep_plan import SweepInputs
 
     spec = parse_spec({"name": "x", "model": str(tiny_model), "data": str(tiny_data),
                        "fixed": {"steps": 1},
                        "grid": {"mlp_chunk": [0, 64], "lora_dropout": [0.0, 0.1]}})
-    run = SweepRun(spec, tmp_path / "out", Placement(), None)
-    planned, refused = run.plan_points()
+    planned, refused = SweepInputs.read(spec, tmp_path / "out", Placement()).plan_points()
     assert len(planned) == 3
     [bad] = refused
     assert bad["status"] == "failed" and "mlp_chunk" in bad["reason"] and bad["reason"].startswith(

@@ -51,7 +51,7 @@ from tasks.eval.scorers import ScorerError, scorer_code
 from tasks.nodes.placement import Placement
 from tasks.nodes.trial_inputs import SweepFiles
 from tasks.prefect.run_log import in_run_log
-from tasks.sweep.run import CODE_VERSION, data_fingerprint
+from tasks.sweep.sweep_plan import CODE_VERSION, data_fingerprint
 from tasks.sweep.sweep_spec import SpecError, SweepSpec
 from tasks.sweep.warm_start import LORA_SHAPE, sft_warm_start, start_key
 from tasks.track.tracker import track_board

@@ -76,13 +76,12 @@ def per_rank(plan: TrialPlan, ranks: int) -> dict[str, Any]:
 
 
 def resolve_auto(plans: list[TrialPlan], budget_gb: float, placement: Placement,
-                 fingerprint: str, cache: Path, ranks: int = 1
-                 ) -> tuple[list[TrialPlan], dict[str, str]]:
+                 fingerprint: str, cache: Path, ranks: int = 1) -> list[TrialPlan]:
     """The plans with every ``segment_size`` still auto resolved to the size that fits the
-    budget, and, per resolved trial, the probed peaks it was chosen from (JSON, for the
-    results). With ``ranks`` > 1 each rank holds a 1/ranks share of the batch: probed at
-    that. A plan's config holds an auto key at its default (0: the plain path), which is
-    what the probe starts from."""
+    budget, each resolved one holding the probed peaks it was chosen from (JSON, for the
+    results: ``TrialPlan.probed``). With ``ranks`` > 1 each rank holds a 1/ranks share of
+    the batch: probed at that. A plan's config holds an auto key at its default (0: the
+    plain path), which is what the probe starts from."""
     import ray
 
     known: dict[str, dict[str, float]] = json.loads(cache.read_text()) if cache.exists() else {}
@@ -99,7 +98,7 @@ def resolve_auto(plans: list[TrialPlan], budget_gb: float, placement: Placement,
             known[key] = {str(k): v for k, v in ray.get(ref).items()}
         cache.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(cache, json.dumps(known, indent=2, sort_keys=True) + "\n")
-    out, notes = [], {}
+    out = []
     for plan in plans:
         if "segment_size" in plan.auto:
             peaks = {int(k): v for k, v in
@@ -109,7 +108,7 @@ def resolve_auto(plans: list[TrialPlan], budget_gb: float, placement: Placement,
                 raise SpecError(f"trial {plan.id}: no segment size fits memory_budget_gb="
                                 f"{budget_gb:g} with {AUTO_HEADROOM:.0%} of the probed peak "
                                 f"(probed peaks, GB: {peaks})")
-            plan = plan.resolve({"segment_size": size})
-            notes[plan.id] = json.dumps({str(k): round(v, 4) for k, v in sorted(peaks.items())})
+            plan = plan.resolve({"segment_size": size}, json.dumps(
+                {str(k): round(v, 4) for k, v in sorted(peaks.items())}))
         out.append(plan)
-    return out, notes
+    return out

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import threading
-import time
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -27,36 +25,31 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.data.shards import check_dataset
 from engine.data.unpaired import refuse_unpaired
-from engine.host.digests import file_digest
 from engine.host.outputs import claim, mark_kind, reading
-from engine.model.content_key import adapter_fingerprint, model_fingerprint, reference_key
 from engine.model.source import source_kind
-from engine.settings.config import TrainConfig
-from engine.settings.reference_kind import BASE
 from tasks.board.ranked_metric import metric_value
-from tasks.board.results_table import FINISHED, RESULTS, read_results, write_results
-from tasks.eval.rewards import reward_code
+from tasks.board.results_table import RESULTS, write_results
 from tasks.nodes.placement import Placement
 from tasks.nodes.preflight import preflight
 from tasks.sweep.attempts import EventHook
-from tasks.sweep.memory_probe import resolve_auto
-from tasks.sweep.pack_sizes import size_packs
+from tasks.sweep.optuna_search import OptunaSource, Study
 from tasks.sweep.scheduler import ListSource, TrialsInterrupted, Wrap, run_trials
-from tasks.sweep.sweep_spec import PlanError, SpecError, SweepSpec, trial_id
+from tasks.sweep.sweep_plan import (
+    CODE_VERSION,
+    Keyed,
+    PlannedSource,
+    SweepInputs,
+    SweepPlan,
+    data_fingerprint,
+    plan_sweep,
+)
+from tasks.sweep.sweep_spec import SpecError, SweepSpec
 from tasks.sweep.trial import Summary
-from tasks.sweep.trial_plan import AUTO, TrialPlan, param_columns, settings_of
-from tasks.sweep.trial_row import keep_row, recovered
-from tasks.sweep.trial_rules import TrialRules
+from tasks.sweep.trial_plan import TrialPlan
+from tasks.sweep.trial_row import keep_row
 from tasks.track.sinks import tracker_problem
 from tasks.track.tracker import Tracker
-
-# Bump when training semantics change: invalidates cached trials. 0.3.0: the test split
-# comes out of train, so a .jsonl without a split column trains on fewer rows. 0.4.0:
-# every validation reports logps/accuracies and logps/margin (what boards rank on). 0.5.0:
-# keyed on every effective setting (TrialPlan.params), defaults included, not the spec's.
-CODE_VERSION = "0.5.0"
 
 
 def plan_line(counts: dict[str, Any]) -> str:
@@ -71,23 +64,6 @@ def plan_line(counts: dict[str, Any]) -> str:
     return (f"{trials} trials: {counts.get('cached', 0)} cached, "
             f"{counts.get('to_run', trials)} to run on {counts.get('slots', 1)} slot(s)"
             f"{packs}")
-
-
-def data_fingerprint(data: str) -> str:
-    """The dataset manifest's fingerprint with its split, or a hash of the data file.
-    Preprocess re-splits in place keeping the fingerprint (an old dataset gains a test split
-    out of train): a trial cached before then trained on rows that are test now."""
-    path = Path(data)
-    if (manifest := path / "manifest.json").exists():
-        m = json.loads(manifest.read_text())
-        check_dataset(path, m)  # an edited shard, an old split: refused, never cached
-        options = m.get("options", {})
-        split = [m.get("preprocessed"), options.get("valid_fraction"),
-                 options.get("test_fraction")]
-        return hashlib.sha256(json.dumps([m["fingerprint"], *split]).encode()).hexdigest()
-    if path.is_file():
-        return file_digest(path)
-    raise FileNotFoundError(f"sweep data not found: {data}")
 
 
 def check_inputs(spec: SweepSpec) -> None:
@@ -132,25 +108,6 @@ def check_sweep_out(spec: SweepSpec, out: Path) -> None:
         pass
 
 
-def cache_key(config: TrainConfig, fingerprint: str, model_key: str) -> str:
-    """What a trial's result depends on: every effective setting of its config
-    (``TrialPlan.params``: a changed default re-trains), the model's bytes (``model_key``:
-    engine/model/content_key.py), a warm start's, a DPO reference adapter's, a reference
-    file's and a ``python:`` reward's bytes (never paths: each re-made in place is another
-    start), the data, the code."""
-    body = json.dumps(settings_of(config), sort_keys=True, default=str)
-    text = f"{body}|{model_key}|{fingerprint}|{CODE_VERSION}"
-    if config.warm_start:
-        text += f"|{adapter_fingerprint(config.warm_start)}"
-    if config.reference != BASE:
-        text += f"|reference:{reference_key(config.reference)}"
-    if config.reference_logps:
-        text += f"|reference_logps:{file_digest(config.reference_logps)}"
-    if code := reward_code(config.loss):
-        text += f"|reward:{','.join(code)}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
 def check_cluster(placement: Placement, resources: dict[str, float], expected: int = 1,
                   ranks: int = 1) -> int:
     """Concurrent trials the cluster offers for ``placement`` (each ``ranks`` slots); raise
@@ -177,11 +134,6 @@ def check_cluster(placement: Placement, resources: dict[str, float], expected: i
     return int(have // ranks)
 
 
-def previous_results(out: Path) -> dict[str, dict[str, Any]]:
-    rows = read_results(out, usable=False) if (out / RESULTS).exists() else []
-    return {r["trial_id"]: r for r in rows}  # usable=False: weights are the board's to check
-
-
 def run_sweep(spec: SweepSpec, out: Path, placement: Placement | None = None,
               progress: EventHook | None = None, wrap: Wrap | None = None) -> list[Summary]:
     """Run ``spec``'s trials on the connected Ray cluster into ``out``.
@@ -200,66 +152,91 @@ def _run_sweep(spec: SweepSpec, out: Path, placement: Placement, progress: Event
                wrap: Wrap | None) -> list[Summary]:
     import ray
 
-    sweep = SweepRun(spec, Path(out), placement or Placement(), progress)
-    sweep.emit("preflight", {"nodes": preflight(sweep.placement)})
-    slots = check_cluster(sweep.placement, ray.cluster_resources(), spec.max_concurrent,
+    if progress:
+        progress("preflight", {"nodes": preflight(placement)})
+    slots = check_cluster(placement, ray.cluster_resources(), spec.max_concurrent,
                           spec.ranks_per_trial)
     concurrent = min(slots, spec.max_concurrent)
-    source, study = sweep.optuna_source() if spec.search == "optuna" else sweep.list_source()
-    sweep.emit("plan", {**sweep.plan_counts, "slots": concurrent})
-    sweep.source = source
+    plan = plan_sweep(spec, out, placement)
+    source, study = (optuna_source(plan.inputs) if spec.search == "optuna"
+                     else (ListSource(list(plan.todo)), None))
+    sweep = SweepRun(plan, source, progress)
+    sweep.emit("plan", {**plan.counts, "slots": concurrent})
     tracker = Tracker.start(out, spec.report_to, sweep.info())
-    with tracker.live(sweep.configs, sweep.rows_now) if tracker else nullcontext():
+    with tracker.live(sweep.asked_params, sweep.rows_now) if tracker else nullcontext():
         try:
-            rows = run_trials(_Recording(source, sweep.configs), sweep.placement,
-                              sweep.rules(concurrent), study=study, on_event=sweep.on_event,
-                              wrap=wrap)
+            rows = run_trials(sweep, placement, plan.rules(concurrent), study=study,
+                              on_event=sweep.on_event, wrap=wrap)
         except TrialsInterrupted as stop:
             sweep.write(stop.rows)
             raise
         return sweep.write(rows)  # written before the trackers' last sync reads it
 
 
-class SweepRun:
-    """One run of a spec: the cache it reads, the trials it resolves, the rows it writes."""
+def optuna_source(inputs: SweepInputs) -> tuple[OptunaSource, Any]:
+    """Optuna's study (a Ray actor) and the source that plans each trial it asks: resolved by
+    the memory probe, answered from the cache where an earlier run finished it."""
+    import ray
 
-    def __init__(self, spec: SweepSpec, out: Path, placement: Placement,
-                 progress: EventHook | None):
-        self.spec, self.out, self.placement, self.progress = spec, out, placement, progress
-        self.fingerprint = data_fingerprint(spec.data)
-        self.model_key = model_fingerprint(spec.model)
-        self.before = previous_results(out)
-        self.keys: dict[str, str] = {}  # trial id -> cache key of its resolved config
-        self.notes: dict[str, str] = {}  # trial id -> probed peaks behind segment_size: auto
-        self.pack_limits: dict[str, int] = {}  # pack: auto: trial id -> its largest pack
-        self.pack_notes: dict[str, str] = {}  # trial id -> the pack probe's peaks behind it
-        self.configs: dict[str, dict[str, Any]] = {}  # trial id -> its plan's params()
-        self.done: list[Summary] = []  # completed in an earlier run: not run again
-        self.rank: dict[str, int] = {}  # grid/random: the spec's order
-        self.plan_counts: dict[str, Any] = {}
-        self.source: Any = None
+    spec = inputs.spec
+    study = ray.remote(num_cpus=0)(Study).remote(spec.space, spec.mode, spec.seed,
+                                                 spec.pruning)
+
+    def build(params: dict[str, Any], number: int) -> TrialPlan:
+        [plan] = inputs.resolve([spec.plan(params, inputs.out, number)])
+        return plan
+
+    return OptunaSource(spec, study, build, lambda plan: inputs.cached(inputs.keyed(plan)),
+                        lambda s: metric_value(s, spec.metric)), study
+
+
+class SweepRun:
+    """A planned sweep running: the trials its source asked (keyed, for the trackers and the
+    table), the rows finished so far, each written to results.parquet as it finishes. It
+    is the scheduler's source: each trial asked is recorded before it runs."""
+
+    def __init__(self, plan: SweepPlan, source: PlannedSource, progress: EventHook | None):
+        self.plan, self.source, self.progress = plan, source, progress
+        self.asked: dict[str, Keyed] = {}  # trials the source asked this run, by id
         self.finished: list[Summary] = []  # this run's trials, as they finish
         self.lock = threading.Lock()
+
+    def ask(self) -> TrialPlan | None:
+        trial = self.source.ask()
+        if trial is not None:
+            keyed = self.plan.keyed.get(trial.id) or self.plan.inputs.keyed(trial)
+            with self.lock:
+                self.asked[trial.id] = keyed
+        return trial
+
+    def tell(self, trial: TrialPlan, summary: Summary) -> None:
+        self.source.tell(trial, summary)
+
+    def asked_params(self) -> dict[str, dict[str, Any]]:
+        """The settings of the trials asked so far: the runs the trackers open before a
+        trial has its row (a row's own param/ columns stand for the rest)."""
+        with self.lock:
+            return {tid: k.plan.params() for tid, k in self.asked.items()}
 
     def info(self) -> dict[str, Any]:
         """The sweep as its trackers tag it: its spec, data, model and code."""
         from importlib.metadata import PackageNotFoundError, version
 
-        spec = json.loads(json.dumps(dataclasses.asdict(self.spec), default=str))
+        inputs = self.plan.inputs
+        spec = json.loads(json.dumps(dataclasses.asdict(inputs.spec), default=str))
         try:
             pomona = version("pomona")
         except PackageNotFoundError:  # run from a checkout that was never installed
             pomona = "unknown"
-        return {"name": self.spec.name, "spec": spec, "data_fingerprint": self.fingerprint,
-                "model_key": self.model_key, "version": pomona,
-                "code_version": CODE_VERSION, "sweep_dir": str(self.out.resolve())}
+        return {"name": inputs.spec.name, "spec": spec, "data_fingerprint": inputs.fingerprint,
+                "model_key": inputs.model_key, "version": pomona,
+                "code_version": CODE_VERSION, "sweep_dir": str(inputs.out.resolve())}
 
     def rows_now(self) -> dict[str, Summary]:
         """This run's rows so far (cached, refused, finished), by trial id: what its
         trackers send while results.parquet still holds an earlier run's."""
-        with self.lock:  # copies: finish() adds columns to these rows as it writes
-            rows = [dict(r) for r in (*self.done, *getattr(self.source, "reused", []),
-                                      *self.finished)]
+        with self.lock:  # copies: table() adds columns to these rows as it writes
+            rows = [dict(r) for r in (*self.plan.done, *self.source.reused, *self.finished)]
         return {r["trial_id"]: r for r in rows}
 
     def emit(self, kind: str, summary: Summary) -> None:
@@ -273,128 +250,16 @@ class SweepRun:
             with self.lock:
                 self.finished.append(summary)
                 rows = list(self.finished)
+                key = self.plan.key_of(summary.get("trial_id", ""), self.asked)
             with contextlib.suppress(Exception):  # a re-run recognises the trial by it
-                keep_row(self.out, summary, self.keys.get(summary.get("trial_id")))
+                keep_row(self.plan.inputs.out, summary, key)
             with contextlib.suppress(Exception):  # the final write reports it; trials go on
                 self.write(rows)
         self.emit(kind, summary)
 
-
     def write(self, rows: list[Summary]) -> list[Summary]:
         """Every trial's row (cached, reused, run now) to results.parquet, atomically."""
         with self.lock:
-            ordered = self.finish(rows, self.source)
-            write_results(ordered, self.out / RESULTS, sweep=True)
+            ordered = self.plan.table(rows, self.asked, self.source.reused)
+            write_results(ordered, self.plan.inputs.out / RESULTS, sweep=True)
         return ordered
-
-    def cached(self, plan: TrialPlan) -> Summary | None:
-        """The earlier finished result of exactly this trial (completed, or degenerate: the
-        same inputs collapse again), if its adapter is on disk."""
-        key = self.keys[plan.id] = cache_key(plan.config, self.fingerprint, self.model_key)
-        old = self.before.get(plan.id)
-        if not (old and old.get("status") in FINISHED and old.get("cache_key") == key):
-            old = recovered(self.out, plan.id, key)  # finished, its row lost with the table
-        ok = old and (self.out / plan.id / "adapters.safetensors").exists()
-        return {**old, "skipped": True} if ok else None
-
-    def rules(self, concurrent: int) -> TrialRules:
-        """The spec's rules at ``concurrent`` trials at a time; under ``pack: auto``, each
-        trial's pack as the probe sized it (up to the largest of them)."""
-        rules = dataclasses.replace(self.spec.rules, max_concurrent=concurrent)
-        if not self.pack_limits:
-            return rules
-        return dataclasses.replace(rules, pack=max(self.pack_limits.values()),
-                                   pack_limits=tuple(sorted(self.pack_limits.items())))
-
-    def resolve(self, plans: list[TrialPlan]) -> list[TrialPlan]:
-        """Every key still auto replaced by the probed size that fits the budget."""
-        if not any(p.auto for p in plans):
-            return plans
-        resolved, notes = resolve_auto(plans, self.spec.memory_budget_gb, self.placement,
-                                       self.fingerprint, self.out / "probes.json",
-                                       self.spec.ranks_per_trial)
-        self.notes.update(notes)
-        return resolved
-
-    def list_source(self) -> tuple[ListSource, None]:
-        planned, refused = self.plan_points()
-        planned = self.resolve(planned)
-        self.rank = {trial_id(p): i for i, p in enumerate(self.spec.points())}
-        self.done = [c for p in planned if (c := self.cached(p)) is not None]
-        for row in self.done:
-            self.configs[row["trial_id"]] = {k[len("param/"):]: v for k, v in row.items()
-                                             if k.startswith("param/")}
-        skip = {d["trial_id"] for d in self.done}
-        todo = [p for p in planned if p.id not in skip]
-        if self.spec.pack is AUTO:  # only the trials to run are packed, so sized
-            self.pack_limits, self.pack_notes = size_packs(
-                todo, self.spec.memory_budget_gb, self.placement, self.fingerprint,
-                self.out / "probes.json")
-        self.plan_counts = {"trials": len(planned) + len(refused), "cached": len(self.done),
-                            "to_run": len(todo)}
-        if self.pack_limits:
-            self.plan_counts["pack_auto"] = max(self.pack_limits.values())
-        self.done += refused
-        return ListSource(todo), None
-
-    def plan_points(self) -> tuple[list[TrialPlan], list[Summary]]:
-        """Every listed point planned; a point no TrainConfig takes (a rule across fields,
-        e.g. mlp_chunk with lora_dropout) is a failed row naming why, and the others run."""
-        planned, refused = [], []
-        for params in self.spec.points():
-            try:
-                planned.append(self.spec.plan(params, self.out))
-            except PlanError as err:
-                tid, now = trial_id(params), time.time()
-                refused.append({"trial_id": tid, "status": "failed", "reason": str(err),
-                                "started": now, "ended": now, **param_columns(params)})
-        return planned, refused
-
-    def optuna_source(self) -> tuple[Any, Any]:
-        import ray
-
-        from tasks.sweep.optuna_search import OptunaSource, Study
-
-        spec = self.spec
-        study = ray.remote(num_cpus=0)(Study).remote(spec.space, spec.mode, spec.seed,
-                                                     spec.pruning)
-
-        def build(params: dict[str, Any], number: int) -> TrialPlan:
-            [plan] = self.resolve([spec.plan(params, self.out, number)])
-            return plan
-
-        self.plan_counts = {"trials": spec.num_samples, "search": "optuna"}
-        return OptunaSource(spec, study, build, self.cached,
-                            lambda s: metric_value(s, spec.metric)), study
-
-    def finish(self, rows: list[Summary], source: Any) -> list[Summary]:
-        """Every trial's row: cached, reused by Optuna, or run now; params and keys added."""
-        ordered = [*self.done, *getattr(source, "reused", []), *rows]
-        if self.rank:  # grid/random: the spec's order, whatever ran first
-            ordered.sort(key=lambda r: self.rank.get(r["trial_id"], len(self.rank)))
-        for r in ordered:
-            config = self.configs.get(r["trial_id"]) or {}
-            r.setdefault("cache_key", self.keys.get(r["trial_id"]))
-            r.setdefault("skipped", False)
-            r.update({f"param/{k}": v for k, v in config.items()})
-            if r["trial_id"] in self.notes:
-                r["segment_size_probe_gb"] = self.notes[r["trial_id"]]
-            if r["trial_id"] in self.pack_notes:
-                r["pack_probe_gb"] = self.pack_notes[r["trial_id"]]
-        return ordered
-
-
-class _Recording:
-    """A trial source that remembers each asked trial's config for the results table."""
-
-    def __init__(self, source: Any, configs: dict[str, dict[str, Any]]):
-        self.source, self.configs = source, configs
-
-    def ask(self) -> TrialPlan | None:
-        trial = self.source.ask()
-        if trial is not None:
-            self.configs[trial.id] = trial.params()
-        return trial
-
-    def tell(self, trial: TrialPlan, summary: Summary) -> None:
-        self.source.tell(trial, summary)

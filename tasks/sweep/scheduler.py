@@ -50,9 +50,11 @@ class TrialSource(Protocol):
 
 @dataclass
 class ListSource:
-    """A fixed list of trials (grid and random search)."""
+    """A fixed list of trials (grid and random search); it answers none from an earlier
+    run itself (``reused``: the sweep plan took the cached ones out first)."""
 
     trials: list[TrialPlan]
+    reused: list[Summary] = field(default_factory=list)
     _next: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 

@@ -133,7 +133,7 @@ class SweepSpec:
     @property
     def rules(self) -> TrialRules:
         """How its trials run: at once, time limit, retries, ranks, the metric reported."""
-        pack = 1 if self.pack is AUTO else self.pack  # auto: sized once probed (SweepRun)
+        pack = 1 if self.pack is AUTO else self.pack  # auto: sized once probed (SweepPlan)
         return TrialRules(self.max_concurrent, self.time_limit_s, self.retries,
                           self.retry_delay_s, self.ranks_per_trial, self.metric, pack)
 

@@ -2,7 +2,7 @@
 
     plan = spec.plan(params, out)          # tasks/sweep/sweep_spec.py: its one TrainConfig
     plan = plan.resolve({"segment_size": 4})   # tasks/sweep/memory_probe.py: auto -> int
-    plan.params()                          # tasks/sweep/run.py: cache key, param/ columns
+    plan.params()                          # tasks/sweep/sweep_plan.py: key, param/ columns
     actor.run.remote(plan.to_dict())       # tasks/sweep/attempts.py, tasks/sweep/gang.py
     TrialPlan.from_dict(data).config       # tasks/sweep/trial.py: rebuilt once, in the actor
 
@@ -66,6 +66,7 @@ class TrialPlan:
     config: TrainConfig
     auto: frozenset[str] = frozenset()
     number: int | None = None
+    probed: str | None = None  # the memory probe's peaks (GB by size, JSON) a pick came from
 
     @classmethod
     def make(cls, trial_id: str, fields: dict[str, Any], number: int | None = None
@@ -78,14 +79,15 @@ class TrialPlan:
         config.validate()
         return cls(trial_id, config, auto, number)
 
-    def resolve(self, picks: dict[str, int]) -> TrialPlan:
+    def resolve(self, picks: dict[str, int], probed: str | None = None) -> TrialPlan:
         """The plan with ``picks`` for keys that were auto (no other key may change): its
-        config rebuilt with them, the one other build a plan has on the driver."""
+        config rebuilt with them, the one other build a plan has on the driver; ``probed``:
+        the probe's peaks they were picked from (the results' segment_size_probe_gb)."""
         wrong = sorted(set(picks) - self.auto)
         if wrong:
             raise ValueError(f"trial {self.id}: {', '.join(wrong)} was not auto")
         return dataclasses.replace(self, config=self.config.replace(**picks),
-                                   auto=self.auto - set(picks))
+                                   auto=self.auto - set(picks), probed=probed)
 
     def params(self) -> dict[str, Any]:
         """Every effective setting by name (its results' ``param/`` columns, its cache key's
@@ -114,7 +116,7 @@ class TrialPlan:
 
 
 # A config's paths: never a setting's column or key (the model, data, warm start and
-# reference file are keyed by their bytes: tasks/sweep/run.py cache_key).
+# reference file are keyed by their bytes: tasks/sweep/sweep_plan.py cache_key).
 PATHS = ("model", "data", "out", "warm_start", "reference_logps")
 DEFAULTS = TrainConfig.defaults()
 

@@ -2,7 +2,7 @@
 driver, while the run goes and after.
 
     tracker = Tracker.start(sweep_dir, report_to, info)   # a session begins
-    with tracker.live(configs, rows_now): ...trials...    # synced every few seconds
+    with tracker.live(asked_now, rows_now): ...trials...    # synced every few seconds
     track_board(sweep_dir, board_dir)                     # the pipeline's board
     Tracker.resume(sweep_dir, retry_down=True).sync()     # pomona track
 
@@ -224,18 +224,17 @@ class Tracker:
         self.sync()
 
     @contextlib.contextmanager
-    def live(self, configs: dict[str, dict[str, Any]], rows_now: Callable[[], Rows],
-             every_s: float = 2.0) -> Iterator[None]:
-        """Sync every ``every_s`` while the block runs (``configs``: the settings of the
-        trials asked so far, as the scheduler fills it; ``rows_now``: the session's rows
-        so far), then once more: the session ended FINISHED, KILLED by Ctrl-C, or FAILED
-        when the block raised otherwise; a failure of that last sync never replaces the
-        block's exception."""
+    def live(self, asked_now: Callable[[], dict[str, dict[str, Any]]],
+             rows_now: Callable[[], Rows], every_s: float = 2.0) -> Iterator[None]:
+        """Sync every ``every_s`` while the block runs (``asked_now``: the settings of the
+        trials asked so far; ``rows_now``: the session's rows so far), then once more: the
+        session ended FINISHED, KILLED by Ctrl-C, or FAILED when the block raised otherwise;
+        a failure of that last sync never replaces the block's exception."""
         stop, ended = threading.Event(), "FINISHED"
 
         def loop() -> None:
             while not stop.wait(every_s):
-                self.sync(dict(configs), rows_now())
+                self.sync(asked_now(), rows_now())
 
         thread = threading.Thread(target=loop, name="pomona-track", daemon=True)
         thread.start()
@@ -248,7 +247,7 @@ class Tracker:
             stop.set()
             try:
                 thread.join()
-                self.sync(dict(configs), rows_now(), end=ended)
+                self.sync(asked_now(), rows_now(), end=ended)
             except BaseException:  # a second Ctrl-C while it sends: the first one stands
                 if ended == "FINISHED":
                     raise
