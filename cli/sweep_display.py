@@ -20,8 +20,8 @@ from tasks.board.leaderboard import why_unranked
 from tasks.board.ranked_metric import metric_value
 from tasks.nodes.cluster import Cluster
 from tasks.nodes.ray_session import RayAddressError
-from tasks.prefect.reference_task import make_references
 from tasks.sweep.memory_sweep import run_memory_sweep
+from tasks.sweep.references import make_references
 from tasks.sweep.run import check_inputs, check_sweep_out, plan_line, run_sweep
 from tasks.sweep.scheduler import TrialsInterrupted
 from tasks.sweep.spec_rules import check_kind
@@ -110,12 +110,9 @@ def run_sweep_cli(console: Console, spec_path: Path, out: Path | None, cluster: 
         else:
             display = SweepProgress(console, spec)
             with cluster.session(), display.progress:
-                made = make_references(spec, placement)  # once, before any trial waits on it
-                for ref in made:
-                    how = "were cached" if ref["cached"] else "computed"
-                    console.print(f"reference log-probs {how} in {ref['seconds']:.1f} s: "
-                                  f"{ref['path']}")
-                rows = run_sweep(spec, out, placement, progress=display)
+                rows = run_sweep(spec, out, placement, progress=display,
+                                 before_trials=lambda plan: print_references(
+                                     console, make_references(plan, placement)))
     except TrialsInterrupted:
         console.print(f"[bold yellow]interrupted:[/] running trials cancelled; results so far "
                       f"in {out / 'results.parquet'}")
@@ -133,6 +130,13 @@ def run_sweep_cli(console: Console, spec_path: Path, out: Path | None, cluster: 
     if (why := why_unranked(rows, spec.metric)) is not None:  # ran, but chose nothing
         console.print(f"[bold red]error:[/] sweep {spec.name}: {why}")
         raise typer.Exit(code=1)
+
+
+def print_references(console: Console, made: list[dict[str, Any]]) -> None:
+    """One line per reference the sweep's trials train against, made before any of them."""
+    for ref in made:
+        how = "were cached" if ref["cached"] else "computed"
+        console.print(f"reference log-probs {how} in {ref['seconds']:.1f} s: {ref['path']}")
 
 
 def run_results(out: Path) -> list[dict[str, Any]]:

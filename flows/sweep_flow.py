@@ -1,9 +1,9 @@
 """The sweep as a Prefect flow: every trial a task run, progress and results as artifacts.
 
-DPO trials' reference log-probs are made first, once per reference, as a task run of
-their own (tasks/prefect/reference_task.py). Trials still run in Ray actors
-(tasks/sweep/scheduler.py); the flow wraps each one in a task run
-named after the trial, so the Prefect UI shows each trial's state, duration and log
+Once the sweep is planned, its trials' reference log-probs (DPO, KTO) are made first, once
+per reference, as a task run of their own (tasks/prefect/reference_task.py). Trials still
+run in Ray actors (tasks/sweep/scheduler.py); the flow wraps each one in a task run named
+after the trial, so the Prefect UI shows each trial's state, duration and log
 lines (where it ran, retries after a lost node, its result). A progress artifact moves
 as trials finish; a table artifact lists every trial at the end. Artifact keys are
 lowercase letters, digits and dashes (Prefect's rule).
@@ -28,7 +28,7 @@ from tasks.board.ranked_metric import metric_value
 from tasks.nodes.cluster import Cluster
 from tasks.nodes.placement import Placement
 from tasks.prefect.pipeline_tasks import artifact_key
-from tasks.prefect.reference_task import reference_needs, run_reference_task
+from tasks.prefect.reference_task import reference_tasks
 from tasks.prefect.run_log import in_run_log
 from tasks.prefect.trial_task import trial_task
 from tasks.sweep.run import plan_line, run_sweep
@@ -77,10 +77,9 @@ def sweep_stage(spec: SweepSpec, out_dir: Path, placement: Placement) -> list[Su
     def wrap(trial: TrialPlan, run: Callable[[], Summary]) -> Summary:
         return trial_task(trial, run)
 
-    for i, (reference, options) in enumerate(reference_needs(spec)):  # once, for all
-        run_reference_task(reference, options, placement, f"{spec.name}-{i}")
     with in_run_log():  # a tracker that is down: one line on this flow run
-        rows = run_sweep(spec, out_dir, placement, progress=on_event, wrap=wrap)
+        rows = run_sweep(spec, out_dir, placement, progress=on_event, wrap=wrap,
+                         before_trials=lambda plan: reference_tasks(plan, placement))
     update_progress_artifact(progress_id, 100.0)
     create_table_artifact(table_rows(rows, spec.metric), key=artifact_key(spec.name, "trials"),
                           description=f"sweep {spec.name}: {out_dir / 'results.parquet'}")

@@ -124,8 +124,10 @@ def test_a_sweep_over_every_loss_trains_each_with_its_own_settings(
     in ``fixed`` off its default: every trial completes, its adapter records its own loss
     and its own settings alone; losses that read a reference get theirs made (KTO's with
     its KL partners: two files for the base when DPO and KTO both run)."""
-    from tasks.prefect.reference_task import reference_needs
+    from tasks.nodes.placement import Placement
+    from tasks.sweep.references import reference_needs
     from tasks.sweep.run import run_sweep
+    from tasks.sweep.sweep_plan import plan_sweep
 
     own = {cls.kind: next(iter(dataclasses.fields(cls)), None)
            for cls in PAIR_LOSSES.values()}
@@ -137,7 +139,8 @@ def test_a_sweep_over_every_loss_trains_each_with_its_own_settings(
                                  **fixed},
                        "grid": {"loss": sorted(PAIR_LOSSES)}})
     kinds = {cls.needs_kl for cls in REGISTRY if cls.needs_reference}
-    assert sorted(r.kl for r, _ in reference_needs(spec)) == sorted(kinds)
+    needs = reference_needs(plan_sweep(spec, tmp_path, Placement()))
+    assert sorted(r.kl for r, _ in needs) == sorted(kinds)
     rows = run_sweep(spec, tmp_path)
     assert [r["status"] for r in rows] == ["completed"] * len(PAIR_LOSSES), [
         r.get("reason") for r in rows]

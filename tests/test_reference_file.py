@@ -94,7 +94,7 @@ def test_pomona_sweep_makes_the_reference_before_its_trials(
         ray_cluster, tiny_model: Path, tiny_data: Path, tmp_path: Path) -> None:
     """Issue 38: `pomona sweep` left DPO's reference to its first trial, the others waiting
     on its lock, where the Prefect flow made it first; both now make it before any trial,
-    through one function (tasks/prefect/reference_task.py: reference_on_ray)."""
+    through one function (tasks/sweep/references.py: reference_on_ray)."""
     from typer.testing import CliRunner
 
     from cli.main import app

@@ -92,3 +92,28 @@ def test_sweep_run_holds_only_the_running_state(tmp_path: Path) -> None:
     (probe := tmp_path / "old.py").write_text(old)
     where, outside = assigned_attributes(probe, "SweepRun")
     assert where == {"a": {"__init__"}, "b": {"later"}} and outside == ["line 7: sweep.a"]
+
+
+@pytest.mark.unit
+def test_references_are_read_from_the_planned_trials(tiny_model: Path, tiny_data: Path,
+                                                    tmp_path: Path) -> None:
+    """``reference_needs(plan)``: each trial to run's own reference, as the trial reads it
+    (``reference_of``), once per distinct one; none for a trial naming its own file; for
+    Optuna, each loss its space may draw. Would catch: the spec's dicts read a second way
+    (an ``"orpo"`` default, ``grid[name][0]``), or a need the trials never read."""
+    from tasks.sweep.references import reference_needs
+    from tasks.sweep.sweep_spec import load_spec
+
+    base = {"name": "s", "model": str(tiny_model), "data": str(tiny_data)}
+    dpo = parse_spec({**base, "fixed": {"loss": "dpo", "batch_size": 2},
+                      "grid": {"learning_rate": [1e-5, 2e-5]}})
+    [(reference, options)] = reference_needs(plan_sweep(dpo, tmp_path / "a", Placement()))
+    assert (reference.model, reference.kl, options.batch_size) == (str(tiny_model), False, 2)
+    named = parse_spec({**base, "fixed": {"loss": "dpo", "reference_logps": str(tiny_data)}})
+    assert reference_needs(plan_sweep(named, tmp_path / "b", Placement())) == []
+    spec = tmp_path / "optuna.yaml"
+    spec.write_text(f"name: o\nmodel: {tiny_model}\ndata: {tiny_data}\nsearch: optuna\n"
+                    "num_samples: 2\nmetric: val/logps/accuracies\nmode: max\n"
+                    "space: {loss: {choice: [orpo, dpo, kto]}}\n")
+    drawn = reference_needs(plan_sweep(load_spec(spec), tmp_path / "c", Placement()))
+    assert sorted(r.kl for r, _ in drawn) == [False, True]  # DPO's, KTO's with partners

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import json
 import threading
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -135,21 +136,26 @@ def check_cluster(placement: Placement, resources: dict[str, float], expected: i
 
 
 def run_sweep(spec: SweepSpec, out: Path, placement: Placement | None = None,
-              progress: EventHook | None = None, wrap: Wrap | None = None) -> list[Summary]:
+              progress: EventHook | None = None, wrap: Wrap | None = None,
+              before_trials: Callable[[SweepPlan], Any] | None = None) -> list[Summary]:
     """Run ``spec``'s trials on the connected Ray cluster into ``out``.
 
     ``progress(kind, summary)`` hears "plan" (counts), "started", "running", "retry",
-    "lost" and "finished" events; ``wrap`` runs each trial (tasks/sweep/scheduler.py: run_trials).
-    Ctrl-C: results so far are written (running trials ``cancelled``), KeyboardInterrupt raised.
+    "lost" and "finished" events; ``wrap`` runs each trial (tasks/sweep/scheduler.py:
+    run_trials); ``before_trials(plan)`` runs once the sweep is planned, before any trial
+    (the reference pass: tasks/sweep/references.py). Ctrl-C: results so far are written
+    (running trials ``cancelled``), KeyboardInterrupt raised.
     """
     refuse_unpaired(data := Path(spec.data), "a sweep's leaderboard scores preference pairs")
     # The dataset held shared for the whole sweep: a writer is refused until it ends.
     with claim_sweep(spec, Path(out)), reading(data) if data.is_dir() else nullcontext():
-        return _run_sweep(spec, Path(out), placement or Placement(), progress, wrap)
+        return _run_sweep(spec, Path(out), placement or Placement(), progress, wrap,
+                          before_trials)
 
 
 def _run_sweep(spec: SweepSpec, out: Path, placement: Placement, progress: EventHook | None,
-               wrap: Wrap | None) -> list[Summary]:
+               wrap: Wrap | None, before_trials: Callable[[SweepPlan], Any] | None
+               ) -> list[Summary]:
     import ray
 
     if progress:
@@ -162,6 +168,8 @@ def _run_sweep(spec: SweepSpec, out: Path, placement: Placement, progress: Event
                      else (ListSource(list(plan.todo)), None))
     sweep = SweepRun(plan, source, progress)
     sweep.emit("plan", {**plan.counts, "slots": concurrent})
+    if before_trials:
+        before_trials(plan)
     tracker = Tracker.start(out, spec.report_to, sweep.info())
     with tracker.live(sweep.asked_params, sweep.rows_now) if tracker else nullcontext():
         try:

@@ -12,8 +12,10 @@ a re-run skips every trial whose completed result is on disk with the same key.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import time
 from collections.abc import Mapping
@@ -183,6 +185,12 @@ class SweepPlan:
     pack_limits: tuple[tuple[str, int], ...] = ()  # pack: auto: trial id -> its largest
     pack_notes: Mapping[str, str] = _none()  # the pack probe's peaks behind it
     counts: Mapping[str, Any] = _none()  # the plan line's (run.plan_line)
+    drawn: tuple[TrialPlan, ...] = ()  # Optuna: its fixed point with each loss and reference
+
+    def reference_trials(self) -> tuple[TrialPlan, ...]:
+        """The trials whose references are made before any runs (tasks/sweep/references.py):
+        those to run, or the points an Optuna study may draw as far as a reference goes."""
+        return (*self.todo, *self.drawn)
 
     def rules(self, concurrent: int) -> TrialRules:
         """The spec's rules at ``concurrent`` trials at a time; under ``pack: auto``, each
@@ -222,7 +230,7 @@ def plan_sweep(spec: SweepSpec, out: Path, placement: Placement) -> SweepPlan:
     inputs = SweepInputs.read(spec, out, placement)
     if spec.search == "optuna":
         return SweepPlan(inputs, counts=MappingProxyType(
-            {"trials": spec.num_samples, "search": "optuna"}))
+            {"trials": spec.num_samples, "search": "optuna"}), drawn=drawn_plans(inputs))
     planned, refused = inputs.plan_points()
     keyed = {p.id: inputs.keyed(p) for p in inputs.resolve(planned)}
     cached = [c for k in keyed.values() if (c := inputs.cached(k)) is not None]
@@ -238,3 +246,17 @@ def plan_sweep(spec: SweepSpec, out: Path, placement: Placement) -> SweepPlan:
                      MappingProxyType({trial_id(p): i for i, p in enumerate(spec.points())}),
                      tuple(sorted(limits.items())), MappingProxyType(pack_notes),
                      MappingProxyType(counts))
+
+
+def drawn_plans(inputs: SweepInputs) -> tuple[TrialPlan, ...]:
+    """An Optuna sweep's fixed point with each loss and reference its space may draw (each
+    combination a TrainConfig takes): what its trials' references are made from."""
+    spec = inputs.spec
+    choices = {name: dist.args for name in ("loss", "reference")
+               if (dist := spec.space.get(name)) is not None and dist.kind == "choice"}
+    plans = []
+    for values in itertools.product(*choices.values()):
+        with contextlib.suppress(PlanError):  # a combination no trial can draw
+            plans.append(spec.plan({**spec.fixed, **dict(zip(choices, values, strict=True))},
+                                   inputs.out))
+    return tuple(plans)
