@@ -24,8 +24,9 @@ from tasks.sweep.memory_sweep import run_memory_sweep
 from tasks.sweep.references import make_references
 from tasks.sweep.run import check_inputs, check_sweep_out, plan_line, run_sweep
 from tasks.sweep.scheduler import TrialsInterrupted
+from tasks.sweep.spec_file import load_spec
 from tasks.sweep.spec_rules import check_kind
-from tasks.sweep.sweep_spec import SpecError, SweepSpec, load_spec
+from tasks.sweep.sweep_spec import SpecError, SweepSpec
 from tasks.track.report_to import with_report_to
 
 

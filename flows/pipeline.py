@@ -59,8 +59,9 @@ from tasks.prefect.pipeline_tasks import (
     warm_start_task,
 )
 from tasks.sweep.run import is_sweep_dir
+from tasks.sweep.spec_file import load_spec
 from tasks.sweep.spec_rules import check_prompt_sweep
-from tasks.sweep.sweep_spec import SpecError, load_spec
+from tasks.sweep.sweep_spec import SpecError
 from tasks.track.report_to import with_report_to
 from tasks.track.sinks import tracker_problem
 

@@ -32,7 +32,8 @@ from tasks.prefect.reference_task import reference_tasks
 from tasks.prefect.run_log import in_run_log
 from tasks.prefect.trial_task import trial_task
 from tasks.sweep.run import plan_line, run_sweep
-from tasks.sweep.sweep_spec import SweepSpec, load_spec
+from tasks.sweep.spec_file import load_spec
+from tasks.sweep.sweep_spec import SweepSpec
 from tasks.sweep.trial import Summary
 from tasks.sweep.trial_plan import TrialPlan
 from tasks.track.report_to import with_report_to

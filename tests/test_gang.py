@@ -88,7 +88,8 @@ def test_spec_refuses_a_batch_the_ranks_cannot_split() -> None:
     """Before any rank starts: every batch size a trial may get must split over the ranks,
     and the cluster must hold one gang."""
     from tasks.sweep.run import check_cluster
-    from tasks.sweep.sweep_spec import SpecError, parse_spec
+    from tasks.sweep.spec_file import parse_spec
+    from tasks.sweep.sweep_spec import SpecError
 
     base = {"name": "g", "model": "m", "data": "d", "ranks_per_trial": 2}
     assert parse_spec({**base, "fixed": {"batch_size": 4}}).ranks_per_trial == 2

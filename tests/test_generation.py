@@ -121,7 +121,8 @@ def test_a_board_ranked_on_a_score_names_it_and_breaks_ties_by_training() -> Non
 
 @pytest.mark.unit
 def test_spec_checks_ranking_and_budget() -> None:
-    from tasks.sweep.sweep_spec import SpecError, parse_spec
+    from tasks.sweep.spec_file import parse_spec
+    from tasks.sweep.sweep_spec import SpecError
 
     base = {"name": "x", "model": "m", "data": "d"}
     spec = parse_spec({**base, "evaluation": {"scorers": ["task:add"], "prompts": 9},

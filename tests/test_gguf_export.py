@@ -198,7 +198,8 @@ def test_a_spec_export_is_checked_before_anything_runs(tmp_path: Path) -> None:
     """`export:` in a spec: a type it cannot write, or a family no GGUF holds, is one line
     before the pipeline's flow starts."""
     from flows.pipeline import check_pipeline_inputs
-    from tasks.sweep.sweep_spec import SpecError, load_spec
+    from tasks.sweep.spec_file import load_spec
+    from tasks.sweep.sweep_spec import SpecError
 
     raw = tmp_path / "raw.jsonl"
     raw.write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n')

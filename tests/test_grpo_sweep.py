@@ -16,8 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tasks.nodes.node_files import Bundle, local_reader
+from tasks.sweep.spec_file import parse_spec
 from tasks.sweep.spec_rules import SpecError
-from tasks.sweep.sweep_spec import parse_spec
 
 VERIFIER = '''
 def score(prompt, completion, row):

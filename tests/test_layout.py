@@ -349,13 +349,16 @@ def test_one_model_setup(package: str) -> None:
 
 
 MAX_LINES = 400  # a file longer than this holds more than one concept (issue 38)
+# Floors held shorter: where the next keys land, so a split comes by concept (issue 71).
+SHORTER = {"tasks/sweep": 330}
 
 
-@pytest.mark.parametrize("package", [*PACKAGES, "tests"])
+@pytest.mark.parametrize("package", [*PACKAGES, "tests", *SHORTER])
 def test_no_file_over_400_lines(package: str) -> None:
+    limit = SHORTER.get(package, MAX_LINES)
     long = [f"{p.relative_to(ROOT)}: {n} lines" for p in sorted((ROOT / package).rglob("*.py"))
-            if (n := len(p.read_text().splitlines())) > MAX_LINES]
-    assert not long, f"over {MAX_LINES} lines (split by concept):\n" + "\n".join(long)
+            if (n := len(p.read_text().splitlines())) > limit]
+    assert not long, f"over {limit} lines (split by concept):\n" + "\n".join(long)
 
 
 MAX_FUNCTION_LINES = 60  # a longer function holds more than one step (issue 53)

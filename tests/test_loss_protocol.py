@@ -23,8 +23,8 @@ from engine.losses import (
     validation_metrics,
 )
 from engine.settings.config import TrainConfig
+from tasks.sweep.spec_file import parse_spec
 from tasks.sweep.spec_rules import SpecError
-from tasks.sweep.sweep_spec import parse_spec
 
 
 @pytest.mark.unit

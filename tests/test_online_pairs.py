@@ -14,8 +14,8 @@ from engine.data.prompts import PromptRow
 from engine.forward.rollouts import Rollouts
 from engine.losses import Orpo
 from engine.train.online_pairs import best_and_worst, sample_stats
+from tasks.sweep.spec_file import parse_spec
 from tasks.sweep.spec_rules import SpecError
-from tasks.sweep.sweep_spec import parse_spec
 from tests.test_grpo_train import assert_resumed_is_straight, pomona, records
 
 DIGITS = "python:tests.grpo_rewards:digits"  # a random model's samples differ on it

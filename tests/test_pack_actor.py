@@ -119,7 +119,7 @@ def test_a_packed_sweep_packs_only_its_uncached_trials(ray_cluster, tiny_model: 
     a cached trial re-trained for its pack-mates, or the spec's pack never reaching the
     scheduler."""
     from tasks.sweep.run import run_sweep
-    from tasks.sweep.sweep_spec import parse_spec
+    from tasks.sweep.spec_file import parse_spec
 
     spec = {"name": "packed", "model": str(tiny_model), "data": str(tiny_data), "pack": 3,
             "fixed": {"steps": 2, "batch_size": 2, "lora_rank": 4, "val_every": 0},

@@ -1,4 +1,4 @@
-"""A sweep spec's ``pack: N`` or ``auto`` (tasks/sweep/sweep_spec.py): carried to the
+"""A sweep spec's ``pack: N`` or ``auto`` (tasks/sweep/spec_file.py): carried to the
 scheduler's rules, refused in one line where packs cannot run (tasks/sweep/spec_rules.py
 ``check_pack``); ``auto``'s sizes from the pack probe's cached rows (tasks/sweep/pack_sizes.py)."""
 
@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.sweep.sweep_spec import SpecError, parse_spec
+from tasks.sweep.spec_file import parse_spec
+from tasks.sweep.sweep_spec import SpecError
 from tasks.sweep.trial_plan import AUTO
 
 pytestmark = pytest.mark.unit

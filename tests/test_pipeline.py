@@ -209,8 +209,8 @@ def test_a_spec_without_batch_size_evaluates_at_the_trainers_default(
     from engine.settings.config import TrainConfig
     from tasks.nodes.placement import Placement
     from tasks.prefect.pipeline_tasks import eval_settings
+    from tasks.sweep.spec_file import load_spec
     from tasks.sweep.sweep_plan import plan_sweep
-    from tasks.sweep.sweep_spec import load_spec
     from tasks.sweep.trial_plan import PATHS
 
     spec = tmp_path / "spec.yaml"

@@ -22,7 +22,7 @@ _HEAD = r"""
 import json, os, subprocess, sys
 import ray
 from tasks.sweep.run import run_sweep
-from tasks.sweep.sweep_spec import parse_spec
+from tasks.sweep.spec_file import parse_spec
 
 model, data, out, home = sys.argv[1:5]
 ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -321,8 +321,9 @@ def test_review_fixes_probe_keys_paths_and_identical_rows(tiny_model: Path, tiny
     import shutil
 
     from engine.train.probe import probe_steps
+    from tasks.sweep.spec_file import parse_spec
     from tasks.sweep.sweep_plan import cache_key
-    from tasks.sweep.sweep_spec import SpecError, parse_spec
+    from tasks.sweep.sweep_spec import SpecError
 
     rows = probe_steps(cfg(tiny_model, tiny_data, tmp_path / "p", loss="dpo"),
                        [{"segment_size": 0}, {"segment_size": 1}])

@@ -8,7 +8,7 @@ import pytest
 from engine.settings.config import TrainConfig
 from engine.settings.reference_kind import BASE, AdapterRef, adapter_path, parse_reference
 from engine.train.reference import ReferenceSpec, resolved_reference
-from tasks.sweep.sweep_spec import parse_spec
+from tasks.sweep.spec_file import parse_spec
 
 pytestmark = pytest.mark.unit
 

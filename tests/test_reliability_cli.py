@@ -152,7 +152,8 @@ def test_settings_that_train_nothing_or_the_wrong_thing_are_refused() -> None:
 def test_grid_values_that_are_one_number_are_refused(tmp_path: Path) -> None:
     """Item 10: grid [8, 8.0, "8"] gave duplicate trial ids (one trial run twice, into one
     folder). Would catch: values equal after coercion accepted as separate trials."""
-    from tasks.sweep.sweep_spec import SpecError, parse_spec
+    from tasks.sweep.spec_file import parse_spec
+    from tasks.sweep.sweep_spec import SpecError
 
     with pytest.raises(SpecError, match=r"grid.lora_rank: 8.0 repeats 8 \(both are 8"):
         parse_spec({"name": "s", "model": "m", "data": "d",

@@ -21,7 +21,7 @@ def test_a_finished_trial_survives_a_later_error(ray_cluster, tiny_model, tiny_d
     column Arrow refused) lost every trial. Would catch: results held back until the end,
     or one trial's error on the driver ending the sweep (it now costs that trial only)."""
     from tasks.sweep.run import run_sweep
-    from tasks.sweep.sweep_spec import parse_spec
+    from tasks.sweep.spec_file import parse_spec
 
     spec = parse_spec({"name": "s", "model": str(tiny_model), "data": str(tiny_data),
                        "fixed": FIXED, "grid": {"seed": [0, 1]}})
@@ -46,7 +46,7 @@ def test_a_model_remade_in_place_reruns_its_trials(ray_cluster, tiny_data, tmp_p
     sweep cache keyed on the model's path."""
     from tasks.models.model_factory import init_model
     from tasks.sweep.run import run_sweep
-    from tasks.sweep.sweep_spec import parse_spec
+    from tasks.sweep.spec_file import parse_spec
     from tests.conftest import TINY
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

@@ -20,7 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from engine.settings.config import TrainConfig
-from tasks.sweep.sweep_spec import SpecError, load_spec, parse_spec
+from tasks.sweep.spec_file import load_spec, parse_spec
+from tasks.sweep.sweep_spec import SpecError
 
 pytestmark = [pytest.mark.integration, pytest.mark.long]  # conftest.py: scheduled first
 

@@ -76,7 +76,7 @@ def test_a_spec_s_scorers_are_parsed_once_from_spec_to_scores(
     from tasks.eval.evaluate import evaluate_adapter
     from tasks.eval.generation_eval import check_scorers_on_data
     from tasks.prefect.pipeline_tasks import generation_key
-    from tasks.sweep.sweep_spec import parse_spec
+    from tasks.sweep.spec_file import parse_spec
 
     parsed: list[Any] = []
     parse = scorers.parse_scorer

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.sweep.sweep_spec import SpecError, load_spec, parse_spec, trial_id
+from tasks.sweep.spec_file import load_spec, parse_spec
+from tasks.sweep.sweep_spec import SpecError, trial_id
 
 pytestmark = pytest.mark.unit
 BASE = {"name": "s", "model": "m", "data": "d"}

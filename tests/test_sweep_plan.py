@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from tasks.nodes.placement import Placement
+from tasks.sweep.spec_file import parse_spec
 from tasks.sweep.sweep_plan import SweepInputs, plan_sweep
-from tasks.sweep.sweep_spec import parse_spec, trial_id
+from tasks.sweep.sweep_spec import trial_id
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,7 +103,7 @@ def test_references_are_read_from_the_planned_trials(tiny_model: Path, tiny_data
     Optuna, each loss its space may draw. Would catch: the spec's dicts read a second way
     (an ``"orpo"`` default, ``grid[name][0]``), or a need the trials never read."""
     from tasks.sweep.references import reference_needs
-    from tasks.sweep.sweep_spec import load_spec
+    from tasks.sweep.spec_file import load_spec
 
     base = {"name": "s", "model": str(tiny_model), "data": str(tiny_data)}
     dpo = parse_spec({**base, "fixed": {"loss": "dpo", "batch_size": 2},

@@ -12,7 +12,7 @@ from engine.host.command_queue import bounded_mb
 from tasks.nodes.placement import Placement
 from tasks.sweep.run import run_sweep
 from tasks.sweep.scheduler import TrialsInterrupted
-from tasks.sweep.sweep_spec import parse_spec
+from tasks.sweep.spec_file import parse_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 

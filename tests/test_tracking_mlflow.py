@@ -23,7 +23,7 @@ from tasks.board.leaderboard import export_best, rank_trials, write_leaderboard
 from tasks.eval.evaluate import evaluate_adapter
 from tasks.nodes.placement import Placement
 from tasks.sweep.run import run_sweep
-from tasks.sweep.sweep_spec import parse_spec
+from tasks.sweep.spec_file import parse_spec
 from tasks.track.resend import track_run
 from tasks.track.tracker import track_board
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from tasks.board.results_table import write_results
-from tasks.sweep.sweep_spec import SpecError, parse_spec
+from tasks.sweep.spec_file import parse_spec
+from tasks.sweep.sweep_spec import SpecError
 from tasks.track.ledger import TrackLedger
 from tasks.track.report_to import ReportTo
 from tasks.track.sweep_files import new_records

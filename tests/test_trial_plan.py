@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from engine.settings.config import TrainConfig
+from tasks.sweep.spec_file import parse_spec
 from tasks.sweep.sweep_plan import cache_key
-from tasks.sweep.sweep_spec import parse_spec
 from tasks.sweep.trial_plan import AUTO, TrialPlan
 
 

@@ -68,7 +68,7 @@ def test_sweep_reruns_exactly_what_changed(ray_cluster, tiny_model, tiny_data,
 
     import tasks.sweep.run as sweep_run
     from tasks.sweep.run import run_sweep
-    from tasks.sweep.sweep_spec import parse_spec
+    from tasks.sweep.spec_file import parse_spec
 
     data = shutil.copy(tiny_data, tmp_path / "data.jsonl")
     raw = {"name": "s", "model": str(tiny_model), "data": str(data), "max_concurrent": 2,
@@ -109,7 +109,7 @@ def test_a_malformed_summary_costs_its_trial_not_the_results(ray_cluster, tiny_m
     that trial fails naming why, the other completes, and the table is written."""
     import tasks.sweep.attempts
     from tasks.sweep.run import run_sweep
-    from tasks.sweep.sweep_spec import parse_spec
+    from tasks.sweep.spec_file import parse_spec
     from tasks.sweep.trial import TrialActor
 
     class OlderNode(TrialActor):  # defined here: Ray ships it by value to the worker

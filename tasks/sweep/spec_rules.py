@@ -1,5 +1,5 @@
 """Rules a sweep spec is checked against across its keys: the batch sizes ranks split, the
-metric trials of different losses are ranked on, the pruner's settings (tasks/sweep/sweep_spec.py
+metric trials of different losses are ranked on, the pruner's settings (tasks/sweep/spec_file.py
 parses; these refuse)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """One value of a sweep spec, checked as TrainConfig would take it: a parameter's name, a
-grid value, a search-space dimension (tasks/sweep/sweep_spec.py reads the spec with these).
+grid value, a search-space dimension (tasks/sweep/spec_file.py reads the spec with these).
 
     check_value("learning_rate", "1e-4", "fixed")     # -> 0.0001 (YAML 1.1 kept a string)
     space_dist("lora_rank", {"choice": [8, 16]})      # -> Dist("choice", (8, 16))
