@@ -10,6 +10,15 @@ from typing import Annotated
 import typer
 
 from cli.options import fills
+from cli.shared_options import (
+    LAYOUT,
+    MODEL,
+    OUT,
+    SEED,
+    TEST_FRACTION,
+    VALID_FRACTION,
+    synth_default,
+)
 from cli.terminal import OneLineGroup, console, fail
 from tasks.data.data_check import CheckLimits
 from tasks.data.tokenize_options import TokenizeOptions
@@ -23,21 +32,22 @@ data_app = typer.Typer(help="Make and prepare preference data.", no_args_is_help
 
 @data_app.command("synth")
 def data_synth(
-    out: Annotated[Path, typer.Option(help="Output file: .jsonl, .json or .parquet.")],
+    out: Annotated[Path, OUT],
     task: Annotated[str, typer.Option(
         help="sort | reverse | add | add-small | max | parity (what a tiny model learns to "
              "answer: the demo) | mixed.")]
     = "sort",
     n: Annotated[int, typer.Option(help="Number of preference pairs.")] = 500,
-    seed: Annotated[int, typer.Option(help="Seed; same seed, same rows.")] = 0,
-    layout: Annotated[str, typer.Option(help="explicit | conversational | implicit.")]
-    = "explicit",
+    seed: Annotated[int | None, SEED] = None,
+    layout: Annotated[str | None, LAYOUT] = None,
     max_shots: Annotated[int, typer.Option(help="Most worked examples in a prompt.")] = 8,
     ids: Annotated[bool, typer.Option(help="Write the optional `id` field.")] = True,
 ) -> None:
     """Write a learnable synthetic preference task (chosen correct, rejected a near-miss)."""
     from tasks.data.synthetic import synth_rows, write_rows
 
+    seed = synth_default("seed") if seed is None else seed
+    layout = synth_default("layout") if layout is None else layout
     try:
         rows = list(synth_rows(task, n, seed, layout, max_shots=max_shots, ids=ids))
         write_rows(rows, out)
@@ -50,8 +60,8 @@ def data_synth(
 @fills(TokenizeOptions, "options")
 def data_tokenize(
     input: Annotated[Path, typer.Option("--input", help="A preference file or a directory.")],
-    model: Annotated[str, typer.Option(help="Model directory or repo id (its tokenizer).")],
-    out: Annotated[Path, typer.Option(help="Dataset directory to write.")],
+    model: Annotated[str, MODEL],
+    out: Annotated[Path, OUT],
     options: TokenizeOptions,
     preprocess: Annotated[bool, typer.Option(help="Run preprocess after.")] = True,
 ) -> None:
@@ -65,7 +75,7 @@ def data_tokenize(
 @fills(TokenizeOptions, "options")
 def data_check(
     input: Annotated[Path, typer.Option("--input", help="A preference file or a directory.")],
-    model: Annotated[str, typer.Option(help="Model directory or repo id (its tokenizer).")],
+    model: Annotated[str, MODEL],
     options: TokenizeOptions,
     strict: Annotated[bool, typer.Option(help="Exit 1 when a finding is over its limit "
                                               "(default: warn).")] = False,
@@ -96,12 +106,9 @@ def data_check(
 @data_app.command("preprocess")
 def data_preprocess(
     path: Annotated[Path, typer.Argument(help="A tokenized dataset directory.")],
-    out: Annotated[Path | None, typer.Option(help="Write here (default: in place).")] = None,
-    valid_fraction: Annotated[float | None, typer.Option(
-        help="Re-split with this share in valid (default: the dataset's).")] = None,
-    test_fraction: Annotated[float | None, typer.Option(
-        help="Re-split with this share in test, taken from train (default: the "
-             "dataset's).")] = None,
+    out: Annotated[Path | None, OUT] = None,
+    valid_fraction: VALID_FRACTION = None,
+    test_fraction: TEST_FRACTION = None,
 ) -> None:
     """split_prefix, de-duplication and the stable train/valid/test split."""
     from cli.data_display import run_preprocess

