@@ -83,7 +83,7 @@ def profile(cfg: Any, repeats: int = 3) -> dict[str, Any]:
     its forward alone and its step."""
     from benchmarks.trainer_timing import engine_step_of
     from engine.backward.update import make_optimizer, make_update
-    from engine.train.trainer import memory_limit
+    from engine.train.run_parts import memory_limit
 
     with memory_limit(cfg.memory_limit_gb):
         es = engine_step_of(cfg)

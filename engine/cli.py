@@ -135,8 +135,8 @@ class _Stderr(logging.StreamHandler):
 
 
 # Loggers whose INFO lines the CLI shows (--verify's figures); every logger's warnings show.
-SHOWN_INFO = ("engine.train.trainer", "engine.train.grpo_trainer", "engine.check.load_check",
-              "engine.model.source", "engine.train.reference")
+SHOWN_INFO = ("engine.train.trainer", "engine.train.run_parts", "engine.train.grpo_trainer",
+              "engine.check.load_check", "engine.model.source", "engine.train.reference")
 
 
 def log_to_stderr() -> None:

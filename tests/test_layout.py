@@ -382,3 +382,15 @@ def test_no_long_function_in_the_loop_or_the_sweep(floor: str) -> None:
     found = [f"{p.relative_to(ROOT)}: {f}" for p in sorted((ROOT / floor).rglob("*.py"))
              for f in long_functions(p)]
     assert not found, f"over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(found)
+
+
+RECIPES = ("engine.train.trainer", "engine.train.pack_trainer", "engine.train.grpo_trainer")
+
+
+def test_no_recipe_imports_another() -> None:
+    """The lone, pack and GRPO trainers each call the shared parts (engine/train/run_parts.py)
+    in their own order; none is another's library (the pack imported 9 names from the lone
+    trainer, issue 71)."""
+    found = [f"{r} imports {other}" for r in RECIPES for other in RECIPES if other != r
+             and other in imported_modules(ROOT / (r.replace(".", "/") + ".py"))]
+    assert not found, found

@@ -279,12 +279,12 @@ def test_memory_limit_is_applied_then_restored_and_changes_no_number(tiny_model,
     and losses. Catches a limit set in the wrong unit (GB vs GiB), left behind, or dropped.
     Called as a library in a process started without MLX's queue cap, it says so."""
     from engine.host.command_queue import QUEUE_MB, bounded_mb
-    from engine.train import trainer
+    from engine.train import run_parts  # memory_limit's home
 
     monkeypatch.delenv(QUEUE_MB, raising=False)
 
     seen = []
-    real = trainer.mx.set_memory_limit
+    real = run_parts.mx.set_memory_limit
 
     def spy(limit: int) -> int:
         seen.append(limit)
@@ -292,14 +292,14 @@ def test_memory_limit_is_applied_then_restored_and_changes_no_number(tiny_model,
 
     before = mx.set_memory_limit(2**40)  # a known value to come back to
     try:
-        trainer.mx.set_memory_limit = spy
+        run_parts.mx.set_memory_limit = spy
         train(cfg(tiny_model, tiny_data, tmp_path / "limited", memory_limit_gb=0.5))
-        trainer.mx.set_memory_limit = real
+        run_parts.mx.set_memory_limit = real
         assert seen == [2**29, 2**40]  # 0.5 GiB for the run, then the limit it found
         assert mx.set_memory_limit(2**40) == 2**40
         train(cfg(tiny_model, tiny_data, tmp_path / "free"))
     finally:
-        trainer.mx.set_memory_limit = real
+        run_parts.mx.set_memory_limit = real
         mx.set_memory_limit(before)
     [note] = [r for r in caplog.records if "command buffers" in r.getMessage()]
     assert note.levelname == "WARNING" and f"{QUEUE_MB}={bounded_mb()}" in note.getMessage()

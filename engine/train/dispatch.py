@@ -11,7 +11,7 @@ from engine.losses.sampled import samples_now
 from engine.settings.config import TrainConfig
 from engine.train import grpo_trainer, online_pairs, trainer
 from engine.train.ledger import Callback
-from engine.train.trainer import TrainResult
+from engine.train.run_parts import TrainResult
 
 
 def train_any(cfg: TrainConfig, callbacks: Sequence[Callback] = ()) -> TrainResult:

@@ -6,7 +6,7 @@ verifier and updates the LoRA on the loss family's objective (engine/train/group
 
 ``batch_size`` counts prompts (G rows each), ``grad_accum`` micro-batches a step; one
 cycle of rollouts serves μ = ``grpo_num_iterations`` steps. The run's output folder,
-optimizer, checkpoints, resume and adapter are the pair trainer's (engine/train/trainer.py).
+optimizer, checkpoints, resume and adapter are every recipe's (engine/train/run_parts.py).
 metrics.jsonl carries TRL's names (``reward``, ``reward_std``, ``rewards/<label>/mean``,
 ``frac_reward_zero_std``, ``completions/mean_length``, ``completions/clipped_ratio``,
 ``kl``, ``clip_ratio/*``), the rollout's tokens/s and the update's; validation is the
@@ -53,14 +53,21 @@ from engine.train.ledger import Callback, better, emit, lora_blocks
 from engine.train.prepared import Prepared, prepare_training
 from engine.train.resume import run_settings
 from engine.train.reward_source import RewardFn, load_reward, precheck
-from engine.train.trainer import TrainResult, claim_run, finish, memory_limit, resumed_step
+from engine.train.run_parts import (
+    TrainResult,
+    claim_out,
+    finish,
+    fresh_result,
+    memory_limit,
+    resumed_step,
+)
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class GroupRun:
-    """A GRPO run set up: what ``finish`` (engine/train/trainer.py) reads, and its reward."""
+    """A GRPO run set up: what ``finish`` (engine/train/run_parts.py) reads, and its reward."""
 
     cfg: TrainConfig
     loss: Grpo
@@ -121,8 +128,7 @@ def set_up(cfg: TrainConfig, held: ExitStack) -> GroupRun:
     ranks = init_ranks()
     if ranks.size > 1:
         raise ValueError(f"loss grpo trains in one process ({ranks.size} ranks given)")
-    held.enter_context(claim_run(cfg))
-    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    claim_out(cfg, held)
     prepared = prepare_training(cfg)
     if cfg.warm_start:
         load_adapter_weights(prepared.model, Path(cfg.warm_start))
@@ -135,9 +141,7 @@ def set_up(cfg: TrainConfig, held: ExitStack) -> GroupRun:
     resumed = resumed_step(cfg, prepared.model, optimizer)
     prepare_out(Path(cfg.out), resumed)
     update = make_update(prepared.model, optimizer, cfg.grad_clip)
-    result = TrainResult(out=str(Path(cfg.out)), steps=resumed or 0,
-                         trainable_params=prepared.trainable,
-                         rejected_rows=dict(prompts.rejected), load_check=prepared.check)
+    result = fresh_result(cfg, resumed or 0, prepared, prompts.rejected)
     return GroupRun(cfg, loss, ranks, prepared, prompts, reward, reference, optimizer, update,
                     resumed or 0, result, started)
 

@@ -75,7 +75,7 @@ def validate(run: Any, step: int, callbacks: Sequence[Callback]) -> dict[str, An
 
 @dataclass
 class Ledger:
-    """The books of ``run`` (engine/train/trainer.py's Run): where its records go and the
+    """The books of ``run`` (engine/train/run_parts.py's Run): where its records go and the
     view its validation and checkpoints read the model through."""
 
     run: Any

@@ -50,7 +50,8 @@ from engine.train.group_steps import Sampler, completions, mix_seed, prompt_batc
 from engine.train.ledger import Callback
 from engine.train.reference import REFERENCE_HEAD_CHUNK, reference_logps, resolved_reference
 from engine.train.reward_source import load_reward, precheck
-from engine.train.trainer import Run, TrainResult, finish, loop, memory_limit, set_up
+from engine.train.run_parts import Run, TrainResult, finish, memory_limit
+from engine.train.trainer import loop, set_up
 
 EXTRA_DRAWS = 3  # more batches of prompts a step draws while every prompt's rewards tie
 

@@ -36,7 +36,7 @@ def probe_packs(cfgs: Sequence[TrainConfig], budget_gb: float = 0.0,
     ``error`` where that pack failed (out of memory). Ascending, it stops after the first
     pack whose peak passes ``budget_gb`` (> 0) or that failed."""
     from engine.train.pack_trainer import refuse_unpacked
-    from engine.train.trainer import memory_limit
+    from engine.train.run_parts import memory_limit
 
     cfgs = list(cfgs)
     refuse_unpacked(cfgs)

@@ -26,7 +26,6 @@ import mlx.core as mx
 from engine.backward.distributed import SINGLE
 from engine.backward.update import make_adapter_update, make_optimizer
 from engine.data.unpaired import refuse_unpaired
-from engine.forward.layout_policy import resolve_pad_multiple, resolve_prefix_attention
 from engine.losses import validation_metrics
 from engine.model.adapters import prepare_out
 from engine.model.packed_lora import alone
@@ -36,18 +35,20 @@ from engine.train.pack_steps import PackStepper, check_pack
 from engine.train.prepared import prepare_pack
 from engine.train.reference import ensure_reference
 from engine.train.report_window import Window
-from engine.train.steps import NonFiniteLoss, Stepper
-from engine.train.trainer import (
+from engine.train.run_parts import (
     Run,
     TrainResult,
-    claim_run,
+    checked_pad_multiple,
+    claim_out,
     finish,
+    fresh_result,
     memory_limit,
     reference_of,
     say_unread_settings,
     train_batches,
     training_data,
 )
+from engine.train.steps import NonFiniteLoss, Stepper
 
 
 def train_pack(cfgs: Sequence[TrainConfig],
@@ -122,10 +123,8 @@ def set_up_pack(cfgs: list[TrainConfig], held: ExitStack, live: list[int]) -> li
     adapter, wherever ``live`` (the trials still in the pack) puts it."""
     started = time.perf_counter()
     for cfg in cfgs:
-        held.enter_context(claim_run(cfg))
-        Path(cfg.out).mkdir(parents=True, exist_ok=True)
-    pad_multiple = resolve_pad_multiple(cfgs[0].pad_multiple)
-    resolve_prefix_attention(cfgs[0].prefix_attention, pad_multiple)  # refused before work
+        claim_out(cfg, held)
+    pad_multiple = checked_pad_multiple(cfgs[0])  # one layout: check_pack found it shared
     # the data as its trials that read a reference read it: their one reference attached
     # (KTO's first: its KL partners too, which DPO's loss never reads)
     readers = sorted(cfgs, key=lambda c: (not c.loss.needs_kl, not c.loss.needs_reference))
@@ -143,8 +142,6 @@ def set_up_pack(cfgs: list[TrainConfig], held: ExitStack, live: list[int]) -> li
         update = make_adapter_update(own.model, functools.partial(live.index, i), optimizer,
                                      cfg.grad_clip)
         stepper = Stepper(own.model, own.stack, cfg.loss_spec(), cfg, SINGLE, update)
-        result = TrainResult(out=str(Path(cfg.out)), steps=0, trainable_params=own.trainable,
-                             rejected_rows=dict(data.rejected), load_check=own.check)
-        runs.append(Run(cfg, SINGLE, own, data, optimizer, stepper, pad_multiple, 0, result,
-                        started))
+        runs.append(Run(cfg, SINGLE, own, data, optimizer, stepper, pad_multiple, 0,
+                        fresh_result(cfg, 0, own, data.rejected), started))
     return runs

@@ -32,7 +32,7 @@ def reference_needs(plan: SweepPlan) -> list[tuple[ReferenceSpec, ForwardOptions
     """One (reference, forward options) per distinct reference the planned trials of a
     loss that reads one train against (the first such trial's options); none for a trial
     that names its own file (``reference_logps``)."""
-    from engine.train.trainer import reference_of
+    from engine.train.run_parts import reference_of
 
     needs: dict[ReferenceSpec, ForwardOptions] = {}
     for trial in plan.reference_trials():

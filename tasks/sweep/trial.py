@@ -131,7 +131,7 @@ def run_trial(trial_id: str, config: TrainConfig, study: Any = None,
 
 
 def summary_of(base: Summary, result: Any, norms: GradNorms) -> Summary:
-    """A trained run's summary (engine/train/trainer.py's TrainResult): ``completed``, or
+    """A trained run's summary (engine/train/run_parts.py's TrainResult): ``completed``, or
     ``degenerate`` with its reason where it has collapsed (``degenerate_reason``: it keeps
     its adapter and metrics but is never ranked)."""
     best = result.best_val or {}
