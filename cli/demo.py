@@ -139,7 +139,7 @@ def run_demo(out: Path, console: Console, cluster: Cluster | None = None,
     for label in gen_labels(board):
         console.print(generation_line(base, best, label, who))
     console.print(generations_table(out / "base", out / "sweep" / best["trial_id"], who=who))
-    console.print(f"best adapter ({best['trial_id']}) exported to {summary['best_adapter']}; "
+    console.print(f"best adapter ({best['trial_id']}) copied to {summary['best_adapter']}; "
                   f"{time.perf_counter() - started:.0f} s in all")
     console.print(f"leaderboard: {out / 'leaderboard.md'}")
     api = os.environ.get("PREFECT_API_URL")

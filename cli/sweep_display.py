@@ -15,7 +15,7 @@ from rich.table import Table
 
 from engine.host.atomic import FULL
 from engine.host.outputs import RefusedOutput
-from engine.settings.ranking import beats
+from engine.settings.metric_order import beats
 from tasks.board.leaderboard import why_unranked
 from tasks.board.ranked_metric import metric_value
 from tasks.nodes.cluster import Cluster

@@ -206,7 +206,7 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str, ranking: Ra
                out_dir: Path, placement: Placement, generations: GenerationSettings,
                board: BoardOptions) -> dict[str, Any]:
     """Evaluate every completed trial and the base (in parallel, on Ray), soup the top
-    ``board.soup_k`` by ``ranking``, write the leaderboard, export (and with
+    ``board.soup_k`` by ``ranking``, write the leaderboard, copy (and with
     ``board.fuse``, fuse) the best adapter, and with ``board.export`` write it as GGUFs
     beside it (fused, and alone as llama.cpp's LoRA adapter); ``ranking.metric``: the
     training metric, which the plots show and which breaks ties."""

@@ -66,12 +66,12 @@ def one_error(result, *needles: str) -> str:
 def test_leaderboard_export_keeps_user_files_in_best_adapter(tmp_path: Path) -> None:
     """Item 1: a second export replaced best-adapter/ whole, deleting the README.md and
     tokenizer.json a user added. Also the low item: best-adapter/ was mode 0700 (mkdtemp)."""
-    from tasks.board.leaderboard import export_best
+    from tasks.board.leaderboard import copy_best
 
     a, b = adapter(tmp_path / "t1", 1), adapter(tmp_path / "t2", 2)
-    best = export_best([{"trial_id": "t1", "rank": 1, "adapter": str(a)}], tmp_path)
+    best = copy_best([{"trial_id": "t1", "rank": 1, "adapter": str(a)}], tmp_path)
     mine = plant(best)
-    again = export_best([{"trial_id": "t2", "rank": 1, "adapter": str(b)}], tmp_path)
+    again = copy_best([{"trial_id": "t2", "rank": 1, "adapter": str(b)}], tmp_path)
     assert again == best and digests(best) == mine
     assert (best / "SOURCE").read_text() == "t2\n"
     for name in ("adapters.safetensors", "adapter_config.json"):

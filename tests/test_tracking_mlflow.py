@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.board.leaderboard import export_best, rank_trials, write_leaderboard
+from tasks.board.leaderboard import copy_best, rank_trials, write_leaderboard
 from tasks.eval.evaluate import evaluate_adapter
 from tasks.nodes.placement import Placement
 from tasks.sweep.run import run_sweep
@@ -114,7 +114,7 @@ def test_a_sweep_and_its_board_reach_a_real_mlflow_server(
                                              str(tiny_data)).metrics for r in rows}
     board = rank_trials(rows, evals, "val/loss", "min")
     write_leaderboard(board, tmp_path, "val/loss", "tracked")
-    best = export_best(board, tmp_path)
+    best = copy_best(board, tmp_path)
     track_board(sweep, tmp_path)
 
     parent, children = _children(client, "tracked")

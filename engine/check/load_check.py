@@ -106,7 +106,7 @@ def checkpointed_layers(stack: Stack) -> Iterator[None]:
             cls.__call__ = call
 
 
-class Probe:
+class CheckInputs:
     """The check's fixed inputs: tokens past the largest window and a random weighting of
     their log-probs (a loss whose gradient reaches every position)."""
 
@@ -144,7 +144,7 @@ def check_stack(model: nn.Module, stack: Stack, length: int | None = None) -> di
     """Raise ValueError naming the model type unless ``stack`` reproduces ``model``'s
     logits (and, with LoRA attached, its gradients) at the tolerance of ``model``'s dtype;
     return the relative errors. ``check_model`` calls it on a float32 copy."""
-    probe = Probe(stack, length)
+    probe = CheckInputs(stack, length)
     theirs = model(probe.inputs)
     tol = TOLERANCE.get(theirs.dtype, 3e-2)
     errors = {"logits": _rel_err(stack.forward(probe.inputs), theirs)}
@@ -252,7 +252,7 @@ def native_distances(model: nn.Module, stack: Stack, reference: CheckCopy | None
     native = structural_copy(model, stack, native=True)
     ref = reference or structural_copy(native.model, native.stack, whole=True)
     ref.model.update(native.model.trainable_parameters())  # the same LoRA factors
-    probe = Probe(ref.stack)
+    probe = CheckInputs(ref.stack)
     grads = probe.autograd(ref.model, ref.stack)
     return {"native": _name(dtype) + (" (quantized)" if quantized else ""),
             "native_segmented": grad_distance(probe.segmented(native.model, native.stack),

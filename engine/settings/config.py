@@ -26,7 +26,7 @@ from engine.losses import (
     loss_named,
 )
 from engine.settings.forward_options import ForwardOptions
-from engine.settings.ranking import MODES
+from engine.settings.metric_order import MODES
 from engine.settings.reference_kind import BASE, AdapterRef, Base, Reference, parse_reference
 from engine.settings.yaml_file import read_yaml
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from engine.losses.sampled import samples_now
 from engine.settings.config import TrainConfig
 from engine.train import grpo_trainer, online_pairs, trainer
-from engine.train.ledger import Callback
+from engine.train.run_books import Callback
 from engine.train.run_parts import TrainResult
 
 

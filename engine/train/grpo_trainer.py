@@ -49,10 +49,10 @@ from engine.train.group_steps import (
     refuse_short,
     roll_out,
 )
-from engine.train.ledger import Callback, better, emit, lora_blocks
 from engine.train.prepared import Prepared, prepare_training
 from engine.train.resume import run_settings
 from engine.train.reward_source import RewardFn, load_reward, precheck
+from engine.train.run_books import Callback, better, emit, lora_blocks
 from engine.train.run_parts import (
     TrainResult,
     claim_out,

@@ -47,9 +47,9 @@ from engine.losses.sampled import OnlinePairs
 from engine.settings.config import TrainConfig
 from engine.train.group_reference import kl_reference
 from engine.train.group_steps import Sampler, completions, mix_seed, prompt_batches, rewarded
-from engine.train.ledger import Callback
 from engine.train.reference import REFERENCE_HEAD_CHUNK, reference_logps, resolved_reference
 from engine.train.reward_source import load_reward, precheck
+from engine.train.run_books import Callback
 from engine.train.run_parts import Run, TrainResult, finish, memory_limit
 from engine.train.trainer import loop, set_up
 

@@ -30,11 +30,11 @@ from engine.losses import validation_metrics
 from engine.model.adapters import prepare_out
 from engine.model.packed_lora import alone
 from engine.settings.config import TrainConfig
-from engine.train.ledger import Callback, Ledger
 from engine.train.pack_steps import PackStepper, check_pack
 from engine.train.prepared import prepare_pack
 from engine.train.reference import ensure_reference
 from engine.train.report_window import Window
+from engine.train.run_books import Callback, RunBooks
 from engine.train.run_parts import (
     Run,
     TrainResult,
@@ -66,11 +66,11 @@ def train_pack(cfgs: Sequence[TrainConfig],
         model = runs[0].prepared.model
         stepper = PackStepper(model, runs[0].prepared.stack, cfgs,
                               [run.stepper.update for run in runs], live)
-        ledgers = [Ledger(run, cb, view=functools.partial(view_of, stepper, i),
-                          window=Window(shared=True))
-                   for i, (run, cb) in enumerate(zip(runs, heard, strict=True))]
-        for ledger in ledgers:
-            ledger.begin()
+        trials_books = [RunBooks(run, cb, view=functools.partial(view_of, stepper, i),
+                                 window=Window(shared=True))
+                        for i, (run, cb) in enumerate(zip(runs, heard, strict=True))]
+        for books in trials_books:
+            books.begin()
         results: dict[int, TrainResult | NonFiniteLoss] = {}
         mx.reset_peak_memory()
         for done in stepper.steps(train_batches(runs[0]), 1, cfgs[0].steps):
@@ -80,8 +80,8 @@ def train_pack(cfgs: Sequence[TrainConfig],
                 if isinstance(own, NonFiniteLoss):
                     results[trial] = own
                 else:
-                    ledgers[trial].window.saw(peak)
-                    ledgers[trial].record(own)
+                    trials_books[trial].window.saw(peak)
+                    trials_books[trial].record(own)
         for trial in stepper.live:
             with view_of(stepper, trial):
                 results[trial] = finish(runs[trial])

@@ -43,10 +43,10 @@ from engine.model.content_key import adapter_fingerprint, model_fingerprint, ref
 from engine.settings.config import TrainConfig
 from engine.settings.forward_options import ForwardOptions
 from engine.settings.reference_kind import BASE, adapter_path
-from engine.train.ledger import lora_blocks
 from engine.train.prepared import Prepared
 from engine.train.reference import ReferenceSpec, attach_reference, resolved_reference
 from engine.train.resume import check_resume, read_state, resume_checkpoint
+from engine.train.run_books import lora_blocks
 from engine.train.steps import Stepper
 
 log = logging.getLogger(__name__)

@@ -33,9 +33,9 @@ from engine.losses.spec import LossSpec
 from engine.model.adapters import load_adapter_weights, prepare_out
 from engine.settings.config import TrainConfig
 from engine.settings.reference_kind import BASE
-from engine.train.ledger import Callback, Ledger
 from engine.train.prepared import prepare_training
 from engine.train.reference import ensure_reference
+from engine.train.run_books import Callback, RunBooks
 from engine.train.run_parts import (
     Run,
     TrainResult,
@@ -110,12 +110,12 @@ def set_up(cfg: TrainConfig, held: ExitStack) -> Run:
 def loop(run: Run, loss: LossSpec, batches: Callable[[], list],
          callbacks: Sequence[Callback], online: Any = None) -> None:
     """The steps after ``run.start`` on ``batches`` under ``loss``, each one's records,
-    validation and checkpoint kept by the run's ledger (engine/train/ledger.py); ``online``
+    validation and checkpoint kept by the run's books (engine/train/run_books.py); ``online``
     (engine/train/online_pairs.py): ``batches`` sample the policy, made after each update,
     and its metrics join each record."""
-    ledger = Ledger(run, callbacks, extra=online.report if online else None)
-    ledger.begin()
+    books = RunBooks(run, callbacks, extra=online.report if online else None)
+    books.begin()
     stepper = dataclasses.replace(run.stepper, loss=loss)
     for done in stepper.steps(batches, run.start + 1, run.cfg.steps, ahead=online is None):
-        ledger.record(done)
+        books.record(done)
 

@@ -1,3 +1,3 @@
 """The board: what a row is ranked by, the results table, the leaderboard with the best adapter
-exported, the adapter soup and the plots.
+copied, the adapter soup and the plots.
 """

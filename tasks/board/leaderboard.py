@@ -1,5 +1,6 @@
 """The leaderboard: every trial ranked by the sweep's metric, the base model beside them, and
-the best adapter exported in mlx-lm's format.
+the best adapter copied in mlx-lm's format (to best-adapter/; a GGUF is an export:
+engine/model/export.py).
 
 Ranked rows are the completed trials, best first by the sweep metric (its best value during
 training on the validation split, ``best/<metric>``); completed trials without one (an
@@ -32,7 +33,7 @@ from engine.host.outputs import RefusedOutput
 from engine.losses import LOSSES, shared_metrics, validation_metrics
 from engine.model.source import source_kind
 from engine.settings.config import DEFAULT_LOSS
-from engine.settings.ranking import MODES, rank_key
+from engine.settings.metric_order import MODES, rank_key
 from tasks.board.ranked_metric import metric_value
 from tasks.board.results_table import write_results
 from tasks.eval.degenerate import below_chance
@@ -296,9 +297,9 @@ def write_leaderboard(rows: list[dict[str, Any]], out: Path, metric: str, title:
     return write_results(rows, out / "leaderboard.parquet"), md
 
 
-def export_best(rows: list[dict[str, Any]], out: Path) -> Path | None:
+def copy_best(rows: list[dict[str, Any]], out: Path) -> Path | None:
     """Copy the rank-1 adapter to ``out/best-adapter`` (mlx-lm's files). Only the files the
-    export writes (SOURCE and ``ADAPTER_FILES``) are replaced, each atomically; anything
+    copy writes (SOURCE and ``ADAPTER_FILES``) are replaced, each atomically; anything
     else a user put in the folder (a README, a tokenizer) stays as it was."""
     best = next((r for r in rows if r.get("rank") == 1 and r.get("adapter")), None)
     if best is None:
@@ -307,11 +308,11 @@ def export_best(rows: list[dict[str, Any]], out: Path) -> Path | None:
     if target.is_symlink() or (target.exists() and not target.is_dir()):
         raise RefusedOutput(f"{target}: not a folder; refusing to replace it with the best "
                             "adapter. Move it out of the way")
-    if target.exists() and not (target / "SOURCE").is_file():  # SOURCE: the export's mark
-        raise RefusedOutput(f"{target}: not a best adapter Pomona exported (no SOURCE file); "
+    if target.exists() and not (target / "SOURCE").is_file():  # SOURCE: the copy's mark
+        raise RefusedOutput(f"{target}: not a best adapter Pomona copied (no SOURCE file); "
                             "refusing to replace it. Move it out of the way")
     target.mkdir(exist_ok=True)  # mode per the umask: readable like any folder
-    # SOURCE first: an export killed midway still leaves a folder marked as Pomona's
+    # SOURCE first: a copy killed midway still leaves a folder marked as Pomona's
     atomic_write_text(target / "SOURCE", f"{best['trial_id']}\n")
     for name in ADAPTER_FILES:
         write_atomic(target / name,

@@ -1,6 +1,6 @@
 """A trial's files across nodes: its inputs by content, its results back to the driver.
 
-The driver (``SweepFiles``) lists every local input a trial reads — the model (a folder or
+The driver (``InputServer``) lists every local input a trial reads — the model (a folder or
 a GGUF file; a Hub id is each node's own download), the data, a warm start, a DPO reference
 adapter, a reference log-prob file — as ``Bundle``s when the trial is planned, and serves
 them from its node (tasks/nodes/node_files.py). The trial's process (``localised``) trains on
@@ -46,7 +46,7 @@ def named_paths(config: TrainConfig) -> dict[str, str | None]:
             "reference": adapter_path(config.reference)}
 
 
-class SweepFiles:
+class InputServer:
     """The driver's side: each input listed once (its bytes as planned) and served."""
 
     def __init__(self) -> None:
@@ -92,7 +92,7 @@ def localised(config: TrainConfig, inputs: dict[str, Any] | None, trial_id: str
 
 
 def fetched(inputs: dict[str, Any] | None) -> dict[str, str]:
-    """This node's path of each of ``inputs`` (``SweepFiles.for_paths``), by name."""
+    """This node's path of each of ``inputs`` (``InputServer.for_paths``), by name."""
     return {name: fetch(Bundle.from_dict(data), server_reader(inputs["server"],
                                                               data["digest"]))
             for name, data in ((inputs or {}).get("bundles") or {}).items()}

@@ -33,7 +33,7 @@ from tasks.board.eval_lines import evaluation_lines
 from tasks.board.leaderboard import (
     answer_samples,
     compact_markdown,
-    export_best,
+    copy_best,
     markdown,
     rank_trials,
     swept_params,
@@ -49,7 +49,7 @@ from tasks.eval.evaluate import evaluate_on_node
 from tasks.eval.generation_eval import GenerationSettings
 from tasks.eval.scorers import ScorerError, scorer_code
 from tasks.nodes.placement import Placement
-from tasks.nodes.trial_inputs import SweepFiles
+from tasks.nodes.trial_inputs import InputServer
 from tasks.prefect.run_log import in_run_log
 from tasks.sweep.sweep_plan import CODE_VERSION, data_fingerprint
 from tasks.sweep.sweep_spec import SpecError, SweepSpec
@@ -227,7 +227,7 @@ def evaluate_task(name: str, model: str, adapter: str | None, data: str,
     options = options or ForwardOptions()
     paths = {"model": model, "data": data, "adapter": adapter,
              "reference": adapter_path(trained_reference(adapter))}
-    inputs = SweepFiles().for_paths({k: v for k, v in paths.items()
+    inputs = InputServer().for_paths({k: v for k, v in paths.items()
                                      if v and Path(v).exists()})
     remote = placement.fresh_task(evaluate_on_node)
     try:
@@ -292,7 +292,7 @@ def aggregate_task(results: list[dict[str, Any]], evals: dict[str, dict[str, Any
     rows = rank_trials(results, evals, rank_by, ranking.mode, base, soup,
                        tie=(metric, ranking.metric_mode))
     parquet, md = write_leaderboard(rows, Path(out), rank_by, title)
-    best = export_best(rows, Path(out))
+    best = copy_best(rows, Path(out))
     plots = Path(out) / "plots"
     trials = [r for r in rows if r["status"] not in ("baseline", "soup")]
     curves = curves_png(trials, metric, plots / "curves.png")

@@ -20,7 +20,7 @@ from engine.host.command_queue import queue_env
 from tasks.eval.rewards import reward_sources
 from tasks.nodes.node_files import Bundle, pull
 from tasks.nodes.placement import Placement
-from tasks.nodes.trial_inputs import SweepFiles
+from tasks.nodes.trial_inputs import InputServer
 from tasks.sweep.trial import Summary, TrialActor, checked, outcome
 from tasks.sweep.trial_plan import TrialPlan
 
@@ -83,7 +83,7 @@ class Attempts:
     time_limit_s: float = 0.0
     study: Any = None
     metric: str = "val/loss"
-    files: SweepFiles = field(default_factory=SweepFiles)  # inputs by content
+    files: InputServer = field(default_factory=InputServer)  # inputs by content
     box: Any = None  # the MetricsBox trials send their metric lines to
 
 

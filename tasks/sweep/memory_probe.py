@@ -20,7 +20,7 @@ from engine.model.source import layer_count
 from engine.train.probe import largest_fitting, probe_steps
 from tasks.eval.rewards import reward_sources
 from tasks.nodes.placement import Placement
-from tasks.nodes.trial_inputs import SweepFiles, fetched, importable
+from tasks.nodes.trial_inputs import InputServer, fetched, importable
 from tasks.sweep.sweep_spec import SpecError
 from tasks.sweep.trial_plan import TrialPlan
 
@@ -88,7 +88,7 @@ def resolve_auto(plans: list[TrialPlan], budget_gb: float, placement: Placement,
     todo = {key: p for p in plans if "segment_size" in p.auto
             and (key := probe_key(per_rank(p, ranks), fingerprint)) not in known}
     if todo:
-        files = SweepFiles()
+        files = InputServer()
         refs = {key: placement.fresh_task(_run_probe, queue_env(p.config.memory_limit_gb))
                 .remote(per_rank(p, ranks),
                         candidate_sizes(p.config.model),

@@ -29,7 +29,7 @@ from engine.settings.config import TrainConfig
 from engine.train.pack_probe import PACK_AUTO_MAX, largest_pack, probe_packs
 from engine.train.pack_steps import SHARED
 from tasks.nodes.placement import Placement
-from tasks.nodes.trial_inputs import SweepFiles, fetched
+from tasks.nodes.trial_inputs import InputServer, fetched
 from tasks.sweep.memory_probe import probe_key
 from tasks.sweep.packs import group_packs
 from tasks.sweep.sweep_spec import SpecError
@@ -122,7 +122,7 @@ def _probe(todo: dict[str, list[list[TrialPlan]]], known: dict[str, list[dict[st
     once: its rows into ``known`` and, unless a pack failed, into ``cache`` as they come."""
     import ray
 
-    files = SweepFiles()
+    files = InputServer()
     refs = {}
     for key, cs in todo.items():
         cfg = heaviest([p for c in cs for p in c])

@@ -24,7 +24,7 @@ from engine.settings.forward_options import ForwardOptions
 from engine.settings.reference_kind import adapter_path
 from engine.train.reference import ReferenceSpec, ensure_reference
 from tasks.nodes.placement import Placement
-from tasks.nodes.trial_inputs import SweepFiles, fetched
+from tasks.nodes.trial_inputs import InputServer, fetched
 from tasks.sweep.sweep_plan import SweepPlan
 
 
@@ -77,7 +77,7 @@ def reference_on_ray(spec: ReferenceSpec, options: ForwardOptions, placement: Pl
 
     box = ray.remote(num_cpus=0)(ProgressBox).remote()
     paths = {"model": spec.model, "data": spec.data, "reference": adapter_path(spec.reference)}
-    inputs = SweepFiles().for_paths({k: v for k, v in paths.items() if v and Path(v).exists()})
+    inputs = InputServer().for_paths({k: v for k, v in paths.items() if v and Path(v).exists()})
     ref = placement.fresh_task(make_reference).remote(spec, options, box, inputs)
     while not ray.wait([ref], timeout=2.0)[0]:
         done, total = ray.get(box.get.remote())

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from engine.model.export import ExportSettings
-from engine.settings.ranking import MODES
+from engine.settings.metric_order import MODES
 from tasks.eval.generation_eval import check_rank_by, parse_generation
 from tasks.sweep.spec_rules import (
     SpecError,

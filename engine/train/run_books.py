@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from engine.forward.scoring import evaluate
 from engine.model.adapters import prune_checkpoints, save_checkpoint
-from engine.settings.ranking import beats
+from engine.settings.metric_order import beats
 from engine.train.report_window import Window
 from engine.train.resume import run_settings
 from engine.train.steps import StepDone
@@ -74,7 +74,7 @@ def validate(run: Any, step: int, callbacks: Sequence[Callback]) -> dict[str, An
 
 
 @dataclass
-class Ledger:
+class RunBooks:
     """The books of ``run`` (engine/train/run_parts.py's Run): where its records go and the
     view its validation and checkpoints read the model through."""
 

@@ -1,5 +1,5 @@
-"""engine/settings/ranking.py: the one better rule (the trainer's best, the sweep's running best,
-the leaderboard's order), hand-checked."""
+"""engine/settings/metric_order.py: the one better rule (the trainer's best, the sweep's
+running best, the leaderboard's order), hand-checked."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from engine.settings.ranking import beats, rank_key
+from engine.settings.metric_order import beats, rank_key
 
 pytestmark = pytest.mark.unit
 
