@@ -169,8 +169,8 @@ def pipeline_cmd(
     out = out or Path("runs/pipeline")
     cluster = cluster_of(address, gpus, resource)
     try:
-        check_pipeline_inputs(str(raw), model, str(spec), str(out), generations, report_to,
-                              warm_start)
+        checked = check_pipeline_inputs(str(raw), model, str(spec), str(out), generations,
+                                        report_to, warm_start)
     except (ValueError, FileNotFoundError) as err:  # SpecError is a ValueError
         raise fail(str(err)) from None
     from prefect.exceptions import FailedRun
@@ -181,7 +181,7 @@ def pipeline_cmd(
     try:
         with prefect_api(out):
             summary = pipeline(str(raw), model, str(spec), str(out), cluster, generations,
-                               report_to=report_to, warm_start=warm_start)
+                               report_to=report_to, warm_start=warm_start, checked=checked)
     except (FailedRun, ApiGone, ScorerError) as err:  # the data's or a scorer's mistake
         raise fail(str(err)) from None
     console.print(f"leaderboard: {summary['markdown']}; best adapter: "

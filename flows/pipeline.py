@@ -14,7 +14,9 @@ leave their results as files persist no task result, evaluations persist theirs 
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +63,7 @@ from tasks.prefect.pipeline_tasks import (
 from tasks.sweep.run import is_sweep_dir
 from tasks.sweep.spec_file import load_spec
 from tasks.sweep.spec_rules import check_prompt_sweep
-from tasks.sweep.sweep_spec import SpecError
+from tasks.sweep.sweep_spec import SpecError, SweepSpec
 from tasks.track.report_to import with_report_to
 from tasks.track.sinks import tracker_problem
 
@@ -92,15 +94,30 @@ def claim_sweep_dir(sweep_dir: str | Path, *inputs: str) -> AbstractContextManag
                  flag="SWEEP_DIR")
 
 
+@dataclass(frozen=True)
+class PipelineInputs:
+    """What the pipeline's checks produced, the flow's to run on: its sweep (the model and
+    the raw data the pipeline's, the trackers ``--report-to``'s, and the ``--warm-start``
+    refusals passed) and the evaluation's settings (``--generations`` applied)."""
+
+    sweep: SweepSpec
+    generations: GenerationSettings
+
+    def on(self, data: str) -> SweepSpec:
+        """The sweep on the tokenized dataset ``data`` in place of the raw file."""
+        return dataclasses.replace(self.sweep, data=data)
+
+
 def check_pipeline_inputs(raw: str, model: str, spec: str, out: str | None = None,
                           generations: int | None = None,
-                          report_to: list[str] | None = None, warm_start: int = 0) -> None:
-    """Every input of ``pipeline`` (and its ``out``) checked before the flow starts, so a
-    user's mistake is one line naming the file or key (SpecError, also for a tracker whose
-    client is not installed; FileNotFoundError,
+                          report_to: list[str] | None = None,
+                          warm_start: int = 0) -> PipelineInputs:
+    """Every input of ``pipeline`` (and its ``out``) checked once, before the flow starts,
+    so a user's mistake is one line naming the file or key (SpecError, also for a tracker
+    whose client is not installed; FileNotFoundError,
     RefusedOutput, ValueError for ``generations`` below 0, ScorerError for a scorer that
     fails on the raw data's first rows, or a spec's ``export`` of a family no GGUF holds),
-    not a failed flow run."""
+    not a failed flow run; the flow receives what they produced."""
     check_prompts_flag(generations)
     parsed = with_report_to(load_spec(spec, {"model": model, "data": raw}), report_to)
     if problem := tracker_problem(parsed.report_to):
@@ -127,6 +144,7 @@ def check_pipeline_inputs(raw: str, model: str, spec: str, out: str | None = Non
         with claim_pipeline(out, raw, model, spec):
             check_export_target(Path(out), parsed.export)
             # the flow claims it again while it runs
+    return PipelineInputs(parsed, settings)
 
 
 def check_export_target(out: Path, export: ExportSettings) -> None:
@@ -148,7 +166,7 @@ def check_export_target(out: Path, export: ExportSettings) -> None:
 def pipeline(raw: str, model: str, spec: str, out: str, cluster: Cluster | None = None,
              generations: int | None = None, soup_k: int = 2, fuse: bool = False,
              tokenize: TokenizeOptions | None = None, report_to: list[str] | None = None,
-             warm_start: int = 0) -> dict[str, Any]:
+             warm_start: int = 0, checked: PipelineInputs | None = None) -> dict[str, Any]:
     """Raw preference data and a model → a sweep on ``cluster`` (None: a private local
     Ray) → a leaderboard and the best adapter (and, with ``soup_k`` ≥ 2 completed trials,
     their soup, evaluated like a trial; with ``fuse``, the best adapter fused into the base
@@ -157,9 +175,16 @@ def pipeline(raw: str, model: str, spec: str, out: str, cluster: Cluster | None 
     how the raw data is tokenized and split (None: the defaults); ``report_to``: the
     experiment trackers, in place of the spec's (None: the spec's); ``warm_start``: steps
     of SFT on the train split's answers that every trial then starts from, its KL taken
-    against it, and the base row evaluated with it (0: none)."""
+    against it, and the base row evaluated with it (0: none); ``checked``: what
+    ``check_pipeline_inputs`` produced for these inputs and ``out`` (None: a scheduled run,
+    which checks them here, before any stage)."""
     out_dir, cluster = Path(out), cluster or Cluster()
+    if fresh := checked is None:
+        checked = check_pipeline_inputs(raw, model, spec, None, generations, report_to,
+                                        warm_start)
     with claim_pipeline(out, raw, model, spec):
+        if fresh:  # a user's file where the export would write: said before any stage
+            check_export_target(out_dir, checked.sweep.export)
         tokenized = tokenize_task(raw, model, str(out_dir / "data"), tokenize,
                                   return_state=True)
         if tokenized.is_failed():
@@ -168,20 +193,13 @@ def pipeline(raw: str, model: str, spec: str, out: str, cluster: Cluster | None 
         prompts = holds_prompts(Path(data["path"]))
         if not prompts:  # a prompts dataset has no pair prefix to find
             preprocess_task(data["path"])
-        sweep = with_report_to(load_spec(spec, {"model": model, "data": data["path"]}),
-                               report_to)
-        settings = sweep.evaluation.with_prompts(generations)
-        if prompts:
-            check_prompt_sweep(sweep.fixed, sweep.grid, sweep.space, raw, settings.on)
+        sweep, settings = checked.on(data["path"]), checked.generations
         start = None  # a stage of its own: the UI shows the start the trials share
         if warm_start:
             start = warm_start_task(model, data["path"], str(out_dir / "warm-start"),
                                     warm_start, sweep)
             sweep = started_from(sweep, start)
         check_scorers_on_data(settings, model, data["path"])  # a broken scorer: no trial ran
-        if sweep.export.any:
-            exportable(model)  # a family no GGUF holds: said now, not after the sweep
-            check_export_target(out_dir, sweep.export)  # a user's file there: said now too
         with cluster.session():  # opened once, for the sweep and the board
             results = sweep_stage(sweep, out_dir / "sweep", cluster.placement)
             if not any(r["status"] == "completed" for r in results):  # nothing to rank

@@ -14,12 +14,30 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # conftest.py: scheduled first
 
 
-def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> None:
+def counting(monkeypatch, module: object, name: str, counts: dict[str, int]) -> None:
+    """``module.name`` counted in ``counts[name]`` each time it is called."""
+    real = getattr(module, name)
+    counts[name] = 0
+
+    def counted(*args: object, **kwargs: object) -> object:
+        counts[name] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+
+
+def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path,
+                             monkeypatch) -> None:
+    """Run as ``pomona pipeline`` runs it: the inputs checked once before the flow, which
+    takes what the checks produced (issue 71: the spec was read and the export's family
+    checked again inside the flow)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-    from flows.pipeline import pipeline
+    import flows.pipeline
+    from flows.pipeline import check_pipeline_inputs, pipeline
     from tasks.data.synthetic import synth_rows, write_rows
+    from tasks.sweep import spec_file
 
     raw = write_rows(list(synth_rows("sort", 160, seed=0)), tmp_path / "raw" / "sort.jsonl")
     spec = tmp_path / "spec.yaml"
@@ -30,9 +48,15 @@ def test_pipeline_end_to_end(prefect_api, ray_cluster, tiny_model, tmp_path) -> 
                     "evaluation: {scorers: [task:sort, exact]}\nrank_by: gen/valid/sort\n"
                     "export: {gguf: f16, gguf_adapter: true}\n")
     out = tmp_path / "out"
+    counts: dict[str, int] = {}
+    counting(monkeypatch, spec_file, "parse_spec", counts)
+    counting(monkeypatch, flows.pipeline, "exportable", counts)
+    checked = check_pipeline_inputs(str(raw), str(tiny_model), str(spec), str(out), 2,
+                                    ["tensorboard"])
     state = pipeline(str(raw), str(tiny_model), str(spec), str(out), generations=2, fuse=True,
-                     report_to=["tensorboard"], return_state=True)
+                     report_to=["tensorboard"], return_state=True, checked=checked)
     assert state.is_completed(), state
+    assert counts == {"parse_spec": 1, "exportable": 1}, counts  # once, before the flow
     summary = state.result()
     board = pq.read_table(out / "leaderboard.parquet").to_pylist()
     assert [r["trial_id"] for r in board][-1] == "base"
