@@ -97,3 +97,40 @@ def test_a_spec_s_scorers_are_parsed_once_from_spec_to_scores(
     assert set(result.generations[0]["scores"]) == {"exact", "n"}
     assert "gen/valid/n" in result.metrics
     assert len(parsed) == 2  # read once, with the spec
+
+
+class Untouchable(dict):
+    """A spec's dict, read after the sweep was planned: any read fails, naming it."""
+
+    def _read(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"the spec's settings read after planning ({args!r})")
+
+    __getitem__ = get = items = keys = values = __iter__ = __contains__ = __len__ = _read
+
+
+@pytest.mark.unit
+def test_once_planned_no_route_reads_the_spec_s_settings(tiny_model: Path, tiny_data: Path,
+                                                         tmp_path: Path) -> None:
+    """The file count above gives 4/8/3 on the tree before issue 53 too: its routes
+    re-read the spec's dicts (params keyed by trial id, the cache key, the param/ columns and
+    the log line made from them), which no name count sees. Here the sweep is planned, the
+    spec's fixed, grid and space poisoned, and every trial's config, key, columns, the
+    table, the rules and the references still come out, from the plan alone."""
+    from tasks.nodes.placement import Placement
+    from tasks.sweep.references import reference_needs
+    from tasks.sweep.spec_file import parse_spec
+    from tasks.sweep.sweep_plan import plan_sweep
+
+    spec = parse_spec({"name": "s", "model": str(tiny_model), "data": str(tiny_data),
+                       "fixed": {"loss": "dpo", "steps": 1, "segment_size": 2},
+                       "grid": {"learning_rate": [1e-5, 2e-5]}})
+    plan = plan_sweep(spec, tmp_path / "out", Placement())
+    for name in ("fixed", "grid", "space"):
+        object.__setattr__(spec, name, Untouchable())
+    rows = plan.table([{"trial_id": p.id, "status": "completed"} for p in plan.todo], {}, [])
+    assert [r["param/segment_size"] for r in rows] == [2, 2]
+    assert len({plan.key_of(p.id, {}) for p in plan.todo}) == 2
+    assert [p.config.segment_size for p in plan.todo] == [2, 2]
+    assert plan.rules(2).max_concurrent == 2
+    [(reference, _)] = reference_needs(plan)
+    assert reference.model == str(tiny_model)
