@@ -228,42 +228,73 @@ def rank_stage(results: list[dict[str, Any]], model: str, data: str, ranking: Ra
     ``board.fuse``, fuse) the best adapter, and with ``board.export`` write it as GGUFs
     beside it (fused, and alone as llama.cpp's LoRA adapter); ``ranking.metric``: the
     training metric, which the plots show and which breaks ties."""
-    rank_by, mode, soup_k = ranking.by, ranking.mode, board.soup_k
     done = [r for r in results if r["status"] == "completed"]
-    shared = eval_settings(done)  # the base and the soup: what fits every trial's setting
-    jobs = {r["trial_id"]: evaluation_for(r["adapter"], generations).submit(
-                r["trial_id"], model, r["adapter"], data, None, generations,
-                str(Path(r["adapter"])), placement, eval_settings([r]))
-            for r in done}
-    # The base under the first trial's loss (GRPO's: ORPO's, as its pairs are scored): its
-    # loss column then reads beside theirs.
-    base_loss = pairs_scored_under(done[0]["adapter"]) if done else LossSpec()
-    if board.start:  # the trials' warm start: the base row is where they began
-        get_run_logger().info("base: the model with the trials' warm start %s", board.start)
-    base = evaluation_for(str(out_dir / "base"), generations).submit(
-        "base", model, board.start, data, base_loss, generations, str(out_dir / "base"),
-        placement, shared)
-    evals = {name: job.result() for name, job in jobs.items()}
-    base_metrics = base.result()
+    site = EvalSite(model, data, placement, generations, eval_settings(done))
+    evals, base_metrics = evaluate_stage(done, site, out_dir, board.start)
     trained = (ranking.metric, ranking.metric_mode)
-    top = [r["adapter"] for r in rank_trials(results, evals, rank_by, mode, tie=trained)
-           if r.get("rank") and r["rank"] <= soup_k]
-    soup = None
-    if soup_k >= 2 and len(top) >= 2:
-        path = soup_task(top, str(out_dir / "soup"))
-        loss = pairs_scored_under(top[0])  # its best member's
-        soup = {**evaluation_for(path, generations)("soup", model, path, data, loss,
-                                                    generations, path, placement, shared),
-                "adapter": path}
+    top = [r["adapter"] for r in rank_trials(results, evals, ranking.by, ranking.mode,
+                                             tie=trained)
+           if r.get("rank") and r["rank"] <= board.soup_k]
+    soup = soup_stage(top, site, out_dir) if board.soup_k >= 2 and len(top) >= 2 else None
     summary = aggregate_task(results, evals, base_metrics, ranking, str(out_dir), soup)
-    if board.fuse and summary["best_adapter"]:
-        summary["fused"] = fuse_task(model, summary["best_adapter"], str(out_dir / "best-fused"))
-    if board.export and summary["best_adapter"]:
-        summary.update(export_task(summary["best_adapter"], model, str(out_dir),
-                                   board.export))
+    if summary["best_adapter"]:
+        summary.update(best_outputs(summary["best_adapter"], model, out_dir, board))
     get_run_logger().info("leaderboard: %s; best adapter: %s", summary["markdown"],
                           summary["best_adapter"])
     return summary
+
+
+@dataclass(frozen=True)
+class EvalSite:
+    """Where and how the board's evaluations run: the base model, the tokenized data, the
+    placement, the generation settings, and ``shared`` (what fits every trial's setting,
+    for the base and the soup)."""
+
+    model: str
+    data: str
+    placement: Placement
+    generations: GenerationSettings
+    shared: Any
+
+
+def evaluate_stage(done: list[dict[str, Any]], site: EvalSite, out_dir: Path,
+                   start: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Each completed trial's evaluation and the base's, submitted together and awaited:
+    the base under the first trial's loss (GRPO's: ORPO's, as its pairs are scored), so its
+    loss column reads beside theirs; with the trials' warm ``start``, the base row is
+    where they began."""
+    jobs = {r["trial_id"]: evaluation_for(r["adapter"], site.generations).submit(
+                r["trial_id"], site.model, r["adapter"], site.data, None, site.generations,
+                str(Path(r["adapter"])), site.placement, eval_settings([r]))
+            for r in done}
+    base_loss = pairs_scored_under(done[0]["adapter"]) if done else LossSpec()
+    if start:
+        get_run_logger().info("base: the model with the trials' warm start %s", start)
+    base = evaluation_for(str(out_dir / "base"), site.generations).submit(
+        "base", site.model, start, site.data, base_loss, site.generations,
+        str(out_dir / "base"), site.placement, site.shared)
+    return {name: job.result() for name, job in jobs.items()}, base.result()
+
+
+def soup_stage(top: list[str], site: EvalSite, out_dir: Path) -> dict[str, Any]:
+    """The ``top`` adapters averaged into ``out_dir/soup`` and evaluated like a trial,
+    under its best member's loss."""
+    path = soup_task(top, str(out_dir / "soup"))
+    evaluated = evaluation_for(path, site.generations)(
+        "soup", site.model, path, site.data, pairs_scored_under(top[0]), site.generations,
+        path, site.placement, site.shared)
+    return {**evaluated, "adapter": path}
+
+
+def best_outputs(best: str, model: str, out_dir: Path, board: BoardOptions) -> dict[str, str]:
+    """What the board makes of its best adapter beyond the copy: fused into the base
+    (``board.fuse``) and the spec's GGUF exports (``board.export``)."""
+    made = {}
+    if board.fuse:
+        made["fused"] = fuse_task(model, best, str(out_dir / "best-fused"))
+    if board.export:
+        made.update(export_task(best, model, str(out_dir), board.export))
+    return made
 
 
 @flow(name="pomona-leaderboard", result_serializer="json")
