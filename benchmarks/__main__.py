@@ -24,6 +24,8 @@ KINDS = {
                                            "verifier, beside ORPO on fixed pairs."),
     "grpo-sweep": ("grpo_sweep_cost", "What a sweep costs a GRPO trial, beside the same trials "
                                       "through pomona train one by one."),
+    "sweep": ("sweep_cost", "What the sweep itself costs a trial: T trials on S slots, "
+                            "each trial's time by phase, the driver's CPU and memory."),
     "attention": ("attention_bench", "MLX's fused attention at query:key shapes."),
     "profile": ("profile_bench", "Where one segmented step's time goes, stage by stage."),
     "ops": ("ops_bench", "One layer's blocks op by op, forward and backward."),

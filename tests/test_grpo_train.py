@@ -55,6 +55,9 @@ def test_the_demo_command_trains_and_reports_trls_names(tiny_model, parity, tmp_
     own = {"rewards/parity/mean", "dynamic_sampling/replaced_groups"}  # dapo's, by default
     assert len(train) == 2 and TRL_NAMES | own <= set(train[0]), train[0]
     assert "kl" not in train[0]  # β = 0: no reference pass
+    phases = json.loads((tmp_path / "run" / "summary.json").read_text())["phases"]
+    assert set(phases) == {"set_up", "load_check", "first_step", "steps", "finish"}, phases
+    assert phases["first_step"] <= phases["steps"]  # GRPO's: its updates; rollouts apart
     valid = records(tmp_path / "run", "valid")
     assert [r["step"] for r in valid] == [0, 2] and valid[0]["val/rows"] == 8
     block = json.loads((tmp_path / "run" / "adapter_config.json").read_text())["pomona"]

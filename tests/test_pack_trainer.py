@@ -16,6 +16,7 @@ from engine.settings.config import TrainConfig
 from engine.train.pack_trainer import train_pack
 from engine.train.trainer import train
 from tests.parity import assert_pack_weights
+from tests.test_trainer import assert_phases
 
 pytestmark = pytest.mark.integration
 
@@ -68,6 +69,8 @@ def test_a_pack_leaves_each_trial_as_its_lone_run(tiny_model: Path, tiny_data: P
             heard[self.i].append(record)
 
     packed = train_pack(cfgs, [[Hear(i)] for i in range(len(cfgs))])
+    for result in packed:
+        assert_phases(result)  # each trial's, its seconds the pack's
     for i, cfg in enumerate(cfgs):
         lone_out = tmp_path / "alone" / Path(cfg.out).name
         lone = train(cfg.replace(out=str(lone_out)))

@@ -38,8 +38,21 @@ def losses(out: Path) -> list[float]:
     return [r["loss"] for r in rows if r["split"] == "train"]
 
 
+def assert_phases(result) -> None:
+    """Where a run's seconds went (engine/train/run_parts.py's PHASES): each phase, none
+    negative, the load check within the set-up, the first step within the steps, all within
+    the run, as summary.json says too."""
+    from engine.train.run_parts import PHASES
+
+    phases = result.phases
+    assert tuple(phases) == PHASES and min(phases.values()) >= 0, phases
+    assert phases["load_check"] <= phases["set_up"] and phases["first_step"] <= phases["steps"]
+    assert phases["set_up"] + phases["steps"] + phases["finish"] <= result.seconds
+    assert json.loads((Path(result.out) / "summary.json").read_text())["phases"] == phases
+
+
 def test_two_identical_runs_give_identical_adapters(tiny_model, tiny_data, tmp_path) -> None:
-    train(cfg(tiny_model, tiny_data, tmp_path / "a", lora_dropout=0.1))
+    assert_phases(train(cfg(tiny_model, tiny_data, tmp_path / "a", lora_dropout=0.1)))
     train(cfg(tiny_model, tiny_data, tmp_path / "b", lora_dropout=0.1))
     a, b = adapters(tmp_path / "a"), adapters(tmp_path / "b")
     assert a.keys() == b.keys()

@@ -29,7 +29,14 @@ def _max_overlap(rows: list[dict]) -> int:
     return peak
 
 
+PHASE_COLUMNS = {f"phase/{k}" for k in ("actor_start", "inputs", "set_up", "load_check",
+                                         "first_step", "steps", "finish", "pull")}
+
+
 def test_four_trials_on_two_slots(ray_cluster, tiny_model, tiny_data, tmp_path) -> None:
+    """Each row also says where its trial's time went (issue 72): the fresh actor's start,
+    its inputs, the run's phases (within the run's own seconds, itself within the trial's
+    duration in its process) and the pull."""
     rows = run_trials(_trials(tiny_model, tiny_data, tmp_path, 4), Placement(),
                       TrialRules(max_concurrent=4), results=tmp_path / "results.parquet")
     assert [r["status"] for r in rows] == ["completed"] * 4, [r.get("reason") for r in rows]
@@ -37,6 +44,12 @@ def test_four_trials_on_two_slots(ray_cluster, tiny_model, tiny_data, tmp_path) 
     assert len({r["pid"] for r in rows}) == 4  # a fresh process per trial
     table = pq.read_table(tmp_path / "results.parquet").to_pylist()
     assert [r["trial_id"] for r in table] == ["t0", "t1", "t2", "t3"]
+    for r in table:
+        assert set(r) >= PHASE_COLUMNS and all(r[c] >= 0 for c in PHASE_COLUMNS), r
+        run = sum(r[f"phase/{k}"] for k in ("set_up", "first_step", "steps", "finish"))
+        assert run - r["phase/first_step"] <= r["train_s"] + 1e-3  # first_step: in steps
+        assert r["phase/load_check"] <= r["phase/set_up"]
+        assert 0 < r["train_s"] <= r["duration_s"]
     assert all((tmp_path / f"t{i}" / "adapters.safetensors").exists() for i in range(4))
 
 

@@ -141,7 +141,7 @@ def set_up(cfg: TrainConfig, held: ExitStack) -> GroupRun:
     resumed = resumed_step(cfg, prepared.model, optimizer)
     prepare_out(Path(cfg.out), resumed)
     update = make_update(prepared.model, optimizer, cfg.grad_clip)
-    result = fresh_result(cfg, resumed or 0, prepared, prompts.rejected)
+    result = fresh_result(cfg, resumed or 0, prepared, prompts.rejected, started)
     return GroupRun(cfg, loss, ranks, prepared, prompts, reward, reference, optimizer, update,
                     resumed or 0, result, started)
 
@@ -226,6 +226,7 @@ def loop(run: GroupRun, callbacks: Sequence[Callback]) -> None:
         seconds = time.perf_counter() - t1
         run.tokens, run.seconds = run.tokens + cycle.tokens, run.seconds + seconds
         run.result.steps = step
+        run.result.phases.setdefault("first_step", seconds)  # its update, as steps counts
         window.append({**cycle.metrics, **metrics, "loss": value, "grad_norm": norm,
                        "learning_rate": lr, "step_seconds": time.perf_counter() - t0,
                        "tokens_per_sec": cycle.tokens / max(seconds, 1e-9)})

@@ -143,5 +143,5 @@ def set_up_pack(cfgs: list[TrainConfig], held: ExitStack, live: list[int]) -> li
                                      cfg.grad_clip)
         stepper = Stepper(own.model, own.stack, cfg.loss_spec(), cfg, SINGLE, update)
         runs.append(Run(cfg, SINGLE, own, data, optimizer, stepper, pad_multiple, 0,
-                        fresh_result(cfg, 0, own, data.rejected), started))
+                        fresh_result(cfg, 0, own, data.rejected, started), started))
     return runs

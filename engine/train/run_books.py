@@ -109,6 +109,7 @@ class RunBooks:
         self.window.add(done.loss, done.sums, done.grad_norm, done.tokens, done.seconds)
         result.steps, run.trained = step, run.trained + done.pairs
         run.tokens, run.seconds = run.tokens + done.tokens, run.seconds + done.seconds
+        result.phases.setdefault("first_step", done.seconds)  # MLX's first compile in it
         if step % cfg.report_every == 0 or step == cfg.steps:
             result.final = {**self.window.record(step, lr), **(self.extra() if self.extra else {})}
             result.peak_memory_gb = max(result.peak_memory_gb, result.final["peak_memory_gb"])

@@ -72,6 +72,15 @@ class TrainResult:
     verified: dict[str, Any] = field(default_factory=dict)  # --verify's figures (verify_paths)
     # compiled segments (engine/backward/compiled.py): traces, replays and calls
     compiled: dict[str, int] = field(default_factory=dict)
+    # where the run's seconds went (``PHASES``): what a sweep's trial costs beyond its steps
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+# set_up: claim to first step (model load, load check, data, reference, resume); load_check:
+# its part of set_up; first_step: the first step's own (MLX's first compile); steps: every
+# step's (GRPO's: its updates); finish: the adapter written. The rest: validation,
+# checkpoints, GRPO's rollouts.
+PHASES = ("set_up", "load_check", "first_step", "steps", "finish")
 
 
 def refuse_beyond_context(pairs: Sequence, context: int | None) -> None:
@@ -230,13 +239,17 @@ def finish(run: Run) -> TrainResult:
     result.world_size = run.ranks.size
     result.rank_pairs = run.ranks.gather_counts(run.trained)
     result.tokens_per_sec = run.tokens / max(run.seconds, 1e-9)
-    result.seconds = time.perf_counter() - run.started
     result.compiled = compiled_counts(run.prepared.stack)
+    ending = time.perf_counter()
     if run.ranks.main:
         extra = {"model": cfg.model, "pomona": {"steps": result.steps, "loss": cfg.loss.kind,
                                                 **loss_weights(cfg), **content_keys(cfg),
                                                 "seed": cfg.seed, "world_size": run.ranks.size}}
         save_adapters(run.prepared.model, run.out, run.prepared.lora, lora_blocks(run), extra)
+    now = time.perf_counter()
+    result.phases.update(steps=run.seconds, finish=now - ending)
+    result.seconds = now - run.started  # to the adapter written
+    if run.ranks.main:
         run_write_text(run.out / "summary.json", json.dumps(result.__dict__, indent=2) + "\n")
     return result
 
@@ -257,9 +270,11 @@ def checked_pad_multiple(cfg: TrainConfig) -> int:
     return pad_multiple
 
 
-def fresh_result(cfg: TrainConfig, start: int, prepared: Prepared,
-                 rejected: dict[str, int]) -> TrainResult:
-    """A run's result before its first step: where it starts, what it trains, what its data
-    rejected and what its load check measured."""
+def fresh_result(cfg: TrainConfig, start: int, prepared: Prepared, rejected: dict[str, int],
+                 started: float) -> TrainResult:
+    """A run's result as its set-up (begun at ``started``, perf_counter) ends: where it
+    starts, what it trains, what its data rejected and what its load check measured."""
+    phases = {"set_up": time.perf_counter() - started,
+              "load_check": float(prepared.check.get("seconds", 0.0))}
     return TrainResult(out=str(Path(cfg.out)), steps=start, trainable_params=prepared.trainable,
-                       rejected_rows=dict(rejected), load_check=prepared.check)
+                       rejected_rows=dict(rejected), load_check=prepared.check, phases=phases)

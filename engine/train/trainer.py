@@ -97,7 +97,7 @@ def set_up(cfg: TrainConfig, held: ExitStack) -> Run:
     start = resumed or 0
     stepper = Stepper(prepared.model, prepared.stack, loss, cfg, ranks,
                       make_update(prepared.model, optimizer, cfg.grad_clip))
-    result = fresh_result(cfg, start, prepared, data.rejected)
+    result = fresh_result(cfg, start, prepared, data.rejected, started)
     run = Run(cfg, ranks, prepared, data, optimizer, stepper, pad_multiple, start, result,
               started)
     if cfg.verify:

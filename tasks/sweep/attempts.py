@@ -21,7 +21,7 @@ from tasks.eval.rewards import reward_sources
 from tasks.nodes.node_files import Bundle, pull
 from tasks.nodes.placement import Placement
 from tasks.nodes.trial_inputs import InputServer
-from tasks.sweep.trial import Summary, TrialActor, checked, outcome
+from tasks.sweep.trial import Summary, TrialActor, checked, outcome, phase_columns
 from tasks.sweep.trial_plan import TrialPlan
 
 EventHook = Callable[[str, Summary], None]  # ("started" | "retry" | "finished", summary)
@@ -154,6 +154,7 @@ class OneActor:
         import ray
 
         shared, live = self.shared, self.shared.live
+        asked = time.time()
         actor = self.actor_cls.options(**shared.placement.options(
             queue_env(trial.config.memory_limit_gb))).remote()
         try:
@@ -167,11 +168,15 @@ class OneActor:
             # Once the actor is up (the time limit counts from here): where it runs.
             live.event("running", {"trial_id": trial.id, "attempt": attempt,
                                    **ray.get(placed)})
+            up = time.time()  # a fresh process's start (the driver listing inputs beside it)
             if not wait_relaying(shared, trial, ref):
                 return outcome(trial, "failed", f"time_limit: over {shared.time_limit_s:g} s",
                                first, attempt + 1)
             summary = checked(trial, ray.get(ref), first, attempt + 1)
-            return collect(trial, actor, summary)
+            pulling = time.time()
+            summary = collect(trial, actor, summary)
+            return {**summary, **phase_columns({"actor_start": up - asked,
+                                                "pull": time.time() - pulling})}
         except OSError as err:  # an input the driver cannot list, or a result it cannot write
             return outcome(trial, "failed", f"{type(err).__name__}: {err}"[:500], first,
                            attempt + 1)

@@ -142,7 +142,14 @@ def summary_of(base: Summary, result: Any, norms: GradNorms) -> Summary:
             "final_loss": result.final.get("loss"), "best_val_loss": best.get("val/loss"),
             "best_val_accuracy": best.get("val/logps/accuracies"),
             **{f"best/{k}": v for k, v in best.items() if k.startswith("val/")},
-            "peak_memory_gb": result.peak_memory_gb, "tokens_per_sec": result.tokens_per_sec}
+            "peak_memory_gb": result.peak_memory_gb, "tokens_per_sec": result.tokens_per_sec,
+            "train_s": result.seconds, **phase_columns(result.phases)}
+
+
+def phase_columns(phases: dict[str, float]) -> dict[str, float]:
+    """A trial's ``phase/`` columns: where its seconds went (engine/train/run_parts.py's
+    PHASES; the actor adds ``inputs``, the driver ``actor_start`` and ``pull``)."""
+    return {f"phase/{k}": v for k, v in phases.items()}
 
 
 def pack_name(ids: list[str]) -> str:
@@ -212,8 +219,10 @@ class TrialActor:
         except (OSError, RuntimeError) as err:  # an input this node cannot have: say which
             return {"trial_id": trial.id, **where(), "started": started, "ended": time.time(),
                     "status": "failed", "reason": f"inputs on {socket.gethostname()}: {err}"}
+        fetched_s = time.time() - started  # this node's copies of the inputs, by content
         extra = [SendMetrics(box, trial.id)] if box is not None else []
-        summary = run_trial(trial.id, config, study, trial.number, metric, extra)
+        summary = {**run_trial(trial.id, config, study, trial.number, metric, extra),
+                   **phase_columns({"inputs": fetched_s})}
         if not summary.get("adapter"):  # nothing to pull: the scratch folder goes now
             remove_scratch(config.out)
             return summary
