@@ -7,8 +7,10 @@ process, a fresh Ray), and where each trial's time went, from its row's ``phase/
 For each T it prints:
 - the wall time against the trials' summed train time over S (what a sweep with no cost of
   its own would take), and the overhead a trial: (wall × S − summed train time) / T;
-- each phase's mean a trial: the fresh actor's start, the inputs fetched, the run's set-up
-  (model load, load check), its first step, its steps, its finish, the result's pull;
+- each phase's mean a trial: the fresh actor's start, the engine's imports in it, the
+  inputs fetched, the run's set-up (model load, load check), its first step, its steps, its
+  finish, the result's pull, and the rest of the overhead no phase accounts for (Ray's
+  start over T, the scheduler between trials, the actor's end);
 - the driver's own CPU seconds a trial and its peak memory (its process alone, sampled).
 
 Prefect is off (``--no-prefect``), so the Prefect API's calls are not counted here.
@@ -29,8 +31,9 @@ import yaml
 
 from benchmarks.grpo_learning import data_and_model, in_work
 
-PHASES = ("actor_start", "inputs", "set_up", "load_check", "first_step", "steps", "finish",
-          "pull")
+PHASES = ("actor_start", "imports", "inputs", "set_up", "load_check", "first_step", "steps",
+          "finish", "pull")
+OUTSIDE = ("actor_start", "imports", "inputs", "pull")  # a trial's slot time beyond train_s
 
 
 def parser() -> argparse.ArgumentParser:
@@ -98,11 +101,13 @@ def one_sweep(a: argparse.Namespace, model: Path, data: Path, work: Path,
                            f"{next((r['reason'] for r in rows if r.get('reason')), '')}")
     train = sum(r["train_s"] for r in done)
     ideal = train / a.slots
+    phases = {k: sum(r.get(f"phase/{k}") or 0.0 for r in done) / trials for k in PHASES}
+    overhead = (cost["wall_s"] - ideal) * a.slots / trials
     return {"trials": trials, **cost, "train_sum_s": train, "ideal_s": ideal,
-            "overhead_per_trial_s": (cost["wall_s"] - ideal) * a.slots / trials,
+            "overhead_per_trial_s": overhead,
+            "unaccounted_per_trial_s": overhead - sum(phases[k] for k in OUTSIDE),
             "driver_cpu_per_trial_ms": 1000 * cost["driver_cpu_s"] / trials,
-            "phases_s": {k: sum(r.get(f"phase/{k}") or 0.0 for r in done) / trials
-                         for k in PHASES}}
+            "phases_s": phases}
 
 
 def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -128,7 +133,9 @@ def table(result: dict[str, Any]) -> list[str]:
                      f"a trial; driver {s['driver_cpu_per_trial_ms']:.0f} ms CPU a trial, "
                      f"peak {s['driver_peak_mb']:.0f} MB")
         lines.append("    a trial: " + ", ".join(f"{k} {v:.2f} s"
-                                                 for k, v in s["phases_s"].items()))
+                                                 for k, v in s["phases_s"].items())
+                     + f"; the rest of its overhead {s['unaccounted_per_trial_s']:.2f} s "
+                       "(Ray's start and the scheduler, the actor's end)")
     return lines
 
 

@@ -29,8 +29,9 @@ def _max_overlap(rows: list[dict]) -> int:
     return peak
 
 
-PHASE_COLUMNS = {f"phase/{k}" for k in ("actor_start", "inputs", "set_up", "load_check",
-                                         "first_step", "steps", "finish", "pull")}
+PHASE_COLUMNS = {f"phase/{k}" for k in ("actor_start", "imports", "inputs", "set_up",
+                                         "load_check", "first_step", "steps", "finish",
+                                         "pull")}
 
 
 def test_four_trials_on_two_slots(ray_cluster, tiny_model, tiny_data, tmp_path) -> None:

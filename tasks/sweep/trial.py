@@ -108,11 +108,13 @@ def run_trial(trial_id: str, config: TrainConfig, study: Any = None,
     A run that finishes but has collapsed (``degenerate_reason``) is ``degenerate``, with
     its reason: it keeps its adapter and metrics but is never ranked.
     """
+    importing = time.time()  # a fresh process's first trial: MLX and the engine load here
     from engine.train.dispatch import train_any
     from engine.train.steps import NonFiniteLoss
 
     started = time.time()
-    base = {"trial_id": trial_id, **where(), "started": started}
+    base = {"trial_id": trial_id, **where(), "started": started,
+            **phase_columns({"imports": started - importing})}
     norms = GradNorms()
     callbacks = [norms, *([PruneCallback(study, number, metric)] if study is not None else []),
                  *(extra or [])]
@@ -148,7 +150,8 @@ def summary_of(base: Summary, result: Any, norms: GradNorms) -> Summary:
 
 def phase_columns(phases: dict[str, float]) -> dict[str, float]:
     """A trial's ``phase/`` columns: where its seconds went (engine/train/run_parts.py's
-    PHASES; the actor adds ``inputs``, the driver ``actor_start`` and ``pull``)."""
+    PHASES; the trial's process adds ``imports`` and ``inputs``, the driver
+    ``actor_start`` and ``pull``)."""
     return {f"phase/{k}": v for k, v in phases.items()}
 
 
