@@ -66,6 +66,7 @@ def test_trial_ids_are_stable_and_order_free() -> None:
     ({**BASE, "metric": "loss"}, "metric='loss': expected a validation metric"),
     ({**BASE, "retries": -1}, "retries=-1"),
     ({**BASE, "name": "../../etc"}, "name='../../etc': letters, digits"),
+    ({**BASE, "reuse_actors": "yes"}, "reuse_actors='yes': expected true or false"),
 ])
 def test_errors_name_the_bad_key(raw: dict, message: str) -> None:
     with pytest.raises(SpecError, match=message):
@@ -182,3 +183,10 @@ def test_a_huge_grid_is_warned_of_with_its_count(tmp_path: Path, caplog) -> None
     with caplog.at_level("WARNING", logger="pomona.sweep"):
         assert load_spec(path).size() == 2
     assert not [r for r in caplog.records if r.name == "pomona.sweep"]
+
+
+def test_reuse_actors_reaches_the_trials_rules() -> None:
+    """``reuse_actors`` (tasks/sweep/warm_actor.py): off unless asked, and the scheduler's
+    rules carry it as the spec gives it."""
+    assert not parse_spec(BASE).rules.reuse_actors
+    assert parse_spec({**BASE, "reuse_actors": True}).rules.reuse_actors

@@ -23,6 +23,7 @@ from tasks.nodes.placement import Placement
 from tasks.nodes.trial_inputs import InputServer
 from tasks.sweep.trial import Summary, TrialActor, checked, outcome, phase_columns
 from tasks.sweep.trial_plan import TrialPlan
+from tasks.sweep.warm_actor import WarmSlot, env_key
 
 EventHook = Callable[[str, Summary], None]  # ("started" | "retry" | "finished", summary)
 
@@ -142,21 +143,33 @@ class Strategy(Protocol):
 
 
 class OneActor:
-    """Each attempt in one fresh actor on the placement, killed when it ends."""
+    """Each attempt in one fresh actor on the placement, killed when it ends; with
+    ``reuse`` (``reuse_actors``), a completed trial's actor kept for this worker's next
+    trial (tasks/sweep/warm_actor.py). ``close``: the kept one killed."""
 
-    def __init__(self, shared: Attempts):
+    def __init__(self, shared: Attempts, reuse: bool = False):
         import ray
 
-        self.shared = shared
+        self.shared, self.slot = shared, WarmSlot() if reuse else None
         self.actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(TrialActor)
+
+    def close(self) -> None:
+        if self.slot is not None:
+            self.slot.close()
+
+    def actor_for(self, env: dict[str, str]) -> tuple[Any, bool]:
+        """The slot's kept actor for ``env``, else a fresh one; whether it was kept."""
+        kept = self.slot.take(env_key(env)) if self.slot is not None else None
+        if kept is not None:
+            return kept, True
+        return self.actor_cls.options(**self.shared.placement.options(env)).remote(), False
 
     def attempt(self, trial: TrialPlan, attempt: int, first: float) -> Summary | None:
         import ray
 
         shared, live = self.shared, self.shared.live
-        asked = time.time()
-        actor = self.actor_cls.options(**shared.placement.options(
-            queue_env(trial.config.memory_limit_gb))).remote()
+        asked, env, kept = time.time(), queue_env(trial.config.memory_limit_gb), False
+        actor, reused = self.actor_for(env)
         try:
             if not live.register(trial.id, actor):
                 return outcome(trial, "cancelled", "sweep interrupted", first, attempt + 1)
@@ -175,8 +188,12 @@ class OneActor:
             summary = checked(trial, ray.get(ref), first, attempt + 1)
             pulling = time.time()
             summary = collect(trial, actor, summary)
-            return {**summary, **phase_columns({"actor_start": up - asked,
-                                                "pull": time.time() - pulling})}
+            kept = (self.slot is not None and summary["status"] == "completed"
+                    and not live.stopping.is_set()
+                    and self.slot.keep(env_key(env), actor, trial.config.memory_limit_gb))
+            return {**summary, "reused_actor": reused,
+                    **phase_columns({"actor_start": up - asked,
+                                     "pull": time.time() - pulling})}
         except OSError as err:  # an input the driver cannot list, or a result it cannot write
             return outcome(trial, "failed", f"{type(err).__name__}: {err}"[:500], first,
                            attempt + 1)
@@ -187,4 +204,5 @@ class OneActor:
                            attempt + 1)
         finally:
             live.release(trial.id)
-            ray.kill(actor)  # the process and its memory go; the next trial starts fresh
+            if not kept:  # the process and its memory go; the next trial starts fresh
+                ray.kill(actor)

@@ -147,17 +147,21 @@ def trial_worker(source: TrialSource, shared: Attempts, rules: TrialRules, wrap:
     """A worker thread's loop: a trial at a time from ``source``, each in its own actor
     (or gang of ranks), wrapped (a Prefect task run), its summary handed to ``finish``."""
     ranks = rules.ranks_per_trial
-    strategy: Strategy = Gang(shared, ranks) if ranks > 1 else OneActor(shared)
+    lone = OneActor(shared, rules.reuse_actors)
+    strategy: Strategy = Gang(shared, ranks) if ranks > 1 else lone
     runner = Retrying(strategy, shared.live, rules.retries, rules.retry_delay_s)
 
     def worker() -> None:
-        while not shared.live.stopping.is_set():
-            trial = source.ask()
-            if trial is None:
-                return
-            asked([trial])
-            finish(trial, contained(trial, lambda t=trial: (
-                wrap(t, lambda: runner.run(t)) if wrap else runner.run(t))))
+        try:
+            while not shared.live.stopping.is_set():
+                trial = source.ask()
+                if trial is None:
+                    return
+                asked([trial])
+                finish(trial, contained(trial, lambda t=trial: (
+                    wrap(t, lambda: runner.run(t)) if wrap else runner.run(t))))
+        finally:
+            lone.close()  # a warm actor kept for a next trial that never came
 
     return worker
 

@@ -22,6 +22,7 @@ sweep_spec.py), whose trials are typed plans (tasks/sweep/trial_plan.py).
     ranks_per_trial: 1      # > 1: each trial data parallel over that many GPUs (Macs)
     pack: 1                 # > 1: trials sharing their steps trained that many to a process;
                             # auto: as many as fit memory_budget_gb (tasks/sweep/pack_sizes.py)
+    reuse_actors: false     # true: a slot's process trains trial after trial (Ray Tune's name)
     seed: 0
     evaluation: {scorers: [exact], prompts: 64, max_tokens: 32}   # tasks/eval/generation_eval.py
     rank_by: gen/valid/exact    # what the leaderboard ranks on (default: metric)
@@ -80,7 +81,8 @@ OPTUNA_TRIES = 32  # draws from an optuna space planned then
 TOP_KEYS = {"name", "model", "data", "fixed", "grid", "space", "search", "num_samples",
             "metric", "mode", "max_concurrent", "time_limit_s", "seed", "pruning",
             "memory_budget_gb", "retries", "retry_delay_s", "kind", "probe_batches",
-            "ranks_per_trial", "evaluation", "rank_by", "export", "pack", "report_to"}
+            "ranks_per_trial", "evaluation", "rank_by", "export", "pack", "report_to",
+            "reuse_actors"}
 
 
 def _setting(data: dict[str, Any], key: str, default: float, integer: bool = False,
@@ -92,6 +94,14 @@ def _setting(data: dict[str, Any], key: str, default: float, integer: bool = Fal
         kind = "an integer" if integer else "a finite number"
         raise SpecError(f"{key}={raw!r}: expected {kind} >= {minimum:g}")
     return int(number) if integer else number
+
+
+def _flag(data: dict[str, Any], key: str) -> bool:
+    """A top-level true/false setting (false when absent)."""
+    raw = data.get(key, False)
+    if not isinstance(raw, bool):
+        raise SpecError(f"{key}={raw!r}: expected true or false")
+    return raw
 
 
 def parse_spec(data: dict[str, Any], source: str = "spec") -> SweepSpec:
@@ -195,7 +205,8 @@ def _parse(data: Any) -> SweepSpec:
         name=data["name"], model=data["model"], data=data["data"], fixed=fixed, grid=grid,
         space={k: space_dist(k, v) for k, v in space.items()}, search=search, metric=metric,
         mode=mode, pruning=pruning, kind=kind, evaluation=evaluation, rank_by=rank_by,
-        export=export, report_to=report_to, pack=pack, **counts, **seconds)
+        export=export, report_to=report_to, pack=pack,
+        reuse_actors=_flag(data, "reuse_actors"), **counts, **seconds)
     _check_runnable(spec)
     return spec
 

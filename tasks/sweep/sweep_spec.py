@@ -66,6 +66,7 @@ class SweepSpec:
     probe_batches: int = 8
     ranks_per_trial: int = 1  # > 1: a trial is a gang of ranks (tasks/sweep/gang.py)
     pack: int | Auto = 1  # > 1 (or AUTO, sized by a probe): trials trained together
+    reuse_actors: bool = False  # a slot's process trains trial after trial (attempts.py)
     evaluation: GenerationSettings = field(default_factory=GenerationSettings)
     rank_by: str = ""  # the leaderboard's metric ("": metric)
     export: ExportSettings = field(default_factory=ExportSettings)  # the pipeline's GGUF
@@ -76,7 +77,8 @@ class SweepSpec:
         """How its trials run: at once, time limit, retries, ranks, the metric reported."""
         pack = 1 if self.pack is AUTO else self.pack  # auto: sized once probed (SweepPlan)
         return TrialRules(self.max_concurrent, self.time_limit_s, self.retries,
-                          self.retry_delay_s, self.ranks_per_trial, self.metric, pack)
+                          self.retry_delay_s, self.ranks_per_trial, self.metric, pack,
+                          reuse_actors=self.reuse_actors)
 
     @property
     def ranking(self) -> Ranking:

@@ -281,5 +281,11 @@ class TrialActor:
             if bundle is not None:
                 remove_scratch(bundle.path)
 
+    def resident_gb(self) -> tuple[float, float]:
+        """This process's memory and the node's (tasks/sweep/warm_actor.py)."""
+        from tasks.sweep.warm_actor import resident_gb
+
+        return resident_gb()
+
     def where(self) -> dict[str, Any]:
         return where()

@@ -15,7 +15,8 @@ class TrialRules:
     trial reports to an Optuna study; ``pack`` > 1: trials that share their steps trained
     up to that many at a time in one process (tasks/sweep/packs.py); ``pack_limits``: a
     trial's own largest pack, by trial id, where ``pack: auto`` measured it
-    (tasks/sweep/pack_sizes.py)."""
+    (tasks/sweep/pack_sizes.py); ``reuse_actors``: a slot's actor trains trial after
+    trial while each completes (tasks/sweep/attempts.py, ``OneActor``)."""
 
     max_concurrent: int = 1
     time_limit_s: float = 0.0
@@ -25,3 +26,4 @@ class TrialRules:
     metric: str = "val/loss"
     pack: int = 1
     pack_limits: tuple[tuple[str, int], ...] = ()
+    reuse_actors: bool = False
