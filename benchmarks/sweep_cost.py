@@ -2,9 +2,11 @@
 tiny model on S slots, each run as a user runs it (``pomona sweep --no-prefect``, its own
 process, a fresh Ray), and where each trial's time went, from its row's ``phase/`` columns.
 
-    OPENBLAS_NUM_THREADS=1 pomona bench sweep [--trials 8 64] [--slots 2] [--steps 5] [--json]
+    OPENBLAS_NUM_THREADS=1 pomona bench sweep [--trials 8 64] [--slots 2] [--steps 5]
+        [--reuse-actors off|on|both] [--json]
 
-For each T it prints:
+With ``--reuse-actors both`` each T runs twice, fresh processes then ``reuse_actors:
+true``, side by side. For each sweep it prints:
 - the wall time against the trials' summed train time over S (what a sweep with no cost of
   its own would take), and the overhead a trial: (wall × S − summed train time) / T;
 - each phase's mean a trial: the fresh actor's start, the engine's imports in it, the
@@ -42,6 +44,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trials", type=int, nargs="+", default=[8, 64], help="Each T to run.")
     p.add_argument("--slots", type=int, default=2, help="Trials at once (max_concurrent).")
     p.add_argument("--steps", type=int, default=5, help="Each trial's steps.")
+    p.add_argument("--reuse-actors", choices=("off", "on", "both"), default="off",
+                   help="reuse_actors in each sweep; both: each T twice, side by side, fresh "
+                        "processes then reuse_actors: true.")
     p.add_argument("--rows", type=int, default=400, help="Parity rows to tokenize.")
     p.add_argument("--work", help="Keep the model, data and sweeps here (an empty or new "
                                   "folder).")
@@ -49,10 +54,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def spec_of(a: argparse.Namespace, model: Path, data: Path, trials: int) -> dict[str, Any]:
+def spec_of(a: argparse.Namespace, model: Path, data: Path, trials: int,
+            reuse: bool) -> dict[str, Any]:
     """T trials that differ by seed alone: the same work each, so their costs compare."""
     return {"name": f"cost-{trials}", "model": str(model), "data": str(data),
-            "max_concurrent": a.slots,
+            "max_concurrent": a.slots, "reuse_actors": reuse,
             "fixed": {"steps": a.steps, "batch_size": 4, "lora_rank": 4, "val_every": 0,
                       "report_every": a.steps, "head_chunk": 16},
             "grid": {"seed": list(range(trials))}}
@@ -85,15 +91,15 @@ def watched(args: list[str], log: Path) -> dict[str, float]:
 
 
 def one_sweep(a: argparse.Namespace, model: Path, data: Path, work: Path,
-              trials: int) -> dict[str, Any]:
-    """One sweep of ``trials``, timed, and its rows' phases."""
+              trials: int, reuse: bool = False) -> dict[str, Any]:
+    """One sweep of ``trials`` (``reuse``: with reuse_actors), timed, and its rows' phases."""
     import pyarrow.parquet as pq
 
-    spec = work / f"sweep-{trials}.yaml"
-    spec.write_text(yaml.safe_dump(spec_of(a, model, data, trials)))
-    out = work / f"sweep-{trials}"
-    cost = watched(["sweep", str(spec), "--out", str(out), "--no-prefect"],
-                   work / f"sweep-{trials}.log")
+    name = f"sweep-{trials}{'-reused' if reuse else ''}"
+    spec = work / f"{name}.yaml"
+    spec.write_text(yaml.safe_dump(spec_of(a, model, data, trials, reuse)))
+    out = work / name
+    cost = watched(["sweep", str(spec), "--out", str(out), "--no-prefect"], work / f"{name}.log")
     rows = pq.read_table(out / "results.parquet").to_pylist()
     done = [r for r in rows if r["status"] == "completed"]
     if len(done) != trials:
@@ -103,7 +109,8 @@ def one_sweep(a: argparse.Namespace, model: Path, data: Path, work: Path,
     ideal = train / a.slots
     phases = {k: sum(r.get(f"phase/{k}") or 0.0 for r in done) / trials for k in PHASES}
     overhead = (cost["wall_s"] - ideal) * a.slots / trials
-    return {"trials": trials, **cost, "train_sum_s": train, "ideal_s": ideal,
+    return {"trials": trials, "reuse_actors": reuse, **cost, "train_sum_s": train,
+            "ideal_s": ideal, "reused": sum(bool(r.get("reused_actor")) for r in done),
             "overhead_per_trial_s": overhead,
             "unaccounted_per_trial_s": overhead - sum(phases[k] for k in OUTSIDE),
             "driver_cpu_per_trial_ms": 1000 * cost["driver_cpu_s"] / trials,
@@ -112,8 +119,10 @@ def one_sweep(a: argparse.Namespace, model: Path, data: Path, work: Path,
 
 def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     model, data = data_and_model(work, a.rows)
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[a.reuse_actors]
     return {"threads": os.environ.get("OPENBLAS_NUM_THREADS", "(unset)"), "slots": a.slots,
-            "steps": a.steps, "sweeps": [one_sweep(a, model, data, work, t) for t in a.trials]}
+            "steps": a.steps, "sweeps": [one_sweep(a, model, data, work, t, reuse)
+                                         for t in a.trials for reuse in modes]}
 
 
 def check(a: argparse.Namespace) -> None:
@@ -128,7 +137,8 @@ def table(result: dict[str, Any]) -> list[str]:
     lines = [f"BLAS threads {result['threads']}; {result['slots']} slots; trials of "
              f"{result['steps']} steps"]
     for s in result["sweeps"]:
-        lines.append(f"T={s['trials']}: wall {s['wall_s']:.1f} s against {s['ideal_s']:.1f} s "
+        how = f", reuse_actors ({s['reused']} reused)" if s["reuse_actors"] else ""
+        lines.append(f"T={s['trials']}{how}: wall {s['wall_s']:.1f} s against {s['ideal_s']:.1f} s "
                      f"of training over the slots; overhead {s['overhead_per_trial_s']:.2f} s "
                      f"a trial; driver {s['driver_cpu_per_trial_ms']:.0f} ms CPU a trial, "
                      f"peak {s['driver_peak_mb']:.0f} MB")
