@@ -150,16 +150,28 @@ class OneActor:
     def __init__(self, shared: Attempts, reuse: bool = False):
         import ray
 
-        self.shared, self.slot = shared, WarmSlot() if reuse else None
+        self.shared, self.reuse, self.threads = shared, reuse, threading.local()
         self.actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(TrialActor)
 
+    @property
+    def slot(self) -> WarmSlot | None:
+        """This thread's kept actor: the sweep's worker threads share this strategy, and
+        each keeps its own (never one actor for two trials at once)."""
+        if not self.reuse:
+            return None
+        if not hasattr(self.threads, "slot"):
+            self.threads.slot = WarmSlot()
+        return self.threads.slot
+
     def close(self) -> None:
+        """This thread's kept actor killed (its worker's trials are done)."""
         if self.slot is not None:
             self.slot.close()
 
     def actor_for(self, env: dict[str, str]) -> tuple[Any, bool]:
         """The slot's kept actor for ``env``, else a fresh one; whether it was kept."""
-        kept = self.slot.take(env_key(env)) if self.slot is not None else None
+        slot = self.slot
+        kept = slot.take(env_key(env)) if slot is not None else None
         if kept is not None:
             return kept, True
         return self.actor_cls.options(**self.shared.placement.options(env)).remote(), False
@@ -188,9 +200,10 @@ class OneActor:
             summary = checked(trial, ray.get(ref), first, attempt + 1)
             pulling = time.time()
             summary = collect(trial, actor, summary)
-            kept = (self.slot is not None and summary["status"] == "completed"
+            slot = self.slot
+            kept = (slot is not None and summary["status"] == "completed"
                     and not live.stopping.is_set()
-                    and self.slot.keep(env_key(env), actor, trial.config.memory_limit_gb))
+                    and slot.keep(env_key(env), actor, trial.config.memory_limit_gb))
             return {**summary, "reused_actor": reused,
                     **phase_columns({"actor_start": up - asked,
                                      "pull": time.time() - pulling})}

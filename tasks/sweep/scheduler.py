@@ -161,7 +161,7 @@ def trial_worker(source: TrialSource, shared: Attempts, rules: TrialRules, wrap:
                 finish(trial, contained(trial, lambda t=trial: (
                     wrap(t, lambda: runner.run(t)) if wrap else runner.run(t))))
         finally:
-            lone.close()  # a warm actor kept for a next trial that never came
+            lone.close()  # this thread's warm actor, kept for a next trial that never came
 
     return worker
 
